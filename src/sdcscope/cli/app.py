@@ -1,0 +1,34 @@
+"""Top-level typer app; each command module registers itself here."""
+
+from __future__ import annotations
+
+import typer
+
+from sdcscope import __version__
+
+app = typer.Typer(
+    name="sdcscope",
+    help="Inject, observe, detect, localize and repair silent data corruption in PyTorch training.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"sdcscope {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """sdcscope: silent data corruption in LLM training."""
+
+
+from sdcscope.cli import train_cmd  # noqa: E402,F401  (registers commands)
+
+
+def main() -> None:
+    app()

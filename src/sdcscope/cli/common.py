@@ -1,0 +1,50 @@
+"""Shared CLI pieces: error reporting (one line, exit code 2) and a rich progress bar."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import typer
+from rich.console import Console
+
+err_console = Console(stderr=True)
+out_console = Console()
+
+
+class CLIError(Exception):
+    """A user error the CLI reports as one line with exit code 2."""
+
+
+def fail(message: str) -> "typer.Exit":
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code=2)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn validation errors (ValueError, TypeError, FileNotFoundError) into exit code 2."""
+    try:
+        yield
+    except (ValueError, TypeError, FileNotFoundError, CLIError) as exc:
+        raise fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+
+
+@contextlib.contextmanager
+def step_progress(total: int, done: int = 0, label: str = "training") -> Iterator:
+    """A progress bar over optimizer steps; yields ``advance(metrics)``. Quiet when not a TTY."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if not sys.stderr.isatty() or total - done < 50:
+        yield lambda metrics: None
+        return
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn(),
+                  console=err_console, transient=True) as progress:
+        task = progress.add_task(label, total=total, completed=done, loss="-")
+
+        def advance(metrics: dict) -> None:
+            progress.update(task, advance=1, loss=f"{metrics.get('loss', float('nan')):.4f}")
+
+        yield advance

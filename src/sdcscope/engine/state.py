@@ -1,0 +1,122 @@
+"""Full training state: in-memory snapshots and sha256-verified on-disk checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+CHECKPOINT_FILE = "state.pt"
+MANIFEST_FILE = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or does not match its manifest."""
+
+
+@dataclass
+class TrainState:
+    """Everything needed to continue a run bitwise: model, optimizer, RNG, step, data position."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: torch.Tensor
+    step: int
+    data_pos: int
+    lr_scale: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "optimizer": self.optimizer, "rng": self.rng,
+                "step": self.step, "data_pos": self.data_pos, "lr_scale": self.lr_scale,
+                "extra": self.extra}
+
+
+def capture(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, data_pos: int,
+            lr_scale: float = 1.0, extra: dict | None = None) -> TrainState:
+    """Deep-copy the live training state (tensors cloned, so later updates don't leak in)."""
+    return TrainState(
+        model={k: v.detach().clone() for k, v in model.state_dict().items()},
+        optimizer=copy.deepcopy(optimizer.state_dict()),
+        rng=torch.get_rng_state(),
+        step=step, data_pos=data_pos, lr_scale=lr_scale,
+        extra=copy.deepcopy(extra or {}),
+    )
+
+
+def apply(state: TrainState, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a state into live objects in place (parameters keep their identity, so hooks stay)."""
+    with torch.no_grad():
+        model.load_state_dict(state.model)
+    optimizer.load_state_dict(copy.deepcopy(state.optimizer))
+    torch.set_rng_state(state.rng)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_checkpoint(state: TrainState, directory: str | Path) -> Path:
+    """Write ``state.pt`` and a ``manifest.json`` holding its sha256; atomic per file."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / CHECKPOINT_FILE
+    tmp = target.with_suffix(".tmp")
+    torch.save(state.to_dict(), tmp)
+    os.replace(tmp, target)
+    manifest = {"format": "sdcscope-checkpoint/1", "files": {CHECKPOINT_FILE: _sha256(target)},
+                "step": state.step}
+    tmp = directory / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, directory / MANIFEST_FILE)
+    return directory
+
+
+def verify_checkpoint(directory: str | Path) -> None:
+    """Refuse a checkpoint whose files are missing or whose sha256 differs from the manifest."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise CheckpointError(f"no checkpoint manifest at {str(manifest_path)!r}")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"corrupt checkpoint manifest {str(manifest_path)!r}: {exc}") from None
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {str(path)!r} is missing")
+        actual = _sha256(path)
+        if actual != expected:
+            raise CheckpointError(
+                f"checkpoint file {str(path)!r} does not match its manifest "
+                f"(sha256 {actual[:12]}… != {expected[:12]}…): refusing to load a tampered checkpoint"
+            )
+
+
+def load_checkpoint(directory: str | Path) -> TrainState:
+    """Verify the manifest, then load with ``weights_only=True``."""
+    verify_checkpoint(directory)
+    data = torch.load(Path(directory) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+    return TrainState(**data)
+
+
+def param_sha256(model: nn.Module) -> str:
+    """sha256 of the parameters' bytes in name order (names included)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

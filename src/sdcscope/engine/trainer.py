@@ -1,0 +1,152 @@
+"""A small deterministic training loop with named callback points.
+
+Callback points, in order within a step::
+
+    before_step → [after_forward → after_backward] × micro-batches → before_optimizer_step
+    → (optimizer step unless vetoed) → after_step;   on_evaluate after evaluate()
+
+A callback is any object with some of these methods, each taking a :class:`StepContext`.
+``before_optimizer_step`` may veto the update by setting ``ctx.skip_update = True``.
+Same seed ⇒ bitwise-identical parameters on CPU; the batch of a step is a pure function of
+(seed, data position, micro-batch), so a snapshot restored later replays exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from sdcscope._validate import check_non_negative, check_positive
+from sdcscope.engine.state import TrainState, apply, capture
+from sdcscope.workloads import Workload
+
+CALLBACK_POINTS = ("before_step", "after_forward", "after_backward", "before_optimizer_step",
+                   "after_step", "on_evaluate")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    seed: int = 0
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: only when asked, e.g. at the end of a run)."""
+
+    def __post_init__(self) -> None:
+        check_non_negative("seed", self.seed)
+        check_positive("grad_accum", self.grad_accum)
+        check_non_negative("eval_every", self.eval_every)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StepContext:
+    """What callbacks see. ``loss`` is the current micro-batch's loss (a tensor)."""
+
+    trainer: "Trainer"
+    step: int
+    data_pos: int
+    micro_batch: int = 0
+    batch: Any = None
+    loss: torch.Tensor | None = None
+    skip_update: bool = False
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(self, workload: Workload, config: TrainConfig | None = None,
+                 callbacks: Iterable[object] = ()) -> None:
+        self.workload = workload
+        self.config = config or TrainConfig()
+        torch.manual_seed(self.config.seed)
+        self.model = workload.build_model()
+        self.optimizer = workload.build_optimizer(self.model)
+        self.callbacks: list[object] = list(callbacks)
+        self.step = 0
+        self.data_pos = 0
+        self.lr_scale = 1.0
+        self.skip_data: set[int] = set()
+
+    # -- callbacks ---------------------------------------------------------------------------
+    def add_callback(self, callback: object) -> None:
+        self.callbacks.append(callback)
+
+    def _emit(self, point: str, ctx: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, point, None)
+            if fn is not None:
+                fn(ctx)
+
+    # -- training ----------------------------------------------------------------------------
+    def _next_data_pos(self) -> int:
+        pos = self.data_pos
+        while pos in self.skip_data:
+            pos += 1
+        return pos
+
+    def forward_backward(self, ctx: StepContext) -> torch.Tensor:
+        """Run all micro-batches of ``ctx.step``; return the mean loss (a 0-d tensor)."""
+        accum = self.config.grad_accum
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for m in range(accum):
+            ctx.micro_batch = m
+            ctx.batch = self.workload.batch(self.config.seed, ctx.data_pos, m)
+            ctx.loss = self.workload.loss(self.model, ctx.batch)
+            self._emit("after_forward", ctx)
+            (ctx.loss / accum).backward()
+            self._emit("after_backward", ctx)
+            total = total + ctx.loss.detach()
+        return total / accum
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step; returns its metrics (one host sync for loss and grad norm)."""
+        self.model.train()
+        ctx = StepContext(self, self.step, self._next_data_pos())
+        self._emit("before_step", ctx)
+        loss = self.forward_backward(ctx)
+        lr = self.workload.lr_at(self.step) * self.lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._emit("before_optimizer_step", ctx)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.workload.config.grad_clip
+        if clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if not ctx.skip_update:
+            self.optimizer.step()
+        loss_v, norm_v = torch.stack([loss, grad_norm.detach().to(loss.dtype)]).tolist()
+        ctx.metrics.update(step=self.step, loss=loss_v, grad_norm=norm_v, lr=lr,
+                           data_pos=ctx.data_pos, skipped=ctx.skip_update)
+        self.step += 1
+        self.data_pos = ctx.data_pos + 1
+        self._emit("after_step", ctx)
+        return ctx.metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        try:
+            result = self.workload.evaluate(self.model)
+        finally:
+            self.model.train()
+        result["step"] = self.step
+        self._emit("on_evaluate", result)
+        return result
+
+    # -- state -------------------------------------------------------------------------------
+    def snapshot(self) -> TrainState:
+        return capture(self.model, self.optimizer, self.step, self.data_pos, self.lr_scale,
+                       extra={"skip_data": sorted(self.skip_data)})
+
+    def restore(self, state: TrainState) -> None:
+        apply(state, self.model, self.optimizer)
+        self.step, self.data_pos, self.lr_scale = state.step, state.data_pos, state.lr_scale
+        self.skip_data = set(state.extra.get("skip_data", []))

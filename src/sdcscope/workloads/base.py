@@ -1,0 +1,169 @@
+"""The workload contract the engine trains: model, optimizer, data, loss and evaluation.
+
+``make_workload(WorkloadConfig(...))`` returns a :class:`GPTWorkload` or :class:`CNNWorkload`.
+Everything a run depends on is in the config, so a run is reproducible from ``config.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sdcscope._validate import check_choice, check_non_negative, check_positive
+from sdcscope.workloads.cnn import CNN_PRESETS, LeNet, cnn_preset
+from sdcscope.workloads.data import ByteCorpus, load_digits_tensors, step_generator
+from sdcscope.workloads.gpt import GPT, GPT_PRESETS, gpt_preset, lm_loss
+
+WORKLOADS = {"gpt": GPT_PRESETS, "cnn": CNN_PRESETS}
+DEFAULTS = {  # per workload: batch_size, lr, weight_decay
+    "gpt": (16, 3e-3, 0.1),
+    "cnn": (64, 3e-3, 0.0),
+}
+
+
+@dataclass(kw_only=True)
+class WorkloadConfig:
+    """What to train. ``None`` fields take the workload's default."""
+
+    workload: str = "gpt"
+    preset: str = "tiny"
+    batch_size: int | None = None
+    lr: float | None = None
+    weight_decay: float | None = None
+    warmup: int = 20
+    """Linear learning-rate warm-up steps, then constant (independent of run length, so a
+    run of 2N steps equals N steps resumed for N more)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    corpus: str | None = None
+    """Text file or folder for the GPT; ``None`` = the running Python's standard library."""
+    max_corpus_bytes: int = 4_000_000
+    eval_batches: int = 8
+    qk_norm: bool = False
+    z_loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_choice("workload", self.workload, WORKLOADS)
+        check_choice(f"{self.workload} preset", self.preset, WORKLOADS[self.workload])
+        b, lr, wd = DEFAULTS[self.workload]
+        self.batch_size = b if self.batch_size is None else self.batch_size
+        self.lr = lr if self.lr is None else float(self.lr)
+        self.weight_decay = wd if self.weight_decay is None else float(self.weight_decay)
+        check_positive("batch_size", self.batch_size)
+        check_non_negative("warmup", self.warmup)
+        check_positive("eval_batches", self.eval_batches)
+        check_positive("max_corpus_bytes", self.max_corpus_bytes)
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.z_loss < 0:
+            raise ValueError("weight_decay, grad_clip and z_loss must be >= 0")
+        if self.corpus is not None and self.workload != "gpt":
+            raise ValueError(f"corpus applies to the gpt workload only, not {self.workload!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Workload:
+    """Base class: subclasses build the model and define data, loss and evaluation."""
+
+    def __init__(self, config: WorkloadConfig) -> None:
+        self.config = config
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": self.config.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=self.config.lr, betas=(0.9, 0.95), foreach=True)
+
+    def lr_at(self, step: int) -> float:
+        w = self.config.warmup
+        return self.config.lr * (min(1.0, (step + 1) / w) if w else 1.0)
+
+    def batch(self, seed: int, step: int, micro_batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """Facts about the data worth recording in config.json."""
+        return {}
+
+
+class GPTWorkload(Workload):
+    def __init__(self, config: WorkloadConfig) -> None:
+        super().__init__(config)
+        self.model_config = gpt_preset(config.preset)
+        self.model_config.qk_norm = config.qk_norm
+        self.model_config.z_loss = config.z_loss
+        self.corpus = ByteCorpus.load(config.corpus, max_bytes=config.max_corpus_bytes)
+        bs = self.model_config.block_size
+        if len(self.corpus.val) < bs + 2 or len(self.corpus.train) < bs + 2:
+            raise ValueError(f"corpus {self.corpus.source!r} is too small for block_size={bs}")
+        self._val = self.corpus.val_batches(config.eval_batches, config.batch_size, bs)
+
+    def build_model(self) -> nn.Module:
+        return GPT(self.model_config)
+
+    def batch(self, seed, step, micro_batch=0):
+        return self.corpus.batch(seed, step, micro_batch, self.config.batch_size,
+                                 self.model_config.block_size)
+
+    def loss(self, model, batch):
+        x, y = batch
+        return lm_loss(model(x), y, self.model_config.z_loss)
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        losses = [lm_loss(model(x), y).item() for x, y in self._val]
+        return {"val_loss": sum(losses) / len(losses)}
+
+    def describe(self):
+        return {"corpus_source": self.corpus.source, "corpus_sha256": self.corpus.sha256,
+                "train_bytes": len(self.corpus.train), "val_bytes": len(self.corpus.val),
+                "model": self.model_config.to_dict()}
+
+
+class CNNWorkload(Workload):
+    def __init__(self, config: WorkloadConfig) -> None:
+        super().__init__(config)
+        self.model_config = cnn_preset(config.preset)
+        self.x_train, self.y_train, self.x_val, self.y_val = load_digits_tensors()
+
+    def build_model(self) -> nn.Module:
+        return LeNet(self.model_config)
+
+    def batch(self, seed, step, micro_batch=0):
+        g = step_generator(seed, step, micro_batch)
+        idx = torch.randint(0, len(self.x_train), (self.config.batch_size,), generator=g)
+        return self.x_train[idx], self.y_train[idx]
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        logits = model(self.x_val)
+        return {"val_loss": F.cross_entropy(logits, self.y_val).item(),
+                "val_acc": (logits.argmax(-1) == self.y_val).float().mean().item()}
+
+    def describe(self):
+        return {"dataset": "sklearn digits", "train_size": len(self.x_train),
+                "val_size": len(self.x_val), "model": self.model_config.to_dict()}
+
+
+def make_workload(config: WorkloadConfig) -> Workload:
+    return {"gpt": GPTWorkload, "cnn": CNNWorkload}[config.workload](config)
