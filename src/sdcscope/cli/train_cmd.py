@@ -80,6 +80,20 @@ def train(
     print_summary(run.out, summary)
 
 
+DEMO_MARKER = "demo.json"
+
+
+def prepare_demo_dir(out: Path) -> None:
+    """The demo may replace its own earlier output, never anything else."""
+    import shutil
+
+    from sdcscope.engine import check_new_run_dir
+
+    if (out / DEMO_MARKER).is_file():
+        shutil.rmtree(out)
+    check_new_run_dir(out)
+
+
 @app.command()
 def demo(
     out: Path = typer.Option(Path("runs/demo"), "--out", "-o", help="Where to write the demo's runs."),
@@ -88,10 +102,13 @@ def demo(
     """The main job on the default workload: train the tiny GPT on Python's own source."""
     with user_errors():
         check_steps(steps)
-        from sdcscope.engine import Run
+        prepare_demo_dir(out)
+        from sdcscope.engine import Run, write_json
 
         wcfg, tcfg = build_configs("gpt", "tiny", 0, eval_every=max(1, steps // 5))
-        run = Run(out, wcfg, tcfg)
+        run = Run(out / "train", wcfg, tcfg)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / DEMO_MARKER, {"command": "sdcscope demo", "steps": steps})
     out_console.print(f"training the tiny byte-level GPT on {run.workload.describe()['corpus_source']} …")
     with step_progress(steps) as advance:
         summary = run.train(steps, on_step=advance)
