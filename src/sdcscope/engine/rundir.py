@@ -3,65 +3,13 @@ events.jsonl, summary.json, and ``checkpoint/`` for resuming."""
 
 from __future__ import annotations
 
-import json
-import math
-import os
 from pathlib import Path
-from typing import Any
+
+from sdcscope._io import JsonlWriter, dumps, read_jsonl, write_json
+
+__all__ = ["RUN_FILES", "JsonlWriter", "dumps", "read_jsonl", "write_json", "check_new_run_dir"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "injections.jsonl", "events.jsonl", "summary.json")
-
-
-def _clean(value: Any) -> Any:
-    """JSON has no NaN/Infinity: write them as strings so every line stays valid JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(_clean(obj), allow_nan=False, default=str)
-
-
-def write_json(path: str | Path, obj: Any) -> None:
-    """Atomic JSON write (tmp file + rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(obj), indent=2, allow_nan=False, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-class JsonlWriter:
-    """Append-only JSON-lines file, flushed per record so a killed run keeps what it wrote."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._f = open(self.path, "a", encoding="utf-8")
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._f.write(dumps(record) + "\n")
-        self._f.flush()
-
-    def truncate_after(self, key: str, limit: int) -> None:
-        """Drop records with ``record[key] >= limit`` (used when a run resumes from a checkpoint)."""
-        self._f.close()
-        kept = [r for r in read_jsonl(self.path) if r.get(key, -1) < limit]
-        self.path.write_text("".join(dumps(r) + "\n" for r in kept))
-        self._f = open(self.path, "a", encoding="utf-8")
-
-    def close(self) -> None:
-        self._f.close()
 
 
 def check_new_run_dir(path: str | Path) -> Path:

@@ -1,0 +1,50 @@
+"""Bit-exact fault models for tensors: formats, ops, specs, spatial and temporal patterns.
+
+Pure functions and dataclasses on top of torch; no hooks, no module state. The
+:mod:`sdcscope.inject` room attaches these to a live model.
+"""
+
+from .apply import apply_spec
+from .formats import FORMATS, Format, check_bits, format_of, get_format
+from .ops import BIT_MODELS, MODELS, FaultResult, apply_fault, bitflip, random_value, stuck_at, zero
+from .patterns import resolve_indices, sample_bit_errors
+from .schedule import fault_generator, fires
+from .spec import (
+    PATTERN_KINDS,
+    SCHEDULE_KINDS,
+    SITES,
+    STEP_SITES,
+    FaultSpec,
+    Pattern,
+    Schedule,
+    load_specs,
+)
+
+__all__ = [
+    "BIT_MODELS",
+    "FORMATS",
+    "MODELS",
+    "PATTERN_KINDS",
+    "SCHEDULE_KINDS",
+    "SITES",
+    "STEP_SITES",
+    "FaultResult",
+    "FaultSpec",
+    "Format",
+    "Pattern",
+    "Schedule",
+    "apply_fault",
+    "apply_spec",
+    "bitflip",
+    "check_bits",
+    "fault_generator",
+    "fires",
+    "format_of",
+    "get_format",
+    "load_specs",
+    "random_value",
+    "resolve_indices",
+    "sample_bit_errors",
+    "stuck_at",
+    "zero",
+]

@@ -1,0 +1,485 @@
+"""``FaultSpec``: what a fault is, where it lands and when it fires.
+
+A fault file is a YAML (or JSON) list of mappings, one per spec::
+
+    - site: gemm.forward            # Y = X Wᵀ of an nn.Linear, in the forward pass
+      target: blocks.0.attn.q_proj  # shell pattern(s) on module names
+      model: bitflip
+      bits: [30]
+      pattern: {kind: element, index: random}
+      schedule: {kind: transient, step: 5}
+      rank: 0
+      seed: 1
+
+Everything is validated when a spec is built; mistakes raise ``ValueError`` (bad value)
+or ``TypeError`` (bad type) naming the value and what is allowed. Checks that need the
+tensor (its dtype, its shape) happen when the fault is applied.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass, field, fields
+from fnmatch import fnmatchcase
+from typing import Any, Mapping
+
+import yaml
+
+from .formats import FORMATS, check_bits, get_format
+from .ops import BIT_MODELS, MODELS
+
+__all__ = [
+    "SITES",
+    "STEP_SITES",
+    "PATTERN_KINDS",
+    "SCHEDULE_KINDS",
+    "RANDOM",
+    "Pattern",
+    "Schedule",
+    "FaultSpec",
+    "load_specs",
+]
+
+SITES: tuple[str, ...] = (
+    "weight",
+    "activation",
+    "gemm.forward",
+    "gemm.grad_input",
+    "gemm.grad_weight",
+    "param_grad",
+    "optimizer_state",
+    "checkpoint",
+    "comm",
+)
+"""Where a fault can land (see DESIGN.md, vocabulary)."""
+
+STEP_SITES: frozenset[str] = frozenset({"param_grad", "optimizer_state", "checkpoint", "comm"})
+"""Sites touched once per optimizer step, so a schedule's ``micro_batch`` means nothing."""
+
+RANDOM = "random"
+"""The value of an index-like pattern field that asks for a draw from the fault generator."""
+
+PATTERN_KINDS: dict[str, tuple[str, ...]] = {
+    "element": ("index",),
+    "burst": ("length", "start"),
+    "row": ("index",),
+    "column": ("index",),
+    "pe": ("array", "pe"),
+    "mac_cell": ("input_channel", "output_channel"),
+    "tensor": ("ber",),
+}
+"""Spatial pattern kinds and the fields each takes."""
+
+SCHEDULE_KINDS: dict[str, tuple[str, ...]] = {
+    "transient": ("step", "micro_batch"),
+    "intermittent": ("p", "start", "stop"),
+    "permanent": ("start",),
+}
+"""Temporal schedule kinds and the fields each takes."""
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _suggest(value: str, allowed: Any) -> str:
+    close = difflib.get_close_matches(value, [str(a) for a in allowed], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _choice(what: str, value: Any, allowed: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, got {value!r}; allowed: {list(allowed)}")
+    if value not in allowed:
+        raise ValueError(
+            f"unknown {what} {value!r}{_suggest(value, allowed)}; allowed: {list(allowed)}"
+        )
+    return value
+
+
+def _int(what: str, value: Any, minimum: int | None = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _index(what: str, value: Any) -> int | str:
+    """An index-like field: ``"random"`` or an int >= 0."""
+    if isinstance(value, str):
+        if value != RANDOM:
+            raise ValueError(f"{what} must be {RANDOM!r} or an int >= 0, got {value!r}")
+        return value
+    return _int(what, value)
+
+
+def _int_pair(what: str, value: Any, minimum: int) -> tuple[int, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise TypeError(f"{what} must be a list of two ints, got {value!r}")
+    return (_int(f"{what}[0]", value[0], minimum), _int(f"{what}[1]", value[1], minimum))
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)
+
+
+def _check_kind_fields(obj: Any, what: str, kinds: Mapping[str, tuple[str, ...]]) -> str:
+    """Validate ``obj.kind`` and that only that kind's fields are set."""
+    kind = _choice(f"{what} kind", obj.kind, kinds)
+    for f in fields(obj):
+        if f.name != "kind" and f.name not in kinds[kind] and getattr(obj, f.name) is not None:
+            raise ValueError(
+                f"{what} kind {kind!r} does not take {f.name!r}; it takes: {list(kinds[kind])}"
+            )
+    return kind
+
+
+def _from_mapping(
+    cls: type, data: Any, what: str, kinds: Mapping[str, tuple[str, ...]] | None = None
+) -> Any:
+    """``cls(**data)``, rejecting unknown keys with a close match (among the fields of
+    ``data["kind"]`` first, when ``kinds`` maps kinds to their fields)."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{what} must be a mapping, got {data!r}")
+    names = [f.name for f in fields(cls)]
+    kind = data.get("kind")
+    allowed = ["kind", *kinds[kind]] if kinds and kind in kinds else names
+    for key in data:
+        if key not in names:
+            hint = _suggest(str(key), allowed) or _suggest(str(key), names)
+            raise ValueError(f"unknown {what} key {key!r}{hint}; allowed: {allowed}")
+    return cls(**data)
+
+
+def _to_dict(obj: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": obj.kind}
+    for key in keys:
+        value = getattr(obj, key)
+        if value is not None:
+            out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+# --------------------------------------------------------------------------- patterns
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Spatial pattern: which elements of the faulted tensor are hit.
+
+    Index-like fields take ``"random"`` (the default; drawn from the fault generator) or
+    an int. Kinds, with the tensor seen as the 2-D view ``[prod(leading dims), last dim]``
+    where rows and columns are concerned:
+
+    - ``element``: ``index`` -- a flat index, or a list of ints (one per dimension).
+    - ``burst``: ``length`` k >= 1 consecutive flat elements from ``start``.
+    - ``row`` / ``column``: ``index`` of one whole row / column of the 2-D view.
+    - ``pe``: ``array`` [R, C] of a systolic array and the faulty ``pe`` [r, c]; output
+      element (i, j) of the 2-D view is computed by PE (i mod R, j mod C).
+    - ``mac_cell``: NVDLA-style MAC cell for ``input_channel`` a and ``output_channel`` b;
+      see :func:`.patterns.resolve_indices` for what that selects on each tensor.
+    - ``tensor``: ``ber`` in (0, 1]; every candidate bit of every element flips
+      independently with that probability (candidates: the spec's ``bits``, or all).
+    """
+
+    kind: str = "element"
+    index: int | str | tuple[int, ...] | None = None
+    length: int | None = None
+    start: int | str | None = None
+    array: tuple[int, int] | None = None
+    pe: tuple[int, int] | str | None = None
+    input_channel: int | str | None = None
+    output_channel: int | str | None = None
+    ber: float | None = None
+
+    def __post_init__(self) -> None:
+        kind = _check_kind_fields(self, "pattern", PATTERN_KINDS)
+        if kind in ("element", "row", "column"):
+            index = RANDOM if self.index is None else self.index
+            if kind == "element" and isinstance(index, (list, tuple)):
+                if not index:
+                    raise ValueError("pattern index list must not be empty")
+                index = tuple(_int(f"pattern index[{i}]", v) for i, v in enumerate(index))
+            else:
+                index = _index("pattern index", index)
+            _set(self, "index", index)
+        elif kind == "burst":
+            if self.length is None:
+                raise ValueError("pattern kind 'burst' needs 'length' (an int >= 1)")
+            _int("pattern length", self.length, 1)
+            start = RANDOM if self.start is None else self.start
+            _set(self, "start", _index("pattern start", start))
+        elif kind == "pe":
+            if self.array is None:
+                raise ValueError("pattern kind 'pe' needs 'array' ([rows, columns] of PEs)")
+            rows, cols = _int_pair("pattern array", self.array, 1)
+            _set(self, "array", (rows, cols))
+            pe = RANDOM if self.pe is None else self.pe
+            if isinstance(pe, str):
+                pe = _index("pattern pe", pe)
+            else:
+                pe = _int_pair("pattern pe", pe, 0)
+                if pe[0] >= rows or pe[1] >= cols:
+                    raise ValueError(
+                        f"pattern pe {list(pe)} is outside array {[rows, cols]}; "
+                        f"allowed: [0..{rows - 1}, 0..{cols - 1}]"
+                    )
+            _set(self, "pe", pe)
+        elif kind == "mac_cell":
+            for name in ("input_channel", "output_channel"):
+                value = getattr(self, name)
+                _set(self, name, _index(f"pattern {name}", RANDOM if value is None else value))
+        else:  # tensor
+            ber = self.ber
+            if isinstance(ber, bool) or not isinstance(ber, (int, float)):
+                raise TypeError(f"pattern ber must be a number in (0, 1], got {ber!r}")
+            if not 0 < ber <= 1:
+                raise ValueError(f"pattern ber must be in (0, 1], got {ber!r}")
+            _set(self, "ber", float(ber))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Pattern:
+        """A pattern from a mapping such as ``{"kind": "row", "index": 3}``."""
+        return _from_mapping(cls, data, "pattern", PATTERN_KINDS)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mapping :meth:`from_dict` reads back."""
+        return _to_dict(self, PATTERN_KINDS[self.kind])
+
+
+# -------------------------------------------------------------------------- schedules
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Temporal schedule: at which training steps (and micro-batches) a fault fires.
+
+    - ``transient``: once, at ``step`` and micro-batch ``micro_batch`` (``None``: micro-batch
+      0, so the fault is a single event even with gradient accumulation).
+    - ``intermittent``: in every event of steps ``start <= step < stop`` (``stop`` ``None``:
+      no end) independently with probability ``p``.
+    - ``permanent``: in every event from step ``start`` on.
+
+    An *event* is one (step, micro-batch, module, rank) visit of a site; see
+    :func:`.schedule.fires`.
+    """
+
+    kind: str
+    step: int | None = None
+    micro_batch: int | None = None
+    p: float | None = None
+    start: int | None = None
+    stop: int | None = None
+
+    def __post_init__(self) -> None:
+        kind = _check_kind_fields(self, "schedule", SCHEDULE_KINDS)
+        if kind == "transient":
+            if self.step is None:
+                raise ValueError("schedule kind 'transient' needs 'step' (an int >= 0)")
+            _int("schedule step", self.step)
+            if self.micro_batch is not None:
+                _int("schedule micro_batch", self.micro_batch)
+            return
+        _set(self, "start", _int("schedule start", 0 if self.start is None else self.start))
+        if kind == "intermittent":
+            p = self.p
+            if isinstance(p, bool) or not isinstance(p, (int, float)):
+                raise TypeError(f"schedule p must be a number in [0, 1], got {p!r}")
+            if not 0 <= p <= 1:
+                raise ValueError(f"schedule p must be in [0, 1], got {p!r}")
+            _set(self, "p", float(p))
+            if self.stop is not None and _int("schedule stop", self.stop) <= self.start:
+                raise ValueError(
+                    f"schedule stop must be > start ({self.start}) or null, got {self.stop!r}"
+                )
+
+    def covers(self, step: int) -> bool:
+        """Whether the schedule can fire at ``step`` at all (cheap; no hashing)."""
+        if self.kind == "transient":
+            return step == self.step
+        return step >= self.start and (self.stop is None or step < self.stop)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
+        """A schedule from a mapping such as ``{"kind": "transient", "step": 5}``."""
+        return _from_mapping(cls, data, "schedule", SCHEDULE_KINDS)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mapping :meth:`from_dict` reads back."""
+        return _to_dict(self, SCHEDULE_KINDS[self.kind])
+
+
+# ------------------------------------------------------------------------- fault spec
+
+_WIDEST = max(FORMATS.values(), key=lambda f: f.width)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    """One fault: site, target modules, fault model, bits, format, pattern, schedule.
+
+    - ``target``: shell pattern(s) on qualified module names, a str or a list of them.
+    - ``bits``: bit positions in the stored format; needed by ``bitflip``/``stuck_at_*``
+      (with the ``tensor`` pattern they are optional and restrict the candidate bits),
+      not taken by ``random_value``/``zero``. Without ``format`` they are checked here
+      against the widest format and again against the tensor's dtype when applied.
+    - ``format``: the format the fault lives in (see :func:`.ops.apply_fault`), ``None``
+      for the faulted tensor's own dtype.
+    - ``rank``: the rank the fault lives on, ``None`` for every rank.
+    - ``seed``: keys the fault's random draws (with step, micro-batch, module and rank).
+    - ``state_key``: for ``optimizer_state``, the state entry (``exp_avg``, ...);
+      ``None`` for all state tensors of the parameter.
+    """
+
+    site: str
+    target: str | tuple[str, ...]
+    model: str
+    bits: tuple[int, ...] | None = None
+    format: str | None = None
+    pattern: Pattern = field(default_factory=Pattern)
+    schedule: Schedule
+    rank: int | None = 0
+    seed: int = 0
+    state_key: str | None = None
+
+    def __post_init__(self) -> None:
+        _choice("site", self.site, SITES)
+        target = (self.target,) if isinstance(self.target, str) else self.target
+        if not isinstance(target, (list, tuple)) or not target:
+            raise TypeError(f"target must be a str or a non-empty list of str, got {self.target!r}")
+        for t in target:
+            if not isinstance(t, str) or not t:
+                raise TypeError(f"target patterns must be non-empty str, got {t!r}")
+        _set(self, "target", tuple(target))
+        model = _choice("model", self.model, MODELS)
+        for name, cls in (("pattern", Pattern), ("schedule", Schedule)):
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                _set(self, name, cls.from_dict(value))
+            elif not isinstance(value, cls):
+                raise TypeError(f"{name} must be a mapping or a {cls.__name__}, got {value!r}")
+        if self.format is not None:
+            get_format(self.format)
+        self._check_bits(model)
+        if self.rank is not None:
+            _int("rank", self.rank)
+        _int("seed", self.seed, None)
+        if self.state_key is not None:
+            if not isinstance(self.state_key, str):
+                raise TypeError(f"state_key must be a str, got {self.state_key!r}")
+            if self.site != "optimizer_state":
+                raise ValueError(
+                    f"state_key {self.state_key!r} is only used with site 'optimizer_state', "
+                    f"not {self.site!r}"
+                )
+        if self.site in STEP_SITES and self.schedule.micro_batch is not None:
+            raise ValueError(
+                f"site {self.site!r} runs once per step, so schedule micro_batch "
+                f"{self.schedule.micro_batch!r} would never fire; micro_batch is for sites "
+                f"{[s for s in SITES if s not in STEP_SITES]}"
+            )
+
+    def _check_bits(self, model: str) -> None:
+        bits, ber = self.bits, self.pattern.kind == "tensor"
+        if model not in BIT_MODELS:
+            if ber:
+                raise ValueError(
+                    f"pattern 'tensor' flips bits; it needs a model in {list(BIT_MODELS)}, "
+                    f"not {model!r}"
+                )
+            if bits:
+                raise ValueError(f"model {model!r} takes no bits; bits are for {list(BIT_MODELS)}")
+            _set(self, "bits", None)
+            return
+        if bits is None:
+            if not ber:
+                raise ValueError(f"model {model!r} needs bits (a non-empty list of bit positions)")
+            return
+        if not isinstance(bits, (list, tuple)):
+            raise TypeError(f"bits must be a list of ints, got {bits!r}")
+        if not bits:
+            raise ValueError(f"bits must not be empty for model {model!r}")
+        if self.format is not None:
+            _set(self, "bits", check_bits(bits, self.format))
+            return
+        try:
+            _set(self, "bits", check_bits(bits, _WIDEST))
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc} (the widest format; without 'format', bits are checked again "
+                "against the tensor's dtype when applied)"
+            ) from None
+
+    def matches(self, module: str) -> bool:
+        """Whether the qualified module name ``module`` matches one of the targets."""
+        return any(fnmatchcase(module, t) for t in self.target)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FaultSpec:
+        """A spec from a mapping (as read from YAML/JSON)."""
+        return _from_mapping(cls, data, "fault spec")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain mapping (lists, no tuples) that :meth:`from_dict` reads back; fields
+        whose value is ``None`` and whose default is ``None`` are left out."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
+            if isinstance(value, (Pattern, Schedule)):
+                value = value.to_dict()
+            elif f.name == "target" and len(value) == 1:
+                value = value[0]
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML loader that also reads ``1e-6`` (no dot) as a float, as YAML 1.2 does."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_specs(source: str | os.PathLike[str]) -> list[FaultSpec]:
+    """Fault specs from a YAML/JSON file path or from YAML/JSON text.
+
+    The document is a list of mappings, or a single mapping (one spec). A ``str`` without
+    a newline that names an existing file is read as a path; any other ``str`` as text.
+    Errors name the file (or ``<text>``) and the position of the bad spec.
+    """
+    if isinstance(source, os.PathLike) or ("\n" not in source and os.path.isfile(source)):
+        where = os.fspath(source)
+        with open(where, encoding="utf-8") as fh:
+            text = fh.read()
+    else:
+        where, text = "<text>", source
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"malformed YAML in {where}: {exc}") from exc
+    if data is None:
+        return []
+    if isinstance(data, Mapping):
+        data = [data]
+    if not isinstance(data, list):
+        hint = "" if where != "<text>" else " (if this is a path, no such file exists)"
+        raise ValueError(f"{where} must hold a list of fault specs, got {data!r}{hint}")
+    specs = []
+    for i, item in enumerate(data):
+        try:
+            specs.append(FaultSpec.from_dict(item))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"fault spec #{i} in {where}: {exc}") from exc
+    return specs

@@ -1,0 +1,269 @@
+"""Attach fault specs to a live model and optimizer through removable hooks.
+
+Sites and how they are reached (all hooks are removed by :meth:`Injector.detach`):
+
+==================  ==========================================================================
+activation          forward hook on the module: its output is replaced
+gemm.forward        forward hook on a GEMM module (Linear, Conv, ``is_matmul``): Y is replaced;
+                    with pattern ``mac_cell`` the *weight operand* of cell (a, b) is faulted in
+                    the computation only (NVDLA software error model), Y gets exactly that error
+gemm.grad_input     full backward hook: dX (for ``a @ b`` modules: d a) is replaced
+gemm.grad_weight    tensor hook on the weight (for ``a @ b``: d b): this GEMM's dW, before it is
+                    accumulated into ``.grad``
+weight              memory fault on the parameter, applied before the forward of the event;
+                    a permanent fault is re-applied after every optimizer update
+param_grad          post-accumulate-grad hook: the accumulated ``.grad`` buffer
+optimizer_state     optimizer step pre-hook: the state tensors (``exp_avg``, …) read by the update
+==================  ==========================================================================
+
+Whether a fault fires is :func:`sdcscope.faults.fires` of (spec, step, micro-batch, name, rank),
+so a forward re-run by activation checkpointing gets the same fault (and is logged once).
+A training loop tells the injector where it is with :meth:`Injector.set_position`; the engine
+does it through :meth:`Injector.callback`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sdcscope._io import JsonlWriter
+from sdcscope.faults import FaultSpec, apply_spec, fault_generator, fires
+from sdcscope.inject.targets import CONV_TYPES, Target, validate_specs
+
+MAX_RECORDED = 64
+"""Elements listed per record (a row or tensor-wide fault can hit thousands); ``count`` says all."""
+
+
+class _Replace(torch.autograd.Function):
+    """Forward returns the faulty tensor bit for bit; backward passes the gradient straight
+    through (the corruption happened after the operation that produced the value)."""
+
+    @staticmethod
+    def forward(ctx, clean, faulty):  # noqa: D401
+        return faulty
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _replaced(clean: torch.Tensor, faulty: torch.Tensor) -> torch.Tensor:
+    return _Replace.apply(clean, faulty) if clean.requires_grad else faulty
+
+
+class Injector:
+    """Holds fault specs for one model (and optimizer) on one rank.
+
+    Use as a context manager (``with Injector(model, specs, optimizer) as inj:``) or call
+    :meth:`attach` / :meth:`detach`. On exit every hook is gone; values already corrupted
+    (a weight, an optimizer state) stay corrupted, as they would on the hardware.
+    """
+
+    def __init__(self, model: nn.Module, specs: Iterable[FaultSpec], optimizer: torch.optim.Optimizer | None = None,
+                 *, rank: int = 0, world_size: int = 1, log: str | Path | Callable[[dict], None] | None = None) -> None:
+        self.model = model
+        self.specs = list(specs)
+        self.optimizer = optimizer
+        self.rank = rank
+        self.targets = validate_specs(model, self.specs, optimizer, world_size)
+        self.step, self.micro_batch = 0, 0
+        self.records: list[dict[str, Any]] = []
+        self._seen: set[tuple] = set()
+        self._handles: list[Any] = []
+        self._file = JsonlWriter(log) if isinstance(log, (str, Path)) else None
+        self._sink = log if callable(log) else None
+        self.armed = True
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def attach(self) -> "Injector":
+        if self._handles:
+            return self
+        for i, spec in enumerate(self.specs):
+            if spec.rank is not None and spec.rank != self.rank:
+                continue
+            for target in self.targets[i]:
+                self._attach_one(i, spec, target)
+        if self.optimizer is not None and any(s.site in ("weight", "optimizer_state") for s in self.specs):
+            self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
+            self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def close(self) -> None:
+        self.detach()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "Injector":
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- position ----------------------------------------------------------------------------
+    def set_position(self, step: int, micro_batch: int = 0) -> None:
+        """Call before the forward pass of each micro-batch (the engine does it for you)."""
+        self.step, self.micro_batch = step, micro_batch
+        self._apply_weight_faults()
+
+    def callback(self) -> "InjectorCallback":
+        return InjectorCallback(self)
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _attach_one(self, i: int, spec: FaultSpec, t: Target) -> None:
+        site, add = spec.site, self._handles.append
+        if site == "activation" or (site == "gemm.forward" and spec.pattern.kind != "mac_cell"):
+            add(t.module.register_forward_hook(self._output_hook(i, spec, t)))
+        elif site == "gemm.forward":
+            add(t.module.register_forward_hook(self._mac_cell_hook(i, spec, t)))
+        elif site == "gemm.grad_input":
+            add(t.module.register_full_backward_hook(self._grad_input_hook(i, spec, t, 0)))
+        elif site == "gemm.grad_weight":
+            if getattr(t.module, "is_matmul", False):
+                add(t.module.register_full_backward_hook(self._grad_input_hook(i, spec, t, 1)))
+            else:
+                add(t.module.weight.register_hook(self._tensor_hook(i, spec, t)))
+        elif site == "param_grad":
+            add(t.param.register_post_accumulate_grad_hook(self._param_grad_hook(i, spec, t)))
+        # weight: applied in set_position and after optimizer updates; optimizer_state: in the
+        # optimizer pre-hook; checkpoint: by corrupt_checkpoint().
+
+    def _fires(self, spec: FaultSpec, t: Target) -> bool:
+        return self.armed and fires(spec, self.step, self.micro_batch, t.key, self.rank)
+
+    def _corrupt(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, *,
+                 suffix: str = "", channel_dim=None) -> None:
+        gen = fault_generator(spec, self.step, self.micro_batch, t.key + suffix, self.rank)
+        result = apply_spec(spec, tensor, gen, channel_dim=channel_dim)
+        self._record(i, spec, t.name + suffix, result)
+
+    def _output_hook(self, i, spec, t: Target):
+        channel_dim = 1 if isinstance(t.module, CONV_TYPES) else -1
+
+        def hook(module, args, output):
+            if not isinstance(output, torch.Tensor) or not self._fires(spec, t):
+                return None
+            faulty = output.detach().clone()
+            self._corrupt(i, spec, t, faulty, channel_dim=channel_dim)
+            return _replaced(output, faulty)
+        return hook
+
+    def _mac_cell_hook(self, i, spec, t: Target):
+        """Y' = Y + op(x, W' − W): the GEMM ran with weight[b, a] faulted in the MAC cell."""
+        def hook(module, args, output):
+            if not self._fires(spec, t):
+                return None
+            w = module.weight.detach()
+            faulty_w = w.clone()
+            self._corrupt(i, spec, t, faulty_w)
+            delta = (faulty_w - w).to(output.dtype)
+            x = args[0].detach()
+            if isinstance(module, nn.Linear):
+                err = F.linear(x, delta)
+            else:
+                conv = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}[type(module)]
+                err = conv(x, delta, None, module.stride, module.padding, module.dilation, module.groups)
+            return _replaced(output, output.detach() + err)
+        return hook
+
+    def _grad_input_hook(self, i, spec, t: Target, position: int):
+        channel_dim = ((None, 1) if isinstance(t.module, CONV_TYPES) else (None, -1)) if position == 0 else None
+
+        def hook(module, grad_input, grad_output):
+            g = grad_input[position] if position < len(grad_input) else None
+            if g is None or not self._fires(spec, t):
+                return None
+            faulty = g.clone()
+            self._corrupt(i, spec, t, faulty, channel_dim=channel_dim)
+            return tuple(faulty if k == position else gi for k, gi in enumerate(grad_input))
+        return hook
+
+    def _tensor_hook(self, i, spec, t: Target):
+        def hook(grad):
+            if not self._fires(spec, t):
+                return None
+            faulty = grad.clone()
+            self._corrupt(i, spec, t, faulty)
+            return faulty
+        return hook
+
+    def _param_grad_hook(self, i, spec, t: Target):
+        def hook(param):
+            if param.grad is not None and self._fires(spec, t):
+                self._corrupt(i, spec, t, param.grad)
+        return hook
+
+    def _active(self, site: str):
+        """(index, spec) of this rank's specs for ``site`` while attached."""
+        if not self._handles:
+            return
+        for i, spec in enumerate(self.specs):
+            if spec.site == site and (spec.rank is None or spec.rank == self.rank):
+                yield i, spec
+
+    def _apply_weight_faults(self, permanent_only: bool = False) -> None:
+        for i, spec in self._active("weight"):
+            if permanent_only and spec.schedule.kind != "permanent":
+                continue
+            for t in self.targets[i]:
+                if self._fires(spec, t):
+                    self._corrupt(i, spec, t, t.param.data)
+
+    def _optimizer_pre(self, optimizer, args, kwargs) -> None:
+        for i, spec in self._active("optimizer_state"):
+            for t in self.targets[i]:
+                state = optimizer.state.get(t.param, {})
+                for key in [spec.state_key] if spec.state_key else sorted(state):
+                    value = state.get(key)
+                    if isinstance(value, torch.Tensor) and value.shape == t.param.shape and self._fires(spec, t):
+                        self._corrupt(i, spec, t, value, suffix=f":{key}")
+
+    def _optimizer_post(self, optimizer, args, kwargs) -> None:
+        """A permanent weight fault survives the update: re-apply it to the new value."""
+        self._apply_weight_faults(permanent_only=True)
+
+    # -- records -----------------------------------------------------------------------------
+    def _record(self, i: int, spec: FaultSpec, name: str, result) -> None:
+        site = spec.site
+        key = (i, name, self.step, self.micro_batch, tuple(result.index[:4].tolist()))
+        if key in self._seen:  # recomputation (activation checkpointing): same fault, logged once
+            return
+        self._seen.add(key)
+        values = result.to_dict()
+        record = {
+            "step": self.step, "micro_batch": self.micro_batch, "rank": self.rank, "site": site,
+            "module": name, "spec": i, "model": spec.model,
+            "bits": list(spec.bits) if spec.bits else None,
+            "count": len(values["index"]),
+            **{k: vals[:MAX_RECORDED] for k, vals in values.items()},
+        }
+        self.records.append(record)
+        if self._file is not None:
+            self._file.write(record)
+        if self._sink is not None:
+            self._sink(record)
+
+
+class InjectorCallback:
+    """Engine callback that keeps the injector's (step, micro-batch) position current."""
+
+    def __init__(self, injector: Injector) -> None:
+        self.injector = injector
+
+    def before_step(self, ctx) -> None:
+        self.injector.set_position(ctx.step, 0)
+
+    def after_backward(self, ctx) -> None:
+        if ctx.micro_batch + 1 < ctx.trainer.config.grad_accum:
+            self.injector.set_position(ctx.step, ctx.micro_batch + 1)
