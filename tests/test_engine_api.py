@@ -28,7 +28,8 @@ def test_callback_points_fire_in_order(gpt):
     t.train_step()
     t.evaluate()
     assert seen == ["before_step", "after_forward", "after_backward", "after_forward",
-                    "after_backward", "before_optimizer_step", "after_step", "on_evaluate"]
+                    "after_backward", "before_optimizer_step", "after_step", "before_evaluate",
+                    "on_evaluate"]
 
 
 def test_veto_leaves_params_and_optimizer_untouched(gpt):

@@ -40,22 +40,37 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 class JsonlWriter:
-    """Append-only JSON-lines file, flushed per record so a killed run keeps what it wrote."""
+    """Append-only JSON-lines file, flushed per record so a killed run keeps what it wrote.
+
+    The file is opened on the first write (or :meth:`touch`), so building a writer creates
+    nothing: validation can run before any output exists.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = None
+
+    def _open(self):
+        if self._f is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "a", encoding="utf-8")
+        return self._f
+
+    def touch(self) -> None:
+        self._open().flush()
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(dumps(record) + "\n")
-        self._f.flush()
+        f = self._open()
+        f.write(dumps(record) + "\n")
+        f.flush()
 
     def truncate_after(self, key: str, limit: int) -> None:
         """Drop records with ``record[key] >= limit`` (used when a run resumes from a checkpoint)."""
-        self._f.close()
+        self.close()
         kept = [r for r in read_jsonl(self.path) if r.get(key, -1) < limit]
         self.path.write_text("".join(dumps(r) + "\n" for r in kept))
-        self._f = open(self.path, "a", encoding="utf-8")
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
+            self._f = None

@@ -75,6 +75,7 @@ class Run:
         metrics = JsonlWriter(self.out / "metrics.jsonl")
         if resumed:
             metrics.truncate_after("step", self.trainer.step)
+        metrics.touch()
         t0 = time.perf_counter()
         outcome, last = "completed", {}
         eval_every = self.trainer.config.eval_every

@@ -3,7 +3,7 @@
 Callback points, in order within a step::
 
     before_step → [after_forward → after_backward] × micro-batches → before_optimizer_step
-    → (optimizer step unless vetoed) → after_step;   on_evaluate after evaluate()
+    → (optimizer step unless vetoed) → after_step;   before_evaluate → on_evaluate around evaluate()
 
 A callback is any object with some of these methods, each taking a :class:`StepContext`.
 ``before_optimizer_step`` may veto the update by setting ``ctx.skip_update = True``.
@@ -24,7 +24,7 @@ from sdcscope.engine.state import TrainState, apply, capture
 from sdcscope.workloads import Workload
 
 CALLBACK_POINTS = ("before_step", "after_forward", "after_backward", "before_optimizer_step",
-                   "after_step", "on_evaluate")
+                   "after_step", "before_evaluate", "on_evaluate")
 
 
 @dataclass(kw_only=True)
@@ -132,6 +132,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        self._emit("before_evaluate", self)
         self.model.eval()
         try:
             result = self.workload.evaluate(self.model)

@@ -73,31 +73,34 @@ class Injector:
         self.rank = rank
         self.targets = validate_specs(model, self.specs, optimizer, world_size)
         self.step, self.micro_batch = 0, 0
+        self.evaluating = False
         self.records: list[dict[str, Any]] = []
         self._seen: set[tuple] = set()
-        self._handles: list[Any] = []
+        self._attached = False
+        self._optimizer_handles: list[Any] = []
+        self._spec_handles: dict[int, list[Any]] = {}  # hooks of the specs live at this step
         self._file = JsonlWriter(log) if isinstance(log, (str, Path)) else None
         self._sink = log if callable(log) else None
         self.armed = True
 
     # -- lifecycle ---------------------------------------------------------------------------
     def attach(self) -> "Injector":
-        if self._handles:
+        """Arm the injector. Hooks are registered lazily, only for the specs whose schedule can
+        fire at the current step, so an injector waiting for a later step costs nothing."""
+        if self._attached:
             return self
-        for i, spec in enumerate(self.specs):
-            if spec.rank is not None and spec.rank != self.rank:
-                continue
-            for target in self.targets[i]:
-                self._attach_one(i, spec, target)
+        self._attached = True
         if self.optimizer is not None and any(s.site in ("weight", "optimizer_state") for s in self.specs):
-            self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
-            self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
+            self._optimizer_handles = [self.optimizer.register_step_pre_hook(self._optimizer_pre),
+                                       self.optimizer.register_step_post_hook(self._optimizer_post)]
+        self._sync_hooks()
         return self
 
     def detach(self) -> None:
-        for h in self._handles:
+        for h in self._optimizer_handles + [h for hs in self._spec_handles.values() for h in hs]:
             h.remove()
-        self._handles.clear()
+        self._optimizer_handles, self._spec_handles = [], {}
+        self._attached = False
 
     def close(self) -> None:
         self.detach()
@@ -112,35 +115,59 @@ class Injector:
         self.close()
 
     # -- position ----------------------------------------------------------------------------
-    def set_position(self, step: int, micro_batch: int = 0) -> None:
-        """Call before the forward pass of each micro-batch (the engine does it for you)."""
-        self.step, self.micro_batch = step, micro_batch
+    def set_position(self, step: int, micro_batch: int = 0, *, evaluating: bool = False) -> None:
+        """Call before the forward pass of each micro-batch (the engine does it for you).
+
+        ``evaluating=True`` marks an evaluation pass at ``step``: only permanent faults (a unit
+        that stays broken) act there; transient and intermittent ones belong to training events.
+        """
+        moved = (step, evaluating) != (self.step, self.evaluating)
+        self.step, self.micro_batch, self.evaluating = step, micro_batch, evaluating
+        if moved:
+            self._sync_hooks()
         self._apply_weight_faults()
+
+    def _live(self, spec: FaultSpec) -> bool:
+        """Whether ``spec`` can fire at the current position (rank, schedule window, phase)."""
+        return (self._attached and (spec.rank is None or spec.rank == self.rank)
+                and spec.schedule.covers(self.step)
+                and (not self.evaluating or spec.schedule.kind == "permanent"))
+
+    def _sync_hooks(self) -> None:
+        for i, spec in enumerate(self.specs):
+            live = self._live(spec)
+            if live and i not in self._spec_handles:
+                self._spec_handles[i] = [h for t in self.targets[i] if (h := self._attach_one(i, spec, t))]
+            elif not live and i in self._spec_handles:
+                for h in self._spec_handles.pop(i):
+                    h.remove()
 
     def callback(self) -> "InjectorCallback":
         return InjectorCallback(self)
 
     # -- hooks -------------------------------------------------------------------------------
-    def _attach_one(self, i: int, spec: FaultSpec, t: Target) -> None:
-        site, add = spec.site, self._handles.append
+    def _attach_one(self, i: int, spec: FaultSpec, t: Target):
+        """Register the hook that reaches ``spec``'s site on target ``t``, ahead of other hooks
+        (the hardware corrupts the value before any observer sees it). None: no hook needed:
+        weight faults are applied in set_position, optimizer_state in the optimizer pre-hook,
+        checkpoint faults by corrupt_checkpoint_file."""
+        site = spec.site
         if site == "activation" or (site == "gemm.forward" and spec.pattern.kind != "mac_cell"):
-            add(t.module.register_forward_hook(self._output_hook(i, spec, t)))
-        elif site == "gemm.forward":
-            add(t.module.register_forward_hook(self._mac_cell_hook(i, spec, t)))
-        elif site == "gemm.grad_input":
-            add(t.module.register_full_backward_hook(self._grad_input_hook(i, spec, t, 0)))
-        elif site == "gemm.grad_weight":
+            return t.module.register_forward_hook(self._output_hook(i, spec, t), prepend=True)
+        if site == "gemm.forward":
+            return t.module.register_forward_hook(self._mac_cell_hook(i, spec, t), prepend=True)
+        if site == "gemm.grad_input":
+            return t.module.register_full_backward_hook(self._grad_input_hook(i, spec, t, 0), prepend=True)
+        if site == "gemm.grad_weight":
             if getattr(t.module, "is_matmul", False):
-                add(t.module.register_full_backward_hook(self._grad_input_hook(i, spec, t, 1)))
-            else:
-                add(t.module.weight.register_hook(self._tensor_hook(i, spec, t)))
-        elif site == "param_grad":
-            add(t.param.register_post_accumulate_grad_hook(self._param_grad_hook(i, spec, t)))
-        # weight: applied in set_position and after optimizer updates; optimizer_state: in the
-        # optimizer pre-hook; checkpoint: by corrupt_checkpoint().
+                return t.module.register_full_backward_hook(self._grad_input_hook(i, spec, t, 1), prepend=True)
+            return t.module.weight.register_hook(self._tensor_hook(i, spec, t))
+        if site == "param_grad":
+            return t.param.register_post_accumulate_grad_hook(self._param_grad_hook(i, spec, t))
+        return None
 
     def _fires(self, spec: FaultSpec, t: Target) -> bool:
-        return self.armed and fires(spec, self.step, self.micro_batch, t.key, self.rank)
+        return self.armed and self._live(spec) and fires(spec, self.step, self.micro_batch, t.key, self.rank)
 
     def _corrupt(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, *,
                  suffix: str = "", channel_dim=None) -> None:
@@ -205,11 +232,9 @@ class Injector:
         return hook
 
     def _active(self, site: str):
-        """(index, spec) of this rank's specs for ``site`` while attached."""
-        if not self._handles:
-            return
+        """(index, spec) of the specs for ``site`` that can fire at the current position."""
         for i, spec in enumerate(self.specs):
-            if spec.site == site and (spec.rank is None or spec.rank == self.rank):
+            if spec.site == site and self._live(spec):
                 yield i, spec
 
     def _apply_weight_faults(self, permanent_only: bool = False) -> None:
@@ -263,6 +288,9 @@ class InjectorCallback:
 
     def before_step(self, ctx) -> None:
         self.injector.set_position(ctx.step, 0)
+
+    def before_evaluate(self, trainer) -> None:
+        self.injector.set_position(trainer.step, 0, evaluating=True)
 
     def after_backward(self, ctx) -> None:
         if ctx.micro_batch + 1 < ctx.trainer.config.grad_accum:

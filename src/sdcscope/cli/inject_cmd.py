@@ -1,0 +1,56 @@
+"""``sdcscope inject``: golden run + faulty run from the same seed and data, and their comparison."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sdcscope.cli.app import app
+from sdcscope.cli.common import out_console, step_progress, user_errors
+from sdcscope.cli.train_cmd import PRESET_OPT, SEED_OPT, STEPS_OPT, WORKLOAD_OPT, build_configs, check_steps
+
+
+def print_comparison(out: Path, c: dict) -> None:
+    size = c["param_rel_l2"]
+    size = f"{size:.3g}" if isinstance(size, float) else size
+    val, vf = c["val_loss_delta"], c["val_loss_faulty"]
+    out_console.print(
+        f"[bold]{c['outcome']}[/]: {c['injections']} fault(s) fired; first divergence at step "
+        f"{c['first_divergence_step']}; final parameter distance (rel. L2) {size}; "
+        f"val loss {c['val_loss_golden']:.4f} → {vf if not isinstance(vf, float) else format(vf, '.4f')} "
+        f"(Δ {val if val is None else format(val, '+.4g')})"
+    )
+    out_console.print(f"runs: {out / 'golden'}, {out / 'faulty'}; comparison: {out / 'comparison.json'}")
+
+
+@app.command()
+def inject(
+    spec: Path = typer.Option(..., "--spec", help="YAML/JSON list of fault specs."),
+    out: Path = typer.Option(..., "--out", "-o", help="New directory for golden/, faulty/, comparison.json."),
+    workload: str = WORKLOAD_OPT,
+    preset: str = PRESET_OPT,
+    steps: int = STEPS_OPT,
+    seed: int = SEED_OPT,
+    corpus: Optional[Path] = typer.Option(None, "--corpus", help="Text file or folder (gpt)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
+    lr: Optional[float] = typer.Option(None, "--lr"),
+    grad_accum: int = typer.Option(1, "--grad-accum"),
+) -> None:
+    """Run the golden and the faulty run and compare them."""
+    with user_errors():
+        check_steps(steps)
+        from sdcscope.faults import load_specs
+        from sdcscope.study.experiment import Experiment
+
+        if not spec.is_file():
+            raise FileNotFoundError(f"--spec {str(spec)!r} does not exist")
+        specs = load_specs(spec)
+        if not specs:
+            raise ValueError(f"--spec {str(spec)!r} holds no fault specs")
+        wcfg, tcfg = build_configs(workload, preset, seed, corpus=corpus, batch_size=batch_size,
+                                   lr=lr, grad_accum=grad_accum)
+        experiment = Experiment(out, wcfg, tcfg, specs)
+    comparison = experiment.run(steps, progress=lambda label, total: step_progress(total, label=label))
+    print_comparison(out, comparison)

@@ -1,0 +1,174 @@
+"""``sdcscope invariants trace|infer|check``: learn invariants from clean runs, check others.
+
+    sdcscope invariants trace --workload gpt --steps 200 --seed 1 --out runs/ref1
+    sdcscope invariants infer runs/ref1 runs/ref2 --out inv.yaml
+    sdcscope invariants trace --seed 0 --out runs/new --invariants inv.yaml   # online check
+    sdcscope invariants check --invariants inv.yaml runs/new                   # offline check
+
+``check`` exits with 1 when it finds violations, 2 on a usage error, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sdcscope.cli.app import app
+from sdcscope.cli.common import CLIError, out_console, step_progress, user_errors
+from sdcscope.cli.train_cmd import (
+    PRESET_OPT, SEED_OPT, STEPS_OPT, WORKLOAD_OPT, build_configs, check_steps, print_summary,
+)
+
+invariants_app = typer.Typer(
+    help="Infer training invariants from clean runs and check runs against them.",
+    no_args_is_help=True,
+)
+app.add_typer(invariants_app, name="invariants")
+
+INVARIANTS_OPT = typer.Option(..., "--invariants", "-i", help="Invariants YAML file.")
+
+
+@invariants_app.command()
+def trace(
+    workload: str = WORKLOAD_OPT,
+    preset: str = PRESET_OPT,
+    steps: int = STEPS_OPT,
+    seed: int = SEED_OPT,
+    out: Path = typer.Option(..., "--out", "-o", help="New run directory (gets trace.jsonl)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences / images per micro-batch."),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
+    eval_every: int = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at the end)."),
+    invariants: Optional[Path] = typer.Option(None, "--invariants", "-i",
+                                              help="Also check these invariants online (events.jsonl)."),
+) -> None:
+    """Train a reference workload with the trace recorder attached (and optionally a checker)."""
+    with user_errors():
+        check_steps(steps)
+        from sdcscope.detect.invariants import InvariantChecker, TraceRecorder
+        from sdcscope.engine import Run
+
+        wcfg, tcfg = build_configs(workload, preset, seed, batch_size=batch_size, lr=lr,
+                                   grad_accum=grad_accum, eval_every=eval_every)
+        run = Run(out, wcfg, tcfg)
+        model, optimizer = run.trainer.model, run.trainer.optimizer
+        checker = None if invariants is None else InvariantChecker(model, optimizer, invariants, run_dir=out)
+        recorder = TraceRecorder(model, optimizer, out=out)
+    tools = [recorder.attach()] + ([checker.attach()] if checker else [])
+    try:
+        with step_progress(steps) as advance:
+            summary = run.train(steps, callbacks=tools, on_step=advance)
+    finally:
+        for tool in tools:
+            tool.detach()
+    print_summary(run.out, summary)
+    out_console.print(f"trace: {out / 'trace.jsonl'}")
+    if checker is not None:
+        n = len(checker.violations)
+        out_console.print(f"[bold]{n}[/] invariant violation(s) reported to {out / 'events.jsonl'}"
+                          if n else "no invariant violations")
+
+
+@invariants_app.command()
+def infer(
+    runs: list[Path] = typer.Argument(..., help="Clean run directories holding trace.jsonl."),
+    out: Path = typer.Option(..., "--out", "-o", help="Invariants YAML file to write."),
+    margin: float = typer.Option(10.0, "--margin", help="Widening factor of learned numeric bounds."),
+    min_support: int = typer.Option(3, "--min-support", help="Observations an invariant needs."),
+    relation: Optional[list[str]] = typer.Option(None, "--relation", "-r",
+                                                 help="Only this relation (repeatable)."),
+) -> None:
+    """Infer the invariants that hold in every given clean run."""
+    with user_errors():
+        from sdcscope.detect.invariants import InferConfig, infer_invariants, save_invariants
+
+        config = InferConfig(margin=margin, min_support=min_support, relations=tuple(relation or ()))
+        invariants = infer_invariants(runs, config)
+        if not invariants:
+            raise CLIError("no invariant holds in all of these runs (are they runs of the same model?)")
+        save_invariants(invariants, out, [str(r) for r in runs])
+    from collections import Counter
+
+    from rich.table import Table
+
+    table = Table("relation", "invariants", title=f"{len(invariants)} invariants from {len(runs)} run(s)")
+    for name, n in sorted(Counter(i.relation for i in invariants).items()):
+        table.add_row(name, str(n))
+    out_console.print(table)
+    out_console.print(f"wrote {out}")
+
+
+def _few(items: list, total: int | None = None) -> str:
+    total = len(items) if total is None else total
+    return ", ".join(map(str, items[:3])) + (f" (+{total - 3})" if total > 3 else "")
+
+
+def _evidence(ev: dict) -> str:
+    """The gist of a violation's evidence in one short line (the full record is in events.jsonl)."""
+    from rich.markup import escape
+
+    if ev.get("missing"):
+        text = f"missing: {_few(ev['missing'], ev.get('n_missing'))}"
+    elif ev.get("extra"):
+        text = f"unexpected: {_few(ev['extra'], ev.get('n_extra'))}"
+    elif "observed" in ev:
+        seen = _few(ev["observed"]) if isinstance(ev["observed"], list) else ev["observed"]
+        text = f"expected {ev['expected']}, observed {seen}"
+    elif "bounds" in ev:
+        text = f"{ev['value']} outside [{ev['bounds'][0]:.4g}, {ev['bounds'][1]:.4g}]"
+    elif "first_seen_step" in ev:
+        text = f"same value as at step {ev['first_seen_step']}"
+    elif "differing" in ev:
+        text = f"{ev['n_differing']}/{ev['n_pairs']} pairs differ: {' != '.join(ev['differing'][0])}"
+    else:
+        text = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("relation", "phase", "description"))
+    return escape(text)
+
+
+@invariants_app.command()
+def check(
+    run_dir: Path = typer.Argument(..., help="Run directory holding trace.jsonl."),
+    invariants: Path = INVARIANTS_OPT,
+    events: bool = typer.Option(True, "--events/--no-events",
+                                help="Write violations to RUN_DIR/events.jsonl (first per invariant and tensor)."),
+) -> None:
+    """Check a recorded trace offline; exit code 1 when any invariant is violated."""
+    with user_errors():
+        from sdcscope.detect.invariants import EVENTS_FILE, check_trace, load_invariants, load_trace
+        from sdcscope.engine import JsonlWriter, read_jsonl
+
+        trace_data = load_trace(run_dir)
+        invs = load_invariants(invariants)
+        found = check_trace(trace_data, invs)
+    from rich.table import Table
+
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for e in found:
+        groups.setdefault((e["verdict"], e["module"]), []).append(e)
+    if events:
+        path = Path(run_dir) / EVENTS_FILE
+        kept = [e for e in read_jsonl(path) if e.get("detector") != "invariant"]
+        path.write_text("")
+        writer = JsonlWriter(path)
+        for e in kept + [g[0] for g in groups.values()]:
+            writer.write(e)
+        writer.close()
+    n_records = len(trace_data.records)
+    if not found:
+        out_console.print(f"no violations of {len(invs)} invariants in {n_records} records of {run_dir}")
+        return
+    table = Table(title=f"invariant violations in {run_dir}", expand=True)
+    table.add_column("invariant", no_wrap=True)
+    table.add_column("tensor / module", overflow="fold")
+    table.add_column("first step", justify="right")
+    table.add_column("steps", justify="right")
+    table.add_column("evidence (first)", overflow="fold")
+    for (verdict, module), group in sorted(groups.items(), key=lambda kv: kv[1][0]["step"]):
+        table.add_row(verdict, str(module), str(group[0]["step"]), str(len(group)),
+                      _evidence(group[0]["evidence"]))
+    out_console.print(table)
+    out_console.print(f"{len(groups)} violation(s) of {len({v for v, _ in groups})} of {len(invs)} "
+                      f"invariants in {n_records} records")
+    raise typer.Exit(code=1)

@@ -1,0 +1,77 @@
+"""Compare a faulty run with its golden twin (same seed, same data): the first outcome label.
+
+``masked``: bitwise-identical final parameters. ``crash``: a non-finite loss or parameter.
+Otherwise ``deviation``, with its size: the relative L2 distance of the final parameters,
+the validation-loss delta and the loss-curve difference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdcscope.engine import CHECKPOINT_DIR, load_checkpoint, read_jsonl
+from sdcscope.engine.rundir import write_json
+
+
+def _losses(run: Path) -> list[float]:
+    return [float(r["loss"]) for r in read_jsonl(run / "metrics.jsonl")]
+
+
+def param_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """‖a − b‖ / ‖b‖ over all floating-point tensors (fp64 accumulation)."""
+    num = den = 0.0
+    for name, tb in b.items():
+        if not tb.is_floating_point():
+            continue
+        ta, tb = a[name].double(), tb.double()
+        num += float((ta - tb).pow(2).sum())
+        den += float(tb.pow(2).sum())
+    return math.sqrt(num) / math.sqrt(den) if den > 0 else math.inf
+
+
+def compare_runs(golden: str | Path, faulty: str | Path) -> dict[str, Any]:
+    golden, faulty = Path(golden), Path(faulty)
+    sg = json.loads((golden / "summary.json").read_text())
+    sf = json.loads((faulty / "summary.json").read_text())
+    lg, lf = _losses(golden), _losses(faulty)
+    n = min(len(lg), len(lf))
+    diff = [lf[i] - lg[i] for i in range(n)]
+    first = next((i for i in range(n) if lf[i] != lg[i] and not (math.isnan(lf[i]) and math.isnan(lg[i]))), None)
+    finite_diff = [abs(d) for d in diff if math.isfinite(d)]
+    pg = load_checkpoint(golden / CHECKPOINT_DIR).model
+    pf = load_checkpoint(faulty / CHECKPOINT_DIR).model
+    distance = param_distance(pf, pg)
+    params_finite = all(bool(torch.isfinite(t).all()) for t in pf.values() if t.is_floating_point())
+    val_g, val_f = sg.get("final_val_loss"), sf.get("final_val_loss")
+    val_delta = (val_f - val_g) if isinstance(val_f, float) and isinstance(val_g, float) else None
+    if sf["param_sha256"] == sg["param_sha256"]:
+        outcome = "masked"
+    elif sf["outcome"] == "crash" or not params_finite or (val_delta is not None and not math.isfinite(val_delta)):
+        outcome = "crash"
+    else:
+        outcome = "deviation"
+    return {
+        "outcome": outcome,
+        "first_divergence_step": first,
+        "param_rel_l2": distance if math.isfinite(distance) else str(distance),
+        "val_loss_golden": val_g,
+        "val_loss_faulty": val_f,
+        "val_loss_delta": val_delta,
+        "loss_diff_max_abs": max(finite_diff, default=0.0),
+        "loss_diff_mean_abs": sum(finite_diff) / len(finite_diff) if finite_diff else 0.0,
+        "loss_diff": diff,
+        "steps_golden": sg["steps"],
+        "steps_faulty": sf["steps"],
+        "injections": len(read_jsonl(faulty / "injections.jsonl")),
+    }
+
+
+def write_comparison(out: str | Path, comparison: dict[str, Any]) -> Path:
+    path = Path(out) / "comparison.json"
+    write_json(path, comparison)
+    return path
