@@ -54,7 +54,11 @@ class StepContext:
     micro_batch: int = 0
     batch: Any = None
     loss: torch.Tensor | None = None
+    step_loss: torch.Tensor | None = None
+    """Mean loss over the micro-batches (a callback that recomputes the step replaces it)."""
     skip_update: bool = False
+    restored: bool = False
+    """Set by a callback that restored an earlier state (rollback): the step is not counted."""
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
@@ -109,11 +113,17 @@ class Trainer:
         self.model.train()
         ctx = StepContext(self, self.step, self._next_data_pos())
         self._emit("before_step", ctx)
-        loss = self.forward_backward(ctx)
+        ctx.step_loss = self.forward_backward(ctx)
         lr = self.workload.lr_at(self.step) * self.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._emit("before_optimizer_step", ctx)
+        if ctx.restored:
+            ctx.metrics.update(step=ctx.step, loss=float(ctx.step_loss), data_pos=ctx.data_pos,
+                               skipped=True, rolled_back_to=self.step)
+            self._emit("after_step", ctx)
+            return ctx.metrics
+        loss = ctx.step_loss
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.workload.config.grad_clip
         if clip > 0:

@@ -13,18 +13,24 @@ gemm.grad_weight    tensor hook on the weight (for ``a @ b``: d b): this GEMM's 
 weight              memory fault on the parameter, applied before the forward of the event;
                     a permanent fault is re-applied after every optimizer update
 param_grad          post-accumulate-grad hook: the accumulated ``.grad`` buffer
-optimizer_state     optimizer step pre-hook: the state tensors (``exp_avg``, …) read by the update
+optimizer_state     memory fault on the state tensors (``exp_avg``, …) resident between updates,
+                    applied at the start of the step whose update reads them; a permanent fault
+                    is re-applied after every update
 ==================  ==========================================================================
 
 Whether a fault fires is :func:`sdcscope.faults.fires` of (spec, step, micro-batch, name, rank),
 so a forward re-run by activation checkpointing gets the same fault (and is logged once).
 A training loop tells the injector where it is with :meth:`Injector.set_position`; the engine
-does it through :meth:`Injector.callback`.
+does it through :meth:`Injector.callback`. A transient or intermittent fault is one event in
+time: a re-execution of its step (a guard's replay, or training again after a rollback) does
+not meet it again; a permanent fault (a broken unit, a stuck bit) acts on every execution.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,22 @@ from sdcscope._io import JsonlWriter
 from sdcscope.faults import FaultSpec, apply_spec, fault_generator, fires
 from sdcscope.inject.targets import CONV_TYPES, Target, validate_specs
 
+_REEXECUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdcscope_reexecuting", default=False)
+
+
+@contextlib.contextmanager
+def reexecution() -> Iterator[None]:
+    """Mark a re-execution of a step (a guard's replay or recompute). A transient or
+    intermittent fault was one event in time and does not recur; a permanent one (a broken
+    unit) acts again. Every injector in the process honours it."""
+    token = _REEXECUTING.set(True)
+    try:
+        yield
+    finally:
+        _REEXECUTING.reset(token)
+
+
+MEMORY_SITES = ("weight", "optimizer_state")
 MAX_RECORDED = 64
 """Elements listed per record (a row or tensor-wide fault can hit thousands); ``count`` says all."""
 
@@ -74,6 +96,8 @@ class Injector:
         self.targets = validate_specs(model, self.specs, optimizer, world_size)
         self.step, self.micro_batch = 0, 0
         self.evaluating = False
+        self._begun: set[int] = set()   # steps whose execution has started at least once
+        self._repeat = False            # this execution of the step is a re-execution
         self.records: list[dict[str, Any]] = []
         self._seen: set[tuple] = set()
         self._attached = False
@@ -90,9 +114,9 @@ class Injector:
         if self._attached:
             return self
         self._attached = True
-        if self.optimizer is not None and any(s.site in ("weight", "optimizer_state") for s in self.specs):
-            self._optimizer_handles = [self.optimizer.register_step_pre_hook(self._optimizer_pre),
-                                       self.optimizer.register_step_post_hook(self._optimizer_post)]
+        if self.optimizer is not None and any(s.site in MEMORY_SITES and s.schedule.kind == "permanent"
+                                              for s in self.specs):
+            self._optimizer_handles = [self.optimizer.register_step_post_hook(self._optimizer_post)]
         self._sync_hooks()
         return self
 
@@ -122,16 +146,21 @@ class Injector:
         that stays broken) act there; transient and intermittent ones belong to training events.
         """
         moved = (step, evaluating) != (self.step, self.evaluating)
+        if not evaluating and micro_batch == 0:
+            self._repeat = step in self._begun
+            self._begun.add(step)
+            moved = True
         self.step, self.micro_batch, self.evaluating = step, micro_batch, evaluating
         if moved:
             self._sync_hooks()
-        self._apply_weight_faults()
+        self._apply_memory_faults()
 
     def _live(self, spec: FaultSpec) -> bool:
         """Whether ``spec`` can fire at the current position (rank, schedule window, phase)."""
+        once = spec.schedule.kind != "permanent"
         return (self._attached and (spec.rank is None or spec.rank == self.rank)
                 and spec.schedule.covers(self.step)
-                and (not self.evaluating or spec.schedule.kind == "permanent"))
+                and not (once and (self.evaluating or self._repeat or _REEXECUTING.get())))
 
     def _sync_hooks(self) -> None:
         for i, spec in enumerate(self.specs):
@@ -237,26 +266,28 @@ class Injector:
             if spec.site == site and self._live(spec):
                 yield i, spec
 
-    def _apply_weight_faults(self, permanent_only: bool = False) -> None:
-        for i, spec in self._active("weight"):
-            if permanent_only and spec.schedule.kind != "permanent":
-                continue
-            for t in self.targets[i]:
-                if self._fires(spec, t):
-                    self._corrupt(i, spec, t, t.param.data)
-
-    def _optimizer_pre(self, optimizer, args, kwargs) -> None:
-        for i, spec in self._active("optimizer_state"):
-            for t in self.targets[i]:
-                state = optimizer.state.get(t.param, {})
-                for key in [spec.state_key] if spec.state_key else sorted(state):
-                    value = state.get(key)
-                    if isinstance(value, torch.Tensor) and value.shape == t.param.shape and self._fires(spec, t):
-                        self._corrupt(i, spec, t, value, suffix=f":{key}")
+    def _apply_memory_faults(self, permanent_only: bool = False) -> None:
+        """Weights and optimizer state are memory: a fault there is applied to the resident
+        tensor (optimizer state once per step, at micro-batch 0)."""
+        for site in MEMORY_SITES:
+            for i, spec in self._active(site):
+                if permanent_only and spec.schedule.kind != "permanent":
+                    continue
+                for t in self.targets[i]:
+                    if not self._fires(spec, t):
+                        continue
+                    if site == "weight":
+                        self._corrupt(i, spec, t, t.param.data)
+                    elif self.micro_batch == 0 and self.optimizer is not None:
+                        state = self.optimizer.state.get(t.param, {})
+                        for key in [spec.state_key] if spec.state_key else sorted(state):
+                            value = state.get(key)
+                            if isinstance(value, torch.Tensor) and value.shape == t.param.shape:
+                                self._corrupt(i, spec, t, value, suffix=f":{key}")
 
     def _optimizer_post(self, optimizer, args, kwargs) -> None:
-        """A permanent weight fault survives the update: re-apply it to the new value."""
-        self._apply_weight_faults(permanent_only=True)
+        """A permanent memory fault survives the update: re-apply it to the new values."""
+        self._apply_memory_faults(permanent_only=True)
 
     # -- records -----------------------------------------------------------------------------
     def _record(self, i: int, spec: FaultSpec, name: str, result) -> None:

@@ -1,0 +1,534 @@
+"""Data-parallel training under ``torch.distributed`` (gloo on CPU, nccl on GPU).
+
+A world is formed from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``); :func:`launch` starts one (``sdcscope train --nproc N``), and
+``torchrun --nproc-per-node N -m sdcscope.engine.ddp --out DIR ...`` is the same thing by hand.
+
+- **Shards.** Rank r trains micro-batch ``m`` of a step on ``workload.batch(seed, data_pos,
+  r * grad_accum + m)``: a pure function, so reruns are bitwise identical, a rank's batch can be
+  recomputed anywhere, and one rank reproduces the single-process :class:`Trainer`.
+- **One comm hook.** DDP takes a single communication hook; :class:`BucketHook` is it, and other
+  rooms plug *stages* into it (``before_reduce(view)`` / ``after_reduce(view)`` with a
+  :class:`BucketView`): fault injection (:mod:`sdcscope.inject.comm`), pre-reduction signatures
+  (:mod:`sdcscope.detect.crossrank`), and rank exclusion (:meth:`BucketHook.exclude`, the
+  re-weighted all-reduce of :mod:`sdcscope.mitigate.quarantine`). With nothing excluded it
+  averages exactly like DDP's default hook (divide, then all-reduce SUM), bit for bit.
+- **Run directory.** Rank 0 writes ``config.json``, ``metrics.jsonl`` (world-mean ``loss`` and
+  ``rank_loss``), ``summary.json`` (with every replica's ``param_sha256``) and the checkpoint.
+  Each rank logs its fired faults to ``injections.rank{r}.jsonl`` as they happen; rank 0 merges
+  them into ``injections.jsonl`` at the end. A rank that loses the world writes
+  ``failure.rank{r}.json`` and raises :class:`DistributedError`; nothing written is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sdcscope import __version__
+from sdcscope.engine.rundir import JsonlWriter, check_new_run_dir, read_jsonl, write_json
+from sdcscope.engine.state import param_sha256, save_checkpoint
+from sdcscope.engine.trainer import StepContext, TrainConfig, Trainer
+from sdcscope.faults import FaultSpec, load_specs
+from sdcscope.inject import Injector, reexecution
+from sdcscope.inject.comm import CommInjector
+from sdcscope.workloads import Workload, WorkloadConfig, make_workload
+
+BACKENDS = ("gloo", "nccl")
+ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+CHECKPOINT_DIR = "checkpoint"
+
+
+class DistributedError(RuntimeError):
+    """The world could not be formed, or a rank lost it (a peer died or hung)."""
+
+
+@dataclass(kw_only=True)
+class DistConfig:
+    backend: str | None = None
+    """``gloo`` or ``nccl``; ``None``: nccl when CUDA is available, else gloo."""
+    timeout_s: float = 300.0
+    """Rendezvous and collective timeout: a dead or hung rank surfaces as an error after this."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size."""
+
+    def __post_init__(self) -> None:
+        if self.backend is None:
+            self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; allowed: {', '.join(BACKENDS)}")
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA, which is not available; use 'gloo'")
+        for name in ("timeout_s", "bucket_cap_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}={value!r} must be a number > 0")
+
+
+def init_distributed(config: DistConfig | None = None) -> tuple[int, int]:
+    """Join the world described by torchrun's environment; return ``(rank, world_size)``."""
+    config = config or DistConfig()
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [v for v in ENV_VARS if v not in os.environ]
+    if missing:
+        raise DistributedError(
+            f"not inside a torch.distributed launch (missing {', '.join(missing)}): start it with "
+            "`sdcscope train --nproc N ...` or `torchrun --nproc-per-node N -m sdcscope.engine.ddp ...`")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if config.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    try:
+        dist.init_process_group(config.backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=config.timeout_s))
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise DistributedError(
+            f"rank {rank} could not form a world of {world} ranks at {where} within "
+            f"{config.timeout_s:g} s (backend {config.backend}): {str(exc).splitlines()[0]}") from exc
+    return rank, world
+
+
+def device_for(config: DistConfig) -> torch.device:
+    if config.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def shard(rank: int, grad_accum: int, micro_batch: int) -> int:
+    """The workload micro-batch index rank ``rank`` trains as its micro-batch ``micro_batch``."""
+    return rank * grad_accum + micro_batch
+
+
+def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's 1-D float64 ``row``, as ``[world, len(row)]`` on every rank.
+
+    One all-reduce (SUM) of a zero matrix holding the row at this rank's index: adding zeros is
+    exact (also for inf and nan), so every rank receives every row bit for bit.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = torch.zeros((world, row.numel()), dtype=torch.float64, device=row.device)
+    rows[rank] = row.to(torch.float64)
+    dist.all_reduce(rows, group=group)
+    return rows
+
+
+# ---------------------------------------------------------------------------- the comm hook
+
+
+@dataclass
+class BucketView:
+    """What a stage sees of one gradient bucket: ``buffer`` (flat), and per parameter its
+    qualified ``names`` and ``grads`` (views into ``buffer``, shaped like the parameter)."""
+
+    index: int
+    buffer: torch.Tensor
+    names: list[str]
+    grads: list[torch.Tensor]
+
+
+class BucketHook:
+    """DDP's communication hook, open to stages; averages over the ranks not excluded.
+
+    Before the all-reduce, stages see this rank's local bucket in the order added (add fault
+    stages first: the hardware corrupts a value before anyone observes it); after it, the
+    reduced bucket. An excluded rank sends zeros (``zero_()``, so a nan cannot leak through a
+    multiplication) and every rank divides by the number of contributors: the result is the
+    average of the healthy ranks, identical bit for bit on every rank, and an excluded rank
+    keeps computing and receives it, so its replica stays equal to the others.
+    """
+
+    def __init__(self, ddp: DDP, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.names = {id(p): n for n, p in ddp.module.named_parameters()}
+        self.stages: list[Any] = []
+        self.excluded: frozenset[int] = frozenset()
+
+    def add(self, stage: Any, *, first: bool = False) -> None:
+        self.stages.insert(0, stage) if first else self.stages.append(stage)
+
+    def exclude(self, ranks: Iterable[int]) -> None:
+        """From the next bucket on, leave ``ranks``' gradients out of the average."""
+        ranks = frozenset(int(r) for r in ranks)
+        bad = sorted(r for r in ranks if not 0 <= r < self.world)
+        if bad:
+            raise ValueError(f"cannot exclude ranks {bad}; allowed: 0..{self.world - 1}")
+        if len(ranks) >= self.world:
+            raise ValueError(f"cannot exclude every rank ({sorted(ranks)}): no gradient would be left")
+        self.excluded = ranks
+
+    def _view(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> BucketView:
+        grads = bucket.gradients()
+        for g in grads:
+            assert g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr(), \
+                "DDP bucket gradients are not views of the bucket buffer"
+        return BucketView(bucket.index(), buffer, [self.names[id(p)] for p in bucket.parameters()], grads)
+
+    def __call__(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future:
+        buffer = bucket.buffer()
+        view = self._view(bucket, buffer) if self.stages else None
+        for stage in self.stages:
+            stage.before_reduce(view)
+        if self.rank in self.excluded:
+            buffer.zero_()
+        buffer.div_(self.world - len(self.excluded))
+        fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
+
+        def reduced(f: torch.futures.Future) -> torch.Tensor:
+            out = f.value()[0]
+            for stage in self.stages:
+                stage.after_reduce(view)
+            return out
+        return fut.then(reduced)
+
+
+def bucket_hook(ddp: DDP) -> BucketHook:
+    """The :class:`BucketHook` of ``ddp``, registered on first use (before the first backward)."""
+    hook = getattr(ddp, "_sdcscope_bucket_hook", None)
+    if hook is None:
+        hook = BucketHook(ddp, ddp.process_group)
+        ddp.register_comm_hook(None, hook)
+        ddp._sdcscope_bucket_hook = hook
+    return hook
+
+
+# ---------------------------------------------------------------------------- the trainer
+
+
+class DDPTrainer(Trainer):
+    """:class:`Trainer` over a DDP-wrapped model; call inside an initialized process group.
+
+    ``self.model`` stays the plain module (names, snapshots and hashes as in one process);
+    ``self.ddp`` wraps it. ``specs`` are this world's fault specs: each rank arms those bound to
+    it (site ``comm`` through the bucket hook, every other site through an :class:`Injector`).
+    """
+
+    def __init__(self, workload: Workload, config: TrainConfig | None = None, callbacks: Iterable[object] = (),
+                 *, dist_config: DistConfig | None = None, specs: Sequence[FaultSpec] = (),
+                 injection_log: Callable[[dict], None] | None = None) -> None:
+        super().__init__(workload, config, callbacks)
+        self.dist_config = dist_config or DistConfig()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = device_for(self.dist_config)
+        self.model.to(self.device)
+        self.ddp = DDP(self.model, bucket_cap_mb=self.dist_config.bucket_cap_mb)
+        self.hook = bucket_hook(self.ddp)
+        self.injector: Injector | None = None
+        self.comm_injector: CommInjector | None = None
+        self._attach_faults(list(specs), injection_log)
+
+    def _attach_faults(self, specs: list[FaultSpec], log: Callable[[dict], None] | None) -> None:
+        comm = [(i, s) for i, s in enumerate(specs) if s.site == "comm"]
+        other = [(i, s) for i, s in enumerate(specs) if s.site != "comm"]
+        if comm:
+            self.comm_injector = CommInjector(self.model, [s for _, s in comm], rank=self.rank,
+                                              world_size=self.world, log=log, spec_ids=[i for i, _ in comm])
+            self.hook.add(self.comm_injector, first=True)
+            self.callbacks.insert(0, self.comm_injector.callback())
+        if other:
+            ids = [i for i, _ in other]
+            sink = None if log is None else (lambda rec: log({**rec, "spec": ids[rec["spec"]]}))
+            self.injector = Injector(self.model, [s for _, s in other], self.optimizer, rank=self.rank,
+                                     world_size=self.world, log=sink).attach()
+            self.callbacks.insert(0, self.injector.callback())
+
+    def batch_for(self, data_pos: int, rank: int, micro_batch: int):
+        batch = self.workload.batch(self.config.seed, data_pos, shard(rank, self.config.grad_accum, micro_batch))
+        return tuple(t.to(self.device) for t in batch)
+
+    def forward_backward(self, ctx: StepContext) -> torch.Tensor:
+        """This rank's micro-batches of ``ctx.step``; gradients are all-reduced on the last one."""
+        accum = self.config.grad_accum
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for m in range(accum):
+            ctx.micro_batch = m
+            ctx.batch = self.batch_for(ctx.data_pos, self.rank, m)
+            with self.ddp.no_sync() if m + 1 < accum else contextlib.nullcontext():
+                ctx.loss = self.workload.loss(self.ddp, ctx.batch)
+                self._emit("after_forward", ctx)
+                (ctx.loss / accum).backward()
+            self._emit("after_backward", ctx)
+            total = total + ctx.loss.detach()
+        return total / accum
+
+    def local_gradients(self, rank: int, step: int, data_pos: int) -> torch.Tensor:
+        """Recompute rank ``rank``'s local (pre-reduction) gradient of ``step`` into ``.grad`` and
+        return its mean loss.
+
+        Runs on the plain module (no all-reduce, no callbacks), so any rank can replay any rank's
+        shard. It is a re-execution (:func:`sdcscope.inject.reexecution`): only permanent faults
+        act again, as a unit that stays broken would.
+        """
+        accum = self.config.grad_accum
+        for p in self.model.parameters():
+            p.grad = None
+        total = torch.zeros((), device=self.device)
+        with reexecution():
+            for m in range(accum):
+                if self.injector is not None:
+                    self.injector.set_position(step, m)
+                loss = self.workload.loss(self.model, self.batch_for(data_pos, rank, m))
+                (loss / accum).backward()
+                total = total + loss.detach()
+        return total / accum
+
+    def close(self) -> None:
+        for inj in (self.injector, self.comm_injector):
+            if inj is not None:
+                inj.close()
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def _failure(out: Path, rank: int, step: int, exc: BaseException) -> DistributedError:
+    message = (f"rank {rank} lost the world at step {step}: a peer rank died, hung or could not "
+               f"be reached ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+    write_json(out / f"failure.rank{rank}.json", {"rank": rank, "step": step, "error": message})
+    return DistributedError(message)
+
+
+class DDPRun:
+    """A distributed run bound to a run directory (call inside an initialized process group)."""
+
+    def __init__(self, out: str | Path, workload: WorkloadConfig, train: TrainConfig, *,
+                 specs: Sequence[FaultSpec] = (), dist_config: DistConfig | None = None,
+                 extra_config: dict[str, Any] | None = None) -> None:
+        self.out = Path(out)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        check_new_run_dir(self.out)  # every rank, before any rank writes (barrier below)
+        self.workload = make_workload(workload)
+        self._injections = JsonlWriter(self.out / f"injections.rank{self.rank}.jsonl")
+        self.trainer = DDPTrainer(self.workload, train, dist_config=dist_config, specs=specs,
+                                  injection_log=self._injections.write)
+        self.config = {
+            "sdcscope_version": __version__, "workload": workload.to_dict(), "train": train.to_dict(),
+            "data": self.workload.describe(), "world_size": self.world,
+            "backend": self.trainer.dist_config.backend, "faults": [s.to_dict() for s in specs],
+            **(extra_config or {}),
+        }
+        self.summary: dict[str, Any] = {}
+        dist.barrier()
+
+    def train(self, steps: int, *, callbacks: Iterable[object] = (),
+              on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        if not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps={steps!r} must be an integer >= 0")
+        lead = self.rank == 0
+        if lead:
+            self.out.mkdir(parents=True, exist_ok=True)
+            write_json(self.out / "config.json", {**self.config, "steps": steps})
+        for cb in callbacks:
+            self.trainer.add_callback(cb)
+        metrics = JsonlWriter(self.out / "metrics.jsonl")
+        if lead:
+            metrics.touch()
+        t0, last = time.perf_counter(), {}
+        try:
+            while self.trainer.step < steps:
+                last = self._step(metrics if lead else None)
+                if on_step is not None:
+                    on_step(last)
+            self._finish(last, time.perf_counter() - t0)
+        except (RuntimeError, OSError) as exc:
+            if isinstance(exc, AssertionError) or not (isinstance(exc, dist.DistError) or _is_comm_error(exc)):
+                raise
+            raise _failure(self.out, self.rank, self.trainer.step, exc) from exc
+        finally:
+            metrics.close()
+            self._injections.close()
+            self.trainer.close()
+        return self.summary
+
+    def _step(self, metrics: JsonlWriter | None) -> dict[str, Any]:
+        m = self.trainer.train_step()
+        rows = gather_rows(torch.tensor([m["loss"], float(m["skipped"])], dtype=torch.float64))
+        if len(set(rows[:, 1].tolist())) != 1:
+            raise DistributedError(f"ranks disagree on vetoing step {m['step']}: {rows[:, 1].tolist()}")
+        rank_loss = rows[:, 0].tolist()
+        m.update(loss=math.fsum(rank_loss) / self.world, rank_loss=rank_loss)
+        every = self.trainer.config.eval_every
+        if metrics is not None:
+            if every and self.trainer.step % every == 0:
+                m.update({f"eval_{k}": v for k, v in self.trainer.evaluate().items() if k != "step"})
+            metrics.write(m)
+        return m
+
+    def _finish(self, last: dict[str, Any], wall: float) -> None:
+        hashes: list[str | None] = [None] * self.world
+        dist.all_gather_object(hashes, param_sha256(self.trainer.model))
+        if self.rank == 0:
+            final = self.trainer.evaluate()
+            save_checkpoint(self.trainer.snapshot(), self.out / CHECKPOINT_DIR)
+            self.summary = {
+                "outcome": "completed" if math.isfinite(last.get("loss", 0.0)) else "crash",
+                "final_train_loss": last.get("loss"), "final_val_loss": final.get("val_loss"),
+                **{f"final_{k}": v for k, v in final.items() if k not in ("val_loss", "step")},
+                "param_sha256": hashes[0], "replica_sha256": hashes,
+                "replicas_identical": len(set(hashes)) == 1,
+                "steps": self.trainer.step, "world_size": self.world, "wall_seconds": round(wall, 4),
+            }
+        dist.barrier()  # every rank's injection log is complete
+        if self.rank == 0:
+            self._merge_injections()
+            write_json(self.out / "summary.json", self.summary)
+
+    def _merge_injections(self) -> None:
+        records = [r for k in range(self.world) for r in read_jsonl(self.out / f"injections.rank{k}.jsonl")]
+        records.sort(key=lambda r: (r["step"], r["micro_batch"] or 0, r["rank"]))
+        writer = JsonlWriter(self.out / "injections.jsonl")
+        writer.touch()
+        for r in records:
+            writer.write(r)
+        writer.close()
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    """gloo reports a dead peer as a plain RuntimeError from its transport."""
+    text = str(exc).lower()
+    return "gloo" in text or "connection" in text or "timed out" in text or "peer" in text
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sdcscope.engine.ddp",
+                                description="Data-parallel training of a reference workload (run under torchrun).")
+    p.add_argument("--out", required=True, type=Path, help="New run directory.")
+    p.add_argument("--workload", default="gpt")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus", default=None)
+    p.add_argument("--max-corpus-bytes", type=int, default=4_000_000)
+    p.add_argument("--batch-size", type=int, default=None, help="Per rank and micro-batch.")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--faults", type=Path, default=None, help="YAML/JSON list of fault specs (with ranks).")
+    p.add_argument("--backend", default=None, choices=BACKENDS)
+    p.add_argument("--timeout", type=float, default=300.0, help="Rendezvous/collective timeout, seconds.")
+    p.add_argument("--no-crossrank", action="store_true",
+                   help="Train without cross-rank detection, localization and quarantine.")
+    p.add_argument("--hash-every", type=int, default=10, help="Replica hash check every N steps (0: off).")
+    return p
+
+
+@dataclass
+class Job:
+    """A validated distributed job (what every rank runs)."""
+
+    out: Path
+    steps: int
+    workload: WorkloadConfig
+    train: TrainConfig
+    dist: DistConfig
+    specs: list[FaultSpec]
+    crossrank: bool
+    hash_every: int
+
+
+def parse_job(argv: Sequence[str], world_size: int) -> Job:
+    """Parse and validate; raises ValueError/FileNotFoundError before anything is started."""
+    try:
+        a = build_parser().parse_args(list(argv))
+    except SystemExit as exc:
+        raise ValueError(f"bad arguments for sdcscope.engine.ddp: {' '.join(argv)}") from exc
+    if a.steps < 0:
+        raise ValueError(f"--steps {a.steps} must be >= 0")
+    if a.hash_every < 0:
+        raise ValueError(f"--hash-every {a.hash_every} must be >= 0")
+    if a.faults is not None and not a.faults.is_file():
+        raise FileNotFoundError(f"--faults {str(a.faults)!r} does not exist")
+    specs = load_specs(a.faults) if a.faults is not None else []
+    for i, s in enumerate(specs):
+        if s.rank is not None and s.rank >= world_size:
+            raise ValueError(f"fault spec #{i}: rank {s.rank} does not exist; allowed: 0..{world_size - 1}")
+    check_new_run_dir(a.out)
+    return Job(out=a.out, steps=a.steps,
+               workload=WorkloadConfig(workload=a.workload, preset=a.preset, batch_size=a.batch_size, lr=a.lr,
+                                       corpus=a.corpus, max_corpus_bytes=a.max_corpus_bytes),
+               train=TrainConfig(seed=a.seed, grad_accum=a.grad_accum, eval_every=a.eval_every),
+               dist=DistConfig(backend=a.backend, timeout_s=a.timeout), specs=specs,
+               crossrank=not a.no_crossrank, hash_every=a.hash_every)
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Run ``job`` on this rank (the process group must be initialized)."""
+    run = DDPRun(job.out, job.workload, job.train, specs=job.specs, dist_config=job.dist,
+                 extra_config={"crossrank": job.crossrank, "hash_every": job.hash_every})
+    callbacks = []
+    if job.crossrank:
+        # The entry point is a composition root: it may reach right in the room order.
+        from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
+
+        callbacks.append(RankGuard(run.trainer.ddp, run.trainer.optimizer, run_dir=job.out,
+                                   config=RankGuardConfig(hash_every=job.hash_every)))
+    return run.train(job.steps, callbacks=callbacks)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m sdcscope.engine.ddp ...`` on every rank; exit code 0, 1 (world) or 2 (usage)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        job = parse_job(argv, int(os.environ.get("WORLD_SIZE", "1")))
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rank, _ = init_distributed(job.dist)
+    except DistributedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        summary = run_job(job)
+        if rank == 0:
+            print(f"{summary['outcome']} after {summary['steps']} steps on {summary['world_size']} ranks: "
+                  f"train loss {summary['final_train_loss']:.4f}, val loss {summary['final_val_loss']:.4f}, "
+                  f"replicas identical: {summary['replicas_identical']}; run directory: {job.out}")
+        return 0
+    except DistributedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, argv: Sequence[str]) -> int:
+    """Validate ``argv`` here, then run ``python -m sdcscope.engine.ddp argv`` on ``nproc`` local
+    ranks through torchrun; return its exit code (0 when every rank succeeded)."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r} must be an integer >= 1")
+    parse_job(argv, nproc)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           "-m", "sdcscope.engine.ddp", *argv]
+    return subprocess.run(cmd, check=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

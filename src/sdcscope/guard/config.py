@@ -1,0 +1,101 @@
+"""``GuardConfig``: every knob of the guard, with defaults a user would choose, loadable from YAML."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import yaml
+
+from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
+from sdcscope.detect.state import StateChecksumConfig
+from sdcscope.mitigate import LRBackoffConfig, PolicyConfig, SnapshotConfig, ZClipConfig
+from sdcscope.observe import MetricsConfig
+
+_NESTED = {
+    "metrics": MetricsConfig, "nonfinite": NonFiniteConfig, "loss_spike": SpikeConfig,
+    "grad_spike": SpikeConfig, "abft": ABFTConfig, "state_checksum": StateChecksumConfig,
+    "snapshots": SnapshotConfig, "lr_backoff": LRBackoffConfig, "zclip": ZClipConfig,
+    "policy": PolicyConfig,
+}
+
+
+@dataclass(kw_only=True)
+class GuardConfig:
+    """A section set to ``None`` (``null`` in YAML) is switched off."""
+
+    metrics: MetricsConfig | None = field(default_factory=MetricsConfig)
+    nonfinite: NonFiniteConfig | None = field(default_factory=NonFiniteConfig)
+    loss_spike: SpikeConfig | None = field(default_factory=SpikeConfig.loss)
+    grad_spike: SpikeConfig | None = field(default_factory=SpikeConfig.grad_norm)
+    abft: ABFTConfig | None = field(default_factory=ABFTConfig)
+    """Checksums of every Linear and attention product, forward, dX and dW, every step; set
+    ``budget`` (e.g. 0.02) to sample layers and steps to an overhead budget."""
+    state_checksum: StateChecksumConfig | None = field(default_factory=StateChecksumConfig)
+    replay: bool = True
+    """Re-execute a step that raised a detection, from the pre-step state with the same data and
+    RNG: a result that differs was a transient fault (the clean re-run is used), one that repeats
+    is a data/optimization effect or a persistent fault."""
+    snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
+    lr_backoff: LRBackoffConfig = field(default_factory=LRBackoffConfig)
+    zclip: ZClipConfig | None = None
+    """Adaptive gradient clipping on every step (off by default: the engine clips at 1.0)."""
+    qk_clip: float | None = None
+    """Max attention logit above which W_q, W_k of that layer are rescaled (QK-clip); None: off."""
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    strict: bool = False
+    """Re-raise the guard's own internal errors instead of reporting them as events."""
+
+    def __post_init__(self) -> None:
+        for name, cls in _NESTED.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, _build(cls, value, name))
+            elif value is not None and not isinstance(value, cls):
+                raise TypeError(f"guard {name} must be a mapping or {cls.__name__}, got {value!r}")
+        for name in ("snapshots", "lr_backoff", "policy"):
+            if getattr(self, name) is None:
+                raise ValueError(f"guard {name} cannot be null")
+        if self.qk_clip is not None and not (isinstance(self.qk_clip, (int, float)) and self.qk_clip > 0):
+            raise ValueError(f"guard qk_clip={self.qk_clip!r} must be a positive number or null")
+        for name in ("replay", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"guard {name}={getattr(self, name)!r} must be true or false")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "GuardConfig":
+        return _build(cls, data or {}, "guard config")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "GuardConfig":
+        """From a YAML/JSON file; errors name the file and the bad key or value."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"guard config {str(path)!r} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"malformed YAML in {str(path)!r}: {exc}") from None
+        if data is not None and not isinstance(data, dict):
+            raise ValueError(f"guard config {str(path)!r} must hold a mapping, got {data!r}")
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"guard config {str(path)!r}: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _build(cls, data: dict[str, Any], what: str):
+    if not isinstance(data, dict):
+        raise TypeError(f"{what} must be a mapping, got {data!r}")
+    names = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown {what} key {key!r}{hint}; allowed: {', '.join(names)}")
+    return cls(**data)

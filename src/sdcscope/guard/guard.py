@@ -1,0 +1,356 @@
+"""The Guard: observe, detect and mitigate SDC inside any PyTorch training loop.
+
+Plain loop::
+
+    guard = Guard(model, optimizer, GuardConfig(), run_dir="run", loss_fn=loss_fn).attach()
+    for step, batch in enumerate(batches):
+        optimizer.zero_grad()
+        with guard.step(step, batch):
+            loss = loss_fn(model, batch)
+            loss.backward()
+        guard.optimizer_step(loss)        # checks, maybe replays, then steps (or not)
+
+Engine: ``trainer.add_callback(guard.callback())``.
+
+Per step: the weights and optimizer state are verified against their checksums before the
+forward pass; after backward, non-finite values, ABFT checksums of every GEMM and loss /
+gradient-norm spikes are checked before the optimizer may step. A detection triggers a replay
+of the step from the pre-step state with the same data and RNG: a different result proves a
+transient fault (the clean re-run is kept: *recompute*), the same result points at the data or
+a persistent fault. The policy table then picks the actions. Every finding is an event in
+``events.jsonl``. The guard's own failures become events too, never a crashed run (unless
+``strict``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdcscope._io import JsonlWriter
+from sdcscope.detect import ABFTDetector, Event, NonFiniteDetector, SpikeDetector
+from sdcscope.detect.state import StateChecksum
+from sdcscope.inject import reexecution
+from sdcscope.mitigate import LRBackoff, SnapshotRing, ZClip, qk_clip_
+from sdcscope.observe import Metrics
+from sdcscope.guard.config import GuardConfig
+
+PRIORITY = ("rollback", "veto", "recompute", "skip_batch", "lr_backoff", "qk_clip", "report", "none")
+
+
+class Guard:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: GuardConfig | None = None,
+                 *, run_dir: str | Path | None = None,
+                 loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+                 rank: int | None = None) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.config = c = config or GuardConfig()
+        self.loss_fn, self.rank = loss_fn, rank
+        self.metrics = Metrics(model, optimizer, c.metrics) if c.metrics else None
+        self.nonfinite = NonFiniteDetector(model, c.nonfinite, rank=rank) if c.nonfinite else None
+        self.loss_spike = SpikeDetector(c.loss_spike, rank=rank) if c.loss_spike else None
+        self.grad_spike = SpikeDetector(c.grad_spike, rank=rank) if c.grad_spike else None
+        self.abft = ABFTDetector(model, c.abft, rank=rank) if c.abft else None
+        self.state = StateChecksum(model, optimizer, c.state_checksum, rank=rank) if c.state_checksum else None
+        self.ring = SnapshotRing(c.snapshots)
+        self.backoff = LRBackoff(c.lr_backoff)
+        self.zclip = ZClip(c.zclip) if c.zclip else None
+        self.events: list[dict[str, Any]] = []
+        self.skip_batches: set[int] = set()
+        self.rolled_back_to: int | None = None
+        self._writer = JsonlWriter(Path(run_dir) / "events.jsonl") if run_dir is not None else None
+        self._step, self._batch, self._rng = 0, None, None
+        self._pending: list[Event] = []
+        self._step_events = 0
+        self._attached = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def attach(self) -> "Guard":
+        if not self._attached:
+            for part in (self.metrics, self.abft):
+                if part is not None:
+                    part.attach()
+            self._attached = True
+        return self
+
+    def detach(self) -> None:
+        for part in (self.metrics, self.abft):
+            if part is not None:
+                part.detach()
+        self._attached = False
+
+    def close(self) -> None:
+        self.detach()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self._writer is not None:
+            self._writer.close()
+
+    def __enter__(self) -> "Guard":
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def callback(self) -> "GuardCallback":
+        self.attach()
+        return GuardCallback(self)
+
+    # -- the per-step protocol ---------------------------------------------------------------
+    def begin(self, step: int, batch: Any = None, *, snapshot: Callable[[], None] | None = None) -> None:
+        """Before the forward pass: remember RNG and batch; verify the state checksums."""
+        self._step, self._batch, self._rng = step, batch, torch.get_rng_state()
+        self._step_events = 0
+        self.rolled_back_to = None
+        if len(self.ring) == 0:
+            (snapshot or (lambda: self.ring.take(self.model, self.optimizer, step, step)))()
+        self._pending = self._safe(lambda: self.state.verify(step), "state_checksum") \
+            if self.state is not None and self.state.due(step) else []
+        for part in (self.abft, self.metrics):
+            if part is not None:
+                self._safe(lambda p=part: p.begin_step(step), type(part).__name__)
+
+    @contextlib.contextmanager
+    def step(self, step: int, batch: Any = None) -> Iterator["Guard"]:
+        self.begin(step, batch)
+        yield self
+
+    def optimizer_step(self, loss: torch.Tensor | float | None = None) -> bool:
+        """Check, mitigate, then call ``optimizer.step()`` unless vetoed; True when it stepped.
+
+        After a rollback the model and optimizer hold the snapshot of step
+        :attr:`rolled_back_to`; the caller's loop should continue from there and skip the
+        batches in :attr:`skip_batches`.
+        """
+        rerun = self._rerun_plain if self.loss_fn is not None and self._batch is not None else None
+        actions, loss = self.decide(loss, rerun)
+        if "rollback" in actions:
+            state = self.ring.restore_latest(self.model, self.optimizer)
+            self.rolled_back_to = state.step
+            self._after_update(applied=False)
+            return False
+        if "veto" in actions:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._after_update(applied=False)
+            return False
+        self.before_update()
+        scale = self.backoff.scale(self._step)
+        groups = self.optimizer.param_groups
+        for g in groups:
+            g["lr"] *= scale
+        self.optimizer.step()
+        for g in groups:
+            g["lr"] /= scale
+        self._after_update(applied=True, loss=loss)
+        return True
+
+    def _rerun_plain(self) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model, self._batch)
+        loss.backward()
+        return loss.detach()
+
+    # -- decisions ---------------------------------------------------------------------------
+    def decide(self, loss, rerun: Callable[[], torch.Tensor] | None) -> tuple[list[str], Any]:
+        """Run the detectors on the finished backward pass; replay if any fired; return the
+        actions of the policy (most decisive first) and the loss to report."""
+        step = self._step
+        events = list(self._pending)
+        if events:  # the step ran on corrupted state: its results are void, drain the detectors
+            if self.abft is not None:
+                self._safe(lambda: self.abft.check(step), "abft")
+        else:
+            events = self._detect(step, loss)
+        if not events:
+            return [], loss
+        replay = {}
+        needs_replay = any(e.detector != "state_checksum" for e in events)
+        if needs_replay and self.config.replay and rerun is not None:
+            replay, loss = self._replay(step, loss, rerun)
+        actions: list[str] = []
+        for e in events:
+            finding = e.verdict
+            if e.detector != "state_checksum":
+                e.verdict = replay.get("verdict", "unverified")
+                e.evidence = {**e.evidence, "finding": finding,
+                              **({"replay": replay} if replay else {})}
+            chosen = self.config.policy.actions_for(e.detector, e.verdict)
+            e.action = ", ".join(chosen)
+            actions += [a for a in chosen if a not in actions]
+        if "rollback" in actions and self.ring.latest() is None:
+            actions.remove("rollback")
+            actions.insert(0, "veto")
+        if "lr_backoff" in actions:
+            self.backoff.trigger(step)
+        if "skip_batch" in actions:
+            self.skip_batches.add(step)
+        for e in events:
+            self._emit(e)
+        return sorted(actions, key=PRIORITY.index), loss
+
+    def _detect(self, step: int, loss) -> list[Event]:
+        events: list[Event] = []
+        if self.nonfinite is not None:
+            events += self._safe(lambda: self.nonfinite.check(step, loss), "nonfinite")
+        if self.abft is not None:
+            events += self._safe(lambda: self.abft.check(step), "abft")
+        if self.loss_spike is not None or self.grad_spike is not None:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            parts = [torch.as_tensor(loss if loss is not None else math.nan, dtype=torch.float32).reshape(1)]
+            if grads:
+                parts.append(torch.nn.utils.get_total_norm(grads, foreach=True).float().reshape(1).cpu())
+            values = torch.cat([p.detach().cpu() for p in parts]).tolist()
+            if self.loss_spike is not None and loss is not None:
+                events += self._safe(lambda: self.loss_spike.check(step, values[0]), "spike")
+            if self.grad_spike is not None and len(values) > 1:
+                events += self._safe(lambda: self.grad_spike.check(step, values[1]), "spike")
+        return events
+
+    def _replay(self, step: int, loss, rerun) -> tuple[dict[str, Any], Any]:
+        """Re-execute the step from the pre-step state (same data, same RNG) and compare."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
+        first_grads = {n: p.grad.detach().clone() for n, p in named}
+        first_loss = float(loss) if loss is not None else math.nan
+        after_rng = torch.get_rng_state()
+        torch.set_rng_state(self._rng)
+        try:
+            with reexecution():
+                new_loss = rerun()
+            again = []
+            if self.nonfinite is not None:
+                again += self.nonfinite.check(step, new_loss)
+            if self.abft is not None:
+                again += self.abft.check(step)
+        except Exception as exc:  # the replay itself failed: report, decide without it
+            torch.set_rng_state(after_rng)
+            self._internal_error("replay", exc)
+            return {"verdict": "unverified", "error": repr(exc)}, loss
+        new_value = float(new_loss)
+        differs = [n for n, p in self.model.named_parameters()
+                   if n in first_grads and (p.grad is None or not torch.equal(p.grad, first_grads[n]))]
+        loss_differs = not (new_value == first_loss or (math.isnan(new_value) and math.isnan(first_loss)))
+        transient = (differs or loss_differs) and not again
+        result = {"verdict": "transient" if transient else "reproducible",
+                  "loss_first": first_loss, "loss_replay": new_value,
+                  "first_differing_grad": differs[0] if differs else None,
+                  "differing_grads": len(differs), "replay_detections": len(again)}
+        if not transient:
+            if again and (differs or loss_differs):
+                result["evidence"] = "the fault acted again on re-execution: a persistent fault"
+            elif any(e.detector == "spike" for e in again) or not again:
+                result["evidence"] = "identical re-execution: the data or the optimization, not the hardware"
+        return result, new_loss
+
+    # -- after the update --------------------------------------------------------------------
+    def before_update(self) -> None:
+        """Metrics that need the gradients the optimizer is about to use; ZClip."""
+        if self.zclip is not None:
+            self._safe(lambda: self.zclip.clip_(self.model.parameters()), "zclip")
+        if self.metrics is not None:
+            self._safe(self.metrics.after_backward, "metrics")
+            self._safe(self.metrics.before_optimizer_step, "metrics")
+
+    def _after_update(self, *, applied: bool, loss=None, snapshot: Callable[[], None] | None = None) -> dict:
+        row: dict[str, Any] = {}
+        step = self._step
+        if applied and self.metrics is not None:
+            self._safe(self.metrics.after_optimizer_step, "metrics")
+            row = self._safe(lambda: self.metrics.collect(step, loss), "metrics", default={})
+            if self.config.qk_clip is not None:
+                self._qk_clip(step, row)
+        if self.state is not None:
+            self._safe(self.state.record, "state_checksum")
+        if applied and self._step_events == 0 and self.ring.due(step + 1):
+            (snapshot or (lambda: self.ring.take(self.model, self.optimizer, step + 1, step + 1)))()
+        return row
+
+    def _qk_clip(self, step: int, row: dict) -> None:
+        modules = dict(self.model.named_modules())
+        for key, value in row.items():
+            if not key.startswith("attn/max_logit_bound/"):
+                continue
+            layer = key.split("/", 2)[2]
+            q, k = modules.get(f"{layer}.q_proj"), modules.get(f"{layer}.k_proj")
+            if q is not None and k is not None:
+                gamma = qk_clip_(q, k, value, self.config.qk_clip)
+                if gamma < 1.0:
+                    self._emit(Event(step, "attention_logit", "high", module=layer, rank=self.rank,
+                                     evidence={"max_logit_bound": value, "threshold": self.config.qk_clip,
+                                               "scale": gamma}, action="qk_clip"))
+
+    # -- events and failures -----------------------------------------------------------------
+    def _emit(self, event: Event) -> None:
+        record = event.to_dict()
+        self.events.append(record)
+        self._step_events += 1
+        if self._writer is not None:
+            self._writer.write(record)
+
+    def _internal_error(self, where: str, exc: BaseException) -> None:
+        if self.config.strict:
+            raise exc
+        self._emit(Event(self._step, "guard", "internal_error", rank=self.rank,
+                         evidence={"where": where, "error": repr(exc),
+                                   "trace": traceback.format_exc(limit=3)}, action="report"))
+
+    def _safe(self, fn: Callable[[], Any], where: str, default: Any = None):
+        try:
+            return fn()
+        except Exception as exc:
+            self._internal_error(where, exc)
+            return [] if default is None else default
+
+
+class GuardCallback:
+    """Engine callback: the guard's protocol mapped onto the trainer's callback points."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+
+    def _snapshot(self, trainer) -> Callable[[], None]:
+        return lambda: self.guard.ring.take(trainer.model, trainer.optimizer, trainer.step, trainer.data_pos,
+                                            trainer.lr_scale, {"skip_data": sorted(trainer.skip_data)})
+
+    def before_step(self, ctx) -> None:
+        self.guard.begin(ctx.step, ctx.data_pos, snapshot=self._snapshot(ctx.trainer))
+
+    def before_optimizer_step(self, ctx) -> None:
+        g, trainer = self.guard, ctx.trainer
+
+        def rerun() -> torch.Tensor:
+            return trainer.forward_backward(ctx)
+
+        actions, ctx.step_loss = g.decide(ctx.step_loss, rerun)
+        if "skip_batch" in actions:
+            trainer.skip_data.add(ctx.data_pos)
+        if "rollback" in actions:
+            skip = set(trainer.skip_data)
+            trainer.restore(g.ring.latest())
+            trainer.skip_data |= skip
+            g.rolled_back_to = trainer.step
+            ctx.restored = True
+            g._after_update(applied=False)
+            return
+        if "veto" in actions:
+            ctx.skip_update = True
+            return
+        g.before_update()
+        scale = g.backoff.scale(ctx.step)
+        for group in trainer.optimizer.param_groups:
+            group["lr"] *= scale
+
+    def after_step(self, ctx) -> None:
+        if ctx.restored:
+            return
+        row = self.guard._after_update(applied=not ctx.skip_update, loss=ctx.step_loss,
+                                       snapshot=self._snapshot(ctx.trainer))
+        for key, value in row.items():
+            ctx.metrics.setdefault(key, value)
+        ctx.metrics["events"] = self.guard._step_events

@@ -1,0 +1,153 @@
+"""Site ``comm``: corrupt a DDP gradient bucket on one rank, before or after the all-reduce.
+
+A :class:`CommInjector` is a stage of the engine's DDP communication hook
+(:class:`sdcscope.engine.ddp.BucketHook`; it only needs ``before_reduce(view)`` and
+``after_reduce(view)``), so this module imports nothing from the engine.
+
+- **phase** ``before`` (the default): the rank's outgoing bucket is corrupted; the all-reduce
+  then copies the corruption into *every* replica, which stay equal to one another
+  (style_ecosystem.md B4): only pre-reduction signatures or replay can find the rank.
+- **phase** ``after``: the reduced bucket is corrupted on that rank only, so its replica leaves
+  the others (a replica hash check, or a post-reduction checksum, sees it).
+
+The phase is ``FaultSpec.phase`` when that field exists, else a suffix on the target:
+``target: "blocks.0.mlp.fc.weight@after"``. Targets match, in each bucket, the qualified
+parameter names (the fault lands in that parameter's slice of the bucket) and ``bucket.{i}``
+(the whole flat bucket ``i``; DDP may re-order buckets after the first step, so prefer
+parameter names). Whether a fault fires is :func:`sdcscope.faults.fires` of (spec, step, no
+micro-batch, name, rank): the hook runs once per step, on the last micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Iterable, Sequence
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdcscope._io import JsonlWriter
+from sdcscope.faults import FaultSpec, apply_spec, fault_generator, fires
+
+PHASES = ("before", "after")
+MAX_RECORDED = 64
+
+
+def comm_phase(spec: FaultSpec) -> tuple[FaultSpec, str]:
+    """``(spec with plain targets, phase)`` of a ``comm`` spec (see the module docstring)."""
+    field = getattr(spec, "phase", None)
+    phases, targets = set(), []
+    for t in spec.target:
+        base, sep, suffix = t.rpartition("@")
+        if sep and suffix in PHASES:
+            phases.add(suffix)
+            targets.append(base)
+        elif sep:
+            raise ValueError(f"comm target {t!r}: unknown phase {suffix!r}; allowed: {', '.join(PHASES)}")
+        else:
+            targets.append(t)
+    if field is not None:
+        phases.add(field)
+    if len(phases) > 1:
+        raise ValueError(f"comm spec on {list(spec.target)} names several phases {sorted(phases)}; "
+                         "use one spec per phase")
+    phase = phases.pop() if phases else "before"
+    if phase not in PHASES:
+        raise ValueError(f"unknown comm phase {phase!r}; allowed: {', '.join(PHASES)}")
+    return dataclasses.replace(spec, target=tuple(targets)), phase
+
+
+def _check_targets(spec: FaultSpec, names: list[str]) -> None:
+    for pattern in spec.target:
+        if pattern.startswith("bucket.") or any(fnmatchcase(n, pattern) for n in names):
+            continue
+        close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
+        hint = f"; close names: {', '.join(close)}" if close else ""
+        raise ValueError(f"comm target {pattern!r} matches no parameter and no 'bucket.<i>'{hint}")
+
+
+class CommInjector:
+    """Comm-site faults of one rank, as a bucket-hook stage; logs every fired fault.
+
+    ``spec_ids``: the index of each spec in the world's spec list, as recorded (default 0..n-1).
+    """
+
+    def __init__(self, model: nn.Module, specs: Iterable[FaultSpec], *, rank: int = 0, world_size: int = 1,
+                 log: str | Path | Callable[[dict], None] | None = None,
+                 spec_ids: Sequence[int] | None = None) -> None:
+        names = [n for n, _ in model.named_parameters()]
+        self.rank = rank
+        self.specs: list[tuple[int, FaultSpec, str]] = []
+        specs = list(specs)
+        ids = list(range(len(specs))) if spec_ids is None else list(spec_ids)
+        for i, spec in zip(ids, specs):
+            try:
+                if spec.site != "comm":
+                    raise ValueError(f"site {spec.site!r} is not 'comm'; use sdcscope.inject.Injector")
+                if spec.rank is not None and spec.rank >= world_size:
+                    raise ValueError(f"rank {spec.rank} does not exist; allowed: 0..{world_size - 1}")
+                plain, phase = comm_phase(spec)
+                _check_targets(plain, names)
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"fault spec #{i} (comm on {', '.join(spec.target)}): {exc}") from None
+            if spec.rank is None or spec.rank == rank:
+                self.specs.append((i, plain, phase))
+        self.step = 0
+        self.armed = True
+        self.records: list[dict[str, Any]] = []
+        self._file = JsonlWriter(log) if isinstance(log, (str, Path)) else None
+        self._sink = log if callable(log) else None
+
+    def set_position(self, step: int) -> None:
+        self.step = step
+
+    def callback(self) -> "CommInjectorCallback":
+        return CommInjectorCallback(self)
+
+    def before_reduce(self, view) -> None:
+        self._apply(view, "before")
+
+    def after_reduce(self, view) -> None:
+        self._apply(view, "after")
+
+    def _apply(self, view, phase: str) -> None:
+        if not self.armed:
+            return
+        for i, spec, spec_phase in self.specs:
+            if spec_phase != phase or not spec.schedule.covers(self.step):
+                continue
+            for name, tensor in ((f"bucket.{view.index}", view.buffer), *zip(view.names, view.grads)):
+                if fires(spec, self.step, None, name, self.rank):
+                    gen = fault_generator(spec, self.step, None, name, self.rank)
+                    self._record(i, spec, name, phase, apply_spec(spec, tensor, gen))
+
+    def _record(self, i: int, spec: FaultSpec, name: str, phase: str, result) -> None:
+        values = result.to_dict()
+        record = {"step": self.step, "micro_batch": None, "rank": self.rank, "site": "comm", "phase": phase,
+                  "module": name, "spec": i, "model": spec.model,
+                  "bits": list(spec.bits) if spec.bits else None, "count": len(values["index"]),
+                  **{k: v[:MAX_RECORDED] for k, v in values.items()}}
+        self.records.append(record)
+        if self._file is not None:
+            self._file.write(record)
+        if self._sink is not None:
+            self._sink(record)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class CommInjectorCallback:
+    """Engine callback that keeps the comm injector's step current."""
+
+    def __init__(self, injector: CommInjector) -> None:
+        self.injector = injector
+
+    def before_step(self, ctx) -> None:
+        self.injector.set_position(ctx.step)

@@ -1,0 +1,119 @@
+"""Gradient- and parameter-level mitigations applied in the job: ZClip, LR backoff, QK-clip."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sdcscope._validate import check_non_negative, check_positive
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low < value < high:
+        raise ValueError(f"{name}={value!r} must be in ({low}, {high})")
+
+
+@dataclass(kw_only=True)
+class ZClipConfig:
+    """ZClip (Kumar et al. 2025): clip the gradient norm when its z-score against an EMA exceeds
+    ``z_threshold``; defaults from the paper's reference code."""
+
+    alpha: float = 0.97
+    z_threshold: float = 2.5
+    warmup: int = 25
+    max_grad_norm: float = 1.0
+    """Hard cap also applied (standard clipping during warm-up, ``min(adaptive, cap)`` after)."""
+
+    def __post_init__(self) -> None:
+        _check_range("zclip alpha", self.alpha, 0.0, 1.0)
+        if not self.z_threshold > 0 or not self.max_grad_norm > 0:
+            raise ValueError("zclip z_threshold and max_grad_norm must be > 0")
+        check_non_negative("zclip warmup", self.warmup)
+
+
+class ZClip:
+    """Adaptive gradient clipping: one fused norm, one host sync per step."""
+
+    def __init__(self, config: ZClipConfig | None = None) -> None:
+        self.config = config or ZClipConfig()
+        self.mean: float | None = None
+        self.var = 0.0
+        self.seen: list[float] = []
+
+    def limit(self, norm: float) -> float:
+        """The clipping threshold for a gradient of this norm (and update the statistics)."""
+        c = self.config
+        if self.mean is None or len(self.seen) < c.warmup:
+            self.seen.append(min(norm, c.max_grad_norm))
+            if len(self.seen) >= max(c.warmup, 1):
+                self.mean = sum(self.seen) / len(self.seen)
+                self.var = sum((x - self.mean) ** 2 for x in self.seen) / len(self.seen)
+            return c.max_grad_norm
+        std = math.sqrt(self.var)
+        z = (norm - self.mean) / (std + 1e-12)
+        limit = self.mean + c.z_threshold ** 2 * std / z if z > c.z_threshold else norm
+        limit = min(limit, c.max_grad_norm)
+        clipped = min(norm, limit)
+        self.mean = c.alpha * self.mean + (1 - c.alpha) * clipped
+        self.var = c.alpha * self.var + (1 - c.alpha) * (clipped - self.mean) ** 2
+        return limit
+
+    @torch.no_grad()
+    def clip_(self, parameters, norm: float | None = None) -> tuple[float, float]:
+        """Clip gradients in place; returns (norm before, limit used)."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if norm is None:
+            norm = float(torch.nn.utils.get_total_norm(grads, foreach=True))
+        limit = self.limit(norm)
+        if math.isfinite(norm) and norm > limit:
+            torch._foreach_mul_(grads, limit / (norm + 1e-6))
+        return norm, limit
+
+
+@dataclass(kw_only=True)
+class LRBackoffConfig:
+    factor: float = 0.5
+    """Multiply the learning rate by this on a backoff (OPT/PaLM practice: 10–50 %)."""
+    recover_steps: int = 100
+    """Steps over which the scale returns linearly to 1."""
+
+    def __post_init__(self) -> None:
+        _check_range("lr backoff factor", self.factor, 0.0, 1.0)
+        check_positive("lr backoff recover_steps", self.recover_steps)
+
+
+class LRBackoff:
+    """A learning-rate scale that drops on a backoff and recovers linearly."""
+
+    def __init__(self, config: LRBackoffConfig | None = None) -> None:
+        self.config = config or LRBackoffConfig()
+        self._since: int | None = None
+        self._floor = 1.0
+
+    def trigger(self, step: int) -> None:
+        self._floor = self.scale(step) * self.config.factor
+        self._since = step
+
+    def scale(self, step: int) -> float:
+        if self._since is None:
+            return 1.0
+        t = min(1.0, (step - self._since) / self.config.recover_steps)
+        return self._floor + (1.0 - self._floor) * t
+
+
+@torch.no_grad()
+def qk_clip_(q_proj: nn.Linear, k_proj: nn.Linear, max_logit: float, threshold: float) -> float:
+    """QK-clip (MuonClip-style): when a layer's max attention logit exceeds ``threshold``,
+    scale W_q and W_k (and biases) by sqrt(threshold / max_logit), so q·k shrinks by exactly
+    that ratio. Returns the factor applied (1.0: nothing done)."""
+    if not (math.isfinite(max_logit) and max_logit > threshold > 0):
+        return 1.0
+    gamma = math.sqrt(threshold / max_logit)
+    for lin in (q_proj, k_proj):
+        lin.weight.mul_(gamma)
+        if lin.bias is not None:
+            lin.bias.mul_(gamma)
+    return gamma
