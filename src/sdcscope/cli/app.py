@@ -27,7 +27,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """sdcscope: silent data corruption in LLM training."""
 
 
-from sdcscope.cli import inject_cmd, train_cmd  # noqa: E402,F401  (registers commands)
+from sdcscope.cli import demo_cmd, inject_cmd, train_cmd  # noqa: E402,F401  (registers commands)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ import typer
 
 from sdcscope.cli.app import app
 from sdcscope.cli.common import out_console, step_progress, user_errors
+from sdcscope.cli.guard_opts import GUARD_CONFIG_OPT, GUARD_OPT, guard_config
 from sdcscope.cli.train_cmd import PRESET_OPT, SEED_OPT, STEPS_OPT, WORKLOAD_OPT, build_configs, check_steps
 
 
@@ -19,10 +20,22 @@ def print_comparison(out: Path, c: dict) -> None:
     out_console.print(
         f"[bold]{c['outcome']}[/]: {c['injections']} fault(s) fired; first divergence at step "
         f"{c['first_divergence_step']}; final parameter distance (rel. L2) {size}; "
-        f"val loss {c['val_loss_golden']:.4f} → {vf if not isinstance(vf, float) else format(vf, '.4f')} "
+        f"val loss {_fmt(c['val_loss_golden'])} → {_fmt(vf)} "
         f"(Δ {val if val is None else format(val, '+.4g')})"
     )
-    out_console.print(f"runs: {out / 'golden'}, {out / 'faulty'}; comparison: {out / 'comparison.json'}")
+    if "guarded" in c:
+        g = c["guarded"]
+        out_console.print(f"[bold]guarded[/]: {len(g['events'])} event(s); outcome vs golden {g['outcome']}; "
+                          f"val loss {_fmt(g['val_loss_faulty'])} (golden {_fmt(c['val_loss_golden'])})")
+        for e in g["events"][:5]:
+            out_console.print(f"  step {e['step']}: {e['detector']} {e['verdict']} "
+                              f"{e.get('module') or ''} {e.get('gemm') or ''} → {e['action']}")
+    runs = ", ".join(str(out / r) for r in ("golden", "faulty", "guarded") if (out / r).is_dir())
+    out_console.print(f"runs: {runs}; comparison: {out / 'comparison.json'}")
+
+
+def _fmt(value) -> str:
+    return format(value, ".4f") if isinstance(value, float) else str(value)
 
 
 @app.command()
@@ -37,6 +50,8 @@ def inject(
     batch_size: Optional[int] = typer.Option(None, "--batch-size"),
     lr: Optional[float] = typer.Option(None, "--lr"),
     grad_accum: int = typer.Option(1, "--grad-accum"),
+    guard: bool = GUARD_OPT,
+    guard_config_path: Optional[Path] = GUARD_CONFIG_OPT,
 ) -> None:
     """Run the golden and the faulty run and compare them."""
     with user_errors():
@@ -51,6 +66,6 @@ def inject(
             raise ValueError(f"--spec {str(spec)!r} holds no fault specs")
         wcfg, tcfg = build_configs(workload, preset, seed, corpus=corpus, batch_size=batch_size,
                                    lr=lr, grad_accum=grad_accum)
-        experiment = Experiment(out, wcfg, tcfg, specs)
+        experiment = Experiment(out, wcfg, tcfg, specs, guard=guard_config(guard, guard_config_path))
     comparison = experiment.run(steps, progress=lambda label, total: step_progress(total, label=label))
     print_comparison(out, comparison)

@@ -9,6 +9,7 @@ import typer
 
 from sdcscope.cli.app import app
 from sdcscope.cli.common import CLIError, out_console, step_progress, user_errors
+from sdcscope.cli.guard_opts import GUARD_CONFIG_OPT, GUARD_OPT, guard_config
 
 WORKLOAD_OPT = typer.Option("gpt", "--workload", "-w", help="Workload: gpt or cnn.")
 PRESET_OPT = typer.Option("tiny", "--preset", "-p", help="Model size: tiny, small or base.")
@@ -57,10 +58,13 @@ def train(
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
     eval_every: int = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at the end)."),
+    guard: bool = GUARD_OPT,
+    guard_config_path: Optional[Path] = GUARD_CONFIG_OPT,
 ) -> None:
     """Train a reference workload deterministically into a run directory."""
     with user_errors():
         check_steps(steps)
+        gcfg = guard_config(guard, guard_config_path)
         from sdcscope.engine import Run
 
         if resume is not None:
@@ -72,44 +76,18 @@ def train(
                 raise CLIError("--out DIR is required (or --resume DIR)")
             wcfg, tcfg = build_configs(workload, preset, seed, corpus=corpus, batch_size=batch_size,
                                        lr=lr, grad_accum=grad_accum, eval_every=eval_every)
-            run = Run(out, wcfg, tcfg)
+            run = Run(out, wcfg, tcfg, extra_config={"guard": None if gcfg is None else gcfg.to_dict()})
         if steps < run.trainer.step:
             raise CLIError(f"--steps {steps} is below the {run.trainer.step} steps the run already has")
+        callbacks = []
+        if gcfg is not None:
+            from sdcscope.guard import Guard
+
+            g = Guard(run.trainer.model, run.trainer.optimizer, gcfg, run_dir=run.out)
+            callbacks.append(g.callback())
     with step_progress(steps, run.trainer.step) as advance:
-        summary = run.train(steps, on_step=advance)
+        summary = run.train(steps, callbacks=callbacks, on_step=advance)
     print_summary(run.out, summary)
-
-
-DEMO_MARKER = "demo.json"
-
-
-def prepare_demo_dir(out: Path) -> None:
-    """The demo may replace its own earlier output, never anything else."""
-    import shutil
-
-    from sdcscope.engine import check_new_run_dir
-
-    if (out / DEMO_MARKER).is_file():
-        shutil.rmtree(out)
-    check_new_run_dir(out)
-
-
-@app.command()
-def demo(
-    out: Path = typer.Option(Path("runs/demo"), "--out", "-o", help="Where to write the demo's runs."),
-    steps: int = typer.Option(300, "--steps", "-n", help="Training steps."),
-) -> None:
-    """The main job on the default workload: train the tiny GPT on Python's own source."""
-    with user_errors():
-        check_steps(steps)
-        prepare_demo_dir(out)
-        from sdcscope.engine import Run, write_json
-
-        wcfg, tcfg = build_configs("gpt", "tiny", 0, eval_every=max(1, steps // 5))
-        run = Run(out / "train", wcfg, tcfg)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / DEMO_MARKER, {"command": "sdcscope demo", "steps": steps})
-    out_console.print(f"training the tiny byte-level GPT on {run.workload.describe()['corpus_source']} …")
-    with step_progress(steps) as advance:
-        summary = run.train(steps, on_step=advance)
-    print_summary(run.out, summary)
+    if gcfg is not None:
+        out_console.print(f"guard: {len(g.events)} event(s) in {run.out / 'events.jsonl'}")
+        g.close()

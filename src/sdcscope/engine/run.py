@@ -76,6 +76,8 @@ class Run:
         if resumed:
             metrics.truncate_after("step", self.trainer.step)
         metrics.touch()
+        for name in ("injections.jsonl", "events.jsonl"):  # part of the contract, even when empty
+            JsonlWriter(self.out / name).touch()
         t0 = time.perf_counter()
         outcome, last = "completed", {}
         eval_every = self.trainer.config.eval_every

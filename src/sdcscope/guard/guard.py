@@ -49,7 +49,9 @@ class Guard:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: GuardConfig | None = None,
                  *, run_dir: str | Path | None = None,
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                 rank: int | None = None) -> None:
+                 rank: int | None = None, on_event: Callable[[dict], None] | None = None) -> None:
+        """``run_dir``: events go to ``run_dir/events.jsonl``; ``on_event``: also (or instead)
+        to this callable; ``loss_fn(model, batch)``: lets a plain loop's step be replayed."""
         self.model, self.optimizer = model, optimizer
         self.config = c = config or GuardConfig()
         self.loss_fn, self.rank = loss_fn, rank
@@ -66,6 +68,7 @@ class Guard:
         self.skip_batches: set[int] = set()
         self.rolled_back_to: int | None = None
         self._writer = JsonlWriter(Path(run_dir) / "events.jsonl") if run_dir is not None else None
+        self._on_event = on_event
         self._step, self._batch, self._rng = 0, None, None
         self._pending: list[Event] = []
         self._step_events = 0
@@ -292,6 +295,8 @@ class Guard:
         self._step_events += 1
         if self._writer is not None:
             self._writer.write(record)
+        if self._on_event is not None:
+            self._on_event(record)
 
     def _internal_error(self, where: str, exc: BaseException) -> None:
         if self.config.strict:

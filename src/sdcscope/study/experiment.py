@@ -4,7 +4,7 @@ written as two run directories plus ``comparison.json``."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from sdcscope.engine import (
     save_checkpoint,
 )
 from sdcscope.faults import FaultSpec, fires
+from sdcscope.guard import Guard, GuardConfig
 from sdcscope.inject import Injector, corrupt_checkpoint_file
 from sdcscope.study.compare import compare_runs, write_comparison
 from sdcscope.workloads import WorkloadConfig
@@ -57,40 +58,68 @@ class Experiment:
     workload: WorkloadConfig
     train: TrainConfig
     specs: list[FaultSpec]
-    extra_callbacks: list[object] = field(default_factory=list)
+    guard: GuardConfig | None = None
+    """With a guard config a third run, ``guarded/``, repeats the faulty run under the Guard."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         check_new_run_dir(self.out)
-        faults = {"faults": [s.to_dict() for s in self.specs]}
+        faults = [s.to_dict() for s in self.specs]
         self.golden = Run(self.out / "golden", self.workload, self.train, extra_config={"faults": []})
-        self.faulty = Run(self.out / "faulty", self.workload, self.train, extra_config=faults)
-        t = self.faulty.trainer
-        self.injections = JsonlWriter(self.out / "faulty" / "injections.jsonl")
-        self.events = JsonlWriter(self.out / "faulty" / "events.jsonl")
-        self.injector = Injector(t.model, self.specs, t.optimizer, log=self.injections.write)
+        self.faulty = _FaultyRun(self.out / "faulty", self.workload, self.train, self.specs)
+        self.guarded = None
+        if self.guard is not None:
+            self.guarded = _FaultyRun(self.out / "guarded", self.workload, self.train, self.specs,
+                                      guard=self.guard)
+        self.config = {"faults": faults, "guard": None if self.guard is None else self.guard.to_dict()}
 
     def run(self, steps: int, progress: Callable[[str, int], Any] | None = None) -> dict[str, Any]:
         def bar(label: str):
             return progress(label, steps) if progress else _null_bar()
 
-        try:
-            with bar("golden") as advance:
-                self.golden.train(steps, on_step=advance)
-            for name in ("injections.jsonl", "events.jsonl"):
-                JsonlWriter(self.golden.out / name).touch()
-            self.injections.touch()
-            self.events.touch()
-            callbacks = [self.injector.callback(), *self.extra_callbacks,
-                         CheckpointFault(self.specs, self.faulty.out, self.injections, self.events)]
-            with self.injector, bar("faulty") as advance:
-                self.faulty.train(steps, callbacks=callbacks, on_step=advance)
-        finally:
-            self.injections.close()
-            self.events.close()
-        comparison = compare_runs(self.golden.out, self.faulty.out)
+        with bar("golden") as advance:
+            self.golden.train(steps, on_step=advance)
+        runs = [("faulty", self.faulty)] + ([("guarded", self.guarded)] if self.guarded else [])
+        for label, run in runs:
+            with bar(label) as advance:
+                run.train(steps, on_step=advance)
+        comparison = compare_runs(self.golden.out, self.faulty.run.out)
+        if self.guarded is not None:
+            comparison["guarded"] = compare_runs(self.golden.out, self.guarded.run.out)
+            comparison["guarded"]["events"] = self.guarded.guard.events
         write_comparison(self.out, comparison)
         return comparison
+
+
+class _FaultyRun:
+    """A run with the injector (and optionally the Guard) attached; writes injections/events."""
+
+    def __init__(self, out: Path, workload: WorkloadConfig, train: TrainConfig, specs: list[FaultSpec],
+                 guard: GuardConfig | None = None) -> None:
+        extra = {"faults": [s.to_dict() for s in specs], "guard": None if guard is None else guard.to_dict()}
+        self.run = Run(out, workload, train, extra_config=extra)
+        t = self.run.trainer
+        self.injections = JsonlWriter(out / "injections.jsonl")
+        self.events = JsonlWriter(out / "events.jsonl")
+        self.injector = Injector(t.model, specs, t.optimizer, log=self.injections.write)
+        self.specs = specs
+        self.guard = None
+        if guard is not None:
+            self.guard = Guard(t.model, t.optimizer, guard, rank=0, on_event=self.events.write)
+
+    def train(self, steps: int, on_step=None) -> dict[str, Any]:
+        callbacks = [self.injector.callback(),
+                     CheckpointFault(self.specs, self.run.out, self.injections, self.events)]
+        if self.guard is not None:
+            callbacks.append(self.guard.callback())
+        try:
+            with self.injector:
+                return self.run.train(steps, callbacks=callbacks, on_step=on_step)
+        finally:
+            if self.guard is not None:
+                self.guard.detach()
+            self.injections.close()
+            self.events.close()
 
 
 class _null_bar:

@@ -1,0 +1,96 @@
+"""``sdcscope campaign init|run|status``: fault-injection campaigns, resumable.
+
+    sdcscope campaign init runs/bits --spec examples/campaigns/gpt_bits.yaml
+    sdcscope campaign run runs/bits --workers 2      # again after a kill: resumes
+    sdcscope report runs/bits
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sdcscope.cli.app import app
+from sdcscope.cli.common import err_console, out_console, user_errors
+
+campaign_app = typer.Typer(help="Fault-injection campaigns: plan, run and resume, status.",
+                           no_args_is_help=True)
+app.add_typer(campaign_app, name="campaign")
+
+DIR_ARG = typer.Argument(..., help="Campaign directory (campaign.yaml, results.sqlite, golden/, report.html).")
+
+
+@contextlib.contextmanager
+def campaign_progress() -> Iterator:
+    """A rich progress bar per phase with ETA; quiet when stderr is not a terminal."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if not sys.stderr.isatty():
+        yield None
+        return
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), console=err_console, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total)
+            bar.update(tasks[phase], completed=done, total=total)
+
+        yield update
+
+
+def _print_counts(summary: dict) -> None:
+    outcomes = ", ".join(f"{k} {v}" for k, v in sorted(summary["outcomes"].items())) or "none yet"
+    ran = f" ({summary['ran']} run now)" if "ran" in summary else ""
+    out_console.print(f"{summary['done']}/{summary['trials']} trials done{ran}: {outcomes}")
+
+
+@campaign_app.command()
+def init(directory: Path = DIR_ARG,
+         spec: Path = typer.Option(..., "--spec", help="Campaign spec (YAML) to copy in as campaign.yaml.")) -> None:
+    """Validate a campaign spec and create its directory (nothing is written on an error)."""
+    with user_errors():
+        from sdcscope.study import init_campaign
+
+        cspec, plan = init_campaign(directory, spec)
+    out_console.print(f"campaign {cspec.name!r}: {len(plan)} trials planned in {directory} "
+                      f"(spec hash {cspec.hash[:12]}); run it with: sdcscope campaign run {directory}")
+
+
+@campaign_app.command()
+def run(directory: Path = DIR_ARG,
+        workers: Optional[int] = typer.Option(None, "--workers", "-j",
+                                              help="Worker processes (default: one per CPU core; 0: in this process)."),
+        ray_address: Optional[str] = typer.Option(None, "--ray-address",
+                                                  help="Run the trials on a Ray cluster (e.g. auto or ray://host:10001).")) -> None:
+    """Run or resume a campaign: golden run, healthy baselines, then every trial not yet in results.sqlite."""
+    with user_errors(), campaign_progress() as progress:
+        from sdcscope.study import run_campaign
+
+        summary = run_campaign(directory, workers=workers, ray_address=ray_address, progress=progress)
+    _print_counts(summary)
+    out_console.print(f"results: {directory / 'results.sqlite'}; report: sdcscope report {directory}")
+
+
+@campaign_app.command()
+def status(directory: Path = DIR_ARG) -> None:
+    """How many trials are done, and their outcomes."""
+    with user_errors():
+        from collections import Counter
+
+        from sdcscope.study import DB_FILE, SPEC_FILE, ResultsDB, load_campaign
+
+        if not (directory / DB_FILE).is_file():
+            raise FileNotFoundError(f"{str(directory)!r} holds no {DB_FILE}: not a campaign directory")
+        spec = load_campaign(directory / SPEC_FILE)
+        with ResultsDB(directory / DB_FILE, spec) as db:
+            rows = db.trials()
+            planned = db.meta().get("plan_size")
+    _print_counts({"trials": planned, "done": len(rows),
+                   "outcomes": dict(Counter(r["outcome"] for r in rows))})
