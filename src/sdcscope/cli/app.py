@@ -27,7 +27,9 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """sdcscope: silent data corruption in LLM training."""
 
 
-from sdcscope.cli import demo_cmd, inject_cmd, train_cmd  # noqa: E402,F401  (registers commands)
+from sdcscope.cli import (  # noqa: E402,F401  (registers commands)
+    campaign_cmd, demo_cmd, inject_cmd, report_cmd, train_cmd,
+)
 
 
 def main() -> None:

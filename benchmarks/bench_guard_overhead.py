@@ -1,0 +1,59 @@
+"""Guard cost per training step, interleaved with an unguarded twin in one process (median ratio).
+
+    python benchmarks/bench_guard_overhead.py [--presets tiny small] [--rounds 11]
+
+Configurations: (1) metrics + non-finite + spike detectors (target ≤ 3 %); (2) + ABFT on every
+Linear and attention product, forward/dX/dW, every step (target ≤ 15 % on CPU); (3) ABFT sampled
+to a 2 % budget (target ≤ 2 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import interleaved_ratio  # noqa: E402
+
+from sdcscope.engine import TrainConfig, Trainer  # noqa: E402
+from sdcscope.guard import Guard, GuardConfig  # noqa: E402
+from sdcscope.workloads import WorkloadConfig, make_workload  # noqa: E402
+
+CONFIGS = {
+    "metrics+nonfinite+spike": dict(abft=None, state_checksum=None),
+    "+ABFT every GEMM, every step": dict(state_checksum=None),
+    "+ABFT sampled to 2% budget": dict(abft={"budget": 0.02}, state_checksum=None),
+    "full default guard": dict(),
+}
+
+
+def trainer(preset: str, guard: dict | None) -> Trainer:
+    t = Trainer(make_workload(WorkloadConfig(workload="gpt", preset=preset)), TrainConfig(seed=0))
+    if guard is not None:
+        t.add_callback(Guard(t.model, t.optimizer, GuardConfig.from_dict(guard)).callback())
+    return t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--rounds", type=int, default=11)
+    args = parser.parse_args()
+    summary = []
+    for preset in args.presets:
+        base = trainer(preset, None)
+        inner = 5 if preset == "tiny" else 2
+        for name, cfg in CONFIGS.items():
+            tool = trainer(preset, cfg)
+            ratio, tb, tt = interleaved_ratio(base.train_step, tool.train_step, rounds=args.rounds,
+                                              inner=inner, warmup=2)
+            print(f"{preset:5s} {name:30s} baseline {tb * 1e3:7.2f} ms  guarded {tt * 1e3:7.2f} ms  "
+                  f"overhead {100 * (ratio - 1):+6.2f}%")
+            summary.append(f"{preset}/{name} {100 * (ratio - 1):+.1f}%")
+    print("guard overhead per step: " + "; ".join(summary))
+
+
+if __name__ == "__main__":
+    main()

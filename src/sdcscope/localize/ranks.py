@@ -1,0 +1,231 @@
+"""Rank localization: which rank, which layer, transient or persistent -- and who keeps failing.
+
+:class:`RankLocalizer` answers a cross-rank alarm the way Megatron's rerun state machine does
+(production_sdc.md §1.1), but in-job and without a checkpoint/restart: the suspect rank
+re-computes its own local gradient of the step, and a healthy **peer** re-computes the suspect's
+micro-batches (a pure function of seed, step and rank, see :mod:`sdcscope.engine.ddp`). Each
+replay's per-parameter signatures are compared with what the suspect sent before the reduction:
+
+=====================  ===================  =====================================================
+peer reproduces it      suspect reproduces   verdict
+=====================  ===================  =====================================================
+yes                     --                   ``correct_result``: the data says so (not the device)
+no                      yes                  ``persistent``: this device computes it wrong, again
+no                      no                   ``transient``: a one-off fault on this device
+no healthy peer         --                   ``unverified``
+=====================  ===================  =====================================================
+
+Comparison is bitwise (bit checksums) by default, as CPU training is deterministic; ``rtol > 0``
+compares norms within a relative tolerance instead (non-deterministic GPU kernels). The layer is
+the parameter whose gradient differs first in backward order (the last in forward order): for a
+fault in the backward pass, the earliest wrong value; a forward fault shows up everywhere.
+
+One replay is not a diagnosis: real SDC devices fail intermittently, and a fault that does not
+recur in a single replay is not proof of health (§7 gap 4). :class:`RankLedger` keeps every
+suspicion per **device** (host and device index, not rank) in ``ledger.json`` in the run
+directory; a device with one ``persistent`` verdict, or ``max_suspicions`` suspicions within
+``window`` steps, is ``faulty``, and a ledger carried into a later job keeps it so.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sdcscope._io import write_json
+from sdcscope._validate import check_positive
+from sdcscope.detect.crossrank import Gathered, grad_signatures
+from sdcscope.detect.events import Event
+from sdcscope.engine.ddp import gather_rows
+
+VERDICTS = ("correct_result", "transient", "persistent", "unverified")
+SUSPICIONS = ("nonfinite", "grad_outlier", "transient", "unverified", "replica_mismatch", "reduce_mismatch")
+"""Verdicts naming a rank that count toward ``max_suspicions`` (``persistent`` makes a device
+faulty at once; ``correct_result`` clears the rank for that step)."""
+LEDGER_FILE = "ledger.json"
+
+
+@dataclass(kw_only=True)
+class LocalizeConfig:
+    rtol: float = 0.0
+    """0: a replay must reproduce the gradient bits; > 0: the norms within this relative tolerance."""
+    max_listed: int = 8
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rtol, bool) or not isinstance(self.rtol, (int, float)) or not 0 <= self.rtol < 1:
+            raise ValueError(f"rtol={self.rtol!r} must be a number in [0, 1)")
+        check_positive("max_listed", self.max_listed)
+
+
+def device_id() -> str:
+    """This process's device as the ledger knows it: ``host:cuda:i`` or ``host:cpu:local_rank``."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        dev = f"cuda:{torch.cuda.current_device()}"
+    else:
+        dev = f"cpu:{os.environ.get('LOCAL_RANK', '0')}"
+    return f"{socket.gethostname()}:{dev}"
+
+
+def _module(param: str) -> str:
+    return param.rpartition(".")[0] or param
+
+
+class RankLocalizer:
+    """Replays a suspect rank's step on itself and on a peer (a collective: call on every rank)."""
+
+    name = "rank_replay"
+
+    def __init__(self, model: nn.Module, config: LocalizeConfig | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.config = config or LocalizeConfig()
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+
+    @staticmethod
+    def peer(rank: int, healthy: Sequence[int]) -> int | None:
+        """The next healthy rank after ``rank`` (cyclically), ``None`` when there is none."""
+        others = sorted(r for r in healthy if r != rank)
+        after = [r for r in others if r > rank]
+        return (after or others)[0] if others else None
+
+    def _signatures(self) -> torch.Tensor:
+        return grad_signatures([p.grad for p in self.params]).flatten()  # norms then bit checksums
+
+    def diagnose(self, step: int, reported: Gathered, suspects: Sequence[int], healthy: Sequence[int],
+                 replay: Callable[[int], None]) -> list[Event]:
+        """Verdicts for ``suspects`` at ``step``. ``reported``: the signatures every rank sent;
+        ``replay(r)``: recompute rank r's local gradient of this step into ``.grad`` on this rank
+        (e.g. :meth:`sdcscope.engine.ddp.DDPTrainer.local_gradients`)."""
+        p = len(self.names)
+        peers = {s: self.peer(s, healthy) for s in suspects}
+        row = torch.full((2 * len(suspects) * 2 * p,), math.nan, dtype=torch.float64)
+        saved = [q.grad for q in self.params]
+        try:
+            for i, s in enumerate(suspects):
+                for slot, who in ((2 * i, s), (2 * i + 1, peers[s])):
+                    if who == self.rank:
+                        replay(s)
+                        row[slot * 2 * p:(slot + 1) * 2 * p] = self._signatures()
+        finally:
+            for q, g in zip(self.params, saved):
+                q.grad = g
+        rows = gather_rows(row.to(self.params[0].device), self.group).cpu()
+        results = []
+        for i, s in enumerate(suspects):
+            own = rows[s, 2 * i * 2 * p:(2 * i + 1) * 2 * p].view(2, p)
+            peer = None if peers[s] is None else rows[peers[s], (2 * i + 1) * 2 * p:(2 * i + 2) * 2 * p].view(2, p)
+            results.append(self._verdict(step, s, peers[s], reported, own, peer))
+        return results
+
+    def _differs(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.config.rtol == 0:
+            return a[1] != b[1]
+        scale = torch.maximum(a[0].abs(), b[0].abs()).clamp_min(1e-300)
+        return ~((a[0] - b[0]).abs() <= self.config.rtol * scale)
+
+    def _verdict(self, step: int, suspect: int, peer: int | None, reported: Gathered,
+                 own: torch.Tensor, theirs: torch.Tensor | None) -> Event:
+        sent = torch.stack([reported.norm[suspect], reported.pre[suspect]])
+        evidence: dict[str, Any] = {"peer": peer, "reported_step": reported.step}
+        if theirs is None:
+            return Event(step, self.name, "unverified", rank=suspect,
+                         evidence={**evidence, "reason": "no healthy peer to replay on"})
+        differ = self._differs(sent, theirs).nonzero().flatten().tolist()
+        if not differ:
+            return Event(step, self.name, "correct_result", rank=suspect,
+                         evidence={**evidence, "reason": "a peer reproduces the gradient: data, not device"})
+        backward = [self.names[k] for k in reversed(differ)]
+        reproduces = not self._differs(sent, own).any().item()
+        k = differ[-1]
+        evidence.update(params=backward[:self.config.max_listed], count=len(differ),
+                        self_reproduces=reproduces, sent_norm=sent[0, k].item(), peer_norm=theirs[0, k].item())
+        return Event(step, self.name, "persistent" if reproduces else "transient",
+                     module=_module(backward[0]), rank=suspect, evidence=evidence)
+
+
+@dataclass(kw_only=True)
+class LedgerConfig:
+    max_suspicions: int = 3
+    """Steps with a suspicion (see :data:`SUSPICIONS`) within ``window`` steps that make a device
+    faulty; a ``persistent`` verdict does at once."""
+    window: int = 10_000
+
+    def __post_init__(self) -> None:
+        check_positive("max_suspicions", self.max_suspicions)
+        check_positive("window", self.window)
+
+
+class RankLedger:
+    """Suspicions per device, persisted as ``ledger.json`` (written by one rank: ``writer``).
+
+    Format: ``{"format": "sdcscope-ledger/1", "devices": {device: {"rank": r, "faulty": bool,
+    "suspicions": [{"step", "detector", "verdict", "module"}, ...]}}}``. ``entries`` (what
+    :meth:`read` returned for an existing file) carries an earlier job's record over, so a device
+    judged faulty then (or caught again after a resume) stays so. Suspicions count once per step.
+    """
+
+    def __init__(self, devices: Sequence[str], path: str | Path | None = None,
+                 config: LedgerConfig | None = None, *, writer: bool = True,
+                 entries: dict[str, dict[str, Any]] | None = None) -> None:
+        self.config = config or LedgerConfig()
+        self.devices = list(devices)
+        self.path = None if path is None else Path(path)
+        self.writer = writer
+        self.entries = copy.deepcopy(entries or {})
+        for rank, dev in enumerate(self.devices):
+            self.entries.setdefault(dev, {"rank": rank, "faulty": False, "suspicions": []})["rank"] = rank
+
+    @staticmethod
+    def read(path: str | Path) -> dict[str, dict[str, Any]] | None:
+        """The device entries of the ledger at ``path``; ``None`` when there is no file."""
+        path = Path(path)
+        if not path.is_file():
+            return None
+        try:
+            entries = json.loads(path.read_text())["devices"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"corrupt ledger {str(path)!r}: {exc}") from None
+        if not isinstance(entries, dict):
+            raise ValueError(f"corrupt ledger {str(path)!r}: 'devices' is not a mapping")
+        return entries
+
+    def _entry(self, rank: int) -> dict[str, Any]:
+        return self.entries[self.devices[rank]]
+
+    def record(self, event: Event) -> bool:
+        """Note a suspicion of ``event.rank``; True when this made its device faulty."""
+        if event.rank is None or event.verdict not in (*SUSPICIONS, "persistent"):
+            return False
+        entry = self._entry(event.rank)
+        entry["suspicions"].append({"step": event.step, "detector": event.detector,
+                                    "verdict": event.verdict, "module": event.module})
+        was = entry["faulty"]
+        steps = {s["step"] for s in entry["suspicions"] if event.step - s["step"] < self.config.window}
+        entry["faulty"] = was or event.verdict == "persistent" or len(steps) >= self.config.max_suspicions
+        self.save()
+        return entry["faulty"] and not was
+
+    def faulty(self, rank: int) -> bool:
+        return bool(self._entry(rank)["faulty"])
+
+    def suspicions(self, rank: int) -> list[dict[str, Any]]:
+        return list(self._entry(rank)["suspicions"])
+
+    def save(self) -> None:
+        if self.writer and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(self.path, {"format": "sdcscope-ledger/1", "devices": self.entries})

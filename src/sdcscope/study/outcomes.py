@@ -1,0 +1,56 @@
+"""Outcome classes of a trial, decided against the healthy-seed thresholds of its injection step.
+
+``effect`` -- what the fault did, in this order of precedence:
+
+- ``crash``: a non-finite loss, parameter or validation loss (or the step raised);
+- ``masked``: the final parameters are bitwise equal to golden's at the same step, or the fault
+  never changed a single value;
+- ``sdc`` (silent data corruption), with ``sdc_kind``:
+  ``sharp`` -- a loss spike: the training loss exceeded golden's, at some step of the horizon, by
+  more than ``loss_excess`` of the healthy runs allows; ``slow`` -- the final validation loss
+  (fault removed) is worse than golden's by more than the healthy ``val_delta`` bound;
+  ``drift`` -- the losses look healthy but the parameters are farther from golden's than healthy
+  re-seeded runs get (``dist_golden``);
+- ``benign``: parameters differ from golden but every measure is within healthy variance.
+
+``outcome`` -- ``effect``, unless the guard is on and emitted an event at or after the
+injection step: then ``recovered`` when the run ends finite with a validation loss within the
+healthy bound, else ``detected``. PVF counts ``crash`` and ``sdc`` effects as incorrect.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["EFFECTS", "OUTCOMES", "SDC_KINDS", "classify"]
+
+EFFECTS = ("masked", "benign", "crash", "sdc")
+SDC_KINDS = ("sharp", "slow", "drift")
+OUTCOMES = ("masked", "benign", "detected", "recovered", "crash", "sdc")
+
+
+def _above(value: float | None, bound: float) -> bool:
+    return value is not None and value > bound
+
+
+def classify(m: dict[str, Any], thresholds: dict[str, float], guard: bool) -> dict[str, Any]:
+    """``{"effect", "sdc_kind", "outcome"}`` of trial measures ``m`` (keys: crash, masked,
+    loss_excess, val_delta, dist_golden, detected) against ``thresholds`` (measure -> bound)."""
+    kind = None
+    if m["crash"]:
+        effect = "crash"
+    elif m["masked"]:
+        effect = "masked"
+    else:
+        for name, measure in (("sharp", "loss_excess"), ("slow", "val_delta"), ("drift", "dist_golden")):
+            if _above(m[measure], thresholds[measure]):
+                kind = name
+                break
+        effect = "benign" if kind is None else "sdc"
+    outcome = effect
+    if guard and m.get("detected"):
+        healthy_end = (not m["crash"] and m["val_delta"] is not None and math.isfinite(m["val_delta"])
+                       and m["val_delta"] <= thresholds["val_delta"])
+        outcome = "recovered" if healthy_end else "detected"
+    return {"effect": effect, "sdc_kind": kind, "outcome": outcome}

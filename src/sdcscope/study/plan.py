@@ -1,0 +1,168 @@
+"""From a campaign spec to its trials: expand the fault space, sample it, number the trials.
+
+Target patterns are expanded against the live model into single modules (or parameters), so
+every trial corrupts one layer and PVF can be read per layer. The plan is a pure function of
+the spec: trial ``k`` is the same trial on every run, every machine, every worker count.
+
+Fault seeds give a *paired* design: all bits, fault models, schedules and swizzle settings of one
+(injection step, site, target, pattern, repeat) share a seed, so a ``"random"`` location is the
+same element for each of them and a sweep over bits compares like with like.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from sdcscope.faults import BIT_MODELS, FaultSpec
+from sdcscope.inject import resolve_targets, validate_specs
+from sdcscope.study.spec import CampaignSpec
+from sdcscope.workloads import mix_seed
+
+__all__ = ["Trial", "build_plan", "pattern_label", "schedule_label"]
+
+
+def pattern_label(pattern: dict) -> str:
+    """``element``, ``mac_cell(input_channel=0,output_channel=random)``, …"""
+    args = ",".join(f"{k}={v}" for k, v in pattern.items() if k != "kind")
+    return f"{pattern['kind']}({args})" if args else pattern["kind"]
+
+
+def schedule_label(schedule: dict) -> str:
+    return pattern_label(schedule)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One point of the fault space, with its number in the plan and its fault seed."""
+
+    trial_id: int
+    inject_step: int
+    site: str
+    target: str
+    model: str
+    bit: int | None
+    pattern: str
+    """JSON of the pattern mapping (hashable)."""
+    schedule: str
+    """JSON of the schedule template."""
+    swizzle: bool
+    repeat: int
+    fault_seed: int
+
+    @property
+    def key(self) -> str:
+        return "|".join(f"{k}={getattr(self, k)}" for k in
+                        ("inject_step", "site", "target", "model", "bit", "pattern", "schedule", "swizzle", "repeat"))
+
+    def dimension(self, name: str) -> Any:
+        """The value of a fault-space dimension (labels for pattern and schedule)."""
+        if name == "pattern":
+            return pattern_label(json.loads(self.pattern))
+        if name == "schedule":
+            return schedule_label(json.loads(self.schedule))
+        return getattr(self, name)
+
+    def fault_spec(self, format: str | None = None) -> FaultSpec:
+        """The FaultSpec of this trial, its schedule anchored at the injection step."""
+        template = json.loads(self.schedule)
+        kind, s = template["kind"], self.inject_step
+        if kind == "transient":
+            schedule = {"kind": kind, "step": s, **({"micro_batch": template["micro_batch"]}
+                                                      if template.get("micro_batch") is not None else {})}
+        elif kind == "permanent":
+            schedule = {"kind": kind, "start": s}
+        else:
+            duration = template.get("duration")
+            schedule = {"kind": kind, "p": template["p"], "start": s,
+                        **({"stop": s + duration} if duration else {})}
+        return FaultSpec(site=self.site, target=self.target, model=self.model,
+                         bits=None if self.bit is None else [self.bit], format=format,
+                         pattern=json.loads(self.pattern), schedule=schedule, rank=0, seed=self.fault_seed)
+
+    def to_row(self) -> dict[str, Any]:
+        return {"trial_id": self.trial_id, "key": self.key, "inject_step": self.inject_step, "site": self.site,
+                "target": self.target, "model": self.model, "bit": self.bit,
+                "pattern": self.dimension("pattern"), "schedule": self.dimension("schedule"),
+                "swizzle": int(self.swizzle), "repeat": self.repeat, "fault_seed": self.fault_seed}
+
+
+def _expand(model: nn.Module, space, site: str) -> list[str]:
+    names: list[str] = []
+    for pattern in space.targets:
+        probe = FaultSpec(site=site, target=pattern, model="zero", schedule={"kind": "transient", "step": 0})
+        try:
+            names += [t.key for t in resolve_targets(model, probe)]
+        except ValueError as exc:
+            raise ValueError(f"faults.targets {pattern!r} for site {site!r}: {exc}") from None
+    return list(dict.fromkeys(names))
+
+
+def _points(spec: CampaignSpec, model: nn.Module, optimizer) -> list[dict]:
+    space = spec.faults
+    points = []
+    for site in space.sites:
+        targets = _expand(model, space, site)
+        for s in spec.inject_steps:
+            for target in targets:
+                for pattern in space.patterns:
+                    p_json = json.dumps(pattern, sort_keys=True)
+                    for repeat in range(space.repeats):
+                        seed = mix_seed(space.seed, s, site, target, p_json, repeat)
+                        for model_name in space.models:
+                            for bit in (space.bits if model_name in BIT_MODELS else (None,)):
+                                for schedule in space.schedules:
+                                    for swizzle in space.swizzle:
+                                        points.append(dict(inject_step=s, site=site, target=target,
+                                                           model=model_name, bit=bit, pattern=p_json,
+                                                           schedule=json.dumps(schedule, sort_keys=True),
+                                                           swizzle=swizzle, repeat=repeat, fault_seed=seed))
+    # One FaultSpec per distinct (site, target, model, pattern, schedule) checks against the model.
+    seen: dict[tuple, dict] = {}
+    for p in points:
+        seen.setdefault((p["site"], p["target"], p["model"], p["pattern"], p["schedule"], p["inject_step"]), p)
+    probes = [Trial(trial_id=-1, **p).fault_spec(space.format) for p in seen.values()]
+    for spec_ in probes:
+        try:
+            validate_specs(model, [spec_], optimizer)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"fault space point {spec_.site} on {spec_.target[0]} "
+                            f"({spec_.schedule.kind}): {exc}") from None
+    return points
+
+
+def _sample(spec: CampaignSpec, points: list[dict]) -> list[int]:
+    sampling = spec.sampling
+    if sampling.kind == "exhaustive":
+        return list(range(len(points)))
+    rng = random.Random(mix_seed("sampling", sampling.seed))
+    if sampling.kind == "random":
+        if sampling.n > len(points):
+            raise ValueError(f"sampling n={sampling.n} exceeds the {len(points)} points of the fault space; "
+                             "lower n or use kind: exhaustive")
+        return sorted(rng.sample(range(len(points)), sampling.n))
+    strata: dict[tuple, list[int]] = {}
+    for i, p in enumerate(points):
+        key = tuple(Trial(trial_id=i, **p).dimension(d) for d in sampling.by)
+        strata.setdefault(key, []).append(i)
+    share, extra = divmod(sampling.n, len(strata))
+    chosen: list[int] = []
+    for k, members in enumerate(strata.values()):
+        want = share + (1 if k < extra else 0)
+        chosen += members if want >= len(members) else rng.sample(members, want)
+    return sorted(chosen)
+
+
+def build_plan(spec: CampaignSpec, model: nn.Module, optimizer=None) -> list[Trial]:
+    """The campaign's trials in plan order, numbered 0..N-1 (never empty: raises instead)."""
+    points = _points(spec, model, optimizer)
+    if not points:
+        raise ValueError("the fault space is empty")
+    chosen = _sample(spec, points)
+    if not chosen:
+        raise ValueError("sampling selected no trial")
+    return [Trial(trial_id=k, **points[i]) for k, i in enumerate(chosen)]

@@ -1,0 +1,190 @@
+"""``sdcscope report DIR``: a self-contained ``report.html`` (figures inlined as PNG) and ``report.md``.
+
+Sections: outcomes (overall, by bit and site), PVF per site, layer, bit and fault model with
+Wilson 95% intervals and the layer × bit heatmap, the healthy-spread thresholds, loss curves
+golden vs faulty, parameter drift over time (level c), permanent faults evaluated with the fault
+present vs removed, guard detection (coverage, latency, false positives) and, for
+``analysis: full``, levels (a) and (b).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from sdcscope.study import figures
+from sdcscope.study.runner import SPEC_FILE
+from sdcscope.study.spec import load_campaign
+from sdcscope.study.stats import pvf_table, wilson_interval
+from sdcscope.study.store import DB_FILE, ResultsDB
+from sdcscope.study.worker import drift_offsets
+
+__all__ = ["build_report", "write_report", "EXPECTED_DIRECTION"]
+
+EXPECTED_DIRECTION = {"activation": "forward", "gemm.forward": "forward", "weight": "forward",
+                      "gemm.grad_input": "backward", "gemm.grad_weight": "backward", "param_grad": "backward"}
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _table(title: str, headers: list[str], rows: list[list[Any]], note: str = "") -> dict[str, Any]:
+    return {"title": title, "headers": headers, "rows": [[_fmt(v) for v in r] for r in rows], "note": note}
+
+
+def _pvf_section(rows: list[dict], by: str) -> dict[str, Any]:
+    t = pvf_table(rows, (by,))
+    return _table(f"PVF by {by}", [by, "incorrect", "trials", "PVF", "95% interval"],
+                  [[r[by], r["incorrect"], r["trials"], r["pvf"], f"[{r['lo']:.3f}, {r['hi']:.3f}]"] for r in t])
+
+
+def _permanent(rows: list[dict], refs: dict[int, dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["val_loss_fault"] is not None:
+            groups[(r["target"], r["model"], r["bit"], bool(r["swizzle"]))].append(r)
+    out = []
+    for (target, model, bit, swz), rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        mean = lambda key: statistics.fmean(x[key] for x in rs) if all(x[key] is not None for x in rs) else None  # noqa: E731
+        ref = [refs[x["inject_step"]] for x in rs]
+        out.append({"group": f"{target} {model}{'' if bit is None else f' b{bit}'}{' swizzled' if swz else ''}",
+                    "n": len(rs), "acc_golden": statistics.fmean(x["val_acc"] for x in ref)
+                    if all(x["val_acc"] is not None for x in ref) else None,
+                    "acc_fault": mean("val_acc_fault"), "acc_removed": mean("val_acc"),
+                    "loss_golden": statistics.fmean(x["val_loss"] for x in ref),
+                    "loss_fault": mean("val_loss_fault"), "loss_removed": mean("val_loss")})
+    return out
+
+
+def _levels(rows: list[dict]) -> list[dict[str, Any]]:
+    tables = []
+    located = [r for r in rows if r["first_divergence"] is not None or r["lockstep"] is not None]
+    if located:
+        hits = [r for r in located if r["first_divergence"] and r["first_divergence"]["module"] == r["target"]
+                and r["first_divergence"]["direction"] == EXPECTED_DIRECTION.get(r["site"])]
+        active = [r for r in located if r["activated"]]
+        lo, hi = wilson_interval(len(hits), len(active)) if active else (None, None)
+        freq: dict[tuple, list[float]] = defaultdict(list)
+        sev: dict[tuple, list[float]] = defaultdict(list)
+        for r in located:
+            for module, dirs in (r["lockstep"] or {}).items():
+                for direction, stats in dirs.items():
+                    freq[(module, direction)].append(stats["frequency"])
+                    sev[(module, direction)].append(stats["severity"])
+        tables.append(_table(
+            "Level (a): submodule lock-step at the injection step",
+            ["submodule", "direction", "trials with a mismatch", "mean mismatch frequency", "mean severity"],
+            [[m, d, len(freq[(m, d)]), statistics.fmean(freq[(m, d)]), statistics.fmean(sev[(m, d)])]
+             for m, d in sorted(freq)],
+            note=f"first divergence = injected module and direction in {len(hits)}/{len(active)} activated trials"
+                 + (f" (95% interval [{lo:.3f}, {hi:.3f}])" if active else "")))
+    with_nsr = [r for r in rows if r["nsr_max"] is not None]
+    if with_nsr:
+        by_site: dict[str, list[float]] = defaultdict(list)
+        for r in with_nsr:
+            by_site[r["site"]].append(r["nsr_max"])
+        tables.append(_table("Level (b): gradient noise-to-signal ratio, parameters re-synchronized every step",
+                             ["site", "trials", "median of worst-step NSR", "max NSR"],
+                             [[s, len(v), statistics.median(v), max(v)] for s, v in sorted(by_site.items())]))
+    return tables
+
+
+def build_report(directory: str | Path) -> dict[str, Any]:
+    """Everything the report shows (tables as text cells, figures as base64 PNG)."""
+    directory = Path(directory)
+    if not (directory / DB_FILE).is_file():
+        raise FileNotFoundError(f"{str(directory)!r} holds no {DB_FILE}: run `sdcscope campaign run {directory}` first")
+    spec = load_campaign(directory / SPEC_FILE)
+    with ResultsDB(directory / DB_FILE, spec) as db:
+        rows, baselines, refs = db.trials(), db.baselines(), db.references()
+        golden, thresholds, meta = db.golden_losses(), db.threshold_rows(), db.meta()
+    if not rows:
+        raise ValueError(f"{str(directory)!r} has no finished trials yet: run `sdcscope campaign run {directory}`")
+    counts = Counter(figures.label(r) for r in rows)
+    tables = [_table("Outcomes", ["outcome", "trials", "share"],
+                     [[k, v, v / len(rows)] for k, v in counts.most_common()],
+                     note="masked: bitwise-identical parameters or no value changed; benign: within healthy "
+                          "variance; sdc:sharp loss spike, sdc:slow worse validation loss, sdc:drift parameters "
+                          "beyond healthy re-seeded runs")]
+    tables.append(_table("Healthy-spread thresholds", ["inject step", "measure", "bound", "healthy mean",
+                                                       "healthy sd", "healthy max", "K"],
+                         [[t["inject_step"], t["measure"], t["bound"], t["mean"], t["sd"], t["max"], t["n"]]
+                          for t in thresholds], note=f"bound = {thresholds[0]['rule']} (alpha {thresholds[0]['alpha']})"))
+    dims = ["site", "target", "bit", "model"] + [d for d in ("pattern", "schedule", "swizzle")
+                                                 if len({r[d] for r in rows}) > 1]
+    tables += [_pvf_section(rows, d) for d in dims if any(r[d] is not None for r in rows)]
+    figs = {"outcomes by bit": figures.outcome_bars(rows, "bit", "outcomes by bit")
+            if any(r["bit"] is not None for r in rows) else None,
+            "outcomes by site": figures.outcome_bars(rows, "site", "outcomes by site"),
+            "PVF layer × bit": figures.pvf_heatmap(rows) if any(r["bit"] is not None for r in rows) else None,
+            "loss curves": figures.loss_curves(golden, rows, baselines),
+            "drift": figures.drift_curves(rows, baselines, drift_offsets(spec.horizon))}
+    permanent = _permanent(rows, refs)
+    if permanent:
+        tables.append(_table("Permanent faults: validation with the fault present vs removed",
+                             ["group", "trials", "golden acc", "acc, fault present", "acc, fault removed",
+                              "golden loss", "loss, fault present", "loss, fault removed"],
+                             [[g["group"], g["n"], g["acc_golden"], g["acc_fault"], g["acc_removed"],
+                               g["loss_golden"], g["loss_fault"], g["loss_removed"]] for g in permanent]))
+        figs["fault present vs removed"] = figures.fault_present_bars(permanent)
+    if spec.guard:
+        active = [r for r in rows if r["activated"]]
+        detected = [r for r in active if r["detected"]]
+        fp = [b for b in baselines if b["guard_events"]]
+        lat = [r["latency"] for r in detected if r["latency"] is not None]
+        tables.append(_table("Guard", ["measure", "value"], [
+            ["detection coverage (detected / activated)", f"{len(detected)}/{len(active)}"],
+            ["median detection latency (steps)", statistics.median(lat) if lat else None],
+            ["false-positive rate (healthy runs with an event)", f"{len(fp)}/{len(baselines)}"]]))
+        figs["detection latency"] = figures.latency_hist(rows)
+    tables += _levels(rows)
+    return {"name": spec.name, "hash": spec.hash, "spec": spec.to_dict(), "done": len(rows),
+            "planned": meta.get("plan_size"), "tables": tables,
+            "figures": {k: v for k, v in figs.items() if v is not None}}
+
+
+_HTML = jinja2.Template("""<!doctype html>
+<html><head><meta charset="utf-8"><title>sdcscope campaign {{ r.name }}</title>
+<style>body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:.5em 0}
+td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:right}th{background:#f0f0f0}
+td:first-child{text-align:left}.note{color:#555;font-size:12px}img{max-width:100%}</style></head><body>
+<h1>Campaign {{ r.name }}</h1>
+<p>{{ r.done }}/{{ r.planned }} trials · workload {{ r.spec.workload.name }}/{{ r.spec.workload.preset }} ·
+injection steps {{ r.spec.inject_steps }} · horizon {{ r.spec.horizon }} · guard {{ r.spec.guard }} ·
+analysis {{ r.spec.analysis }} · spec hash <code>{{ r.hash[:12] }}</code></p>
+{% for name, png in r.figures.items() %}<h3>{{ name }}</h3><img alt="{{ name }}" src="data:image/png;base64,{{ png }}">
+{% endfor %}
+{% for t in r.tables %}<h2>{{ t.title }}</h2>{% if t.note %}<p class="note">{{ t.note }}</p>{% endif %}
+<table><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr>
+{% for row in t.rows %}<tr>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>{% endfor %}</table>
+{% endfor %}</body></html>
+""", autoescape=True)
+
+
+def _markdown(r: dict[str, Any]) -> str:
+    lines = [f"# Campaign {r['name']}", "",
+             f"{r['done']}/{r['planned']} trials; spec hash `{r['hash'][:12]}`; figures in report.html.", ""]
+    for t in r["tables"]:
+        lines += [f"## {t['title']}", ""] + ([t["note"], ""] if t["note"] else [])
+        lines += ["| " + " | ".join(t["headers"]) + " |", "|" + "---|" * len(t["headers"])]
+        lines += ["| " + " | ".join(row) + " |" for row in t["rows"]] + [""]
+    return "\n".join(lines)
+
+
+def write_report(directory: str | Path) -> tuple[Path, Path]:
+    """Write ``report.html`` and ``report.md`` into the campaign directory."""
+    directory = Path(directory)
+    data = build_report(directory)
+    html, md = directory / "report.html", directory / "report.md"
+    html.write_text(_HTML.render(r=data), encoding="utf-8")
+    md.write_text(_markdown(data), encoding="utf-8")
+    return html, md

@@ -1,0 +1,235 @@
+"""Plan, run and resume a campaign directory (``campaign.yaml``, ``results.sqlite``, ``golden/``).
+
+Phases: one golden run that saves snapshots at the injection steps; healthy baselines (each
+snapshot continued with other data-order seeds); thresholds from their spread; then the trials.
+Every phase skips what ``results.sqlite`` already holds, so running a killed campaign again
+resumes it; results are a pure function of (spec, trial id), whatever the worker count.
+
+Backends: in-process (``workers=0``), local worker processes (default: one per CPU core) or Ray
+(``ray_address``; the campaign directory must be on storage every Ray node sees).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdcscope.study.plan import Trial, build_plan
+from sdcscope.study.spec import CampaignSpec, load_campaign
+from sdcscope.study.stats import RULE, THRESHOLD_MEASURES, prediction_bound
+from sdcscope.study.store import DB_FILE, ResultsDB
+from sdcscope.study.worker import GOLDEN_DIR, Worker
+
+__all__ = ["SPEC_FILE", "init_campaign", "plan_campaign", "run_campaign", "Progress"]
+
+SPEC_FILE = "campaign.yaml"
+Progress = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``; phases: golden, baseline, trials."""
+
+
+def plan_campaign(spec: CampaignSpec) -> list[Trial]:
+    """The trials of ``spec`` (validates the fault space against the workload's model)."""
+    from sdcscope.workloads import make_workload
+
+    workload = make_workload(spec.workload_config())
+    with torch.random.fork_rng():
+        model = workload.build_model()
+        optimizer = workload.build_optimizer(model)
+    return build_plan(spec, model, optimizer)
+
+
+def init_campaign(directory: str | Path, spec_path: str | Path) -> tuple[CampaignSpec, list[Trial]]:
+    """Validate ``spec_path`` and its fault space, then create ``directory`` with a copy of the
+    spec and an empty results database. Nothing is written when validation fails."""
+    directory, spec_path = Path(directory), Path(spec_path)
+    if not spec_path.is_file():
+        raise FileNotFoundError(f"--spec {str(spec_path)!r} does not exist")
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise ValueError(f"{str(directory)!r} already exists and is not an empty folder; give a new campaign directory")
+    spec = load_campaign(spec_path)
+    plan = plan_campaign(spec)
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(spec_path, directory / SPEC_FILE)
+    ResultsDB(directory / DB_FILE, spec, len(plan)).close()
+    return spec, plan
+
+
+# ----------------------------------------------------------------------------------- backends
+
+_WORKER: Worker | None = None
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose runner was killed (``kill -9``) stops instead of finishing orphaned jobs."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _init_worker(directory: str, spec: dict) -> None:
+    global _WORKER
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    _WORKER = Worker(directory, spec)
+
+
+def _run_job(job: dict) -> dict:
+    return _WORKER.run(job)
+
+
+class _InProcess:
+    def __init__(self, directory: Path, spec: CampaignSpec) -> None:
+        self.threads = torch.get_num_threads()
+        self.worker = Worker(directory, spec.to_dict())
+
+    def map(self, jobs: list[dict]) -> Iterator[dict]:
+        with torch.random.fork_rng():
+            for job in jobs:
+                yield self.worker.run(job)
+
+    def close(self) -> None:
+        torch.set_num_threads(self.threads)
+
+
+class _Pool:
+    def __init__(self, directory: Path, spec: CampaignSpec, workers: int) -> None:
+        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_init_worker, initargs=(str(directory), spec.to_dict()))
+
+    def map(self, jobs: list[dict]) -> Iterator[dict]:
+        pending = {self.pool.submit(_run_job, job) for job in jobs}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                try:
+                    result = future.result()
+                except BrokenProcessPool:
+                    raise RuntimeError("a campaign worker process died (killed, or out of memory; a script "
+                                       "that starts a campaign needs an `if __name__ == '__main__':` guard); "
+                                       "finished trials are kept: run the campaign again to resume") from None
+                yield result
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Ray:
+    def __init__(self, directory: Path, spec: CampaignSpec, workers: int | None, address: str) -> None:
+        try:
+            import ray
+            from ray.util import ActorPool
+        except ImportError:
+            raise ValueError("--ray-address needs Ray: pip install 'sdcscope[ray]'") from None
+        ray.init(address=address, ignore_reinit_error=True)
+        n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        actor = ray.remote(num_cpus=1)(Worker)
+        self.pool = ActorPool([actor.remote(str(directory.resolve()), spec.to_dict()) for _ in range(n)])
+
+    def map(self, jobs: list[dict]) -> Iterator[dict]:
+        return self.pool.map_unordered(lambda a, job: a.run.remote(job), jobs)
+
+    def close(self) -> None:
+        return None
+
+
+def _backend(directory: Path, spec: CampaignSpec, workers: int | None, ray_address: str | None):
+    if ray_address:
+        return _Ray(directory, spec, workers, ray_address)
+    n = (os.cpu_count() or 1) if workers is None else workers
+    return _InProcess(directory, spec) if n == 0 else _Pool(directory, spec, n)
+
+
+# ------------------------------------------------------------------------------------ phases
+
+def _golden_ready(directory: Path, spec: CampaignSpec) -> bool:
+    g = directory / GOLDEN_DIR
+    return all((g / f"step-{s}" / "manifest.json").is_file() and (g / f"trajectory-{s}.pt").is_file()
+               for s in spec.inject_steps)
+
+
+def _each(backend, jobs: list[dict], phase: str, progress: Progress | None) -> Iterable[dict]:
+    if progress:
+        progress(phase, 0, len(jobs))
+    for k, result in enumerate(backend.map(jobs) if jobs else (), 1):
+        yield result
+        if progress:
+            progress(phase, k, len(jobs))
+
+
+def _thresholds(spec: CampaignSpec, baselines: list[dict]) -> list[dict]:
+    rows = []
+    for s in spec.inject_steps:
+        mine = [b for b in baselines if b["inject_step"] == s]
+        for measure in THRESHOLD_MEASURES:
+            try:
+                bound = prediction_bound([abs(b[measure]) for b in mine], spec.baseline.alpha)
+            except ValueError as exc:
+                raise ValueError(f"healthy baselines at step {s}, {measure}: {exc}") from None
+            rows.append({"inject_step": s, "measure": measure, "rule": RULE, **bound})
+    return rows
+
+
+def run_campaign(directory: str | Path, *, workers: int | None = None, ray_address: str | None = None,
+                 progress: Progress | None = None) -> dict[str, Any]:
+    """Run (or resume) the campaign in ``directory``; returns counts of the trials' outcomes."""
+    directory = Path(directory)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise ValueError(f"workers={workers!r} must be an int >= 0 (0: run in this process)")
+    spec_path = directory / SPEC_FILE
+    if not spec_path.is_file():
+        raise FileNotFoundError(f"{str(directory)!r} holds no {SPEC_FILE} (create it, or use "
+                                "`sdcscope campaign init DIR --spec FILE`)")
+    spec = load_campaign(spec_path)
+    plan = plan_campaign(spec)
+    with ResultsDB(directory / DB_FILE, spec, len(plan)) as db:
+        done = db.done_trials()
+        todo = [t for t in plan if t.trial_id not in done]
+        backend = _backend(directory, spec, workers, ray_address) if todo or not db.thresholds() else None
+        try:
+            if backend is not None:
+                _run_phases(directory, spec, db, backend, todo, progress)
+        finally:
+            if backend is not None:
+                backend.close()
+        rows = db.trials()
+    return {"trials": len(plan), "done": len(rows), "ran": len(todo),
+            "outcomes": dict(Counter(r["outcome"] for r in rows))}
+
+
+def _run_phases(directory: Path, spec: CampaignSpec, db: ResultsDB, backend, todo: list[Trial],
+                progress: Progress | None) -> None:
+    have_refs = bool(db.references())
+    if not have_refs or not _golden_ready(directory, spec):
+        for result in _each(backend, [{"kind": "golden"}], "golden", progress):
+            if not have_refs:
+                db.write_golden(result["losses"], result["references"])
+    refs, losses = db.references(), db.golden_losses()
+    h = spec.horizon
+
+    def base_job(kind: str, s: int) -> dict:
+        return {"kind": kind, "inject_step": s, "reference": refs[s], "golden_losses": losses[s:s + h]}
+
+    done = {(b["inject_step"], b["seed"]) for b in db.baselines()}
+    jobs = [{**base_job("baseline", s), "seed": k} for s in spec.inject_steps for k in spec.baseline.seeds
+            if (s, k) not in done or not (directory / GOLDEN_DIR / f"baseline-{s}-{k}.pt").is_file()]
+    for result in _each(backend, jobs, "baseline", progress):
+        if (result["inject_step"], result["seed"]) not in done:
+            db.write_baseline(result)
+    if not db.thresholds():
+        db.write_thresholds(_thresholds(spec, db.baselines()))
+    thresholds = db.thresholds()
+    jobs = [{**base_job("trial", t.inject_step), "trial": dataclasses.asdict(t), "thresholds": thresholds[t.inject_step]}
+            for t in todo]
+    for result in _each(backend, jobs, "trials", progress):
+        db.write_trial({**result, "spec_hash": spec.hash})

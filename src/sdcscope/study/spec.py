@@ -1,0 +1,376 @@
+"""The campaign spec (``campaign.yaml``): workload, golden run, fault space, sampling, baseline.
+
+Example (every key but ``workload``, ``inject_steps``, ``horizon`` and ``faults`` has a default)::
+
+    name: gpt-bits
+    workload: {name: gpt, preset: tiny, eval_batches: 2}   # + any WorkloadConfig field
+    seed: 0                        # training seed of the golden run (init and data order)
+    inject_steps: [30]             # golden snapshots are saved here; each trial starts from one
+    horizon: 50                    # steps trained after the injection step
+    golden_steps: 80               # golden-run length (default and minimum: max(inject_steps) + horizon)
+    faults:                        # the fault space: the cross product of these lists
+      sites: [gemm.forward, gemm.grad_input, gemm.grad_weight]
+      targets: ["blocks.*.attn.*_proj", "blocks.*.mlp.*", head]   # expanded to single modules
+      models: [bitflip]
+      bits: ["0-31"]               # ints and "a-b" ranges
+      patterns: [{kind: element}]  # FaultSpec patterns
+      schedules: [{kind: transient}]   # transient | permanent | intermittent {p, duration}
+      swizzle: [false]             # true: re-map the channels of a mac_cell fault every step
+      repeats: 1                   # independent draws (fault seeds) per point
+      seed: 0
+    sampling: {kind: random, n: 40, seed: 0}   # exhaustive | random | stratified (+ by: [bit])
+    baseline: {seeds: [101, 102, 103], alpha: 0.01}
+    guard: false
+    analysis: basic                # full: also lock-step (level a) and gradient NSR (level b)
+
+Schedules are templates: the runner puts the injection step in (transient ``step``, permanent and
+intermittent ``start``; intermittent ``duration`` gives ``stop = start + duration``). Everything is
+validated here; mistakes raise ``ValueError``/``TypeError`` naming the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+import yaml
+
+from sdcscope.faults import BIT_MODELS, FORMATS, MODELS, SITES, Pattern, check_bits, get_format
+
+__all__ = ["CampaignSpec", "FaultSpace", "Sampling", "Baseline", "load_campaign", "SAMPLING_KINDS",
+           "DIMENSIONS", "ANALYSES", "SCHEDULE_TEMPLATES"]
+
+SAMPLING_KINDS = ("exhaustive", "random", "stratified")
+DIMENSIONS = ("inject_step", "site", "target", "model", "bit", "pattern", "schedule", "swizzle")
+"""The dimensions of the fault space (``sampling.by`` picks strata among them)."""
+ANALYSES = ("basic", "full")
+SCHEDULE_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "transient": ("micro_batch",),
+    "permanent": (),
+    "intermittent": ("p", "duration"),
+}
+WORKLOAD_KEYS = ("name", "preset", "batch_size", "lr", "weight_decay", "warmup", "grad_clip", "corpus",
+                 "max_corpus_bytes", "eval_batches", "qk_norm", "z_loss")
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML loader that also reads ``1e-3`` (no dot) as a float, as YAML 1.2 does."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
+def _hint(value: str, allowed) -> str:
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _keys(what: str, data: Any, allowed: tuple[str, ...]) -> dict:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{what} must be a mapping, got {data!r}")
+    for key in data:
+        if key not in allowed:
+            raise ValueError(f"unknown {what} key {key!r}{_hint(key, allowed)}; allowed: {list(allowed)}")
+    return dict(data)
+
+
+def _int(what: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _list(what: str, value: Any) -> list:
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise ValueError(f"{what} must not be empty: the fault space would be empty")
+    return list(items)
+
+
+def _choices(what: str, value: Any, allowed) -> tuple[str, ...]:
+    out = []
+    for v in _list(what, value):
+        if v not in allowed:
+            raise ValueError(f"unknown {what[:-1] if what.endswith('s') else what} {v!r}"
+                             f"{_hint(str(v), allowed)}; allowed: {list(allowed)}")
+        out.append(v)
+    return tuple(dict.fromkeys(out))
+
+
+def parse_bits(value: Any) -> tuple[int, ...]:
+    """Bit positions from ints and ``"a-b"`` ranges (inclusive), sorted and distinct."""
+    bits: list[int] = []
+    for item in _list("faults.bits", value):
+        if isinstance(item, str) and "-" in item.strip("-"):
+            lo, _, hi = item.partition("-")
+            try:
+                lo_i, hi_i = int(lo), int(hi)
+            except ValueError:
+                raise ValueError(f"faults.bits range {item!r} must look like '0-31'") from None
+            if lo_i > hi_i:
+                raise ValueError(f"faults.bits range {item!r} is empty (start > end)")
+            bits.extend(range(lo_i, hi_i + 1))
+        else:
+            bits.append(_int("faults.bits entry", item))
+    return tuple(sorted(set(bits)))
+
+
+def _schedule_template(data: Any) -> dict:
+    data = _keys("faults.schedules entry", data, ("kind", *sorted({k for v in SCHEDULE_TEMPLATES.values()
+                                                                    for k in v})))
+    kind = data.get("kind")
+    if kind not in SCHEDULE_TEMPLATES:
+        raise ValueError(f"unknown schedule kind {kind!r}{_hint(str(kind), SCHEDULE_TEMPLATES)}; "
+                         f"allowed: {list(SCHEDULE_TEMPLATES)} (the step comes from inject_steps)")
+    for key in data:
+        if key != "kind" and key not in SCHEDULE_TEMPLATES[kind]:
+            raise ValueError(f"schedule kind {kind!r} does not take {key!r}; it takes: "
+                             f"{list(SCHEDULE_TEMPLATES[kind])}")
+    if kind == "intermittent":
+        p = data.get("p")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise ValueError(f"intermittent schedule needs p in [0, 1], got {p!r}")
+        data["p"] = float(p)
+        if data.get("duration") is not None:
+            _int("intermittent duration", data["duration"], 1)
+    if kind == "transient" and data.get("micro_batch") is not None:
+        _int("transient micro_batch", data["micro_batch"])
+    return data
+
+
+@dataclass(frozen=True)
+class FaultSpace:
+    """Sites × targets × models × bits × patterns × schedules × swizzle × repeats."""
+
+    sites: tuple[str, ...]
+    targets: tuple[str, ...]
+    models: tuple[str, ...] = ("bitflip",)
+    bits: tuple[int, ...] | None = None
+    format: str | None = None
+    patterns: tuple[dict, ...] = ({"kind": "element"},)
+    schedules: tuple[dict, ...] = ({"kind": "transient"},)
+    swizzle: tuple[bool, ...] = (False,)
+    repeats: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        set_("sites", _choices("faults.sites", self.sites, SITES))
+        targets = _list("faults.targets", self.targets)
+        if not all(isinstance(t, str) and t for t in targets):
+            raise TypeError(f"faults.targets must be non-empty strings, got {targets!r}")
+        set_("targets", tuple(targets))
+        set_("models", _choices("faults.models", self.models, MODELS))
+        if self.format is not None:
+            get_format(self.format)
+        if any(m in BIT_MODELS for m in self.models):
+            if self.bits is None:
+                raise ValueError(f"faults.bits is required for models {[m for m in self.models if m in BIT_MODELS]}")
+            bits = parse_bits(self.bits)
+            widest = max(FORMATS.values(), key=lambda f: f.width)
+            try:
+                check_bits(bits, self.format or widest)
+            except ValueError as exc:
+                raise ValueError(f"faults.bits: {exc}") from None
+            set_("bits", bits)
+        elif self.bits is not None:
+            raise ValueError(f"faults.bits given, but models {list(self.models)} take no bits; "
+                             f"bits are for {list(BIT_MODELS)}")
+        patterns = []
+        for p in _list("faults.patterns", self.patterns):
+            try:
+                patterns.append(Pattern.from_dict(p).to_dict())
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"faults.patterns entry {p!r}: {exc}") from None
+        set_("patterns", tuple(patterns))
+        set_("schedules", tuple(_schedule_template(s) for s in _list("faults.schedules", self.schedules)))
+        swizzle = _list("faults.swizzle", self.swizzle)
+        if not all(isinstance(s, bool) for s in swizzle):
+            raise TypeError(f"faults.swizzle must be true/false (or a list of them), got {self.swizzle!r}")
+        set_("swizzle", tuple(dict.fromkeys(swizzle)))
+        if True in self.swizzle and any(p["kind"] != "mac_cell" for p in self.patterns):
+            raise ValueError("faults.swizzle re-maps the channels of a MAC cell: it needs every pattern "
+                             f"to be kind 'mac_cell', got {[p['kind'] for p in self.patterns]}")
+        _int("faults.repeats", self.repeats, 1)
+        _int("faults.seed", self.seed)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> FaultSpace:
+        data = _keys("faults", data, tuple(f.name for f in fields(cls)))
+        for key in ("sites", "targets"):
+            if key not in data:
+                raise ValueError(f"faults.{key} is required (e.g. sites: [gemm.forward], targets: ['*'])")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Which points of the fault space become trials.
+
+    ``exhaustive``: all. ``random``: ``n`` points uniformly without replacement. ``stratified``:
+    ``n`` points spread evenly over the strata formed by the dimensions ``by`` (the remainder goes
+    to the first strata in plan order), uniformly without replacement inside each stratum; a
+    stratum smaller than its share gives all its points.
+    """
+
+    kind: str = "exhaustive"
+    n: int | None = None
+    by: tuple[str, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in SAMPLING_KINDS:
+            raise ValueError(f"unknown sampling kind {self.kind!r}{_hint(str(self.kind), SAMPLING_KINDS)}; "
+                             f"allowed: {list(SAMPLING_KINDS)}")
+        if self.kind == "exhaustive":
+            if self.n is not None or self.by:
+                raise ValueError("sampling kind 'exhaustive' takes neither n nor by")
+        else:
+            if self.n is None:
+                raise ValueError(f"sampling kind {self.kind!r} needs n (the number of trials, >= 1)")
+            _int("sampling n", self.n, 1)
+        by = tuple(_choices("sampling.by", list(self.by), DIMENSIONS)) if self.by else ()
+        if self.kind == "stratified" and not by:
+            raise ValueError(f"sampling kind 'stratified' needs by: a list among {list(DIMENSIONS)}")
+        if self.kind == "random" and by:
+            raise ValueError("sampling kind 'random' takes no by (use kind: stratified)")
+        object.__setattr__(self, "by", by)
+        _int("sampling seed", self.seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "n": self.n, "by": list(self.by), "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Healthy runs continued from each injection snapshot with other data-order ``seeds``; their
+    spread sets the outcome thresholds (one-sided level ``alpha``, see :mod:`.stats`)."""
+
+    seeds: tuple[int, ...] = (1001, 1002, 1003)
+    alpha: float = 0.01
+
+    def __post_init__(self) -> None:
+        seeds = [_int("baseline seed", s) for s in _list("baseline.seeds", self.seeds)]
+        if len(set(seeds)) < 2:
+            raise ValueError(f"baseline.seeds needs at least 2 distinct seeds to measure the "
+                             f"seed-to-seed spread, got {seeds!r}")
+        object.__setattr__(self, "seeds", tuple(dict.fromkeys(seeds)))
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < 0.5:
+            raise ValueError(f"baseline.alpha must be a number in (0, 0.5), got {self.alpha!r}")
+        object.__setattr__(self, "alpha", float(self.alpha))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seeds": list(self.seeds), "alpha": self.alpha}
+
+
+@dataclass(frozen=True)
+class CampaignSpec:
+    workload: dict
+    inject_steps: tuple[int, ...]
+    horizon: int
+    faults: FaultSpace
+    name: str = "campaign"
+    seed: int = 0
+    grad_accum: int = 1
+    golden_steps: int | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    baseline: Baseline = field(default_factory=Baseline)
+    guard: bool = False
+    analysis: str = "basic"
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        wl = _keys("workload", self.workload, WORKLOAD_KEYS)
+        if "name" not in wl:
+            raise ValueError("workload.name is required: gpt or cnn")
+        set_("workload", wl)
+        self.workload_config()  # validates names, presets and values
+        steps = [_int("inject_steps entry", s) for s in _list("inject_steps", self.inject_steps)]
+        if len(set(steps)) != len(steps):
+            raise ValueError(f"inject_steps must be distinct, got {steps!r}")
+        set_("inject_steps", tuple(sorted(steps)))
+        _int("horizon", self.horizon, 1)
+        _int("seed", self.seed)
+        _int("grad_accum", self.grad_accum, 1)
+        need = self.inject_steps[-1] + self.horizon
+        if self.golden_steps is None:
+            set_("golden_steps", need)
+        elif _int("golden_steps", self.golden_steps, 1) < need:
+            raise ValueError(f"golden_steps={self.golden_steps} must be >= max(inject_steps) + horizon = {need}")
+        if self.seed in self.baseline.seeds:
+            raise ValueError(f"baseline.seeds {list(self.baseline.seeds)} must differ from the golden seed {self.seed}")
+        if not isinstance(self.guard, bool):
+            raise TypeError(f"guard must be true or false, got {self.guard!r}")
+        if self.analysis not in ANALYSES:
+            raise ValueError(f"unknown analysis {self.analysis!r}{_hint(str(self.analysis), ANALYSES)}; "
+                             f"allowed: {list(ANALYSES)}")
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"name must be a non-empty string, got {self.name!r}")
+
+    def workload_config(self):
+        from sdcscope.workloads import WorkloadConfig
+
+        opts = {k: v for k, v in self.workload.items() if k != "name"}
+        return WorkloadConfig(workload=self.workload["name"], **opts)
+
+    def train_config(self, seed: int | None = None):
+        from sdcscope.engine import TrainConfig
+
+        return TrainConfig(seed=self.seed if seed is None else seed, grad_accum=self.grad_accum)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CampaignSpec:
+        data = _keys("campaign", data, tuple(f.name for f in fields(cls)))
+        for key in ("workload", "inject_steps", "horizon", "faults"):
+            if key not in data:
+                raise ValueError(f"campaign key {key!r} is required")
+        data["faults"] = FaultSpace.from_dict(data["faults"])
+        data["sampling"] = Sampling(**_keys("sampling", data.get("sampling", {}), ("kind", "n", "by", "seed")))
+        data["baseline"] = Baseline(**_keys("baseline", data.get("baseline", {}), ("seeds", "alpha")))
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "workload": dict(self.workload), "seed": self.seed,
+                "grad_accum": self.grad_accum, "inject_steps": list(self.inject_steps),
+                "horizon": self.horizon, "golden_steps": self.golden_steps,
+                "faults": self.faults.to_dict(), "sampling": self.sampling.to_dict(),
+                "baseline": self.baseline.to_dict(), "guard": self.guard, "analysis": self.analysis}
+
+    @property
+    def hash(self) -> str:
+        """sha256 of the normalized spec (comments, key order and defaults spelled out or not
+        make no difference); the results database is bound to it."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_campaign(source: str | os.PathLike[str]) -> CampaignSpec:
+    """A campaign spec from a YAML file path (or YAML text); errors name the file."""
+    path = os.fspath(source)
+    if "\n" not in path and os.path.isfile(path):
+        where, text = path, open(path, encoding="utf-8").read()
+    elif "\n" not in path and path.endswith((".yaml", ".yml", ".json")):
+        raise FileNotFoundError(f"campaign spec {path!r} does not exist")
+    else:
+        where, text = "<text>", path
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"malformed YAML in {where}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must hold a mapping (a campaign spec), got {data!r}")
+    try:
+        return CampaignSpec.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{where}: {exc}") from None

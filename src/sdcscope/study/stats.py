@@ -1,0 +1,82 @@
+"""Statistics of a campaign: Wilson intervals for PVF and healthy-spread outcome thresholds.
+
+**PVF** (parameter vulnerability factor, Jiao et al.): the share of trials with an incorrect
+outcome, ``D / N``, here per layer, site, bit and fault model, with a Wilson score interval.
+
+**Thresholds.** A faulty trial is *outside healthy variance* on a measure when it exceeds the
+bound set by the healthy runs continued from the same snapshot with other data-order seeds
+(K >= 2 values ``h``: each healthy run's deviation from golden, taken as a magnitude, since a
+re-seeded run may land on either side of golden -- golden itself must lie inside the spread)::
+
+    bound = max( max(h),  mean(h) + t(1 - alpha, K - 1) * sd(h) * sqrt(1 + 1/K) )
+
+the larger of the worst healthy value and the one-sided ``1 - alpha`` Student-t prediction bound
+for one more healthy run (``alpha`` = ``baseline.alpha``, default 0.01). Measures: ``val_delta``
+(final val loss minus golden's), ``loss_excess`` (largest per-step training loss above golden's
+over the horizon) and ``dist_golden`` (relative L2 distance of the final parameters to golden's).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+
+__all__ = ["Z95", "wilson_interval", "prediction_bound", "THRESHOLD_MEASURES", "RULE", "pvf_table",
+           "INCORRECT"]
+
+Z95 = 1.959963984540054
+"""The 0.975 quantile of the standard normal (two-sided 95%)."""
+THRESHOLD_MEASURES = ("val_delta", "loss_excess", "dist_golden")
+RULE = "max(max(h), mean(h) + t[1-alpha, K-1] * sd(h) * sqrt(1 + 1/K))"
+INCORRECT = ("crash", "sdc")
+"""Effects that count as incorrect for PVF."""
+
+
+def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion ``k / n`` (default 95%)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be an int >= 1")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n:
+        raise ValueError(f"k={k!r} must be an int in [0, n={n}]")
+    p = k / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    lo, hi = max(0.0, center - half), min(1.0, center + half)
+    return (0.0 if k == 0 else lo, 1.0 if k == n else hi)
+
+
+def _t_quantile(q: float, dof: int) -> float:
+    from scipy.special import stdtrit  # scipy ships with scikit-learn, a dependency
+
+    return float(stdtrit(dof, q))
+
+
+def prediction_bound(values: Sequence[float], alpha: float) -> dict[str, float]:
+    """The threshold of one measure from its healthy values (see the module docstring)."""
+    h = [float(v) for v in values]
+    if len(h) < 2 or not all(math.isfinite(v) for v in h):
+        raise ValueError(f"healthy values must be >= 2 finite numbers, got {h!r}")
+    mean, sd, k = statistics.fmean(h), statistics.stdev(h), len(h)
+    t = _t_quantile(1 - alpha, k - 1)
+    bound = max(max(h), mean + t * sd * math.sqrt(1 + 1 / k))
+    return {"bound": bound, "n": k, "mean": mean, "sd": sd, "max": max(h), "t": t, "alpha": alpha}
+
+
+def pvf_table(rows: Iterable[dict], by: Sequence[str]) -> list[dict]:
+    """PVF with Wilson 95% intervals grouped by the columns ``by`` (rows: trial rows with
+    ``effect``); sorted by group key."""
+    groups: dict[tuple, list[int]] = {}
+    for r in rows:
+        key = tuple(r[c] for c in by)
+        g = groups.setdefault(key, [0, 0])
+        g[0] += r["effect"] in INCORRECT
+        g[1] += 1
+    out = []
+    for key in sorted(groups, key=lambda k: tuple((v is None, str(v) if not isinstance(v, (int, float)) else v)
+                                                   for v in k)):
+        d, n = groups[key]
+        lo, hi = wilson_interval(d, n)
+        out.append({**dict(zip(by, key)), "incorrect": d, "trials": n, "pvf": d / n, "lo": lo, "hi": hi})
+    return out

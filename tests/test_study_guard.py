@@ -1,0 +1,50 @@
+"""guard: true campaigns: detected / recovered outcomes, latency, false positives (needs sdcscope.guard)."""
+
+import pytest
+
+from sdcscope.study import init_campaign, run_campaign, write_report
+from sdcscope.study.spec import load_campaign
+from sdcscope.study.store import ResultsDB
+
+SPEC = """
+name: guarded
+workload: {name: gpt, preset: tiny, batch_size: 4, eval_batches: 1}
+inject_steps: [3]
+horizon: 4
+faults: {sites: [gemm.forward, gemm.grad_weight], targets: [blocks.0.mlp.fc], bits: [30]}
+baseline: {seeds: [5, 6]}
+guard: true
+"""
+
+
+def _guard_available() -> bool:
+    try:
+        from sdcscope.guard import Guard, GuardConfig  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_guard_campaign_without_guard_room_is_refused_clearly(tmp_path):
+    if _guard_available():
+        pytest.skip("sdcscope.guard is available")
+    (tmp_path / "spec.yaml").write_text(SPEC)
+    init_campaign(tmp_path / "c", tmp_path / "spec.yaml")
+    with pytest.raises(ValueError, match="sdcscope.guard is not available"):
+        run_campaign(tmp_path / "c", workers=0)
+
+
+def test_guarded_campaign_records_detection(tmp_path):
+    if not _guard_available():
+        pytest.skip("sdcscope.guard (Guard, GuardConfig) is not available yet")
+    (tmp_path / "spec.yaml").write_text(SPEC)
+    init_campaign(tmp_path / "c", tmp_path / "spec.yaml")
+    run_campaign(tmp_path / "c", workers=0)
+    with ResultsDB(tmp_path / "c" / "results.sqlite", load_campaign(tmp_path / "c" / "campaign.yaml")) as db:
+        rows, baselines = db.trials(), db.baselines()
+    assert all(r["detected"] in (0, 1) and r["guard_events"] is not None for r in rows)
+    assert all(b["guard_events"] is not None for b in baselines)
+    for r in rows:
+        if r["detected"]:
+            assert r["outcome"] in ("detected", "recovered") and r["latency"] == r["detect_step"] - 3 >= 0
+    assert "## Guard" in write_report(tmp_path / "c")[1].read_text()
