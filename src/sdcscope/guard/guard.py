@@ -254,10 +254,11 @@ class Guard:
     # -- after the update --------------------------------------------------------------------
     def before_update(self) -> None:
         """Metrics that need the gradients the optimizer is about to use; ZClip."""
+        if self.metrics is not None:  # gradient norms as computed, before any clipping
+            self._safe(self.metrics.after_backward, "metrics")
         if self.zclip is not None:
             self._safe(lambda: self.zclip.clip_(self.model.parameters()), "zclip")
         if self.metrics is not None:
-            self._safe(self.metrics.after_backward, "metrics")
             self._safe(self.metrics.before_optimizer_step, "metrics")
 
     def _after_update(self, *, applied: bool, loss=None, snapshot: Callable[[], None] | None = None) -> dict:

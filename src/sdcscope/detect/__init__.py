@@ -1,0 +1,33 @@
+"""Detectors: non-finite values, spikes, ABFT checksums of every GEMM.
+
+Each detector is a small class with a config dataclass and ``check(...) -> list[Event]``;
+:class:`Event` is one line of ``events.jsonl``. May import :mod:`sdcscope.observe`.
+"""
+
+from sdcscope.detect.abft import ABFTConfig, ABFTDetector
+from sdcscope.detect.checksum import RoundingModel, gemm_check, rounding_model, unit_roundoff
+from sdcscope.detect.events import GEMMS, Event
+from sdcscope.detect.nonfinite import NonFiniteConfig, NonFiniteDetector
+from sdcscope.detect.spike import SpikeConfig, SpikeDetector, SpikeState
+from sdcscope.detect.state import StateChecksum, StateChecksumConfig
+
+ABFT = ABFTDetector
+
+__all__ = [
+    "ABFT",
+    "ABFTConfig",
+    "ABFTDetector",
+    "Event",
+    "GEMMS",
+    "NonFiniteConfig",
+    "NonFiniteDetector",
+    "RoundingModel",
+    "SpikeConfig",
+    "SpikeDetector",
+    "SpikeState",
+    "StateChecksum",
+    "StateChecksumConfig",
+    "gemm_check",
+    "rounding_model",
+    "unit_roundoff",
+]

@@ -1,0 +1,581 @@
+"""ABFT: checksum verification of every GEMM of a model, forward and backward, through hooks.
+
+Covered products (production_sdc.md §5, §7 gap 1):
+
+* every ``nn.Linear`` (Y = X Wᵀ + b): ``forward`` Y, ``grad_input`` dX = dY W, ``grad_weight``
+  dW = dYᵀ X (the increment this backward added to ``weight.grad``);
+* every module following the MatMul contract (``is_matmul = True``, ``forward(a, b) = a @ b``,
+  batched; see :func:`sdcscope.observe.is_matmul`): ``forward`` C, ``grad_input`` dA = dC bᵀ
+  (operand ``a``), ``grad_weight`` dB = aᵀ dC (operand ``b``).
+
+Each check compares row and column checksums with the rounding-error thresholds of
+:mod:`sdcscope.detect.checksum`; the event names the layer, the GEMM, the element (the intersection
+of the failing row and column) and the residuals and thresholds.
+
+How the hooks see the values actually produced
+----------------------------------------------
+* **forward**: a forward hook registered with ``prepend=False``. Forward hooks run in
+  registration order and each may replace the output, so ABFT's hook must run *last* to check the
+  output the rest of the model consumes: attach ABFT after any injector; in addition
+  :meth:`ABFTDetector.begin_step` moves ABFT's hook back to the end of each sampled module's
+  order, so an injector attached later (but before the step starts) is still seen. A hook added
+  in the middle of a step, after ``begin_step``, runs after the check.
+* **dY**: a tensor hook on the module's output (fires before the module's backward runs).
+* **dX / dA / dB**: on sampled steps a forward pre-hook hands the module an identity view of each
+  operand and registers a tensor hook on it. The view is consumed only by this module, so its
+  gradient is this module's dX — after every full backward hook (an injector's edits included),
+  whatever the registration order — and not the sum over the operand's other consumers.
+* **dW**: ``weight.grad`` accumulates over micro-batches (and is what the optimizer reads). A
+  tensor hook on the weight (which fires before accumulation) snapshots the row and column sums
+  of the gradient accumulated so far; ``register_post_accumulate_grad_hook`` then checks
+  ``grad_after − grad_before`` against dYᵀX of the micro-batch(es) whose dY arrived. Weights
+  shared between modules (a tied LM head) get a sum of several products and are not checked for
+  ``grad_weight``.
+
+Idle cost: on a step (or layer) that is not sampled every hook returns after one set lookup; no
+view, tensor hook or autograd node is added. Sampling is deterministic: every ``every`` steps,
+``layer_fraction`` of the layers in a rotation; with ``budget`` the detector times its own hooks
+and sizes the rotation so that checking costs about ``budget`` × the step time.
+
+Not covered: products computed outside a module's ``forward`` (``F.linear`` on another
+module's weight, ``F.scaled_dot_product_attention``: expose them as MatMul-contract modules to
+check them), bias gradients (a reduction, not a GEMM), and — for ``grad_weight`` — gradients
+that are reduced across ranks inside autograd (DDP buckets, FSDP flat parameters): there the
+post-accumulate hook sees the local increment only where the wrapper keeps per-parameter
+``.grad``.
+
+Per step::
+
+    abft = ABFTDetector(model, ABFTConfig()).attach()   # after injectors
+    for step ...:
+        abft.begin_step(step)          # optional: check() arms step + 1 by itself
+        loss.backward(); events = abft.check(step)   # one host sync; before optimizer.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sdcscope._validate import check_choice, check_non_negative, check_positive
+from sdcscope.detect.checksum import gemm_check, operand_stats, rounding_model, unit_roundoff
+from sdcscope.detect.events import GEMMS, Event
+from sdcscope.observe._util import check_float, is_matmul, match_modules, no_autocast
+
+CHECKSUMS = ("both", "row", "column")
+CHECKSUM_DTYPES = ("auto", "float64", "float32")
+
+
+@dataclass(kw_only=True)
+class ABFTConfig:
+    targets: tuple[str, ...] | None = None
+    """Module-name patterns; ``None`` = every ``nn.Linear`` and MatMul-contract module."""
+    gemms: tuple[str, ...] = GEMMS
+    checksums: str = "both"
+    """``'both'`` localises an element; ``'row'`` or ``'column'`` alone is cheaper."""
+    c: float = 8.0
+    """Threshold in model standard deviations (:mod:`sdcscope.detect.checksum`). Largest clean
+    ratio measured on small transformers: ≤ 0.3 (fp32 GEMMs), ≤ 1.9 (bf16 GEMMs)."""
+    checksum_dtype: str = "auto"
+    """``'auto'`` = float32 (AEGIS: checksums at FP32-accumulator precision). ``'float64'`` makes
+    the checksum arithmetic exact and the fp32 threshold ~30× tighter, but is not cheap: on the
+    CPU benchmark (4-layer d=128 transformer, every Linear, every step) it raised the overhead
+    from 1.30× to 1.89× (conversion copies of every operand)."""
+    every: int = 1
+    """Check on steps with ``step % every == 0``."""
+    layer_fraction: float = 1.0
+    """Share of the targeted layers checked on a checked step (deterministic rotation)."""
+    budget: float | None = None
+    """Target overhead (e.g. 0.02 = 2 % of step time): overrides ``every`` / ``layer_fraction``
+    from the detector's own timing of its hooks (full coverage on the first checked step)."""
+    calibration_steps: int = 0
+    """Checked steps whose largest ratio per (layer, gemm) sets a tighter threshold
+    ``max(c_min, calibration_margin × max ratio)`` (never above ``c``)."""
+    calibration_margin: float = 4.0
+    c_min: float = 0.5
+    include_eval: bool = False
+    """Also check forward passes in eval mode."""
+
+    def __post_init__(self) -> None:
+        if self.targets is not None:
+            self.targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        self.gemms = (self.gemms,) if isinstance(self.gemms, str) else tuple(self.gemms)
+        for g in self.gemms:
+            check_choice("gemm", g, GEMMS)
+        if not self.gemms:
+            raise ValueError(f"gemms is empty; allowed: {', '.join(GEMMS)}")
+        check_choice("checksums", self.checksums, CHECKSUMS)
+        check_choice("checksum_dtype", self.checksum_dtype, CHECKSUM_DTYPES)
+        check_float("c", self.c, low=0, low_open=True)
+        check_positive("every", self.every)
+        check_float("layer_fraction", self.layer_fraction, low=0, high=1, low_open=True)
+        if self.budget is not None:
+            check_float("budget", self.budget, low=0, high=1, low_open=True)
+        check_non_negative("calibration_steps", self.calibration_steps)
+        check_float("calibration_margin", self.calibration_margin, low=1.0)
+        check_float("c_min", self.c_min, low=0, low_open=True)
+
+
+@dataclass
+class _Ctx:
+    """One call of one sampled module, waiting for its gradients."""
+
+    call: int
+    a: torch.Tensor | None = None          # X (Linear) / a (MatMul), in the compute dtype
+    b: torch.Tensor | None = None          # W (Linear) / b (MatMul), in the compute dtype
+    a_shape: tuple[int, ...] = ()
+    b_shape: tuple[int, ...] = ()
+    dy: torch.Tensor | None = None
+    need: set[str] = field(default_factory=set)
+
+    def done(self, what: str) -> None:
+        self.need.discard(what)
+        if not self.need:
+            self.release()
+
+    def release(self) -> None:
+        self.need.clear()
+        self.a = self.b = self.dy = None
+
+
+@dataclass
+class _Layer:
+    name: str
+    module: nn.Module
+    kind: str                              # 'linear' | 'matmul'
+    check_dw: bool
+    calls: int = 0
+    fwd_handle: object = None
+    open_ctx: _Ctx | None = None           # created by the pre-hook, completed by the forward hook
+    dw_pending: list[_Ctx] = field(default_factory=list)
+    prev_sums: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class ABFTDetector:
+    """Checksum detector for the GEMMs of ``model`` (see the module docstring)."""
+
+    name = "abft"
+
+    def __init__(self, model: nn.Module, config: ABFTConfig | None = None, *,
+                 rank: int | None = None) -> None:
+        self.config = cfg = config or ABFTConfig()
+        self.model = model
+        self.rank = rank
+        eligible = match_modules(
+            model, cfg.targets, where=lambda m: isinstance(m, nn.Linear) or is_matmul(m),
+            option="ABFT targets")
+        owners: dict[int, int] = {}
+        for _, mod in model.named_modules(remove_duplicate=False):
+            for p in mod.parameters(recurse=False):
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        self.layers: list[_Layer] = []
+        for name, mod in eligible.items():
+            linear = isinstance(mod, nn.Linear)
+            shared = linear and owners.get(id(mod.weight), 0) > 1
+            self.layers.append(_Layer(name, mod, "linear" if linear else "matmul",
+                                      check_dw=not (linear and (shared or not mod.weight.requires_grad))))
+        self.skipped_grad_weight = [x.name for x in self.layers if x.kind == "linear" and not x.check_dw]
+        """Linear layers whose dW is not checked (weight shared with another module, or frozen)."""
+        self._handles: list = []
+        self._active: frozenset[str] = frozenset()
+        self._chosen: list[_Layer] = []
+        self._step: int | None = None
+        self._rot = 0
+        self._records: list[tuple] = []
+        self._bstats: dict[tuple, tuple] = {}
+        self._cal: dict[tuple[str, str], float] = {}
+        self._c_eff: dict[tuple[str, str], float] = {}
+        self._checked_steps = 0
+        self.checks_run = 0
+        self.unjudged = 0
+        self.max_ratio: dict[tuple[str, str], float] = {}
+        # budget control
+        self._hook_seconds = 0.0
+        self._events_cuda: list = []
+        self._last_check_wall: float | None = None
+        self._steps_since_check = 0
+        self._plan = (max(1, math.ceil(cfg.layer_fraction * len(self.layers))), cfg.every)
+        self._cost_per_layer: float | None = None
+        self._base_step: float | None = None
+
+    # ----------------------------------------------------------------- attach
+    def attach(self) -> ABFTDetector:
+        """Register the hooks (forward ones last in each module's order); returns ``self``."""
+        if self._handles:
+            return self
+        h = self._handles
+        for layer in self.layers:
+            mod = layer.module
+            h.append(mod.register_forward_pre_hook(self._pre_hook(layer), prepend=False))
+            layer.fwd_handle = mod.register_forward_hook(self._fwd_hook(layer), prepend=False)
+            h.append(layer.fwd_handle)
+            if layer.kind == "linear" and layer.check_dw and "grad_weight" in self.config.gemms:
+                h.append(mod.weight.register_hook(self._snapshot_hook(layer)))
+                h.append(mod.weight.register_post_accumulate_grad_hook(self._dw_hook(layer)))
+        if self._step is None:
+            self.begin_step(0)
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._drop_pending()
+
+    def __enter__(self) -> ABFTDetector:
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    # --------------------------------------------------------------- sampling
+    def begin_step(self, step: int) -> None:
+        """Choose the layers checked on ``step`` (deterministic rotation) and move ABFT's forward
+        hook of each back to the end of its module's hook order. Calling it again for the same
+        step re-orders the hooks only."""
+        if self._step != int(step):
+            self._step = int(step)
+            k, every = self._plan
+            if not self.layers or self._step % every:
+                chosen = []
+            else:
+                n = len(self.layers)
+                k = min(k, n)
+                chosen = [self.layers[(self._rot + i) % n] for i in range(k)]
+                self._rot = (self._rot + k) % n
+            self._active = frozenset(layer.name for layer in chosen)
+            self._chosen = chosen
+        for layer in self._chosen:
+            _keep_last(layer)
+
+    @property
+    def active_layers(self) -> frozenset[str]:
+        return self._active
+
+    def _on(self, layer: _Layer) -> bool:
+        return layer.name in self._active and (layer.module.training or self.config.include_eval)
+
+    # ------------------------------------------------------------------ hooks
+    def _timer(self, dev: torch.device):
+        return _HookTimer(self, dev) if self.config.budget is not None else _NO_TIMER
+
+    @property
+    def _cs(self) -> torch.dtype:
+        choice = self.config.checksum_dtype
+        return torch.float32 if choice == "auto" else getattr(torch, choice)
+
+    def _record(self, layer: _Layer, gemm: str, call: int, c_dims: tuple, batch_dims: tuple,
+                a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias=None, prev=None,
+                extra=None, operand: str | None = None, cache: str | None = None) -> None:
+        cd = a.dtype
+        cs = self._cs
+        stats = None
+        if cache is not None:  # weight statistics, reused across micro-batches within a step
+            key = (layer.name, cache, cd)
+            stats = self._bstats.get(key)
+            if stats is None:
+                with no_autocast(c.device):
+                    stats = self._bstats[key] = operand_stats(b, cs)
+        chk = gemm_check(a, b, c, bias=bias, model=rounding_model(cd, c.device, cs),
+                         checksum_dtype=cs, which=self.config.checksums, prev=prev, extra=extra,
+                         b_stats=stats)
+        self._records.append((layer.name, gemm, call, c_dims, batch_dims, a.shape[-1], str(cd),
+                              operand, chk))
+
+    def _pre_hook(self, layer: _Layer):
+        grads = {"grad_input", "grad_weight"} & set(self.config.gemms)
+
+        def hook(module, args):
+            if not self._on(layer):
+                return None
+            layer.calls += 1
+            ctx = _Ctx(call=layer.calls)
+            layer.open_ctx = ctx
+            if not (grads and torch.is_grad_enabled()):
+                return None
+            n_ops = 1 if layer.kind == "linear" else 2
+            new = list(args)
+            for pos in range(min(n_ops, len(args))):
+                x = args[pos]
+                if not isinstance(x, torch.Tensor) or not x.requires_grad:
+                    continue
+                gemm = "grad_input" if pos == 0 else "grad_weight"
+                if gemm not in grads:
+                    continue
+                view = x.view_as(x)
+                view.register_hook(self._grad_operand_hook(layer, ctx, pos))
+                ctx.need.add(f"op{pos}")
+                new[pos] = view
+            return tuple(new)
+        return hook
+
+    def _fwd_hook(self, layer: _Layer):
+        gemms = set(self.config.gemms)
+
+        def hook(module, args, out):
+            ctx, layer.open_ctx = layer.open_ctx, None
+            if ctx is None or not self._on(layer) or not isinstance(out, torch.Tensor):
+                return None
+            with torch.no_grad(), self._timer(out.device):
+                cd = out.dtype
+                if layer.kind == "linear":
+                    x = args[0]
+                    w = module.weight.detach().to(cd)
+                    bias = None if module.bias is None else module.bias.detach().to(cd)
+                    x2 = x.detach().reshape(-1, x.shape[-1]).to(cd)
+                    if "forward" in gemms:
+                        self._record(layer, "forward", ctx.call, tuple(out.shape[:-1]), (),
+                                     x2, w.t(), out.detach().reshape(-1, out.shape[-1]), bias=bias,
+                                     cache="forward")
+                    ctx.a, ctx.b, ctx.a_shape = x2, w, tuple(x.shape)
+                    if layer.check_dw and "grad_weight" in gemms and out.requires_grad:
+                        ctx.need.add("dw")
+                        layer.dw_pending.append(ctx)
+                else:
+                    a, b = args[0], args[1]
+                    if a.dim() < 2 or b.dim() < 2:
+                        ctx.release()
+                        return None
+                    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+                    a_e = a.detach().to(cd).expand(*batch, *a.shape[-2:])
+                    b_e = b.detach().to(cd).expand(*batch, *b.shape[-2:])
+                    if "forward" in gemms:
+                        self._record(layer, "forward", ctx.call, (), tuple(batch),
+                                     a_e, b_e, out.detach())
+                    ctx.a, ctx.b = a_e, b_e
+                    ctx.a_shape, ctx.b_shape = tuple(a.shape), tuple(b.shape)
+                if ctx.need and out.requires_grad:
+                    out.register_hook(self._dy_hook(ctx))
+                else:
+                    ctx.release()  # no gradient check will come: drop the operands
+            return None
+        return hook
+
+    @staticmethod
+    def _dy_hook(ctx: _Ctx):
+        def hook(grad):
+            ctx.dy = grad.detach()
+        return hook
+
+    def _grad_operand_hook(self, layer: _Layer, ctx: _Ctx, pos: int):
+        def hook(grad):
+            if ctx.dy is None or ctx.a is None:
+                ctx.done(f"op{pos}")
+                return None
+            with torch.no_grad(), self._timer(grad.device):
+                cd = ctx.dy.dtype
+                if layer.kind == "linear":
+                    dy2 = ctx.dy.reshape(-1, ctx.dy.shape[-1]).to(cd)
+                    k = ctx.a_shape[-1]
+                    self._record(layer, "grad_input", ctx.call, ctx.a_shape[:-1], (),
+                                 dy2, ctx.b.to(cd), grad.detach().reshape(-1, k), cache="grad_input")
+                else:
+                    full = ctx.a.shape if pos == 0 else ctx.b.shape
+                    if tuple(grad.shape) == tuple(full):  # operand was not broadcast
+                        batch = tuple(full[:-2])
+                        dc = ctx.dy.to(cd)
+                        if pos == 0:   # dA = dC · bᵀ
+                            self._record(layer, "grad_input", ctx.call, (), batch,
+                                         dc, ctx.b.transpose(-2, -1), grad.detach(), operand="a")
+                        else:          # dB = aᵀ · dC
+                            self._record(layer, "grad_weight", ctx.call, (), batch,
+                                         ctx.a.transpose(-2, -1), dc, grad.detach(), operand="b")
+            ctx.done(f"op{pos}")
+            return None
+        return hook
+
+    def _snapshot_hook(self, layer: _Layer):
+        def hook(grad):
+            if not layer.dw_pending:
+                return None
+            g = layer.module.weight.grad
+            if g is None:
+                layer.prev_sums = None
+            else:
+                cs = self._cs
+                with torch.no_grad():
+                    layer.prev_sums = (g.sum(1, dtype=cs), g.sum(0, dtype=cs))
+            return None
+        return hook
+
+    def _dw_hook(self, layer: _Layer):
+        def hook(param):
+            ready = [c for c in layer.dw_pending if c.dy is not None and c.a is not None]
+            if not ready:
+                return
+            layer.dw_pending = [c for c in layer.dw_pending if c not in ready]
+            g = param.grad
+            prev, layer.prev_sums = layer.prev_sums, None
+            with torch.no_grad(), no_autocast(g.device), self._timer(g.device):
+                cd = ready[0].dy.dtype
+                dys = [c.dy.reshape(-1, c.dy.shape[-1]).to(cd) for c in ready]
+                xs = [c.a.to(cd) for c in ready]
+                dy = dys[0] if len(dys) == 1 else torch.cat(dys)  # calls since the last
+                x = xs[0] if len(xs) == 1 else torch.cat(xs)      # accumulation (weight reuse)
+                extra = None
+                if prev is not None:
+                    # rounding of grad += increment: ≤ u·|grad| per element, plus the correlated
+                    # part; in fp64 so that a corrupted element (~3e38) cannot overflow its bound
+                    u = unit_roundoff(g.dtype)
+                    gd = g.detach().double()
+                    sq = gd.square()
+                    extra = (u * (sq.sum(1).sqrt() + gd.sum(1).abs()),
+                             u * (sq.sum(0).sqrt() + gd.sum(0).abs()))
+                self._record(layer, "grad_weight", ready[-1].call, (), (),
+                             dy.t(), x, g.detach(), prev=prev, extra=extra)
+            for c in ready:
+                c.done("dw")
+        return hook
+
+    # ------------------------------------------------------------------ check
+    def _drop_pending(self) -> None:
+        self._bstats.clear()
+        for layer in self.layers:
+            layer.open_ctx = None
+            layer.dw_pending = []
+            layer.prev_sums = None
+            layer.calls = 0
+
+    def threshold(self, layer: str, gemm: str) -> float:
+        """The c (in model stds) currently applied to (layer, gemm)."""
+        return self._c_eff.get((layer, gemm), self.config.c)
+
+    def check(self, step: int | None = None) -> list[Event]:
+        """Evaluate every check recorded since the last call (one host sync) -> events.
+
+        Call after backward and before ``optimizer.step()``. Arms step + 1 unless
+        :meth:`begin_step` is called for it.
+        """
+        cfg = self.config
+        step = self._step if step is None else int(step)
+        records, self._records = self._records, []
+        events: list[Event] = []
+        self._steps_since_check += 1
+        if records:
+            dev = records[0][-1].ratio.device
+            ratios = torch.stack([r[-1].ratio.to(dev) for r in records]).tolist()  # the sync
+            calibrating = self._checked_steps < cfg.calibration_steps
+            self._checked_steps += 1
+            for rec, ratio in zip(records, ratios):
+                events.extend(self._judge(step, rec, ratio, calibrating))
+            if calibrating and self._checked_steps == cfg.calibration_steps:
+                for key, worst in self._cal.items():
+                    self._c_eff[key] = min(cfg.c, max(cfg.c_min, cfg.calibration_margin * worst))
+            self.checks_run += len(records)
+        if cfg.budget is not None:
+            self._update_plan(n_checked=len({r[0] for r in records}))
+        self._drop_pending()
+        if step is not None:
+            self.begin_step(step + 1)
+        return events
+
+    def _judge(self, step: int, rec: tuple, ratio: float, calibrating: bool) -> list[Event]:
+        name, gemm, call, c_dims, batch_dims, k, dtype, operand, chk = rec
+        key = (name, gemm)
+        c = self.threshold(name, gemm)
+        if ratio <= c:  # the common case: nothing more is read from the device
+            self.max_ratio[key] = max(self.max_ratio.get(key, 0.0), ratio)
+            if calibrating:
+                self._cal[key] = max(self._cal.get(key, 0.0), ratio)
+            return []
+        s = chk.locate()  # a failing (or non-finite) check: read its details
+        if not s["judged"]:
+            self.unjudged += 1
+            return []
+        ratio = s["ratio"]
+        self.max_ratio[key] = max(self.max_ratio.get(key, 0.0), ratio)
+        if ratio <= c:
+            return []
+        row_hit = not math.isnan(s["row_ratio"]) and s["row_ratio"] > c
+        col_hit = not math.isnan(s["col_ratio"]) and s["col_ratio"] > c
+        row = int(s["row"]) if row_hit else None
+        col = int(s["col"]) if col_hit else None
+        batch = _unravel(int(s["batch"]), batch_dims) if batch_dims else ()
+        if c_dims:  # rows of a flattened (…, n) operand
+            lead = _unravel(row, c_dims) if row is not None else (None,) * len(c_dims)
+            index = (*lead, col)
+        else:
+            index = (*batch, row, col)
+        side = "row" if (s["row_ratio"] if row_hit else -1) >= (s["col_ratio"] if col_hit else -1) \
+            else "col"
+        evidence = {
+            "ratio": ratio, "c": c, "residual": s[f"{side}_residual"],
+            "threshold": c * s[f"{side}_threshold"],
+            "row_residual": s["row_residual"], "row_threshold": c * s["row_threshold"],
+            "col_residual": s["col_residual"], "col_threshold": c * s["col_threshold"],
+            "dtype": dtype, "inner_dim": int(k), "call": call,
+        }
+        if operand is not None:
+            evidence["operand"] = operand
+        return [Event(step, self.name, "checksum_mismatch", module=name, gemm=gemm,
+                      rank=self.rank, index=index, evidence=evidence)]
+
+    def _update_plan(self, n_checked: int) -> None:
+        """Size the rotation so that hook time ≈ budget × step time (budget mode)."""
+        now = time.perf_counter()
+        spent = self._hook_seconds + sum(a.elapsed_time(b) for a, b in self._events_cuda) / 1e3
+        self._hook_seconds, self._events_cuda = 0.0, []
+        if self._last_check_wall is not None and n_checked:
+            wall = now - self._last_check_wall
+            base = max(wall - spent, 1e-9) / self._steps_since_check
+            per_layer = spent / n_checked
+            ema = lambda old, new: new if old is None else 0.7 * old + 0.3 * new  # noqa: E731
+            self._base_step = ema(self._base_step, base)
+            self._cost_per_layer = ema(self._cost_per_layer, per_layer)
+            want = self.config.budget * self._base_step / max(self._cost_per_layer, 1e-12)
+            n = len(self.layers)
+            self._plan = (min(n, max(1, int(want))), 1) if want >= 1 else \
+                (1, min(10_000, math.ceil(1 / want)))
+        if n_checked or self._last_check_wall is None:
+            self._last_check_wall = now
+            self._steps_since_check = 0
+
+
+def _keep_last(layer: _Layer) -> None:
+    """Move ABFT's forward hook back to the end of the module's hook order, so that a hook
+    registered after ``attach()`` (an injector editing the output) still runs before the check.
+    Uses the module's ordered hook dict (no public API reorders hooks)."""
+    hooks = getattr(layer.module, "_forward_hooks", None)
+    hid = getattr(layer.fwd_handle, "id", None)
+    if hooks is None or hid not in hooks or next(reversed(hooks)) == hid:
+        return
+    hooks.move_to_end(hid)
+
+
+class _HookTimer:
+    """Adds a hook's duration to the detector's budget accounting (CUDA events on GPUs)."""
+
+    __slots__ = ("det", "dev", "t0", "ev")
+
+    def __init__(self, det: ABFTDetector, dev: torch.device) -> None:
+        self.det, self.dev = det, dev
+
+    def __enter__(self) -> None:
+        if self.dev.type == "cuda":
+            self.ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.ev[0].record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.dev.type == "cuda":
+            self.ev[1].record()
+            self.det._events_cuda.append(self.ev)
+        else:
+            self.det._hook_seconds += time.perf_counter() - self.t0
+
+
+_NO_TIMER = contextlib.nullcontext()
+
+
+def _unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for d in reversed(dims):
+        out.append(flat % d)
+        flat //= d
+    return tuple(reversed(out))

@@ -1,0 +1,100 @@
+"""Non-finite loss or gradients, decided before the optimizer step with one host sync.
+
+The per-gradient max-abs (``torch._foreach_norm(grads, inf)``, one fused pass that cannot
+overflow the way a sum of squares can) and the loss are stacked and reduced on device into one
+``all finite`` flag; :meth:`NonFiniteDetector.check` reads it with a single ``.item()``. Only when
+it is false does a second read name the offending parameters (production_sdc.md §7 anchors:
+gate the optimizer on a finiteness flag; Megatron checks loss and grads before the DP reduce).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sdcscope._validate import check_positive
+from sdcscope.detect.events import Event
+
+
+@dataclass(kw_only=True)
+class NonFiniteConfig:
+    check_loss: bool = True
+    check_grads: bool = True
+    max_listed: int = 8
+    """How many offending parameter names an event lists."""
+
+    def __post_init__(self) -> None:
+        for name in ("check_loss", "check_grads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        check_positive("max_listed", self.max_listed)
+
+
+class NonFiniteDetector:
+    """``check(step, loss)`` after backward (and before ``optimizer.step()``) -> events."""
+
+    name = "nonfinite"
+
+    def __init__(self, model: nn.Module, config: NonFiniteConfig | None = None, *,
+                 rank: int | None = None) -> None:
+        self.config = config or NonFiniteConfig()
+        self.rank = rank
+        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def _maxabs(self) -> tuple[list[str], torch.Tensor | None]:
+        named = [(n, p.grad) for n, p in self._named if p.grad is not None]
+        if not named:
+            return [], None
+        dev = named[0][1].device
+        norms = torch._foreach_norm([g for _, g in named], math.inf)
+        return [n for n, _ in named], torch.stack([t.to(dev, torch.float32) for t in norms])
+
+    def flag(self, loss: torch.Tensor | float | None = None) -> torch.Tensor | None:
+        """Device bool tensor, True when loss and gradients are all finite (no host sync);
+        usable with ``torch._assert_async`` or to gate a step without syncing."""
+        parts = []
+        if self.config.check_grads:
+            _, maxabs = self._maxabs()
+            if maxabs is not None:
+                parts.append(torch.isfinite(maxabs).all())
+        if self.config.check_loss and isinstance(loss, torch.Tensor):
+            t = torch.isfinite(loss.detach()).all()
+            parts.append(t.to(parts[0].device) if parts else t)
+        if not parts:
+            return None
+        return torch.stack(parts).all()
+
+    def check(self, step: int, loss: torch.Tensor | float | None = None) -> list[Event]:
+        cfg = self.config
+        names, maxabs = self._maxabs() if cfg.check_grads else ([], None)
+        loss_t = None
+        if cfg.check_loss and loss is not None:
+            loss_t = loss.detach().float().reshape(-1)[:1] if isinstance(loss, torch.Tensor) \
+                else torch.tensor([float(loss)])
+        parts = [t for t in (loss_t, maxabs) if t is not None]
+        if not parts:
+            return []
+        dev = parts[0].device
+        flat = torch.cat([t.to(dev) for t in parts])
+        if bool(torch.isfinite(flat).all()):  # the one sync on a clean step
+            return []
+        events = []
+        values = flat.tolist()
+        if loss_t is not None:
+            lv = values.pop(0)
+            if not math.isfinite(lv):
+                events.append(Event(step, self.name, "nonfinite", rank=self.rank,
+                                    evidence={"what": "loss", "value": lv}))
+        bad = [(n, v) for n, v in zip(names, values) if not math.isfinite(v)]
+        if bad:
+            first = bad[0][0]
+            events.append(Event(
+                step, self.name, "nonfinite", module=first.rpartition(".")[0] or first,
+                rank=self.rank,
+                evidence={"what": "grad", "count": len(bad), "of": len(names),
+                          "params": [n for n, _ in bad[:cfg.max_listed]],
+                          "values": [v for _, v in bad[:cfg.max_listed]]}))
+        return events

@@ -1,0 +1,95 @@
+"""Helpers shared by :mod:`sdcscope.observe` and :mod:`sdcscope.detect` (which may import observe).
+
+* the duck-typed **MatMul contract**: a module whose class (or instance) has ``is_matmul = True``
+  and whose ``forward(a, b)`` returns ``a @ b`` (batched, no bias). ``sdcscope.workloads.gpt.MatMul``
+  follows it; so can any user module. Nothing here imports the workloads room.
+* shell-style module-name patterns (``fnmatch``, ``*`` also crosses dots) resolved against
+  ``model.named_modules()``, with close matches in the error when a pattern matches nothing;
+* validation of float options and conversion of metric values to strict JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import math
+from collections.abc import Callable, Iterable
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+
+def is_matmul(module: nn.Module) -> bool:
+    """True for modules following the MatMul contract (``is_matmul = True``, ``forward(a, b) = a @ b``)."""
+    return getattr(module, "is_matmul", False) is True
+
+
+def no_autocast(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """Disable autocast for ``device``: hooks run inside the model's autocast region, where an
+    fp32 matmul of a monitor or checksum would silently run in bf16."""
+    try:
+        return torch.autocast(torch.device(device).type, enabled=False)
+    except RuntimeError:  # a device type autocast does not know
+        return contextlib.nullcontext()
+
+
+def match_modules(
+    model: nn.Module,
+    patterns: Iterable[str] | None,
+    *,
+    where: Callable[[nn.Module], bool] = lambda m: True,
+    option: str = "modules",
+    strict: bool = True,
+) -> dict[str, nn.Module]:
+    """``{name: module}`` for modules accepted by ``where`` whose name matches any pattern.
+
+    ``patterns=None`` selects every accepted module. With ``strict``, a pattern that matches no
+    accepted module raises ``ValueError`` naming it and the closest candidate names.
+    """
+    candidates = {name: m for name, m in model.named_modules() if name and where(m)}
+    if patterns is None:
+        return candidates
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    chosen: dict[str, nn.Module] = {}
+    for pat in patterns:
+        hits = {n: m for n, m in candidates.items() if fnmatchcase(n, pat)}
+        if not hits and strict:
+            close = difflib.get_close_matches(pat, list(candidates), n=3, cutoff=0.4)
+            hint = f"; closest: {', '.join(close)}" if close else ""
+            shown = ", ".join(list(candidates)[:8]) + (", ..." if len(candidates) > 8 else "")
+            raise ValueError(
+                f"{option} pattern {pat!r} matches no eligible module{hint} "
+                f"(eligible: {shown or 'none'})"
+            )
+        chosen.update(hits)
+    return chosen
+
+
+def check_float(name: str, value: object, *, low: float | None = None,
+                high: float | None = None, low_open: bool = False, high_open: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a real number within the given bounds."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
+        rule = " and ".join(s for s in (lo, hi) if s) or "finite"
+        raise ValueError(f"{name}={value!r} must be a number {rule}")
+
+
+def jsonable(value: object) -> object:
+    """Strict-JSON version of a metric/evidence value: non-finite floats become the strings
+    ``"nan"``, ``"inf"``, ``"-inf"`` (``float()`` reads them back); tuples become lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # a stray 0-d tensor / numpy scalar
+        return jsonable(value.item())
+    return value

@@ -1,0 +1,91 @@
+"""Configuration of the per-step metrics collector (:class:`~sdcscope.observe.Metrics`).
+
+Tiers follow research/instability.md §5.1: every step (loss, grad norms, update ratio, cosines,
+Adam ``g²/v``, attention-logit bound, output log-sum-exp), probe steps every ``probe_every``
+(exact attention max logit and entropy, activation kurtosis), and every ``stable_rank_every``
+steps (weight stable rank by power iteration).
+
+Module options left at ``None`` use a default that may match nothing (a model without attention
+simply has no attention metrics); a pattern you set must match something, else ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from sdcscope._validate import check_choice, check_positive
+
+UPDATE_RATIO_SOURCES = ("auto", "optimizer", "copy", "off")
+SINKS = ("jsonl", "tensorboard")
+
+DEFAULT_ATTN_SCORE = "*score"
+DEFAULT_ATTN_CONTEXT = "*context"
+DEFAULT_OUTPUT_MODULE = "head"
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    per_layer: bool = True
+    """Also emit ``grad_norm/<layer>`` and ``update_ratio/<layer>`` (layer = parameter's module)."""
+    update_ratio: str = "auto"
+    """How ``‖Δθ‖/‖θ‖`` gets ``Δθ``: ``'optimizer'`` reconstructs the step the optimizer just took
+    from its state (Adam/AdamW/SGD, no extra memory), ``'copy'`` keeps a pre-step copy of the
+    parameters (exact, any optimizer, one parameter-sized buffer), ``'auto'`` = optimizer when
+    supported else copy, ``'off'``."""
+    cosines: bool = True
+    """``cos/update_grad`` (cos(Δθ, g); a descent step gives a negative value) and
+    ``cos/grad_moment`` (cos(g_t, m_{t-1}) with Adam's exp_avg before this step)."""
+    adam_stats: bool = True
+    """``adam/g2_over_v`` = Σg²/Σv̂_{t-1} (global and min/max over layers): ≪ 1 for long means the
+    second moment has decoupled from the gradient (instability.md §1.9)."""
+    probe_every: int = 50
+    """Exact attention max logit, attention entropy and activation kurtosis on steps with
+    ``step % probe_every == 0``."""
+    stable_rank_every: int = 100
+    """Weight stable rank ``‖W‖_F²/σ_max²`` on steps with ``step % stable_rank_every == 0``."""
+    power_iters: int = 2
+    """Power iterations per stable-rank probe; the vector is kept between probes (warm start, the
+    first probe runs ``10 × power_iters``)."""
+    attn_score: str | None = None
+    """Pattern for the attention-score MatMul modules (``forward(q*scale, kᵀ)``); default ``'*score'``."""
+    attn_context: str | None = None
+    """Pattern for the MatMul modules that receive the attention probabilities
+    (``forward(probs, v)``); default ``'*context'``."""
+    output_module: str | None = None
+    """Module whose output are the vocabulary logits; default ``'head'``."""
+    kurtosis_modules: tuple[str, ...] | None = None
+    """Modules whose output kurtosis is measured; default: every element of the model's top-level
+    ``nn.ModuleList`` (the transformer blocks, i.e. the residual stream)."""
+    stable_rank_params: tuple[str, ...] | None = None
+    """Parameter-name patterns for the stable rank; default: every 2-D parameter."""
+    sink: str = "jsonl"
+    """Sink built from ``path`` when :class:`Metrics` gets no explicit ``sinks``: ``'jsonl'``
+    (:class:`JsonlSink`) or ``'tensorboard'`` (log dir). Prometheus: pass a ``PrometheusSink``."""
+    path: str | None = None
+    """JSONL file (or TensorBoard log dir); ``None`` = no sink from the config."""
+
+    def __post_init__(self) -> None:
+        check_choice("update_ratio", self.update_ratio, UPDATE_RATIO_SOURCES)
+        check_choice("sink", self.sink, SINKS)
+        for name in ("probe_every", "stable_rank_every", "power_iters"):
+            check_positive(name, getattr(self, name))
+        for name in ("per_layer", "cosines", "adam_stats"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        for name in ("attn_score", "attn_context", "output_module", "path"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name}={value!r} must be a non-empty string or None")
+        for name in ("kurtosis_modules", "stable_rank_params"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, str):
+                value = (value,)
+            value = tuple(value)
+            if not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"{name}={value!r} must be a tuple of non-empty pattern strings")
+            setattr(self, name, value)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

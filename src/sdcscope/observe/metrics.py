@@ -1,0 +1,515 @@
+"""Per-step training metrics for any model and optimizer, computed on device, one host sync a step.
+
+Call order in a training loop (each call is optional; a missing one only drops its metrics)::
+
+    m = Metrics(model, optimizer, MetricsConfig(path="run/metrics.jsonl")).attach()
+    for step in range(steps):
+        loss = loss_fn(model(x), y)          # forward hooks: attention bound, log-sum-exp, probes
+        loss.backward()
+        m.after_backward()                   # grad norms, before clipping
+        clip_grad_norm_(model.parameters(), 1.0)
+        m.before_optimizer_step()            # cos(g, m_{t-1}), Adam g²/v̂, pre-step copy
+        optimizer.step()
+        m.after_optimizer_step()             # Δθ: update ratio, cos(Δθ, g), param norm
+        optimizer.zero_grad()
+        row = m.collect(step, loss)          # stack everything, one .tolist(), write the sinks
+    m.close()
+
+``attach(optimizer_hooks=True)`` registers the two optimizer calls as optimizer step hooks
+instead. Every quantity stays a device tensor until :meth:`Metrics.collect` concatenates them
+into one vector and calls ``.tolist()`` once. Metric names (``<layer>`` is a module name):
+
+====================================  =============================================================
+``loss``, ``lr``                      the value given to ``collect``; group 0's learning rate
+``grad_norm``, ``grad_norm/<layer>``  ‖g‖₂ (global, per module), before clipping
+``param_norm``                        ‖θ‖₂ after the step
+``update_ratio[/<layer>]``            ‖Δθ‖₂ / ‖θ‖₂ (instability.md §1.4)
+``cos/update_grad``                   cos(Δθ_t, g_t); a descent step is negative
+``cos/grad_moment``                   cos(g_t, m_{t-1}) with Adam's ``exp_avg`` before the step
+``adam/g2_over_v[_min|_max]``         Σg² / Σv̂_{t-1} (global; min/max over layers) (§1.9)
+``attn/max_logit_bound[/<attn>]``     max over (batch, head) of maxᵢ‖qᵢ‖·maxⱼ‖kⱼ‖ (q already
+                                      scaled), from the score MatMul's inputs, every step (§1.6)
+``attn/max_logit[/<attn>]``           exact max of the score MatMul output (probe steps; before
+                                      masking, so an upper bound of the used logits)
+``attn/entropy[_min]``, ``/<attn>``   mean −Σ p log p of the probabilities fed to the context
+                                      MatMul (probe steps; rows renormalised, so with attention
+                                      dropout it is the entropy of the dropped-out rows) (§1.7)
+``logits/lse_mean``, ``_max``         log Σ exp(logits) of the output module, per token (§1.8)
+``act/kurtosis[_max]``, ``/<module>`` mean(s⁴)/mean(s²)² with sⱼ the RMS of feature j over
+                                      tokens (He et al.; 1 = no outlier features) (§1.10)
+``stable_rank[_min]``, ``/<param>``   ‖W‖_F² / σ_max², σ_max by warm-started power iteration (§1.11)
+====================================  =============================================================
+
+Forward hooks record only in training mode (``module.training``), so evaluation passes do not
+mix into the step's statistics; with gradient accumulation the per-step value is the max (or the
+mean) over micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+from sdcscope.observe._util import is_matmul, match_modules, no_autocast
+from sdcscope.observe.config import (
+    DEFAULT_ATTN_CONTEXT,
+    DEFAULT_ATTN_SCORE,
+    DEFAULT_OUTPUT_MODULE,
+    MetricsConfig,
+)
+from sdcscope.observe.sinks import Sink, make_sink
+
+_TINY = 1e-30
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0] or name
+
+
+def _first_tensor(out: object) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+class Metrics:
+    """Collects the metrics of :mod:`sdcscope.observe.metrics` for ``model`` (and ``optimizer``)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 config: MetricsConfig | None = None, *, sinks: Iterable[Sink] | None = None) -> None:
+        if config is not None and not isinstance(config, MetricsConfig):
+            raise TypeError(f"config must be a MetricsConfig, not {type(config).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.config = cfg = config or MetricsConfig()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        layers = [_parent(n) for n in self._names]
+        slot = {x: i for i, x in enumerate(dict.fromkeys(layers))}
+        self._layers = list(slot)
+        self._layer_of = [slot[x] for x in layers]
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        self._slots: dict[tuple, tuple[list[str], torch.Tensor]] = {}
+
+        self._score = {_parent(n): m for n, m in match_modules(
+            model, [cfg.attn_score or DEFAULT_ATTN_SCORE], where=is_matmul,
+            option="attn_score", strict=cfg.attn_score is not None).items()}
+        self._context = {_parent(n): m for n, m in match_modules(
+            model, [cfg.attn_context or DEFAULT_ATTN_CONTEXT], where=is_matmul,
+            option="attn_context", strict=cfg.attn_context is not None).items()}
+        self._output = match_modules(model, [cfg.output_module or DEFAULT_OUTPUT_MODULE],
+                                     option="output_module", strict=cfg.output_module is not None)
+        if cfg.kurtosis_modules is not None:
+            self._kurtosis = match_modules(model, cfg.kurtosis_modules, option="kurtosis_modules")
+        else:
+            self._kurtosis = {f"{name}.{i}": child for name, lst in model.named_children()
+                              if isinstance(lst, nn.ModuleList) for i, child in enumerate(lst)}
+        two_d = [(n, p) for n, p in named if p.dim() == 2]
+        if cfg.stable_rank_params is not None:
+            for pat in cfg.stable_rank_params:
+                if not any(fnmatchcase(n, pat) for n, _ in two_d):
+                    raise ValueError(f"stable_rank_params pattern {pat!r} matches no 2-D parameter "
+                                     f"(2-D parameters: {', '.join(n for n, _ in two_d)})")
+            two_d = [(n, p) for n, p in two_d if any(fnmatchcase(n, q) for q in cfg.stable_rank_params)]
+        self._sr_params = two_d
+        self._sr_vec: dict[str, torch.Tensor] = {}
+
+        if sinks is not None:
+            self.sinks = list(sinks)
+        else:
+            self.sinks = [make_sink(cfg.sink, cfg.path)] if cfg.path is not None else []
+        self._handles: list = []
+        self._step = 0
+        self._probe = True
+        self._reset()
+
+    # ------------------------------------------------------------------ hooks
+    def attach(self, *, optimizer_hooks: bool = False) -> Metrics:
+        """Register the forward hooks (and optionally the optimizer step hooks); returns ``self``.
+
+        :meth:`detach` (or leaving a ``with`` block) removes every hook.
+        """
+        if self._handles:
+            return self
+        h = self._handles
+        for layer, mod in self._score.items():
+            h.append(mod.register_forward_pre_hook(self._score_pre(layer)))
+            h.append(mod.register_forward_hook(self._score_out(layer)))
+        for layer, mod in self._context.items():
+            h.append(mod.register_forward_pre_hook(self._context_pre(layer)))
+        for mod in self._output.values():
+            h.append(mod.register_forward_hook(self._lse))
+        for name, mod in self._kurtosis.items():
+            h.append(mod.register_forward_hook(self._kurt(name)))
+        if optimizer_hooks:
+            if self.optimizer is None:
+                raise ValueError("optimizer_hooks=True needs an optimizer")
+            h.append(self.optimizer.register_step_pre_hook(
+                lambda opt, args, kwargs: self.before_optimizer_step()))
+            h.append(self.optimizer.register_step_post_hook(
+                lambda opt, args, kwargs: self.after_optimizer_step()))
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> Metrics:
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def _record_max(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        prev = self._max.get(key)
+        self._max[key] = value if prev is None else torch.maximum(prev, value)
+
+    def _record_mean(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        prev = self._mean.get(key)
+        self._mean[key] = (value, 1) if prev is None else (prev[0] + value, prev[1] + 1)
+
+    def _score_pre(self, layer: str):
+        def hook(module, args):
+            if not module.training or len(args) < 2:
+                return
+            with torch.no_grad(), no_autocast(args[0].device):
+                a, b = args[0], args[1]
+                qmax = torch.linalg.vector_norm(a.float(), dim=-1).amax(-1)
+                kmax = torch.linalg.vector_norm(b.float(), dim=-2).amax(-1)
+                self._record_max(f"attn/max_logit_bound/{layer}", (qmax * kmax).amax())
+        return hook
+
+    def _score_out(self, layer: str):
+        def hook(module, args, out):
+            if module.training and self._probe:
+                self._record_max(f"attn/max_logit/{layer}", out.detach().amax())
+        return hook
+
+    def _context_pre(self, layer: str):
+        def hook(module, args):
+            if not (module.training and self._probe and args):
+                return
+            with torch.no_grad(), no_autocast(args[0].device):
+                p = args[0].float()
+                p = p / p.sum(-1, keepdim=True).clamp_min(_TINY)
+                ent = -(p * p.clamp_min(_TINY).log()).sum(-1).mean()
+                self._record_mean(f"attn/entropy/{layer}", ent)
+        return hook
+
+    def _lse(self, module, args, out):
+        logits = _first_tensor(out)
+        if not module.training or logits is None:
+            return
+        with torch.no_grad(), no_autocast(logits.device):
+            lse = torch.logsumexp(logits.detach().float(), dim=-1)
+            self._record_mean("logits/lse_mean", lse.mean())
+            self._record_max("logits/lse_max", lse.amax())
+
+    def _kurt(self, name: str):
+        def hook(module, args, out):
+            x = _first_tensor(out)
+            if not (module.training and self._probe) or x is None or x.dim() == 0:
+                return
+            with torch.no_grad(), no_autocast(x.device):
+                s2 = x.detach().float().reshape(-1, x.shape[-1]).pow(2).mean(0)
+                kurt = s2.pow(2).mean() / s2.mean().pow(2).clamp_min(_TINY)
+                self._record_mean(f"act/kurtosis/{name}", kurt)
+        return hook
+
+    # ------------------------------------------------------------- step calls
+    def begin_step(self, step: int) -> None:
+        """Declare the step the next forward belongs to (``collect`` does it for ``step + 1``)."""
+        self._step = int(step)
+        self._probe = self._step % self.config.probe_every == 0
+
+    def _with_grad(self) -> list[int]:
+        return [i for i, p in enumerate(self._params) if p.grad is not None]
+
+    def _layer_sums(self, idx: list[int], sq: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+        """Per-layer sums of per-parameter values ``sq`` (aligned with ``idx``)."""
+        key = (tuple(idx), sq.device)
+        cached = self._slots.get(key)
+        if cached is None:
+            slots = sorted({self._layer_of[i] for i in idx})
+            pos = {s: j for j, s in enumerate(slots)}
+            index = torch.tensor([pos[self._layer_of[i]] for i in idx], device=sq.device)
+            cached = self._slots[key] = ([self._layers[s] for s in slots], index)
+        names, index = cached
+        out = torch.zeros(len(names), device=sq.device, dtype=sq.dtype).index_add_(0, index, sq)
+        return names, out
+
+    @staticmethod
+    def _stack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        return torch.stack([t.to(device=device, dtype=torch.float32) for t in tensors])
+
+    def after_backward(self) -> None:
+        """Gradient norms (global and per layer) of the gradients as they are now (pre-clip)."""
+        idx = self._with_grad()
+        if not idx:
+            return
+        grads = [self._params[i].grad for i in idx]
+        dev = grads[0].device
+        sq = self._stack(list(torch._foreach_norm(grads)), dev).pow(2)
+        self._vec["grad_norm"] = ([], sq.sum().sqrt())
+        if self.config.per_layer:
+            names, per = self._layer_sums(idx, sq)
+            self._vec["grad_norm/"] = (names, per.sqrt())
+        self._done.add("backward")
+
+    def before_optimizer_step(self) -> None:
+        """cos(g, m_{t-1}) and Adam's g²/v̂_{t-1} from the state before this step; a pre-step copy
+        of the parameters when the update ratio needs one."""
+        if "pre" in self._done:
+            return
+        self._done.add("pre")
+        if "backward" not in self._done:
+            self.after_backward()
+        cfg = self.config
+        idx = self._with_grad()
+        if not idx:
+            return
+        if self._update_source() == "copy":
+            self._prev = (idx, torch._foreach_clone([self._params[i].detach() for i in idx]))
+        opt = self.optimizer
+        if opt is None or not (cfg.cosines or cfg.adam_stats):
+            return
+        rows = []  # (param index, grad, exp_avg, exp_avg_sq, beta2, step)
+        for group in opt.param_groups:
+            beta2 = group.get("betas", (0.9, 0.999))[1]
+            for p in group["params"]:
+                st = opt.state.get(p, {})
+                if p.grad is None or "exp_avg" not in st or id(p) not in self._index_of:
+                    continue
+                rows.append((self._index_of[id(p)], p.grad, st["exp_avg"], st.get("exp_avg_sq"),
+                             float(beta2), float(st.get("step", 0))))
+        if not rows:
+            return
+        dev = rows[0][1].device
+        g_sq = self._stack(list(torch._foreach_norm([r[1] for r in rows])), dev).pow(2)
+        if cfg.cosines:
+            m_sq = self._stack(list(torch._foreach_norm([r[2] for r in rows])), dev).pow(2)
+            dot = self._stack([torch.dot(r[1].reshape(-1), r[2].reshape(-1).to(r[1].dtype))
+                               for r in rows], dev)
+            self._vec["cos/grad_moment"] = ([], dot.sum() / (g_sq.sum() * m_sq.sum()).sqrt()
+                                            .clamp_min(_TINY))
+        keep = [j for j, r in enumerate(rows) if r[3] is not None and r[5] >= 1]
+        if cfg.adam_stats and keep:
+            if len(keep) < len(rows):
+                g_sq = g_sq[torch.tensor(keep, device=dev)]
+                rows = [rows[j] for j in keep]
+            v_sum = self._stack(list(torch._foreach_norm([r[3] for r in rows], 1)), dev)
+            bc = torch.tensor([1.0 - r[4] ** r[5] for r in rows], device=dev)
+            v_hat = v_sum / bc
+            self._vec["adam/g2_over_v"] = ([], g_sq.sum() / v_hat.sum().clamp_min(_TINY))
+            names, g_l = self._layer_sums([r[0] for r in rows], g_sq)
+            _, v_l = self._layer_sums([r[0] for r in rows], v_hat)
+            ratio = g_l / v_l.clamp_min(_TINY)
+            self._vec["adam/g2_over_v_min"] = ([], ratio.min())
+            self._vec["adam/g2_over_v_max"] = ([], ratio.max())
+
+    def _update_source(self) -> str:
+        src = self.config.update_ratio
+        if src == "auto":
+            src = "optimizer" if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.SGD)) \
+                else "copy"
+        return src
+
+    def after_optimizer_step(self) -> None:
+        """Update-to-parameter ratio, cos(Δθ, g) and the parameter norm after the step."""
+        if "post" in self._done:
+            return
+        self._done.add("post")
+        src = self._update_source()
+        deltas: tuple[list[int], list[torch.Tensor]] | None = None
+        if src == "copy" and self._prev is not None:
+            idx, prev = self._prev
+            deltas = (idx, torch._foreach_sub([self._params[i].detach() for i in idx], prev))
+            self._prev = None
+        elif src == "optimizer" and self.optimizer is not None:
+            deltas = _reconstruct_update(self.optimizer, self._index_of)
+        params = [p.detach() for p in self._params]
+        dev = params[0].device if params else torch.device("cpu")
+        p_sq = self._stack(list(torch._foreach_norm(params)), dev).pow(2) if params else None
+        if p_sq is not None:
+            self._vec["param_norm"] = ([], p_sq.sum().sqrt())
+        if not deltas or not deltas[0]:
+            return
+        idx, d = deltas
+        d_sq = self._stack(list(torch._foreach_norm(d)), dev).pow(2)
+        sel = torch.tensor(idx, device=dev)
+        self._vec["update_ratio"] = ([], (d_sq.sum() / p_sq[sel].sum().clamp_min(_TINY)).sqrt())
+        if self.config.per_layer:
+            names, dl = self._layer_sums(idx, d_sq)
+            _, pl = self._layer_sums(idx, p_sq[sel])
+            self._vec["update_ratio/"] = (names, (dl / pl.clamp_min(_TINY)).sqrt())
+        if self.config.cosines:
+            pairs = [(self._params[i].grad, t) for i, t in zip(idx, d) if self._params[i].grad is not None]
+            if pairs:
+                g_sq = self._stack(list(torch._foreach_norm([g for g, _ in pairs])), dev).pow(2)
+                dd = self._stack(list(torch._foreach_norm([t for _, t in pairs])), dev).pow(2)
+                dot = self._stack([torch.dot(g.reshape(-1), t.reshape(-1).to(g.dtype))
+                                   for g, t in pairs], dev)
+                self._vec["cos/update_grad"] = ([], dot.sum() / (g_sq.sum() * dd.sum()).sqrt()
+                                                .clamp_min(_TINY))
+
+    def _stable_ranks(self) -> None:
+        if not self._sr_params:
+            return
+        vals = []
+        with torch.no_grad():
+            for name, p in self._sr_params:
+                w = p.detach().float()
+                v = self._sr_vec.get(name)
+                iters = self.config.power_iters
+                if v is None:
+                    gen = torch.Generator(device="cpu").manual_seed(0)
+                    v = torch.randn(w.shape[1], generator=gen).to(w.device)
+                    v = v / v.norm()
+                    iters *= 10
+                for _ in range(iters):
+                    u = w @ v
+                    u = u / u.norm().clamp_min(_TINY)
+                    v = w.t() @ u
+                    v = v / v.norm().clamp_min(_TINY)
+                self._sr_vec[name] = v
+                sigma = (w @ v).norm()
+                vals.append(w.pow(2).sum() / sigma.pow(2).clamp_min(_TINY))
+        dev = vals[0].device
+        self._vec["stable_rank/"] = ([n for n, _ in self._sr_params], self._stack(vals, dev))
+
+    # ---------------------------------------------------------------- collect
+    def collect(self, step: int, loss: torch.Tensor | float | None = None) -> dict[str, float]:
+        """All metrics of this step as ``{name: float}`` (one host sync), written to the sinks."""
+        step = int(step)
+        if "param_norm" not in self._vec and self._params:
+            params = [p.detach() for p in self._params]
+            self._vec["param_norm"] = ([], self._stack(list(torch._foreach_norm(params)),
+                                                       params[0].device).pow(2).sum().sqrt())
+        if step % self.config.stable_rank_every == 0:
+            self._stable_ranks()
+        keys: list[str] = []
+        parts: list[torch.Tensor] = []
+        out: dict[str, float] = {}
+        if loss is not None:
+            if isinstance(loss, torch.Tensor):
+                keys.append("loss")
+                parts.append(loss.detach().float().reshape(1))
+            else:
+                out["loss"] = float(loss)
+        for key, (names, t) in self._vec.items():
+            keys.extend([key + n for n in names] if names else [key])
+            parts.append(t.reshape(-1))
+        for key, t in self._max.items():
+            keys.append(key)
+            parts.append(t.reshape(1))
+        for key, (total, count) in self._mean.items():
+            keys.append(key)
+            parts.append((total / count).reshape(1))
+        if parts:
+            dev = parts[0].device
+            values = torch.cat([t.to(device=dev, dtype=torch.float32) for t in parts]).tolist()
+            out.update(zip(keys, values))
+        if self.optimizer is not None and self.optimizer.param_groups:
+            out["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        _summaries(out)
+        for sink in self.sinks:
+            sink.write(step, out)
+        self._reset()
+        self.begin_step(step + 1)
+        return out
+
+    def _reset(self) -> None:
+        self._vec: dict[str, tuple[list[str], torch.Tensor]] = {}
+        self._max: dict[str, torch.Tensor] = {}
+        self._mean: dict[str, tuple[torch.Tensor, int]] = {}
+        self._done: set[str] = set()
+        self._prev = None
+
+    def close(self) -> None:
+        """Detach the hooks and close the sinks."""
+        self.detach()
+        for sink in self.sinks:
+            sink.close()
+
+
+_SUMMARIES = (  # per-layer family -> (summary key, reducer)
+    ("attn/max_logit_bound/", "attn/max_logit_bound", max),
+    ("attn/max_logit/", "attn/max_logit", max),
+    ("attn/entropy/", "attn/entropy_min", min),
+    ("act/kurtosis/", "act/kurtosis_max", max),
+    ("stable_rank/", "stable_rank_min", min),
+)
+
+
+def _summaries(out: dict[str, float]) -> None:
+    for prefix, key, reduce in _SUMMARIES:
+        vals = [v for k, v in out.items() if k.startswith(prefix) and not math.isnan(v)]
+        if vals:
+            out[key] = reduce(vals)
+    ent = [v for k, v in out.items() if k.startswith("attn/entropy/")]
+    if ent:
+        out["attn/entropy"] = sum(ent) / len(ent)
+
+
+def _reconstruct_update(opt: torch.optim.Optimizer,
+                        index_of: dict[int, int]) -> tuple[list[int], list[torch.Tensor]]:
+    """Δθ of the step just taken, rebuilt from the optimizer state (Adam/AdamW, SGD).
+
+    Adam: θ_t = θ_{t-1}(1 − η·λ_decoupled) − η/(1−β₁ᵗ) · m_t / (√v_t/√(1−β₂ᵗ) + ε), so
+    θ_{t-1} = (θ_t + u)/(1 − ηλ) and Δθ = θ_t − θ_{t-1}. SGD: Δθ = −η·d with d the momentum
+    buffer (or, without momentum, the gradient plus weight decay).
+    """
+    idx: list[int] = []
+    deltas: list[torch.Tensor] = []
+    with torch.no_grad():
+        for group in opt.param_groups:
+            lr = float(group["lr"])
+            wd = float(group.get("weight_decay", 0.0))
+            for p in group["params"]:
+                if id(p) not in index_of or p.grad is None:
+                    continue
+                st = opt.state.get(p, {})
+                theta = p.detach()
+                if isinstance(opt, torch.optim.Adam):
+                    if "exp_avg" not in st or float(st.get("step", 0)) < 1:
+                        continue
+                    t = float(st["step"])
+                    b1, b2 = (float(b) for b in group["betas"])
+                    v = st["max_exp_avg_sq"] if group.get("amsgrad") else st["exp_avg_sq"]
+                    denom = v.sqrt() / math.sqrt(1 - b2 ** t) + group["eps"]
+                    upd = st["exp_avg"] / denom * (lr / (1 - b1 ** t))
+                    decoupled = group.get("decoupled_weight_decay",
+                                          isinstance(opt, torch.optim.AdamW))
+                    if decoupled and wd:
+                        delta = theta - (theta + upd) / (1 - lr * wd)
+                    else:
+                        delta = -upd
+                elif isinstance(opt, torch.optim.SGD):
+                    g = -p.grad if group.get("maximize") else p.grad
+                    mom = float(group.get("momentum", 0.0))
+                    buf = st.get("momentum_buffer")
+                    if mom and buf is not None:
+                        if group.get("nesterov"):
+                            # θ_t = θ_{t-1}(1 − ηλ) − η(g + μ·buf)
+                            old = (theta + lr * (g + mom * buf)) / (1 - lr * wd)
+                            delta = theta - old
+                        else:
+                            delta = -lr * buf
+                    else:
+                        old = (theta + lr * g) / (1 - lr * wd)
+                        delta = theta - old
+                else:
+                    return [], []
+                idx.append(index_of[id(p)])
+                deltas.append(delta)
+    return idx, deltas

@@ -1,0 +1,338 @@
+"""ABFT checksums: quiet on clean steps, and events naming layer, GEMM and element on faults."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_detect_models import MLP, TinyTransformer, flip_bit, lm_batch, lm_loss
+
+from sdcscope.detect import ABFTConfig, ABFTDetector, gemm_check, rounding_model
+
+
+def train(model, det, steps, *, dtype=None, autocast=False, micro=1, lr=1e-2, start=0):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    events = []
+    for step in range(start, start + steps):
+        det.begin_step(step)
+        for mb in range(micro):
+            if autocast:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = lm_loss(model, lm_batch(step * micro + mb))
+            else:
+                loss = lm_loss(model, lm_batch(step * micro + mb))
+            loss.backward()
+        events += det.check(step)
+        opt.step()
+        opt.zero_grad()
+    return events
+
+
+def transformer(seed=0, **kw):
+    torch.manual_seed(seed)
+    return TinyTransformer(**kw)
+
+
+# ------------------------------------------------------------------ clean runs
+def test_clean_fp32_transformer_no_events_all_gemms_checked():
+    model = transformer()
+    det = ABFTDetector(model).attach()
+    assert train(model, det, 3) == []
+    # 2 blocks × (6 Linear + 2 MatMul) + head = 17 layers × 3 GEMMs, per step
+    assert det.checks_run == 3 * 17 * 3 and det.unjudged == 0
+    assert 0 < max(det.max_ratio.values()) < 1.0  # fp32 with fp64 checksums: far below c = 8
+    det.detach()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_clean_mlp_3d_input_no_events():
+    torch.manual_seed(0)
+    model = MLP()
+    det = ABFTDetector(model).attach()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(3, 5, 12)  # input does not require grad: fc1 has no dX check
+        model(x).pow(2).mean().backward()
+        assert det.check(step) == []
+        opt.step()
+        opt.zero_grad()
+    assert det.checks_run == 3 * 5
+
+
+@pytest.mark.parametrize("mode", ["bf16_model", "autocast"])
+def test_clean_bf16_no_events(mode):
+    model = transformer(1)
+    if mode == "bf16_model":
+        model = model.to(torch.bfloat16)
+    det = ABFTDetector(model).attach()
+    assert train(model, det, 3, autocast=mode == "autocast") == []
+    assert det.checks_run == 3 * 17 * 3
+    assert max(det.max_ratio.values()) < 4.0  # bf16 output rounding: ~2 model stds at most
+
+
+def test_gradient_accumulation_and_tied_head():
+    model = transformer(2, tied=True)
+    det = ABFTDetector(model).attach()
+    assert det.skipped_grad_weight == ["head"]
+    assert train(model, det, 2, micro=2) == []
+    assert det.checks_run == 2 * 2 * (17 * 3 - 1)
+
+
+# ------------------------------------------------------------------ injected faults
+def corrupt_forward(module, index, bit):
+    def hook(mod, args, out):
+        out = out.clone()
+        flip_bit(out, index, bit)
+        return out
+    return module.register_forward_hook(hook)
+
+
+def test_forward_output_bitflip_located():
+    model = transformer(3)
+    idx = (1, 5, 7)
+    corrupt_forward(model.blocks[0].fc, idx, 30)  # registered before ABFT: ABFT sees it
+    det = ABFTDetector(model).attach()
+    events = train(model, det, 1)
+    fwd = [e for e in events if e.gemm == "forward"]
+    assert fwd[0].module == "blocks.0.fc" and fwd[0].index == idx
+    assert abs(fwd[0].evidence["residual"]) > fwd[0].evidence["threshold"] > 0
+    assert fwd[0].verdict == "checksum_mismatch" and fwd[0].detector == "abft"
+    # the same wrong value flows on; downstream GEMMs computed correctly on it stay quiet
+    assert {e.module for e in fwd} == {"blocks.0.fc"}
+
+
+def test_forward_injector_attached_after_abft_is_seen():
+    model = transformer(3)
+    det = ABFTDetector(model).attach()
+    idx = (2, 0, 4)
+    corrupt_forward(model.blocks[1].o_proj, idx, 30)  # after ABFT; begin_step re-orders
+    fwd = [e for e in train(model, det, 1) if e.gemm == "forward"]
+    assert [(e.module, e.index) for e in fwd] == [("blocks.1.o_proj", idx)]
+
+
+def test_forward_moderate_exponent_flip_detected_fp32():
+    model = transformer(4)
+    x, _ = lm_batch(0)
+    with torch.no_grad():
+        y = model.blocks[1].q_proj(model.blocks[1].ln(model.blocks[0](model.tok(x) + model.pos(
+            torch.arange(x.shape[1])))))
+    # find an element whose exponent bit 25 is clear: flipping it multiplies by 2**4
+    flat = y.reshape(-1).view(torch.int32)
+    pos = int(torch.nonzero((flat & (1 << 25)) == 0)[0])
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(pos), y.shape))
+    corrupt_forward(model.blocks[1].q_proj, idx, 25)
+    det = ABFTDetector(model).attach()
+    events = [e for e in train(model, det, 1) if e.gemm == "forward"]
+    assert [(e.module, e.index) for e in events] == [("blocks.1.q_proj", idx)]
+
+
+def test_matmul_score_forward_flip_located():
+    model = transformer(5)
+    idx = (2, 1, 6, 3)  # (batch, head, query, key)
+    corrupt_forward(model.blocks[1].score, idx, 30)
+    det = ABFTDetector(model).attach()
+    fwd = [e for e in train(model, det, 1) if e.gemm == "forward"]
+    assert fwd[0].module == "blocks.1.score" and fwd[0].index == idx
+
+
+def test_grad_input_bitflip_located():
+    model = transformer(6)
+    idx = (0, 3, 9)
+
+    def hook(mod, grad_input, grad_output):
+        g = grad_input[0].clone()
+        flip_bit(g, idx, 30 if abs(g[idx].item()) < 1 else 23)
+        return (g,)
+    model.blocks[0].proj.register_full_backward_hook(hook)
+    det = ABFTDetector(model).attach()
+    events = train(model, det, 1)
+    dx = [e for e in events if e.gemm == "grad_input"]
+    assert (dx[0].module, dx[0].index) == ("blocks.0.proj", idx)
+    assert {(e.module, e.gemm) for e in events} == {("blocks.0.proj", "grad_input")}
+
+
+def test_grad_input_located_when_injector_attached_after_abft():
+    model = transformer(6)
+    det = ABFTDetector(model).attach()
+    idx = (1, 2, 4)
+
+    def hook(mod, grad_input, grad_output):
+        g = grad_input[0].clone()
+        g[idx] += 1e3
+        return (g,)
+    model.blocks[1].fc.register_full_backward_hook(hook)  # after ABFT: still seen (view hook)
+    events = train(model, det, 1)
+    assert [(e.module, e.gemm, e.index) for e in events] == [("blocks.1.fc", "grad_input", idx)]
+
+
+def test_grad_weight_bitflip_located_and_accumulation_increment():
+    model = transformer(7)
+    idx = (4, 11)
+    fired = []
+
+    def hook(grad):
+        if len(fired) == 1:  # corrupt the second micro-batch's contribution only
+            grad = grad.clone()
+            flip_bit(grad, idx, 30 if abs(grad[idx].item()) < 1 else 23)
+        fired.append(1)
+        return grad
+    model.blocks[1].q_proj.weight.register_hook(hook)
+    det = ABFTDetector(model).attach()
+    events = train(model, det, 1, micro=2)
+    assert [(e.module, e.gemm, e.index, e.evidence["call"]) for e in events] == [
+        ("blocks.1.q_proj", "grad_weight", idx, 2)]
+
+
+def test_matmul_operand_grads_located():
+    model = transformer(8)
+    ia, ib = (1, 0, 5, 2), (3, 1, 4, 6)
+
+    def hook(mod, grad_input, grad_output):
+        ga, gb = grad_input[0].clone(), grad_input[1].clone()
+        ga[ia] += 100.0
+        gb[ib] -= 100.0
+        return ga, gb
+    model.blocks[0].context.register_full_backward_hook(hook)
+    det = ABFTDetector(model).attach()
+    events = train(model, det, 1)
+    got = {(e.module, e.gemm, e.evidence.get("operand"), e.index) for e in events}
+    assert got == {("blocks.0.context", "grad_input", "a", ia),
+                   ("blocks.0.context", "grad_weight", "b", ib)}
+
+
+def test_nonfinite_output_flagged_downstream_unjudged():
+    torch.manual_seed(9)
+    model = MLP()
+
+    def hook(mod, args, out):
+        out = out.clone()
+        out[1, 2] = float("nan")
+        return out
+    model.fc1.register_forward_hook(hook)
+    det = ABFTDetector(model, ABFTConfig(gemms=("forward",))).attach()
+    model(torch.randn(4, 12)).sum().backward()
+    events = det.check(0)
+    assert [(e.module, e.index) for e in events] == [("fc1", (1, 2))]
+    assert math.isinf(events[0].evidence["ratio"]) and det.unjudged == 1
+
+
+# ------------------------------------------------------------------ threshold model
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threshold_model_below_not_flagged_above_flagged(dtype):
+    g = torch.Generator().manual_seed(0)
+    n, k, m = 64, 48, 40
+    a = torch.randn(n, k, generator=g).to(dtype)
+    b = (0.1 * torch.randn(k, m, generator=g)).to(dtype)
+    bias = torch.randn(m, generator=g).to(dtype)
+    c = (a @ b + bias).to(dtype)
+    model = rounding_model(dtype, "cpu", torch.float64)
+    c_mult = ABFTConfig().c
+
+    def run(out):
+        chk = gemm_check(a, b, out, bias=bias, model=model, checksum_dtype=torch.float64)
+        return chk.locate(), chk
+
+    clean, chk = run(c)
+    assert clean["ratio"] < c_mult / 4
+    i, j = 17, 23
+    tau = min(chk.row[1][0, i].item(), chk.col[1][0, j].item())  # model std of row i / col j
+    tau_max = max(chk.row[1][0, i].item(), chk.col[1][0, j].item())
+    assert clean["ratio"] == pytest.approx(chk.ratio.item())
+    below = c.clone()
+    below[i, j] += 0.5 * c_mult * tau
+    s, _ = run(below)
+    assert s["ratio"] <= c_mult
+    above = c.clone()
+    above[i, j] += 3 * c_mult * tau_max
+    s, _ = run(above)
+    assert s["ratio"] > c_mult and (s["row"], s["col"]) == (i, j)
+
+
+def test_rounding_model_units():
+    m32 = rounding_model(torch.float32, "cpu", torch.float64)
+    assert (m32.u_acc, m32.u_in, m32.narrow) == (2 ** -24, 0.0, False)
+    mb = rounding_model(torch.bfloat16, "cpu", torch.float32)
+    assert (mb.u_acc, mb.u_out, mb.u_cs, mb.narrow) == (2 ** -24, 2 ** -8, 2 ** -24, True)
+    prev = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert rounding_model(torch.float32, "cpu", torch.float64).u_in == 2 * 2 ** -11
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+# ------------------------------------------------------------------ sampling, budget, calibration
+def test_every_and_rotation_cover_all_layers():
+    model = transformer(10)
+    det = ABFTDetector(model, ABFTConfig(every=2, layer_fraction=0.5)).attach()
+    seen = []
+    for step in range(4):
+        det.begin_step(step)
+        seen.append(set(det.active_layers))
+        loss = lm_loss(model, lm_batch(step))
+        loss.backward()
+        assert det.check(step) == []
+        model.zero_grad()
+    assert seen[1] == seen[3] == set()
+    assert len(seen[0]) == len(seen[2]) == 9 and len(seen[0] & seen[2]) == 1
+    assert seen[0] | seen[2] == {layer.name for layer in det.layers}
+    assert det.checks_run == 18 * 3  # 9 + 9 layers × 3 GEMMs (one layer twice)
+
+
+def graph_size(out: torch.Tensor) -> int:
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            stack.extend(nxt for nxt, _ in fn.next_functions)
+    return len(seen)
+
+
+def test_unsampled_step_adds_nothing_to_autograd():
+    model = transformer(11)
+    x, _ = lm_batch(0)
+    plain = graph_size(model(x))
+    det = ABFTDetector(model, ABFTConfig(every=2)).attach()
+    det.begin_step(0)
+    assert graph_size(model(x)) > plain  # sampled: operand views
+    det.check(0)  # arms step 1: not sampled
+    out = model(x)
+    assert graph_size(out) == plain
+    out.sum().backward()
+    assert det.check(1) == [] and det.checks_run == 17  # only step 0's forward checks
+
+
+def test_budget_shrinks_the_rotation():
+    model = transformer(12)
+    det = ABFTDetector(model, ABFTConfig(budget=0.02)).attach()
+    sizes = []
+    for step in range(6):
+        det.begin_step(step)
+        sizes.append(len(det.active_layers))
+        lm_loss(model, lm_batch(step)).backward()
+        assert det.check(step) == []
+        model.zero_grad()
+    assert sizes[0] == 17 and sizes[-1] < 17
+
+
+def test_calibration_tightens_thresholds():
+    model = transformer(13)
+    det = ABFTDetector(model, ABFTConfig(calibration_steps=2)).attach()
+    assert train(model, det, 3) == []
+    th = [det.threshold(layer.name, "forward") for layer in det.layers]
+    assert all(0.5 <= t < 8.0 for t in th)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="gemm 'fwd'.*allowed: forward, grad_input, grad_weight"):
+        ABFTConfig(gemms=("fwd",))
+    with pytest.raises(ValueError, match="layer_fraction=0"):
+        ABFTConfig(layer_fraction=0)
+    with pytest.raises(ValueError, match="checksum_dtype.*allowed"):
+        ABFTConfig(checksum_dtype="float16")
+    with pytest.raises(ValueError, match=r"ABFT targets pattern 'blocks.\*.qproj'.*closest"):
+        ABFTDetector(transformer(), ABFTConfig(targets=("blocks.*.qproj",)))
+    det = ABFTDetector(transformer(), ABFTConfig(targets="*.score"))
+    assert [layer.name for layer in det.layers] == ["blocks.0.score", "blocks.1.score"]
