@@ -28,7 +28,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 from sdcscope.cli import (  # noqa: E402,F401  (registers commands)
-    campaign_cmd, demo_cmd, inject_cmd, report_cmd, train_cmd,
+    campaign_cmd, demo_cmd, inject_cmd, invariants_cmd, report_cmd, train_cmd,
 )
 
 

@@ -9,7 +9,7 @@ import typer
 
 from sdcscope.cli.app import app
 from sdcscope.cli.common import CLIError, out_console, step_progress, user_errors
-from sdcscope.cli.guard_opts import GUARD_CONFIG_OPT, GUARD_OPT, guard_config
+from sdcscope.cli.guard_opts import GUARD_CONFIG_OPT, GUARD_OPT, INVARIANTS_OPT, guard_config
 
 WORKLOAD_OPT = typer.Option("gpt", "--workload", "-w", help="Workload: gpt or cnn.")
 PRESET_OPT = typer.Option("tiny", "--preset", "-p", help="Model size: tiny, small or base.")
@@ -60,11 +60,12 @@ def train(
     eval_every: int = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at the end)."),
     guard: bool = GUARD_OPT,
     guard_config_path: Optional[Path] = GUARD_CONFIG_OPT,
+    invariants: Optional[Path] = INVARIANTS_OPT,
 ) -> None:
     """Train a reference workload deterministically into a run directory."""
     with user_errors():
         check_steps(steps)
-        gcfg = guard_config(guard, guard_config_path)
+        gcfg = guard_config(guard, guard_config_path, invariants)
         from sdcscope.engine import Run
 
         if resume is not None:
@@ -83,7 +84,7 @@ def train(
         if gcfg is not None:
             from sdcscope.guard import Guard
 
-            g = Guard(run.trainer.model, run.trainer.optimizer, gcfg, run_dir=run.out)
+            g = Guard(run.trainer.model, run.trainer.optimizer, gcfg, run_dir=run.out)  # may raise
             callbacks.append(g.callback())
     with step_progress(steps, run.trainer.step) as advance:
         summary = run.train(steps, callbacks=callbacks, on_step=advance)

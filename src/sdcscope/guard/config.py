@@ -44,6 +44,8 @@ class GuardConfig:
     """Adaptive gradient clipping on every step (off by default: the engine clips at 1.0)."""
     qk_clip: float | None = None
     """Max attention logit above which W_q, W_k of that layer are rescaled (QK-clip); None: off."""
+    invariants: str | None = None
+    """An invariants file (``sdcscope invariants infer``) checked online every step."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     strict: bool = False
     """Re-raise the guard's own internal errors instead of reporting them as events."""
@@ -60,6 +62,8 @@ class GuardConfig:
                 raise ValueError(f"guard {name} cannot be null")
         if self.qk_clip is not None and not (isinstance(self.qk_clip, (int, float)) and self.qk_clip > 0):
             raise ValueError(f"guard qk_clip={self.qk_clip!r} must be a positive number or null")
+        if self.invariants is not None and not os.path.isfile(str(self.invariants)):
+            raise FileNotFoundError(f"guard invariants file {str(self.invariants)!r} does not exist")
         for name in ("replay", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"guard {name}={getattr(self, name)!r} must be true or false")

@@ -64,6 +64,11 @@ class Guard:
         self.ring = SnapshotRing(c.snapshots)
         self.backoff = LRBackoff(c.lr_backoff)
         self.zclip = ZClip(c.zclip) if c.zclip else None
+        self.invariants = None
+        if c.invariants is not None:
+            from sdcscope.detect.invariants import InvariantChecker
+
+            self.invariants = InvariantChecker(model, optimizer, c.invariants, rank=rank or 0)
         self.events: list[dict[str, Any]] = []
         self.skip_batches: set[int] = set()
         self.rolled_back_to: int | None = None
@@ -77,14 +82,14 @@ class Guard:
     # -- lifecycle ---------------------------------------------------------------------------
     def attach(self) -> "Guard":
         if not self._attached:
-            for part in (self.metrics, self.abft):
+            for part in (self.metrics, self.abft, self.invariants):
                 if part is not None:
                     part.attach()
             self._attached = True
         return self
 
     def detach(self) -> None:
-        for part in (self.metrics, self.abft):
+        for part in (self.metrics, self.abft, self.invariants):
             if part is not None:
                 part.detach()
         self._attached = False
@@ -119,6 +124,8 @@ class Guard:
         for part in (self.abft, self.metrics):
             if part is not None:
                 self._safe(lambda p=part: p.begin_step(step), type(part).__name__)
+        if self.invariants is not None:
+            self._safe(lambda: self.invariants.step_begin(step), "invariants")
 
     @contextlib.contextmanager
     def step(self, step: int, batch: Any = None) -> Iterator["Guard"]:
@@ -271,6 +278,10 @@ class Guard:
                 self._qk_clip(step, row)
         if self.state is not None:
             self._safe(self.state.record, "state_checksum")
+        if self.invariants is not None:
+            for record in self._safe(self.invariants.step_end, "invariants"):
+                self._emit(Event(**{k: record.get(k) for k in ("step", "detector", "verdict", "module", "rank")},
+                                 evidence=record.get("evidence") or {}, action=record.get("action") or "report"))
         if applied and self._step_events == 0 and self.ring.due(step + 1):
             (snapshot or (lambda: self.ring.take(self.model, self.optimizer, step + 1, step + 1)))()
         return row

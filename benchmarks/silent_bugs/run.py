@@ -1,0 +1,132 @@
+"""The silent-bugs benchmark: infer invariants on clean runs, check buggy runs and clean twins.
+
+For each family of training scripts (see ``scenarios.py``), two clean reference runs are
+traced (seeds 1 and 2, two learning rates) and invariants are inferred from them.  Every bug is
+then run online under an ``InvariantChecker`` with a seed and learning rate the references did
+not use (seed 100+i, lr 2.5e-3), and so is its clean twin (same script, seed and config, bug
+off).  A bug is detected when its run raises at least one violation; a clean twin with any
+violation is a false positive.
+
+    python benchmarks/silent_bugs/run.py [--bugs a,b,...] [--out DIR]
+
+The last line reads ``detected D/N bugs, false positives F/C clean runs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from scenarios import BUGS, FAMILIES, Bug  # noqa: E402
+
+from sdcscope.detect.invariants import (  # noqa: E402
+    InvariantChecker, Invariant, TraceRecorder, infer_invariants, save_invariants,
+)
+
+
+@dataclass
+class Result:
+    bug: Bug
+    violations: list[dict[str, Any]]
+    clean_violations: list[dict[str, Any]]
+
+    @property
+    def detected(self) -> bool:
+        return bool(self.violations)
+
+    @property
+    def first(self) -> dict[str, Any] | None:
+        return min(self.violations, key=lambda e: e["step"]) if self.violations else None
+
+
+def recorder(out: Path):
+    def attach(model, optimizer, **kw):
+        return TraceRecorder(model, optimizer, out=out, **kw).attach()
+    return attach
+
+
+def checker(invariants: list[Invariant], run_dir: Path):
+    def attach(model, optimizer, **kw):
+        return InvariantChecker(model, optimizer, invariants, run_dir=run_dir, **kw).attach()
+    return attach
+
+
+def infer_family(name: str, out: Path) -> list[Invariant]:
+    """Trace the family's clean references and infer the invariants that hold in all of them."""
+    family = FAMILIES[name]
+    runs = []
+    for ref in family.references:
+        run_dir = out / name / f"ref_seed{ref['seed']}"
+        family.script(bug=None, attach=recorder(run_dir), **ref)
+        runs.append(run_dir)
+    invariants = infer_invariants(runs)
+    save_invariants(invariants, out / name / "invariants.yaml", [str(r) for r in runs])
+    return invariants
+
+
+def run_benchmark(bugs: list[Bug], out: Path, log=print) -> list[Result]:
+    invariants = {}
+    for fam in dict.fromkeys(b.family for b in bugs):
+        invariants[fam] = infer_family(fam, out)
+        n_refs = len(FAMILIES[fam].references)
+        log(f"  {fam}: {len(invariants[fam])} invariants from {n_refs} clean references")
+    results = []
+    for i, bug in enumerate(bugs):
+        family = FAMILIES[bug.family]
+        seed = 100 + BUGS.index(bug)
+        found = []
+        for which in (bug.name, None):
+            run_dir = out / bug.family / f"{bug.name}_{'bug' if which else 'clean'}"
+            tool = family.script(seed=seed, bug=which, attach=checker(invariants[bug.family], run_dir),
+                                 **family.checked)
+            found.append(tool.violations)
+        results.append(Result(bug, *found))
+    return results
+
+
+def table(results: list[Result]) -> str:
+    rows = [("bug", "family", "detected", "first step", "first violated invariant", "#inv", "clean twin")]
+    for r in results:
+        f = r.first
+        rows.append((r.bug.name, r.bug.family, "yes" if r.detected else "NO",
+                     str(f["step"]) if f else "-", f"{f['verdict']} @ {f['module']}" if f else "-",
+                     str(len({e["verdict"] for e in r.violations})),
+                     "ok" if not r.clean_violations else f"{len(r.clean_violations)} FALSE ALARM(S)"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bugs", default="", help="comma-separated subset (default: all)")
+    ap.add_argument("--out", type=Path, default=None, help="keep run directories here")
+    args = ap.parse_args()
+    names = [n for n in args.bugs.split(",") if n]
+    unknown = sorted(set(names) - {b.name for b in BUGS})
+    if unknown:
+        sys.exit(f"unknown bug(s) {unknown}; known: {', '.join(b.name for b in BUGS)}")
+    bugs = [b for b in BUGS if not names or b.name in names]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or Path(tmp)
+        print(f"silent-bugs benchmark: {len(bugs)} bugs, runs in {out}")
+        results = run_benchmark(bugs, out)
+    print(table(results))
+    for r in results:
+        for e in r.clean_violations:
+            print(f"  false alarm in {r.bug.name} twin: step {e['step']} {e['verdict']} {e['evidence']}")
+    detected = sum(r.detected for r in results)
+    false_pos = sum(bool(r.clean_violations) for r in results)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    print(f"detected {detected}/{len(results)} bugs, false positives {false_pos}/{len(results)} clean runs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Small, realistic training scripts, each with silent bugs that a flag switches on.
+
+Every script is the clean twin of its bugs: with ``bug=None`` it is a correct training loop,
+and each bug changes one or two lines, as the real mistake would.  Scripts take an ``attach``
+function that wraps the model and optimizer with a tool (a ``TraceRecorder`` for references,
+an ``InvariantChecker`` for checked runs; both share ``step_begin``/``step_end``/
+``log_metrics``/``detach``) and return that tool when training ends.
+
+Families (the reference training scripts):
+
+- ``gpt_loop``: a plain PyTorch loop on the tiny byte GPT with dropout, AdamW, a warm-up +
+  cosine ``LambdaLR``, gradient clipping and periodic evaluation;
+- ``gpt_amp``: the same model with a ``GradScaler`` loop (fp32 compute on CPU, where fp16
+  autocast is impractically slow; the scaler's logic is the same);
+- ``cnn_epochs``: the digits CNN trained in epochs, reshuffling the data every epoch;
+- ``engine``: sdcscope's own ``Trainer``, the recorder attached as an engine callback;
+- ``replicas``: two data-parallel replicas of the GPT in one process, gradients averaged
+  (all-reduce) every step, as DDP does.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sdcscope.engine import TrainConfig, Trainer
+from sdcscope.workloads import GPT, GPTConfig, LeNet, WorkloadConfig, lm_loss, make_workload
+from sdcscope.workloads.base import GPTWorkload
+from sdcscope.workloads.cnn import cnn_preset
+from sdcscope.workloads.data import load_digits_tensors
+
+Attach = Callable[..., Any]
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt_data() -> GPTWorkload:
+    return make_workload(WorkloadConfig(workload="gpt", preset="tiny"))
+
+
+@functools.lru_cache(maxsize=1)
+def _val_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return _gpt_data().corpus.val_batches(2, 16, 64)
+
+
+@functools.lru_cache(maxsize=1)
+def _digits():
+    return load_digits_tensors()
+
+
+def _gpt(dropout: float = 0.0) -> GPT:
+    return GPT(GPTConfig(n_layer=2, n_head=2, d_model=64, block_size=64, dropout=dropout))
+
+
+def gpt_loop(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 24,
+             eval_every: int = 8):
+    torch.manual_seed(seed)
+    data = _gpt_data()
+    model = _gpt(dropout=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    warm = 5
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    tool = attach(model, opt, schedulers=[sched])
+    clipped = model.blocks.parameters if bug == "clip_wrong_params" else model.parameters
+    for step in range(steps):
+        tool.step_begin(step)
+        x, y = data.batch(seed, step)
+        if bug not in ("missing_zero_grad", "zero_grad_after_backward"):
+            opt.zero_grad()
+        logits = model(x)
+        reduction = "sum" if bug == "wrong_loss_reduction" else "mean"
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction=reduction)
+        loss.backward()
+        if bug == "zero_grad_after_backward":
+            opt.zero_grad()
+        if bug != "clip_after_step":
+            torch.nn.utils.clip_grad_norm_(clipped(), 1.0)
+        opt.step()
+        if bug == "clip_after_step":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if bug != "lr_schedule_not_stepped":
+            sched.step()
+        tool.step_end()
+        if (step + 1) % eval_every == 0:
+            if bug != "dropout_at_eval":
+                model.eval()
+            with torch.no_grad():
+                val = [lm_loss(model(vx), vy).item() for vx, vy in _val_batches()]
+            tool.log_metrics(val_loss=sum(val) / len(val))
+            if bug != "eval_mode_left_on":
+                model.train()
+    tool.detach()
+    return tool
+
+
+def gpt_amp(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 16):
+    torch.manual_seed(seed)
+    data = _gpt_data()
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    tool = attach(model, opt, scaler=scaler)
+    for step in range(steps):
+        tool.step_begin(step)
+        opt.zero_grad()
+        x, y = data.batch(seed, step)
+        loss = lm_loss(model(x), y)
+        if bug == "scaler_skipped":  # the scaler is created but bypassed
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        tool.step_end()
+    tool.detach()
+    return tool
+
+
+def cnn_epochs(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 26,
+               batch: int = 128):
+    x_train, y_train, _, _ = _digits()
+    torch.manual_seed(seed)
+    model = LeNet(cnn_preset("tiny"))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    tool = attach(model, opt)
+    per_epoch = len(x_train) // batch
+    g = torch.Generator().manual_seed(seed)
+    step = 0
+    for _epoch in range(math.ceil(steps / per_epoch)):
+        if bug == "same_shuffle_every_epoch":  # generator re-seeded inside the epoch loop
+            g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(len(x_train), generator=g)
+        for b in range(per_epoch):
+            if step == steps:
+                break
+            idx = perm[b * batch:(b + 1) * batch]
+            tool.step_begin(step)
+            opt.zero_grad()
+            F.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+            opt.step()
+            tool.step_end()
+            step += 1
+    tool.detach()
+    return tool
+
+
+class _FrozenLayerGPT(GPTWorkload):
+    """A fine-tuning leftover: the first block is frozen and never unfrozen."""
+
+    def build_model(self) -> nn.Module:
+        model = super().build_model()
+        model.blocks[0].requires_grad_(False)
+        return model
+
+
+class _DecayOnlyGPT(GPTWorkload):
+    """Parameter groups built by a filter that silently drops the no-decay group."""
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": self.config.weight_decay}],
+                                 lr=self.config.lr, betas=(0.9, 0.95), foreach=True)
+
+
+def engine(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 16):
+    kind = {None: GPTWorkload, "frozen_layer": _FrozenLayerGPT,
+            "param_not_in_optimizer": _DecayOnlyGPT}[bug]
+    trainer = Trainer(kind(WorkloadConfig(workload="gpt", preset="tiny", lr=lr)), TrainConfig(seed=seed))
+    tool = attach(trainer.model, trainer.optimizer)
+    trainer.add_callback(tool)
+    for _ in range(steps):
+        trainer.train_step()
+    trainer.evaluate()
+    tool.detach()
+    return tool
+
+
+class Replicas(nn.Module):
+    """Data-parallel replicas in one process: replica r runs on its own shard of the batch."""
+
+    def __init__(self, model: nn.Module, n: int = 2) -> None:
+        super().__init__()
+        self.replicas = nn.ModuleList([model] + [copy.deepcopy(model) for _ in range(n - 1)])
+
+    def forward(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [r(x) for r, x in zip(self.replicas, shards)]
+
+
+def replicas(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 16,
+             lose_sync_at: int = 6):
+    torch.manual_seed(seed)
+    data = _gpt_data()
+    model = Replicas(_gpt())
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    tool = attach(model, opt)
+    pairs = list(zip(model.replicas[0].parameters(), model.replicas[1].parameters()))
+    for step in range(steps):
+        tool.step_begin(step)
+        opt.zero_grad()
+        shards = [data.batch(seed, step, micro_batch=r) for r in range(2)]
+        logits = model([x for x, _ in shards])
+        sum(lm_loss(out, y) for out, (_, y) in zip(logits, shards)).backward()
+        # DDP's all-reduce; the bug: its hooks are lost (the model was moved and moved back).
+        if bug != "replica_diverges" or step < lose_sync_at:
+            with torch.no_grad():
+                for a, b in pairs:
+                    mean = (a.grad + b.grad) / 2
+                    a.grad.copy_(mean)
+                    b.grad.copy_(mean)
+        opt.step()
+        tool.step_end()
+    tool.detach()
+    return tool
+
+
+@dataclass(frozen=True)
+class Family:
+    script: Callable[..., Any]
+    references: tuple[dict[str, Any], ...] = ({"seed": 1}, {"seed": 2, "lr": 2e-3})
+    checked: dict[str, Any] = field(default_factory=lambda: {"lr": 2.5e-3})
+    """References use other seeds *and* other learning rates than the checked runs."""
+
+
+FAMILIES = {
+    "gpt_loop": Family(gpt_loop),
+    "gpt_amp": Family(gpt_amp),
+    "cnn_epochs": Family(cnn_epochs),
+    "engine": Family(engine),
+    "replicas": Family(replicas),
+}
+
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    family: str
+    what: str
+
+
+BUGS = [
+    Bug("missing_zero_grad", "gpt_loop", "optimizer.zero_grad() never called: gradients add up"),
+    Bug("zero_grad_after_backward", "gpt_loop", "zero_grad() placed between backward and step"),
+    Bug("clip_wrong_params", "gpt_loop", "clipping applied to model.blocks only"),
+    Bug("clip_after_step", "gpt_loop", "clip_grad_norm_ called after optimizer.step()"),
+    Bug("dropout_at_eval", "gpt_loop", "evaluation without model.eval(): dropout active"),
+    Bug("eval_mode_left_on", "gpt_loop", "model.train() forgotten after evaluation"),
+    Bug("lr_schedule_not_stepped", "gpt_loop", "scheduler.step() never called"),
+    Bug("wrong_loss_reduction", "gpt_loop", "cross-entropy summed instead of averaged"),
+    Bug("scaler_skipped", "gpt_amp", "GradScaler created but backward/step bypass it"),
+    Bug("same_shuffle_every_epoch", "cnn_epochs", "shuffle generator re-seeded every epoch"),
+    Bug("frozen_layer", "engine", "first transformer block left frozen"),
+    Bug("param_not_in_optimizer", "engine", "no-decay parameters never given to the optimizer"),
+    Bug("replica_diverges", "replicas", "gradient all-reduce lost from step 6: replicas diverge"),
+]

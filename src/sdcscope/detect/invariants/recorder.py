@@ -1,0 +1,449 @@
+"""TraceRecorder: what happened in each training step, observed through hooks, at ~1 host sync.
+
+Usable with any loop::
+
+    rec = TraceRecorder(model, optimizer, out="runs/ref1", schedulers=[sched]).attach()
+    for step in range(n):
+        rec.step_begin(step)
+        ...  # the user's own zero_grad / forward / backward / clip / step
+        rec.log_metrics(loss=loss)          # optional, any scalars (tensors are fine)
+        rec.step_end()
+    rec.detach()
+
+or as an engine callback (``trainer.add_callback(rec)``; see :class:`EngineCallbacks`).
+
+Per step it records one compact dict (written to ``trace.jsonl`` when ``out`` is given):
+
+- ``calls``: ``[api, fields]`` in call order (the API vocabulary is ``spec.APIS``), with cheap
+  arguments and outputs (``training`` flags at forward, ``max_norm`` and the clipped parameter
+  set at ``clip_grad_norm_``, the loss a backward starts from, the learning rate at step);
+- ``effects``: bit masks over the parameters: got a gradient in backward (gradient identity and
+  version counter before vs after each ``backward``: two C-level sweeps instead of one Python
+  hook call per parameter), changed by ``optimizer.step`` (version counters, no data read),
+  gradient cleared before the first backward (``None`` grad or a grad written since the last
+  step);
+- ``checksums``: exact full-tensor checksums of the watched tensors (for ``Consistent``);
+- ``metrics``: whatever the loop logs.
+
+Tensor-valued facts are kept on the device and fetched together at the end of the record, so a
+step costs one device-to-host copy however many values it records.  Forwards and metrics seen
+between steps form an ``eval`` record.  A backward started through ``torch.autograd.backward``
+rather than ``Tensor.backward`` is not observed (see ``apis``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import attrgetter, is_not, ne
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from sdcscope.detect.invariants import apis
+from sdcscope.detect.invariants.names import resolve, to_hex
+from sdcscope.engine.rundir import JsonlWriter
+
+TRACE_FILE = "trace.jsonl"
+TRACE_FORMAT = "sdcscope-trace/1"
+MODE_SENSITIVE = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
+"""Modules that compute differently in train and eval mode; their ``training`` flag is recorded."""
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 16
+_weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+# Per-parameter bookkeeping runs through these with map(): C-level loops, not Python ones.
+_GRAD, _VERSION, _TRAINING = attrgetter("grad"), attrgetter("_version"), attrgetter("training")
+
+
+def _chunk_weights(n: int, device: torch.device) -> torch.Tensor:
+    """The first n of the fixed chunk of odd weights (cached views of one tensor per device)."""
+    w = _weights.get((n, device))
+    if w is None:
+        full = _weights.get((_CHUNK, device))
+        if full is None:
+            g = torch.Generator().manual_seed(0x5DC5C0)
+            full = _weights[(_CHUNK, device)] = (torch.randint(-(2**61), 2**61, (_CHUNK,), generator=g)
+                                                 * 2 + 1).to(device)
+        w = _weights[(n, device)] = full[:n]
+    return w
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """Exact integer checksum of a tensor's bits: a 0-d int64 tensor, computed on its device.
+
+    ``Σ bits_i · w_(i mod L) · c_(i div L)  mod 2^64`` with odd weights: flipping any bit of any
+    element changes it (the product of odd weights is odd), it depends on positions, and
+    integer addition makes it independent of reduction order, so equal tensors give equal
+    checksums on any device.  Unlike a hash of the first row of values scaled by 1e8, nothing
+    of the tensor is left out.  The weights are one fixed chunk of L, so memory stays bounded.
+    """
+    flat = (t.detach() if t.requires_grad else t).reshape(-1)
+    if flat.dtype != torch.int64:
+        if flat.dtype == torch.bool or flat.is_floating_point():
+            flat = flat.view(_INT_VIEW[flat.element_size()])
+        flat = flat.to(torch.int64)
+    n = flat.numel()
+    if n <= _CHUNK:
+        return (flat * _chunk_weights(n, flat.device)).sum()
+    rows = n // _CHUNK
+    total = (flat[rows * _CHUNK:] * _chunk_weights(n - rows * _CHUNK, flat.device)).sum()
+    per_row = (flat[:rows * _CHUNK].view(rows, _CHUNK) * _chunk_weights(_CHUNK, flat.device)).sum(dim=1)
+    return total + (per_row * (torch.arange(rows, device=flat.device) * 2 + 3)).sum()
+
+
+@dataclass(kw_only=True)
+class TraceConfig:
+    """What the recorder collects beyond the cheap always-on facts."""
+
+    checksums: bool | tuple[str, ...] = True
+    """Full-tensor checksums after each step: ``True`` every parameter and buffer (what
+    inferring ``Consistent`` needs), a tuple of name patterns only those, ``False`` none."""
+    input_fingerprint: bool = True
+    """Checksum the model's first input at each forward (for "no batch repeats")."""
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.checksums, bool):
+            if isinstance(self.checksums, str) or not all(isinstance(p, str) for p in self.checksums):
+                raise TypeError(f"checksums must be a bool or a tuple of name patterns, "
+                                f"not {self.checksums!r}")
+            self.checksums = tuple(self.checksums)
+        if not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"rank={self.rank!r} must be an integer >= 0")
+
+
+class EngineCallbacks:
+    """Adapter from the engine's callback points to ``step_begin``/``step_end``/``eval_end``."""
+
+    def before_step(self, ctx) -> None:
+        self.step_begin(ctx.step)
+
+    def after_step(self, ctx) -> None:
+        self.log_metrics(ctx.metrics)
+        self.step_end()
+
+    def on_evaluate(self, result: dict) -> None:
+        self.log_metrics(result)
+        self.eval_end()
+
+
+class TraceRecorder(EngineCallbacks):
+    """Records calls, effects and checksums of one model + optimizer, step by step."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 out: str | Path | None = None, schedulers: Iterable[Any] = (),
+                 scaler: Any = None, config: TraceConfig | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        self.model, self.optimizer = model, optimizer
+        self.schedulers, self.scaler = list(schedulers), scaler
+        self.config = config or TraceConfig()
+        self.out = None if out is None else Path(out)
+        named = list(model.named_parameters())
+        self.param_names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._bits = [1 << i for i in range(len(self._params))]
+        self._bit = {id(p): b for p, b in zip(self._params, self._bits)}
+        self._all = sum(self._bits)
+        tensors = dict(named)
+        tensors.update((n, b) for n, b in model.named_buffers() if b.dtype != torch.bool)
+        spec = self.config.checksums
+        watched = (list(tensors) if spec is True else [] if spec is False
+                   else resolve(spec, list(tensors), "checksum"))
+        self.watched_names = watched
+        self._watched = [tensors[n] for n in watched]
+        self._mode_names: dict[str, list[str]] = {}
+        self._mode_groups: dict[str, list[nn.Module]] = {}
+        for name, m in model.named_modules():
+            if isinstance(m, MODE_SENSITIVE):
+                key = f"{type(m).__name__}.training"
+                self._mode_names.setdefault(key, []).append(name)
+                self._mode_groups.setdefault(key, []).append(m)
+        self._handles: list[Any] = []
+        self._restore: list[tuple[Any, str, bool, Any]] = []
+        self._writer: JsonlWriter | None = None
+        self._attached = False
+        self._in_step = False
+        self._rec: dict[str, Any] | None = None
+        self._pending: list[tuple[torch.Tensor, dict, str, bool, bool]] = []
+        self._finished: list[dict[str, Any]] = []
+        self._step, self._done = -1, 0
+        self._grad_mask = self._updated = 0
+        self._cleared: int | None = None
+        self._versions: list[int] = []
+        self._last_grads: tuple[list, list[int]] | None = None
+        self._fwd: dict[str, Any] | None = None
+        self._before: tuple[list, list[int] | None] | None = None
+
+    # -- header ------------------------------------------------------------------------------
+    def header(self) -> dict[str, Any]:
+        """What a trace needs to be read without the model: names, masks, shapes."""
+        in_opt = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        return {
+            "kind": "header", "format": TRACE_FORMAT, "rank": self.config.rank,
+            "model": type(self.model).__name__, "optimizer": type(self.optimizer).__name__,
+            "params": self.param_names,
+            "trainable": to_hex(sum(self._bit[id(p)] for p in self._params if p.requires_grad)),
+            "in_optimizer": to_hex(sum(self._bit[id(p)] for p in self._params if id(p) in in_opt)),
+            "watched": self.watched_names,
+            "shapes": [list(t.shape) for t in self._watched],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in self._watched],
+            "mode_modules": self._mode_names,
+            "schedulers": [type(s).__name__ for s in self.schedulers],
+            "scaler": self.scaler is not None,
+        }
+
+    # -- attach / detach ---------------------------------------------------------------------
+    def attach(self) -> "TraceRecorder":
+        if self._attached:
+            raise ValueError("this recorder is already attached")
+        if self.out is not None:
+            path = self.out / TRACE_FILE
+            if path.exists() and path.stat().st_size:
+                raise ValueError(f"{str(path)!r} already exists; give a new run directory")
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._writer = JsonlWriter(path)
+            self._writer.write(self.header())
+        m, opt = self.model, self.optimizer
+        self._handles += [m.register_forward_pre_hook(self._pre_forward),
+                          m.register_forward_hook(self._post_forward),
+                          opt.register_step_pre_hook(self._pre_step),
+                          opt.register_step_post_hook(self._post_step)]
+        self._wrap(opt, "zero_grad", "zero_grad", on="optimizer")
+        self._wrap(m, "zero_grad", "zero_grad", on="model")
+        for s in self.schedulers:
+            self._wrap(s, "step", "lr_scheduler.step")
+        if self.scaler is not None:
+            for name in ("scale", "unscale_", "step", "update"):
+                self._wrap(self.scaler, name, f"scaler.{name}")
+        apis.install(self)
+        self._attached = True
+        return self
+
+    def detach(self) -> list[dict[str, Any]]:
+        """Remove every hook and wrapper; return the records finished by detaching."""
+        if self._in_step:
+            self.step_end()
+        self._close_between()
+        if self._attached:
+            apis.uninstall(self)
+            for h in self._handles:
+                h.remove()
+            for obj, name, had, prev in reversed(self._restore):
+                if had:
+                    setattr(obj, name, prev)
+                else:
+                    delattr(obj, name)
+            self._handles, self._restore = [], []
+            self._attached = False
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        return self._drain()
+
+    def __enter__(self) -> "TraceRecorder":
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def _wrap(self, obj: Any, name: str, api: str, **static: Any) -> None:
+        """Shadow one method of the user's object (not of its class) with a recording wrapper."""
+        had = name in vars(obj)
+        orig = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            fields = dict(static)
+            if api == "zero_grad":
+                fields["set_to_none"] = bool(kwargs.get("set_to_none", args[0] if args else True))
+            self._call(api, fields)
+            return orig(*args, **kwargs)
+
+        self._restore.append((obj, name, had, vars(obj).get(name)))
+        setattr(obj, name, wrapper)
+
+    # -- step boundaries ---------------------------------------------------------------------
+    def step_begin(self, step: int | None = None) -> None:
+        if self._in_step:
+            raise ValueError(f"step_begin({step}) while step {self._step} is open: call step_end() first")
+        self._close_between()
+        self._step = self._step + 1 if step is None else int(step)
+        self._rec = {"step": self._step, "phase": "train", "calls": [], "metrics": {}}
+        self._in_step = True
+        self._grad_mask = self._updated = 0
+        self._cleared = None
+
+    def step_end(self) -> list[dict[str, Any]]:
+        """Close the step; return the records finished since the last call (eval, then step)."""
+        if not self._in_step:
+            raise ValueError("step_end() without step_begin()")
+        rec = self._rec
+        rec["effects"] = {"grad": to_hex(self._grad_mask), "update": to_hex(self._updated),
+                          "cleared": None if self._cleared is None else to_hex(self._cleared)}
+        if self._watched:
+            self._pend(torch.stack([checksum(t) for t in self._watched]), rec, "checksums",
+                       integer=True, vector=True)
+        self._finish(rec)
+        self._last_grads = self._grad_snapshot()
+        self._in_step, self._rec = False, None
+        self._done = self._step + 1
+        return self._drain()
+
+    def eval_end(self) -> list[dict[str, Any]]:
+        """Close the between-steps (evaluation) record, if one is open."""
+        self._close_between()
+        return self._drain()
+
+    def log_metrics(self, metrics: dict[str, Any] | None = None, **more: Any) -> None:
+        """Scalars for this step (or for the evaluation between steps); bools and 'step' skipped."""
+        rec = self._record()
+        for key, value in {**(metrics or {}), **more}.items():
+            if key == "step" or isinstance(value, bool):
+                continue
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                self._pend(value, rec["metrics"], key)
+            elif isinstance(value, (int, float)):
+                rec["metrics"][key] = float(value)
+
+    # -- observers ---------------------------------------------------------------------------
+    def _record(self) -> dict[str, Any]:
+        if self._rec is None:
+            self._rec = {"step": self._done, "phase": "eval", "calls": [], "metrics": {}}
+        return self._rec
+
+    def _call(self, api: str, fields: dict[str, Any]) -> None:
+        self._record()["calls"].append([api, fields])
+
+    def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+        fields: dict[str, Any] = {"training": module.training}
+        for key, mods in self._mode_groups.items():
+            flags = set(map(_TRAINING, mods))
+            fields[key] = flags.pop() if len(flags) == 1 else "mixed"
+        if self.config.input_fingerprint and args and isinstance(args[0], torch.Tensor):
+            self._pend(checksum(args[0]), fields, "input", integer=True)
+        self._fwd = fields
+        self._call("forward", fields)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and self._fwd is not None:
+            self._fwd["out.dtype"] = str(output.dtype).removeprefix("torch.")
+        self._fwd = None
+
+    def on_backward_begin(self, root: torch.Tensor) -> None:
+        if not self._in_step:
+            return
+        fields: dict[str, Any] = {}
+        if root.numel() == 1:
+            self._pend(root, fields, "loss")
+        grads = list(map(_GRAD, self._params))
+        none = not any(map(is_not, grads, repeat(None)))
+        if self._cleared is None:
+            self._cleared = self._cleared_mask(grads, none)
+        self._before = grads, None if none else [-1 if g is None else g._version for g in grads]
+        self._call("backward", fields)
+
+    def on_backward_end(self) -> None:
+        """Parameters whose gradient this backward created or accumulated into."""
+        if self._before is None:
+            return
+        (before, versions), self._before = self._before, None
+        after = list(map(_GRAD, self._params))
+        if versions is None:  # no gradient existed: every gradient there now is this backward's
+            self._grad_mask |= sum(compress(self._bits, map(is_not, after, repeat(None))))
+        else:
+            self._grad_mask |= sum(bit for a, b, v, bit in zip(after, before, versions, self._bits)
+                                   if a is not None and (a is not b or a._version != v))
+
+    def _grad_snapshot(self) -> tuple[list, list[int]]:
+        """Weak references to the gradients and their versions (weak: holding the gradients
+        would keep them alive after ``zero_grad(set_to_none=True)`` and raise peak memory)."""
+        grads = list(map(_GRAD, self._params))
+        if all(map(is_not, grads, repeat(None))):
+            return list(map(weakref.ref, grads)), list(map(_VERSION, grads))
+        return ([None if g is None else weakref.ref(g) for g in grads],
+                [0 if g is None else g._version for g in grads])
+
+    def _cleared_mask(self, grads: list, none: bool) -> int:
+        """Parameters whose gradient is None, or was written, since the previous step ended
+        (with no previous step to compare with, every gradient counts as cleared)."""
+        if none or self._last_grads is None:
+            return self._all
+        refs, versions = self._last_grads
+        return sum(bit for g, bit, ref, v in zip(grads, self._bits, refs, versions)
+                   if g is None or ref is None or ref() is not g or g._version != v)
+
+    def on_clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
+                total: torch.Tensor) -> None:
+        if not self._in_step:
+            return
+        mask = sum(set(map(self._bit.get, map(id, params), repeat(0))))  # a set: listed twice counts once
+        if not mask:
+            return  # another model's parameters
+        fields = {"max_norm": max_norm, "norm_type": norm_type, "params": to_hex(mask)}
+        self._pend(total, fields, "out")
+        self._call("clip_grad_norm_", fields)
+
+    def _pre_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._versions = list(map(_VERSION, self._params))
+        lr = opt.param_groups[0]["lr"]
+        fields: dict[str, Any] = {}
+        if isinstance(lr, torch.Tensor):
+            self._pend(lr, fields, "lr")
+        else:
+            fields["lr"] = float(lr)
+        self._call("optimizer.step", fields)
+
+    def _post_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._updated |= sum(compress(self._bits, map(ne, map(_VERSION, self._params), self._versions)))
+
+    # -- finishing records -------------------------------------------------------------------
+    def _pend(self, t: torch.Tensor, target: dict, key: str, integer: bool = False,
+              vector: bool = False) -> None:
+        self._pending.append((t.detach(), target, key, integer, vector))
+
+    def _close_between(self) -> None:
+        if self._rec is not None and not self._in_step:
+            self._finish(self._rec)
+            self._rec = None
+
+    def _finish(self, rec: dict[str, Any]) -> None:
+        if self._pending:
+            self._resolve(self._pending)
+            self._pending = []
+        self._finished.append(rec)
+        if self._writer is not None:
+            self._writer.write(rec)
+
+    @staticmethod
+    def _resolve(pending: list[tuple[torch.Tensor, dict, str, bool, bool]]) -> None:
+        """Fetch the pending values.  On an accelerator, all with one device-to-host copy
+        (floats travel as the bits of float64 in an int64 buffer); on the CPU, where reading a
+        value costs no synchronization, directly (cheaper than building the buffer)."""
+        if all(t.device.type == "cpu" for t, *_ in pending):
+            for t, target, key, _, vector in pending:
+                target[key] = t.tolist() if vector else t.item()
+            return
+        device = pending[0][0].device
+        floats = [p for p in pending if not p[3]]
+        ints = [p for p in pending if p[3]]
+        parts = [t.reshape(-1).to(device, torch.float64).view(torch.int64) for t, *_ in floats]
+        parts += [t.reshape(-1).to(device, torch.int64) for t, *_ in ints]
+        buf = torch.cat(parts).cpu().numpy()
+        n_float = sum(t.numel() for t, *_ in floats)
+        values = buf[:n_float].view(np.float64).tolist() + buf[n_float:].tolist()
+        i = 0
+        for t, target, key, _, vector in floats + ints:
+            n = t.numel()
+            target[key] = values[i:i + n] if vector else values[i]
+            i += n
+
+    def _drain(self) -> list[dict[str, Any]]:
+        out, self._finished = self._finished, []
+        return out

@@ -1,0 +1,97 @@
+"""APISequence: the training-step APIs that always run, always run in the same order.
+
+Catches a missing ``zero_grad``, a scheduler that is never stepped, a scaler that is bypassed,
+clipping moved after ``optimizer.step``, ``zero_grad`` moved between backward and step.
+``forward`` is left out on purpose: "forward before backward" is enforced by autograd itself,
+and whether ``zero_grad`` comes before or after the forward is a matter of style, not
+correctness, so including it would only overfit the references (TrainCheck's main noise source).
+"""
+
+from __future__ import annotations
+
+from sdcscope._validate import check_choice
+from sdcscope.detect.invariants.relations.base import (
+    Check, InferConfig, Relation, View, learn_min_step, register,
+)
+from sdcscope.detect.invariants.spec import APIS, SKIPPABLE, Invariant, Precondition
+
+EXCLUDED = frozenset({"forward"})
+
+
+def _expected(apis: list[str], first: dict[str, int]) -> list[str]:
+    """The APIs this record must show: all, less those legitimately skipped (see SKIPPABLE)."""
+    return [a for a in apis if a in first or SKIPPABLE.get(a) not in first]
+
+
+def _in_order(apis: list[str], first: dict[str, int]) -> bool:
+    pos = [first.get(a) for a in _expected(apis, first)]
+    return None not in pos and all(a < b for a, b in zip(pos, pos[1:]))
+
+
+@register
+class APISequence(Relation):
+    name = "APISequence"
+    required = {"apis": list}
+
+    @classmethod
+    def validate(cls, params):
+        super().validate(params)
+        apis = params["apis"]
+        if len(apis) < 2 or len(set(apis)) != len(apis):
+            raise ValueError(f"APISequence: apis {apis!r} must name at least 2 distinct APIs")
+        for api in apis:
+            check_choice("APISequence api", api, APIS)
+
+    @classmethod
+    def infer(cls, traces, config: InferConfig) -> list[Invariant]:
+        per_trace = [t.phase("train") for t in traces]
+        if not all(per_trace):
+            return []
+        common: set[str] | None = None
+        for recs in per_trace:
+            median = recs[len(recs) // 2]["step"]
+            for r in recs:
+                if r["step"] >= median:
+                    seen = {c[0] for c in r["calls"]} - EXCLUDED
+                    seen |= {a for a, guard in SKIPPABLE.items() if guard in seen}
+                    common = seen if common is None else common & seen
+        if not common or len(common) < 2:
+            return []
+        firsts = (View(r).first for r in reversed(per_trace[0]))
+        template = next((f for f in firsts if common <= set(f)), None)
+        if template is None:
+            return []
+        apis = sorted(common, key=template.__getitem__)
+        obs = [[(r["step"], _in_order(apis, View(r).first)) for r in recs] for recs in per_trace]
+        k = learn_min_step(obs, config)
+        if k is None:
+            return []
+        return [Invariant(
+            id="sequence.train", relation=cls.name, params={"apis": apis},
+            precondition=Precondition(phase="train", min_step=k),
+            description=f"every training step calls {', '.join(apis)}, in this order",
+            support=sum(1 for o in obs for s, _ in o if s >= k))]
+
+    @classmethod
+    def bind(cls, inv, header):
+        return _SequenceCheck(inv)
+
+
+class _SequenceCheck(Check):
+    def __init__(self, inv: Invariant) -> None:
+        super().__init__(inv)
+        self.apis = list(inv.params["apis"])
+
+    def check(self, view: View):
+        first = view.first
+        apis = _expected(self.apis, first)
+        missing = [a for a in apis if a not in first]
+        if missing:
+            return [(missing[0], {"missing": missing, "expected": self.apis,
+                                  "observed": [c[0] for c in view.rec["calls"]]})]
+        pos = [first[a] for a in apis]
+        if all(a < b for a, b in zip(pos, pos[1:])):
+            return []
+        observed = sorted(apis, key=first.__getitem__)
+        culprit = next(a for a, b in zip(observed, apis) if a != b)
+        return [(culprit, {"expected": self.apis, "observed": observed})]
