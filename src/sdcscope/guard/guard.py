@@ -227,7 +227,7 @@ class Guard:
         """Re-execute the step from the pre-step state (same data, same RNG) and compare."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
         first_grads = {n: p.grad.detach().clone() for n, p in named}
-        first_loss = float(loss) if loss is not None else math.nan
+        first_loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else (math.nan if loss is None else float(loss))
         after_rng = torch.get_rng_state()
         torch.set_rng_state(self._rng)
         try:

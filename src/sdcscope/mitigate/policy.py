@@ -24,8 +24,7 @@ DEFAULT_RULES: dict[str, list[str]] = {
     "nonfinite:reproducible": ["veto", "skip_batch"],
     # A reproducible spike is a data/optimization spike: skip the batch (PaLM/OLMo practice)
     # and back the learning rate off.
-    "loss_spike:reproducible": ["veto", "skip_batch", "lr_backoff"],
-    "grad_spike:reproducible": ["veto", "skip_batch", "lr_backoff"],
+    "spike:reproducible": ["veto", "skip_batch", "lr_backoff"],
     # A GEMM that fails its checksum again on re-execution: a persistent fault on this device.
     # Don't apply a corrupted update; the event tells the operator which layer and GEMM.
     "abft:reproducible": ["veto"],

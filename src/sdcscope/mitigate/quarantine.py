@@ -1,0 +1,255 @@
+"""In-job mitigation for data-parallel training: veto everywhere, quarantine a rank, roll back.
+
+:class:`RankGuard` composes the cross-rank detectors (:mod:`sdcscope.detect.crossrank`), rank
+localization and the device ledger (:mod:`sdcscope.localize.ranks`) on the DDP bucket hook
+(:class:`sdcscope.engine.ddp.BucketHook`), and acts without stopping the job:
+
+- **veto** -- a step with any finding is not applied, on *every* rank: each rank computes the
+  verdict from the same gathered numbers, so the decision is identical without another message.
+  The exception: a gradient outlier that a replay on a peer reproduces for every suspect is the
+  data's doing (``correct_result``): it is reported, applied, and its spread is learned.
+- **localize first** -- a finding first compares the replicas (a replay on a peer means something
+  only on equal replicas; see rollback), then replays the suspects (:class:`RankLocalizer`) and
+  writes the verdicts into the device ledger.
+- **quarantine** -- a device the ledger calls faulty (a ``persistent`` verdict, or repeated
+  suspicions) is excluded from the gradient average from the next step on: the hook zeroes its
+  bucket and every rank divides by the number of healthy ranks. The excluded rank keeps running
+  its forward/backward (collectives stay in step; its shard of the data is not learned from) and
+  receives the healthy average, so its replica stays bitwise equal to the others. It is left out
+  of every test from then on. The last healthy rank is never quarantined.
+- **rollback** -- when the replica hash check (every ``hash_every`` steps, and on any finding)
+  finds replicas that differ (a flipped optimizer moment, a weight, a corrupted post-reduction
+  bucket), every rank restores the last state the check verified as identical; the step counter
+  and data position move on (the updates since then are lost, not replayed, so a transient fault
+  is not met twice). The verified state is one in-memory copy of parameters and optimizer state.
+
+Events go to ``events.jsonl`` in the run directory, written by rank 0 only: every event is a
+world verdict (identical on every rank) and names the rank it is about in ``rank``.
+
+Use as an engine callback (``trainer.add_callback(RankGuard(trainer.ddp, trainer.optimizer,
+run_dir=...))`` with :class:`~sdcscope.engine.ddp.DDPTrainer`) or in a plain loop::
+
+    guard = RankGuard(ddp_model, optimizer, run_dir="run")
+    for step in ...:
+        guard.begin(step)
+        loss = loss_fn(ddp_model, batch); loss.backward()
+        guard.check(step, replay=lambda r: my_local_gradients(r))   # on every rank
+        if not guard.veto:
+            optimizer.step()
+        guard.end(step)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sdcscope._io import JsonlWriter
+from sdcscope.detect.crossrank import CrossRankConfig, CrossRankDetector, ReplicaHashCheck
+from sdcscope.detect.events import Event
+from sdcscope.engine.ddp import bucket_hook
+from sdcscope.engine.state import TrainState, capture
+from sdcscope.localize.ranks import LEDGER_FILE, LedgerConfig, LocalizeConfig, RankLedger, RankLocalizer, device_id
+
+LOCALIZABLE = ("nonfinite", "grad_outlier")
+"""Cross-rank verdicts about a rank's own computation, which a replay can re-check (a rank's
+shared local verdicts -- ABFT and the like -- are re-checked as well)."""
+_NESTED = {"crossrank": CrossRankConfig, "localize": LocalizeConfig, "ledger": LedgerConfig}
+
+
+@dataclass(kw_only=True)
+class RankGuardConfig:
+    crossrank: CrossRankConfig = field(default_factory=CrossRankConfig)
+    localize: LocalizeConfig = field(default_factory=LocalizeConfig)
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    hash_every: int = 10
+    """Compare parameter and optimizer-state checksums across replicas every N steps (0: off)."""
+    replay: bool = True
+    """Localize a finding by replaying the suspect's step on itself and on a peer."""
+    quarantine: bool = True
+    """Exclude faulty devices from the gradient average (False: veto and report only)."""
+    rollback: bool = True
+    """Keep the last verified state in memory and restore it when replicas differ."""
+
+    def __post_init__(self) -> None:
+        for name, cls in _NESTED.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, cls(**value))
+            elif not isinstance(value, cls):
+                raise TypeError(f"rank guard {name} must be a mapping or {cls.__name__}, got {value!r}")
+        if isinstance(self.hash_every, bool) or not isinstance(self.hash_every, int) or self.hash_every < 0:
+            raise ValueError(f"hash_every={self.hash_every!r} must be an integer >= 0 (0: off)")
+        for name in ("replay", "quarantine", "rollback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+
+
+class RankGuard:
+    """Cross-rank detection, localization and in-job quarantine for one DDP model.
+
+    Construct on every rank right after wrapping the model (before the first backward). All of
+    :meth:`check` and :meth:`end` are collectives: call them on every rank, every step.
+    """
+
+    def __init__(self, ddp: DDP, optimizer: torch.optim.Optimizer, *, config: RankGuardConfig | None = None,
+                 run_dir: str | Path | None = None) -> None:
+        self.config = c = config or RankGuardConfig()
+        self.model, self.optimizer = ddp.module, optimizer
+        group = ddp.process_group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.hook = bucket_hook(ddp)
+        self.detector = CrossRankDetector(self.model, c.crossrank, group)
+        self.hook.add(self.detector.signatures)
+        self.hashes = ReplicaHashCheck(self.model, optimizer, every=c.hash_every, group=group)
+        self.localizer = RankLocalizer(self.model, c.localize, group)
+        self.devices: list[Any] = [None] * self.world
+        dist.all_gather_object(self.devices, device_id(), group=group)
+        path = None if run_dir is None else Path(run_dir) / LEDGER_FILE
+        known = [RankLedger.read(path) if self.rank == 0 and path is not None else None]
+        dist.broadcast_object_list(known, src=0, group=group)  # one ledger, even without a shared disk
+        self.ledger = RankLedger(self.devices, path, c.ledger, writer=self.rank == 0, entries=known[0])
+        self.quarantined: set[int] = set()
+        self.events: list[Event] = []
+        self.veto = False
+        self._writer = JsonlWriter(Path(run_dir) / "events.jsonl") if run_dir is not None and self.rank == 0 else None
+        if self._writer is not None:
+            self._writer.touch()
+            self.ledger.save()
+        self._verified: TrainState | None = capture(self.model, optimizer, 0, 0) if c.rollback else None
+        self._emit([self._quarantine(0, r, "faulty in the ledger") for r in range(self.world)
+                    if self.ledger.faulty(r) and c.quarantine])
+
+    # -- the per-step protocol ---------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Before the forward pass of ``step``."""
+        self.veto = False
+        self.detector.begin(step)
+
+    def check(self, step: int, *, replay: Callable[[int], Any] | None = None,
+              local_events: Sequence[Event] | None = None) -> list[Event]:
+        """After backward, before the optimizer: the world's verdicts on ``step``; sets :attr:`veto`.
+
+        ``replay(r)`` recomputes rank r's local gradient of this step into ``.grad`` (needed to
+        localize); ``local_events``: this rank's own detectors' findings, shared with every rank
+        (one more small all-reduce per step; ``None`` when there are no local detectors).
+        """
+        events = self.detector.check(step, local_events)
+        if not events:
+            return []
+        desync = self._replicas(step, step)  # a replay on a peer means something only on equal replicas
+        verdicts = [] if desync or replay is None or not self.config.replay else self._localize(step, events, replay)
+        cleared = {e.rank for e in verdicts if e.verdict == "correct_result"}
+        natural = bool(verdicts) and len(cleared) == len(verdicts) and all(
+            e.detector == self.detector.name and e.verdict == "grad_outlier" for e in events)
+        if natural:  # every suspect's gradient reproduces on a peer: the data did it; apply the step
+            self.detector.learn()
+            events += verdicts
+        else:
+            self.veto = True
+            events += [e for e in verdicts if e.verdict != "correct_result"] or verdicts
+        for e in events:
+            e.action = e.action or ("report" if natural else "veto")
+        events += desync
+        events += self._judge(step, [e for e in events if e.rank not in cleared])
+        self._emit(events)
+        return events
+
+    def end(self, step: int) -> list[Event]:
+        """After the update of ``step`` (applied or vetoed): the replica hash check when due."""
+        if not self.hashes.due(step + 1):
+            return []
+        events = self._replicas(step, step + 1)
+        events += self._judge(step, events)
+        self._emit(events)
+        return events
+
+    def _replicas(self, step: int, state_step: int) -> list[Event]:
+        """Compare the replicas: equal -- remember this state as verified; different -- restore
+        the last verified state on every rank (action ``rollback``)."""
+        events = self.hashes.check(step, excluded=sorted(self.quarantined))
+        if not events:
+            if self.config.rollback:
+                self._verified = capture(self.model, self.optimizer, state_step, state_step)
+            return []
+        if self._verified is not None:
+            with torch.no_grad():
+                self.model.load_state_dict(self._verified.model)
+            self.optimizer.load_state_dict(copy.deepcopy(self._verified.optimizer))
+        for e in events:
+            e.action = "rollback" if self._verified is not None else "report"
+            e.evidence["restored_step"] = None if self._verified is None else self._verified.step
+        return events
+
+    # -- engine callback points --------------------------------------------------------------
+    def before_step(self, ctx) -> None:
+        self.begin(ctx.step)
+
+    def before_optimizer_step(self, ctx) -> None:
+        trainer = ctx.trainer
+        replay = getattr(trainer, "local_gradients", None)
+        self.check(ctx.step, replay=None if replay is None else (lambda r: replay(r, ctx.step, ctx.data_pos)))
+        if self.veto:
+            ctx.skip_update = True
+
+    def after_step(self, ctx) -> None:
+        self.end(ctx.step)
+        ctx.metrics["quarantined"] = sorted(self.quarantined)
+
+    # -- decisions ---------------------------------------------------------------------------
+    def healthy(self) -> list[int]:
+        return [r for r in range(self.world) if r not in self.quarantined]
+
+    def _localize(self, step: int, events: list[Event], replay: Callable[[int], Any]) -> list[Event]:
+        reported = self.detector.last
+        if reported is None or reported.step != step:
+            return []  # a step without signatures (sampling): nothing to compare a replay with
+        suspects: set[int] = set()
+        for e in events:
+            if e.detector != self.detector.name or e.verdict in LOCALIZABLE:
+                suspects.update([e.rank] if e.rank is not None else e.evidence.get("candidates", []))
+        suspects -= self.quarantined
+        if not suspects:
+            return []
+        return self.localizer.diagnose(step, reported, sorted(suspects), self.healthy(), replay)
+
+    def _judge(self, step: int, events: list[Event]) -> list[Event]:
+        """Ledger the suspicions; quarantine the devices that became faulty."""
+        out = []
+        for e in events:
+            if e.rank is None or e.rank in self.quarantined:
+                continue
+            self.ledger.record(e)
+            if self.config.quarantine and self.ledger.faulty(e.rank):
+                out.append(self._quarantine(step, e.rank, f"{e.detector}: {e.verdict}"))
+        return out
+
+    def _quarantine(self, step: int, rank: int, reason: str) -> Event:
+        evidence = {"device": self.devices[rank], "reason": reason,
+                    "suspicions": len(self.ledger.suspicions(rank))}
+        if len(self.quarantined) + 1 >= self.world:
+            return Event(step, "quarantine", "not_quarantined", rank=rank, action="report",
+                         evidence={**evidence, "why": "it is the last healthy rank"})
+        self.quarantined.add(rank)
+        self.hook.exclude(self.quarantined)
+        self.detector.excluded = frozenset(self.quarantined)
+        return Event(step, "quarantine", "quarantined", rank=rank, action="quarantine",
+                     evidence={**evidence, "healthy": self.healthy()})
+
+    def _emit(self, events: list[Event]) -> None:
+        self.events += events
+        if self._writer is not None:
+            for e in events:
+                self._writer.write(e.to_dict())
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
