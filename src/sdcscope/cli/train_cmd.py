@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from sdcscope.cli.app import app
-from sdcscope.cli.common import CLIError, out_console, step_progress, user_errors
+from sdcscope.cli.common import CLIError, fail, out_console, step_progress, user_errors
 from sdcscope.cli.guard_opts import GUARD_CONFIG_OPT, GUARD_OPT, INVARIANTS_OPT, guard_config
 
 WORKLOAD_OPT = typer.Option("gpt", "--workload", "-w", help="Workload: gpt or cnn.")
@@ -61,8 +61,30 @@ def train(
     guard: bool = GUARD_OPT,
     guard_config_path: Optional[Path] = GUARD_CONFIG_OPT,
     invariants: Optional[Path] = INVARIANTS_OPT,
+    nproc: int = typer.Option(1, "--nproc", help="Data-parallel ranks; N != 1 launches torchrun (gloo/nccl DDP)."),
+    faults: Optional[Path] = typer.Option(None, "--faults", help="Fault specs bound to ranks (distributed run)."),
 ) -> None:
     """Train a reference workload deterministically into a run directory."""
+    if nproc != 1 or faults is not None:
+        with user_errors():
+            check_steps(steps)
+            if resume is not None:
+                raise CLIError("--resume does not apply to a distributed run")
+            if out is None:
+                raise CLIError("--out DIR is required")
+            from sdcscope.engine.ddp import launch
+
+            argv = ["--out", str(out), "--workload", workload, "--preset", preset, "--steps", str(steps),
+                    "--seed", str(seed), "--grad-accum", str(grad_accum), "--eval-every", str(eval_every)]
+            for flag, value in (("--corpus", corpus), ("--batch-size", batch_size), ("--lr", lr),
+                                ("--faults", faults)):
+                if value is not None:
+                    argv += [flag, str(value)]
+            rc = launch(nproc, argv)  # validates first: ValueError → exit 2, nothing created
+        if rc != 0:
+            raise fail(f"distributed training failed (exit code {rc}); see the rank errors above and "
+                       f"{out}/failure.rank*.json")
+        return
     with user_errors():
         check_steps(steps)
         gcfg = guard_config(guard, guard_config_path, invariants)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import inspect
 import math
 import os
 import socket
@@ -52,6 +54,9 @@ from sdcscope.workloads import Workload, WorkloadConfig, make_workload
 BACKENDS = ("gloo", "nccl")
 ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 CHECKPOINT_DIR = "checkpoint"
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                  else {"broadcast_buffers": False})
+"""The workloads' buffers (masks, constants) are alike on every rank: no broadcast before each forward."""
 
 
 class DistributedError(RuntimeError):
@@ -134,12 +139,15 @@ def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> to
 @dataclass
 class BucketView:
     """What a stage sees of one gradient bucket: ``buffer`` (flat), and per parameter its
-    qualified ``names`` and ``grads`` (views into ``buffer``, shaped like the parameter)."""
+    qualified ``names`` and ``grads`` (views into ``buffer``, shaped like the parameter).
+    Buckets are seen in index order; after the reduction, ``buffer`` holds the reduced values."""
 
     index: int
     buffer: torch.Tensor
     names: list[str]
     grads: list[torch.Tensor]
+    last: bool
+    """The step's last bucket: every bucket before it has been seen."""
 
 
 class BucketHook:
@@ -157,6 +165,7 @@ class BucketHook:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.names = {id(p): n for n, p in ddp.module.named_parameters()}
+        self._views: dict[tuple, BucketView] = {}
         self.stages: list[Any] = []
         self.excluded: frozenset[int] = frozenset()
 
@@ -174,13 +183,20 @@ class BucketHook:
         self.excluded = ranks
 
     def _view(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> BucketView:
-        grads = bucket.gradients()
-        for g in grads:
-            assert g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr(), \
+        """The view of a bucket, built once per bucket buffer: DDP keeps a bucket's flat buffer
+        across steps and allocates new ones when it rebuilds its buckets (after the first step);
+        the cache holds the buffer, so its address cannot be reused while cached."""
+        key = (bucket.index(), buffer.data_ptr(), buffer.numel())
+        if key not in self._views:
+            grads = bucket.gradients()
+            storage = buffer.untyped_storage().data_ptr()
+            assert all(g.untyped_storage().data_ptr() == storage for g in grads), \
                 "DDP bucket gradients are not views of the bucket buffer"
-        return BucketView(bucket.index(), buffer, [self.names[id(p)] for p in bucket.parameters()], grads)
+            self._views[key] = BucketView(bucket.index(), buffer, [self.names[id(p)] for p in bucket.parameters()],
+                                          grads, bucket.is_last())
+        return self._views[key]
 
-    def __call__(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future:
+    def reduce(self, state, bucket):  # unannotated: DDP checks annotations against real types
         buffer = bucket.buffer()
         view = self._view(bucket, buffer) if self.stages else None
         for stage in self.stages:
@@ -203,7 +219,7 @@ def bucket_hook(ddp: DDP) -> BucketHook:
     hook = getattr(ddp, "_sdcscope_bucket_hook", None)
     if hook is None:
         hook = BucketHook(ddp, ddp.process_group)
-        ddp.register_comm_hook(None, hook)
+        ddp.register_comm_hook(None, hook.reduce)
         ddp._sdcscope_bucket_hook = hook
     return hook
 
@@ -227,7 +243,7 @@ class DDPTrainer(Trainer):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = device_for(self.dist_config)
         self.model.to(self.device)
-        self.ddp = DDP(self.model, bucket_cap_mb=self.dist_config.bucket_cap_mb)
+        self.ddp = DDP(self.model, bucket_cap_mb=self.dist_config.bucket_cap_mb, **NO_BUFFER_SYNC)
         self.hook = bucket_hook(self.ddp)
         self.injector: Injector | None = None
         self.comm_injector: CommInjector | None = None
@@ -289,6 +305,18 @@ class DDPTrainer(Trainer):
                 total = total + loss.detach()
         return total / accum
 
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """As :meth:`Trainer.evaluate` (not a collective: rank 0 alone calls it in a run). The
+        workloads keep their evaluation data on the CPU, so a GPU model is evaluated as a copy."""
+        if self.device.type == "cpu":
+            return super().evaluate()
+        model, self.model = self.model, copy.deepcopy(self.model).cpu()
+        try:
+            return super().evaluate()
+        finally:
+            self.model = model
+
     def close(self) -> None:
         for inj in (self.injector, self.comm_injector):
             if inj is not None:
@@ -347,8 +375,8 @@ class DDPRun:
                 if on_step is not None:
                     on_step(last)
             self._finish(last, time.perf_counter() - t0)
-        except (RuntimeError, OSError) as exc:
-            if isinstance(exc, AssertionError) or not (isinstance(exc, dist.DistError) or _is_comm_error(exc)):
+        except RuntimeError as exc:
+            if not _is_comm_error(exc):
                 raise
             raise _failure(self.out, self.rank, self.trainer.step, exc) from exc
         finally:
@@ -363,7 +391,8 @@ class DDPRun:
         if len(set(rows[:, 1].tolist())) != 1:
             raise DistributedError(f"ranks disagree on vetoing step {m['step']}: {rows[:, 1].tolist()}")
         rank_loss = rows[:, 0].tolist()
-        m.update(loss=math.fsum(rank_loss) / self.world, rank_loss=rank_loss)
+        live = [v for r, v in enumerate(rank_loss) if r not in self.trainer.hook.excluded]
+        m.update(loss=math.fsum(live) / len(live), rank_loss=rank_loss)
         every = self.trainer.config.eval_every
         if metrics is not None:
             if every and self.trainer.step % every == 0:
@@ -400,10 +429,9 @@ class DDPRun:
         writer.close()
 
 
-def _is_comm_error(exc: BaseException) -> bool:
-    """gloo reports a dead peer as a plain RuntimeError from its transport."""
-    text = str(exc).lower()
-    return "gloo" in text or "connection" in text or "timed out" in text or "peer" in text
+def _is_comm_error(exc: RuntimeError) -> bool:
+    """A collective failed: NCCL raises DistError; gloo a plain RuntimeError from its transport."""
+    return isinstance(exc, dist.DistError) or "gloo" in str(exc)
 
 
 # ---------------------------------------------------------------------------- entry points
@@ -429,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-crossrank", action="store_true",
                    help="Train without cross-rank detection, localization and quarantine.")
     p.add_argument("--hash-every", type=int, default=10, help="Replica hash check every N steps (0: off).")
+    p.add_argument("--ledger", type=Path, default=None,
+                   help="Device ledger shared across jobs (default: OUT/ledger.json).")
     return p
 
 
@@ -444,6 +474,7 @@ class Job:
     specs: list[FaultSpec]
     crossrank: bool
     hash_every: int
+    ledger: Path | None
 
 
 def parse_job(argv: Sequence[str], world_size: int) -> Job:
@@ -468,21 +499,34 @@ def parse_job(argv: Sequence[str], world_size: int) -> Job:
                                        corpus=a.corpus, max_corpus_bytes=a.max_corpus_bytes),
                train=TrainConfig(seed=a.seed, grad_accum=a.grad_accum, eval_every=a.eval_every),
                dist=DistConfig(backend=a.backend, timeout_s=a.timeout), specs=specs,
-               crossrank=not a.no_crossrank, hash_every=a.hash_every)
+               crossrank=not a.no_crossrank, hash_every=a.hash_every, ledger=a.ledger)
+
+
+def check_job(job: Job, world_size: int) -> None:
+    """Validate the fault specs against the model, as every rank will (without a world)."""
+    workload = make_workload(job.workload)
+    torch.manual_seed(job.train.seed)
+    model = workload.build_model()
+    comm = [s for s in job.specs if s.site == "comm"]
+    CommInjector(model, comm, world_size=world_size)
+    Injector(model, [s for s in job.specs if s.site != "comm"], workload.build_optimizer(model), world_size=world_size)
 
 
 def run_job(job: Job) -> dict[str, Any]:
     """Run ``job`` on this rank (the process group must be initialized)."""
     run = DDPRun(job.out, job.workload, job.train, specs=job.specs, dist_config=job.dist,
                  extra_config={"crossrank": job.crossrank, "hash_every": job.hash_every})
-    callbacks = []
-    if job.crossrank:
-        # The entry point is a composition root: it may reach right in the room order.
-        from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
+    if not job.crossrank:
+        return run.train(job.steps)
+    # The entry point is a composition root: it may reach right in the room order.
+    from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
 
-        callbacks.append(RankGuard(run.trainer.ddp, run.trainer.optimizer, run_dir=job.out,
-                                   config=RankGuardConfig(hash_every=job.hash_every)))
-    return run.train(job.steps, callbacks=callbacks)
+    guard = RankGuard(run.trainer.ddp, run.trainer.optimizer, run_dir=job.out, ledger=job.ledger,
+                      config=RankGuardConfig(hash_every=job.hash_every))
+    try:
+        return run.train(job.steps, callbacks=[guard])
+    finally:
+        guard.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -500,11 +544,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         summary = run_job(job)
+        dist.barrier()  # leave together (see _spawned)
         if rank == 0:
             print(f"{summary['outcome']} after {summary['steps']} steps on {summary['world_size']} ranks: "
                   f"train loss {summary['final_train_loss']:.4f}, val loss {summary['final_val_loss']:.4f}, "
                   f"replicas identical: {summary['replicas_identical']}; run directory: {job.out}")
         return 0
+    except (ValueError, TypeError) as exc:  # a spec that does not fit the model: same on every rank
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except DistributedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -518,17 +566,83 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc: int, argv: Sequence[str]) -> int:
+def _spawned(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple, errors) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        fn(rank, world, *args)
+        if dist.is_initialized():
+            dist.barrier()  # leave together: a peer tearing down early can abort a rank still in gloo
+    except BaseException as exc:
+        errors.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout_s: float = 120.0) -> None:
+    """Run ``fn(rank, world, *args)`` in ``nproc`` fresh local processes (spawn start method)
+    whose environment describes one world on 127.0.0.1 (``fn`` calls :func:`init_distributed`).
+
+    Unlike ``torch.multiprocessing.spawn``, a failing rank does not get its peers killed: they
+    meet the broken world themselves (and may record it). Raises :class:`DistributedError`
+    naming every failed rank, or when the world has not finished within ``timeout_s`` (then
+    the remaining processes are terminated).
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_spawned, args=(r, fn, nproc, port, args, errors)) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    late = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in late:
+        procs[r].terminate()
+        procs[r].join(5)
+    messages = {}
+    while not errors.empty():
+        rank, message = errors.get()
+        messages[rank] = message
+    failed = [f"rank {r}: {messages.get(r, f'exited with code {p.exitcode}')}"
+              for r, p in enumerate(procs) if r not in late and p.exitcode != 0]
+    if late:
+        failed.append(f"ranks {late} did not finish within {timeout_s:g} s")
+    if failed:
+        raise DistributedError("; ".join(failed))
+
+
+def launch(nproc: int, argv: Sequence[str], *, timeout_s: float | None = None) -> int:
     """Validate ``argv`` here, then run ``python -m sdcscope.engine.ddp argv`` on ``nproc`` local
-    ranks through torchrun; return its exit code (0 when every rank succeeded)."""
+    ranks through torchrun; return its exit code (0 when every rank succeeded). Past
+    ``timeout_s`` the ranks are terminated (torchrun forwards the signal) and
+    :class:`DistributedError` is raised."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r} must be an integer >= 1")
-    parse_job(argv, nproc)
+    check_job(parse_job(argv, nproc), nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
            "--max-restarts=0", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
            "-m", "sdcscope.engine.ddp", *argv]
-    return subprocess.run(cmd, check=False).returncode
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise DistributedError(f"the world of {nproc} ranks did not finish within {timeout_s:g} s") from None
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sdcscope.engine import ddp as _module  # run the importable copy: one set of classes, not two
+
+    sys.exit(_module.main())

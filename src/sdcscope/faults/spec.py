@@ -342,6 +342,8 @@ class FaultSpec:
     rank: int | None = 0
     seed: int = 0
     state_key: str | None = None
+    phase: str | None = None
+    """For site ``comm``: corrupt the gradient bucket ``before`` or ``after`` the all-reduce."""
 
     def __post_init__(self) -> None:
         _choice("site", self.site, SITES)
@@ -373,6 +375,10 @@ class FaultSpec:
                     f"state_key {self.state_key!r} is only used with site 'optimizer_state', "
                     f"not {self.site!r}"
                 )
+        if self.phase is not None:
+            if self.site != "comm":
+                raise ValueError(f"phase {self.phase!r} is only used with site 'comm', not {self.site!r}")
+            _choice("phase", self.phase, ("before", "after"))
         if self.site in STEP_SITES and self.schedule.micro_batch is not None:
             raise ValueError(
                 f"site {self.site!r} runs once per step, so schedule micro_batch "

@@ -27,7 +27,6 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from sdcscope._io import JsonlWriter
@@ -97,13 +96,19 @@ class CommInjector:
             if spec.rank is None or spec.rank == rank:
                 self.specs.append((i, plain, phase))
         self.step = 0
+        self._begun: set[int] = set()
+        self._repeat = False
         self.armed = True
         self.records: list[dict[str, Any]] = []
         self._file = JsonlWriter(log) if isinstance(log, (str, Path)) else None
         self._sink = log if callable(log) else None
 
     def set_position(self, step: int) -> None:
-        self.step = step
+        """Before each execution of a step. A step executed again (after a rollback) does not meet
+        its transient or intermittent faults again -- they were one event in time -- while a
+        permanent one acts on every execution (as :class:`sdcscope.inject.Injector` does)."""
+        self.step, self._repeat = step, step in self._begun
+        self._begun.add(step)
 
     def callback(self) -> "CommInjectorCallback":
         return CommInjectorCallback(self)
@@ -118,7 +123,8 @@ class CommInjector:
         if not self.armed:
             return
         for i, spec, spec_phase in self.specs:
-            if spec_phase != phase or not spec.schedule.covers(self.step):
+            once = spec.schedule.kind != "permanent"
+            if spec_phase != phase or not spec.schedule.covers(self.step) or (once and self._repeat):
                 continue
             for name, tensor in ((f"bucket.{view.index}", view.buffer), *zip(view.names, view.grads)):
                 if fires(spec, self.step, None, name, self.rank):

@@ -15,10 +15,13 @@ no                      no                   ``transient``: a one-off fault on t
 no healthy peer         --                   ``unverified``
 =====================  ===================  =====================================================
 
-Comparison is bitwise (bit checksums) by default, as CPU training is deterministic; ``rtol > 0``
-compares norms within a relative tolerance instead (non-deterministic GPU kernels). The layer is
-the parameter whose gradient differs first in backward order (the last in forward order): for a
-fault in the backward pass, the earliest wrong value; a forward fault shows up everywhere.
+By default the bits decide (each bucket's bit checksum must match: CPU training is
+deterministic) and the per-parameter norms name the parameters inside a differing bucket;
+``rtol > 0`` compares the norms within a relative tolerance instead (non-deterministic GPU
+kernels). The layer is the parameter whose gradient differs first in backward order (the last in
+forward order): for a fault in the backward pass, the earliest wrong value; a forward fault shows
+up everywhere. A replay assumes a deterministic forward (no dropout, or dropout seeded by step
+and rank) and equal replicas (:class:`sdcscope.mitigate.quarantine.RankGuard` checks first).
 
 One replay is not a diagnosis: real SDC devices fail intermittently, and a fault that does not
 recur in a single replay is not proof of health (§7 gap 4). :class:`RankLedger` keeps every
@@ -45,11 +48,12 @@ from torch import nn
 
 from sdcscope._io import write_json
 from sdcscope._validate import check_positive
-from sdcscope.detect.crossrank import Gathered, grad_signatures
+from sdcscope.detect.crossrank import MOD32, Gathered, grad_signatures
 from sdcscope.detect.events import Event
 from sdcscope.engine.ddp import gather_rows
 
 VERDICTS = ("correct_result", "transient", "persistent", "unverified")
+"""What :meth:`RankLocalizer.diagnose` can say about a suspect."""
 SUSPICIONS = ("nonfinite", "grad_outlier", "transient", "unverified", "replica_mismatch", "reduce_mismatch")
 """Verdicts naming a rank that count toward ``max_suspicions`` (``persistent`` makes a device
 faulty at once; ``correct_result`` clears the rank for that step)."""
@@ -102,8 +106,13 @@ class RankLocalizer:
         after = [r for r in others if r > rank]
         return (after or others)[0] if others else None
 
-    def _signatures(self) -> torch.Tensor:
-        return grad_signatures([p.grad for p in self.params]).flatten()  # norms then bit checksums
+    def _signatures(self, buckets: list[list[int]]) -> torch.Tensor:
+        """``[norms, bucket checksums]`` of ``.grad``, laid out as the detector sent them."""
+        norms, sums = grad_signatures([p.grad for p in self.params])
+        pre = torch.zeros_like(sums)
+        for slots in buckets:
+            pre[slots] = sums[slots].sum() % MOD32  # exact: a bucket's checksum is the sum of its parts'
+        return torch.cat([norms, pre])
 
     def diagnose(self, step: int, reported: Gathered, suspects: Sequence[int], healthy: Sequence[int],
                  replay: Callable[[int], None]) -> list[Event]:
@@ -119,7 +128,7 @@ class RankLocalizer:
                 for slot, who in ((2 * i, s), (2 * i + 1, peers[s])):
                     if who == self.rank:
                         replay(s)
-                        row[slot * 2 * p:(slot + 1) * 2 * p] = self._signatures()
+                        row[slot * 2 * p:(slot + 1) * 2 * p] = self._signatures(reported.buckets)
         finally:
             for q, g in zip(self.params, saved):
                 q.grad = g
@@ -131,11 +140,16 @@ class RankLocalizer:
             results.append(self._verdict(step, s, peers[s], reported, own, peer))
         return results
 
-    def _differs(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if self.config.rtol == 0:
-            return a[1] != b[1]
-        scale = torch.maximum(a[0].abs(), b[0].abs()).clamp_min(1e-300)
-        return ~((a[0] - b[0]).abs() <= self.config.rtol * scale)
+    def _differs(self, a: torch.Tensor, b: torch.Tensor) -> list[int]:
+        """Parameters whose gradient differs between signatures ``a`` and ``b`` (``[2, P]``)."""
+        if self.config.rtol > 0:
+            scale = torch.maximum(a[0].abs(), b[0].abs()).clamp_min(1e-300)
+            return (~((a[0] - b[0]).abs() <= self.config.rtol * scale)).nonzero().flatten().tolist()
+        buckets = a[1] != b[1]  # the bits decide; the norms name the parameters inside the bucket
+        if not buckets.any():
+            return []
+        named = a[0] != b[0]
+        return (named if named.any() else buckets).nonzero().flatten().tolist()
 
     def _verdict(self, step: int, suspect: int, peer: int | None, reported: Gathered,
                  own: torch.Tensor, theirs: torch.Tensor | None) -> Event:
@@ -144,12 +158,12 @@ class RankLocalizer:
         if theirs is None:
             return Event(step, self.name, "unverified", rank=suspect,
                          evidence={**evidence, "reason": "no healthy peer to replay on"})
-        differ = self._differs(sent, theirs).nonzero().flatten().tolist()
+        differ = self._differs(sent, theirs)
         if not differ:
             return Event(step, self.name, "correct_result", rank=suspect,
                          evidence={**evidence, "reason": "a peer reproduces the gradient: data, not device"})
         backward = [self.names[k] for k in reversed(differ)]
-        reproduces = not self._differs(sent, own).any().item()
+        reproduces = not self._differs(sent, own)
         k = differ[-1]
         evidence.update(params=backward[:self.config.max_listed], count=len(differ),
                         self_reproduces=reproduces, sent_norm=sent[0, k].item(), peer_norm=theirs[0, k].item())

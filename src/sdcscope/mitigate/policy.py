@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 
 from sdcscope._validate import check_choice
 
-ACTIONS = ("none", "veto", "recompute", "rollback", "skip_batch", "lr_backoff", "qk_clip", "report")
+ACTIONS = ("none", "veto", "recompute", "rollback", "skip_batch", "lr_backoff", "qk_clip", "quarantine",
+           "report")
 """veto: skip the optimizer step (parameters and optimizer state untouched); recompute: use the
 verified re-execution of the step; rollback: restore the last verified in-memory snapshot;
 skip_batch: never train on this batch again; lr_backoff: scale the LR down, recovering linearly;
-qk_clip: rescale W_q/W_k of a layer whose attention logits explode; report: event only."""
+qk_clip: rescale W_q/W_k of a layer whose attention logits explode; quarantine: exclude a rank's
+gradients from the all-reduce (distributed runs); report: event only."""
 
 DEFAULT_RULES: dict[str, list[str]] = {
     # Replay showed the result was not reproducible: a transient hardware fault. The clean

@@ -96,11 +96,17 @@ class RankGuard:
     """Cross-rank detection, localization and in-job quarantine for one DDP model.
 
     Construct on every rank right after wrapping the model (before the first backward). All of
-    :meth:`check` and :meth:`end` are collectives: call them on every rank, every step.
+    :meth:`check` and :meth:`end` are collectives: call them on every rank, every step. Both
+    return the world's events (identical on every rank; also kept in :attr:`events`); rank 0
+    appends them to ``run_dir/events.jsonl`` unless ``write_events=False`` (a caller that writes
+    them itself, e.g. the Guard after its policy). The device ledger is ``ledger`` -- give one
+    file shared by a fleet's jobs so a device judged faulty stays out of later jobs -- or else
+    ``run_dir/ledger.json``; a device it already calls faulty is quarantined from the start.
     """
 
     def __init__(self, ddp: DDP, optimizer: torch.optim.Optimizer, *, config: RankGuardConfig | None = None,
-                 run_dir: str | Path | None = None) -> None:
+                 run_dir: str | Path | None = None, ledger: str | Path | None = None,
+                 write_events: bool = True) -> None:
         self.config = c = config or RankGuardConfig()
         self.model, self.optimizer = ddp.module, optimizer
         group = ddp.process_group
@@ -112,17 +118,18 @@ class RankGuard:
         self.localizer = RankLocalizer(self.model, c.localize, group)
         self.devices: list[Any] = [None] * self.world
         dist.all_gather_object(self.devices, device_id(), group=group)
-        path = None if run_dir is None else Path(run_dir) / LEDGER_FILE
+        path = Path(ledger) if ledger is not None else None if run_dir is None else Path(run_dir) / LEDGER_FILE
         known = [RankLedger.read(path) if self.rank == 0 and path is not None else None]
         dist.broadcast_object_list(known, src=0, group=group)  # one ledger, even without a shared disk
         self.ledger = RankLedger(self.devices, path, c.ledger, writer=self.rank == 0, entries=known[0])
         self.quarantined: set[int] = set()
         self.events: list[Event] = []
         self.veto = False
-        self._writer = JsonlWriter(Path(run_dir) / "events.jsonl") if run_dir is not None and self.rank == 0 else None
+        self._writer = (JsonlWriter(Path(run_dir) / "events.jsonl")
+                        if run_dir is not None and self.rank == 0 and write_events else None)
         if self._writer is not None:
             self._writer.touch()
-            self.ledger.save()
+        self.ledger.save()
         self._verified: TrainState | None = capture(self.model, optimizer, 0, 0) if c.rollback else None
         self._emit([self._quarantine(0, r, "faulty in the ledger") for r in range(self.world)
                     if self.ledger.faulty(r) and c.quarantine])

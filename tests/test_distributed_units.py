@@ -1,0 +1,178 @@
+"""Distributed building blocks in one process: a gloo world of one rank, configs, ledger, checksums."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sdcscope.detect.crossrank import CrossRankConfig, bitsum, fletcher, grad_signatures
+from sdcscope.detect.events import Event
+from sdcscope.engine import TrainConfig, Trainer, param_sha256
+from sdcscope.engine.ddp import BucketView, DDPTrainer, DistConfig, DistributedError, free_port, \
+    gather_rows, init_distributed, launch
+from sdcscope.faults import FaultSpec
+from sdcscope.inject.comm import CommInjector, comm_phase
+from sdcscope.localize.ranks import LedgerConfig, LocalizeConfig, RankLedger, RankLocalizer
+from sdcscope.mitigate.quarantine import RankGuardConfig
+from sdcscope.workloads import WorkloadConfig, make_workload
+
+WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=200_000)
+FLIP = {"model": "bitflip", "bits": [30], "pattern": {"kind": "element", "index": 3},
+        "schedule": {"kind": "transient", "step": 1}}
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(key, value)
+    init_distributed(DistConfig(backend="gloo", timeout_s=30))
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_rank_ddp_trains_bitwise_like_the_plain_trainer(world_of_one):
+    workload = make_workload(WORKLOAD)
+    plain, ddp = Trainer(workload, TrainConfig(seed=3, grad_accum=2)), DDPTrainer(workload, TrainConfig(seed=3, grad_accum=2))
+    for _ in range(3):
+        plain.train_step()
+        ddp.train_step()
+    assert param_sha256(plain.model) == param_sha256(ddp.model)
+    rows = gather_rows(torch.tensor([1.5, float("nan")], dtype=torch.float64))
+    assert rows.shape == (1, 2) and rows[0, 0] == 1.5 and rows[0, 1].isnan()
+
+
+def test_local_gradients_replays_the_step_exactly(world_of_one):
+    trainer = DDPTrainer(make_workload(WORKLOAD), TrainConfig(seed=0, grad_accum=2))
+    trainer.train_step()
+    same = []
+
+    class Replay:
+        def before_optimizer_step(self, ctx):
+            first = [p.grad.clone() for p in trainer.model.parameters()]
+            trainer.local_gradients(trainer.rank, ctx.step, ctx.data_pos)
+            same.extend(torch.equal(p.grad, g) for p, g in zip(trainer.model.parameters(), first))
+
+    trainer.add_callback(Replay())
+    trainer.train_step()
+    assert same and all(same)
+
+
+def test_bucket_hook_rejects_excluding_every_rank(world_of_one):
+    trainer = DDPTrainer(make_workload(WORKLOAD), TrainConfig(seed=0))
+    with pytest.raises(ValueError, match="every rank"):
+        trainer.hook.exclude([0])
+    with pytest.raises(ValueError, match="allowed: 0..0"):
+        trainer.hook.exclude([1])
+
+
+def test_comm_phase_and_target_validation():
+    spec = FaultSpec.from_dict({"site": "comm", "target": "blocks.0.mlp.fc.weight@after", **FLIP})
+    plain, phase = comm_phase(spec)
+    assert phase == "after" and plain.target == ("blocks.0.mlp.fc.weight",)
+    assert comm_phase(FaultSpec.from_dict({"site": "comm", "target": "bucket.*", **FLIP}))[1] == "before"
+    model = make_workload(WORKLOAD).build_model()
+    with pytest.raises(ValueError, match="unknown phase 'during'"):
+        CommInjector(model, [FaultSpec.from_dict({"site": "comm", "target": "head@during", **FLIP})])
+    with pytest.raises(ValueError, match="close names: blocks.0.mlp.fc.weight"):
+        CommInjector(model, [FaultSpec.from_dict({"site": "comm", "target": "blocks.0.mlp.fc.weigth", **FLIP})])
+    with pytest.raises(ValueError, match="rank 2 does not exist"):
+        CommInjector(model, [FaultSpec.from_dict({"site": "comm", "target": "bucket.0", "rank": 2, **FLIP})],
+                     world_size=2)
+
+
+def test_comm_injector_corrupts_its_rank_slice_in_the_bucket():
+    model = make_workload(WORKLOAD).build_model()
+    names = [n for n, _ in model.named_parameters()]
+    buffer = torch.full((sum(p.numel() for p in model.parameters()),), 1e-3)
+    grads = list(buffer.split([p.numel() for p in model.parameters()]))
+    view = BucketView(0, buffer, names, [g.view(p.shape) for g, p in zip(grads, model.parameters())], True)
+    spec = FaultSpec.from_dict({"site": "comm", "target": "blocks.1.attn.v_proj.weight", "rank": 1, **FLIP})
+    records = []
+    for rank in (0, 1):
+        inj = CommInjector(model, [spec], rank=rank, world_size=2, log=records.append)
+        inj.set_position(1)
+        inj.after_reduce(view)  # wrong phase: nothing
+        inj.before_reduce(view)
+    k = names.index("blocks.1.attn.v_proj.weight")
+    assert [r["rank"] for r in records] == [1] and records[0]["phase"] == "before"
+    assert grads[k][3] > 1e30 and (buffer > 1).sum() == 1
+
+
+def test_checksums_see_every_single_bit_flip_and_ignore_order():
+    x = torch.randn(1000)
+    for bit in (0, 7, 22, 23, 30, 31):
+        y = x.clone()
+        y.view(torch.int32)[123] ^= 1 << bit
+        assert bitsum(y) != bitsum(x) and not torch.equal(fletcher(y), fletcher(x))
+    assert bitsum(x.flip(0)) == bitsum(x) and fletcher(x.flip(0))[1] != fletcher(x)[1]
+    sig = grad_signatures([x, None])
+    assert sig[0, 0] == torch.linalg.vector_norm(x.double()) and sig[:, 1].isnan().all()
+
+
+def test_ledger_counts_suspicions_per_step_and_persists(tmp_path):
+    path = tmp_path / "ledger.json"
+    ledger = RankLedger(["host:cpu:0", "host:cpu:1"], path, LedgerConfig(max_suspicions=2, window=100))
+    assert not ledger.record(Event(5, "rank_replay", "correct_result", rank=1))  # not a suspicion
+    assert not ledger.record(Event(5, "crossrank", "grad_outlier", rank=1))
+    assert not ledger.record(Event(5, "rank_replay", "transient", rank=1))      # same step: counts once
+    assert not ledger.faulty(1)
+    assert ledger.record(Event(9, "rank_replay", "transient", rank=1)) and ledger.faulty(1)
+    again = RankLedger(["host:cpu:1", "host:cpu:0"], path, entries=RankLedger.read(path))
+    assert again.faulty(0) and not again.faulty(1)  # the device, not the rank, is remembered
+    assert json.loads(path.read_text())["devices"]["host:cpu:1"]["faulty"] is True
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt ledger"):
+        RankLedger.read(path)
+
+
+def test_peer_is_the_next_healthy_rank():
+    assert RankLocalizer.peer(1, [0, 1, 2]) == 2
+    assert RankLocalizer.peer(2, [0, 1, 2]) == 0
+    assert RankLocalizer.peer(0, [0, 2]) == 2
+    assert RankLocalizer.peer(1, [1]) is None
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: DistConfig(backend="mpi"), "unknown backend 'mpi'"),
+    (lambda: DistConfig(backend="gloo", timeout_s=0), "timeout_s=0"),
+    (lambda: CrossRankConfig(min_ratio=0.5), "min_ratio=0.5"),
+    (lambda: CrossRankConfig(every=0), "every=0"),
+    (lambda: LocalizeConfig(rtol=2), "rtol=2"),
+    (lambda: LedgerConfig(max_suspicions=0), "max_suspicions=0"),
+    (lambda: RankGuardConfig(hash_every=-1), "hash_every=-1"),
+    (lambda: RankGuardConfig(crossrank={"z_threshold": -1}), "z_threshold=-1"),
+])
+def test_configs_name_the_bad_value(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_launch_validates_before_starting_anything(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="nproc=0"):
+        launch(0, ["--out", str(out)])
+    faults = tmp_path / "faults.yaml"
+    faults.write_text("- {site: comm, target: bucket.0, model: bitflip, bits: [30], "
+                      "schedule: {kind: transient, step: 1}, rank: 3}\n")
+    with pytest.raises(ValueError, match="rank 3 does not exist; allowed: 0..1"):
+        launch(2, ["--out", str(out), "--faults", str(faults)])
+    faults.write_text("- {site: param_grad, target: blocks.0.mlp.fcc, model: bitflip, bits: [30], "
+                      "schedule: {kind: transient, step: 1}, rank: 1}\n")
+    with pytest.raises(ValueError, match="blocks.0.mlp.fc"):
+        launch(2, ["--out", str(out), "--faults", str(faults), "--max-corpus-bytes", "200000"])
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    with pytest.raises(ValueError, match="already holds"):
+        launch(2, ["--out", str(tmp_path / "busy")])
+    assert not out.exists()
+
+
+def test_outside_a_launch_the_error_says_how_to_start(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(DistributedError, match="sdcscope train --nproc N"):
+        init_distributed(DistConfig(backend="gloo"))
