@@ -14,19 +14,9 @@ from sdcscope.detect.invariants import (
     load_invariants, load_trace, parse_invariants, save_invariants,
 )
 from sdcscope.engine import read_jsonl
+from test_invariants_trace import MLP
 
 EVENT_KEYS = {"step", "detector", "verdict", "module", "rank", "evidence", "action"}
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.drop = nn.Dropout(0.1)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(self.drop(torch.relu(self.fc1(x))))
 
 
 def mlp_run(attach, seed, bug=None, steps=12, lr=1e-2):
