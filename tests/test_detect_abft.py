@@ -10,6 +10,8 @@ from test_detect_models import MLP, TinyTransformer, flip_bit, lm_batch, lm_loss
 
 from sdcscope.detect import ABFTConfig, ABFTDetector, gemm_check, rounding_model
 
+BOTH = ABFTConfig(checksums="both")  # element localisation (row × column)
+
 
 def train(model, det, steps, *, dtype=None, autocast=False, micro=1, lr=1e-2, start=0):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -35,9 +37,10 @@ def transformer(seed=0, **kw):
 
 
 # ------------------------------------------------------------------ clean runs
-def test_clean_fp32_transformer_no_events_all_gemms_checked():
+@pytest.mark.parametrize("checksums", ["column", "both"])
+def test_clean_fp32_transformer_no_events_all_gemms_checked(checksums):
     model = transformer()
-    det = ABFTDetector(model).attach()
+    det = ABFTDetector(model, ABFTConfig(checksums=checksums)).attach()
     assert train(model, det, 3) == []
     # 2 blocks × (6 Linear + 2 MatMul) + head = 17 layers × 3 GEMMs, per step
     assert det.checks_run == 3 * 17 * 3 and det.unjudged == 0
@@ -65,7 +68,7 @@ def test_clean_bf16_no_events(mode):
     model = transformer(1)
     if mode == "bf16_model":
         model = model.to(torch.bfloat16)
-    det = ABFTDetector(model).attach()
+    det = ABFTDetector(model, BOTH).attach()
     assert train(model, det, 3, autocast=mode == "autocast") == []
     assert det.checks_run == 3 * 17 * 3
     assert max(det.max_ratio.values()) < 4.0  # bf16 output rounding: ~2 model stds at most
@@ -92,7 +95,7 @@ def test_forward_output_bitflip_located():
     model = transformer(3)
     idx = (1, 5, 7)
     corrupt_forward(model.blocks[0].fc, idx, 30)  # registered before ABFT: ABFT sees it
-    det = ABFTDetector(model).attach()
+    det = ABFTDetector(model, BOTH).attach()
     events = train(model, det, 1)
     fwd = [e for e in events if e.gemm == "forward"]
     assert fwd[0].module == "blocks.0.fc" and fwd[0].index == idx
@@ -102,9 +105,33 @@ def test_forward_output_bitflip_located():
     assert {e.module for e in fwd} == {"blocks.0.fc"}
 
 
+@pytest.mark.parametrize("gemm", ["forward", "grad_input", "grad_weight"])
+def test_default_column_checksums_name_layer_gemm_and_column(gemm):
+    model = transformer(3)
+    target = model.blocks[1].fc
+    if gemm == "forward":
+        idx = (1, 5, 7)
+        corrupt_forward(target, idx, 30)
+    else:
+        idx = (0, 3, 9) if gemm == "grad_input" else (4, 11)
+
+        def hook(grad):
+            grad = grad.clone()
+            flip_bit(grad, idx, 30 if abs(grad[idx].item()) < 1 else 23)
+            return grad
+        if gemm == "grad_weight":
+            target.weight.register_hook(hook)
+        else:
+            target.register_full_backward_hook(lambda m, gi, go: (hook(gi[0]),))
+    det = ABFTDetector(model).attach()  # ABFTConfig().checksums == "column"
+    events = [e for e in train(model, det, 1) if e.gemm == gemm]
+    assert [(e.module, e.index[-1]) for e in events][:1] == [("blocks.1.fc", idx[-1])]
+    assert all(i is None for i in events[0].index[:-1])  # no row side: the column only
+
+
 def test_forward_injector_attached_after_abft_is_seen():
     model = transformer(3)
-    det = ABFTDetector(model).attach()
+    det = ABFTDetector(model, BOTH).attach()
     idx = (2, 0, 4)
     corrupt_forward(model.blocks[1].o_proj, idx, 30)  # after ABFT; begin_step re-orders
     fwd = [e for e in train(model, det, 1) if e.gemm == "forward"]
@@ -122,7 +149,7 @@ def test_forward_moderate_exponent_flip_detected_fp32():
     pos = int(torch.nonzero((flat & (1 << 25)) == 0)[0])
     idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(pos), y.shape))
     corrupt_forward(model.blocks[1].q_proj, idx, 25)
-    det = ABFTDetector(model).attach()
+    det = ABFTDetector(model, BOTH).attach()
     events = [e for e in train(model, det, 1) if e.gemm == "forward"]
     assert [(e.module, e.index) for e in events] == [("blocks.1.q_proj", idx)]
 
@@ -131,7 +158,7 @@ def test_matmul_score_forward_flip_located():
     model = transformer(5)
     idx = (2, 1, 6, 3)  # (batch, head, query, key)
     corrupt_forward(model.blocks[1].score, idx, 30)
-    det = ABFTDetector(model).attach()
+    det = ABFTDetector(model, BOTH).attach()
     fwd = [e for e in train(model, det, 1) if e.gemm == "forward"]
     assert fwd[0].module == "blocks.1.score" and fwd[0].index == idx
 
@@ -145,7 +172,7 @@ def test_grad_input_bitflip_located():
         flip_bit(g, idx, 30 if abs(g[idx].item()) < 1 else 23)
         return (g,)
     model.blocks[0].proj.register_full_backward_hook(hook)
-    det = ABFTDetector(model).attach()
+    det = ABFTDetector(model, BOTH).attach()
     events = train(model, det, 1)
     dx = [e for e in events if e.gemm == "grad_input"]
     assert (dx[0].module, dx[0].index) == ("blocks.0.proj", idx)
@@ -154,7 +181,7 @@ def test_grad_input_bitflip_located():
 
 def test_grad_input_located_when_injector_attached_after_abft():
     model = transformer(6)
-    det = ABFTDetector(model).attach()
+    det = ABFTDetector(model, BOTH).attach()
     idx = (1, 2, 4)
 
     def hook(mod, grad_input, grad_output):
@@ -178,7 +205,7 @@ def test_grad_weight_bitflip_located_and_accumulation_increment():
         fired.append(1)
         return grad
     model.blocks[1].q_proj.weight.register_hook(hook)
-    det = ABFTDetector(model).attach()
+    det = ABFTDetector(model, BOTH).attach()
     events = train(model, det, 1, micro=2)
     assert [(e.module, e.gemm, e.index, e.evidence["call"]) for e in events] == [
         ("blocks.1.q_proj", "grad_weight", idx, 2)]
@@ -194,7 +221,7 @@ def test_matmul_operand_grads_located():
         gb[ib] -= 100.0
         return ga, gb
     model.blocks[0].context.register_full_backward_hook(hook)
-    det = ABFTDetector(model).attach()
+    det = ABFTDetector(model, BOTH).attach()
     events = train(model, det, 1)
     got = {(e.module, e.gemm, e.evidence.get("operand"), e.index) for e in events}
     assert got == {("blocks.0.context", "grad_input", "a", ia),
@@ -210,7 +237,7 @@ def test_nonfinite_output_flagged_downstream_unjudged():
         out[1, 2] = float("nan")
         return out
     model.fc1.register_forward_hook(hook)
-    det = ABFTDetector(model, ABFTConfig(gemms=("forward",))).attach()
+    det = ABFTDetector(model, ABFTConfig(gemms=("forward",), checksums="both")).attach()
     model(torch.randn(4, 12)).sum().backward()
     events = det.check(0)
     assert [(e.module, e.index) for e in events] == [("fc1", (1, 2))]

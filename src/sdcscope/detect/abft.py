@@ -8,9 +8,19 @@ Covered products (production_sdc.md §5, §7 gap 1):
   batched; see :func:`sdcscope.observe.is_matmul`): ``forward`` C, ``grad_input`` dA = dC bᵀ
   (operand ``a``), ``grad_weight`` dB = aᵀ dC (operand ``b``).
 
-Each check compares row and column checksums with the rounding-error thresholds of
-:mod:`sdcscope.detect.checksum`; the event names the layer, the GEMM, the element (the intersection
-of the failing row and column) and the residuals and thresholds.
+Each check compares column checksums (and, with ``checksums='both'``, row checksums) with the
+rounding-error thresholds of :mod:`sdcscope.detect.checksum`; the event names the layer, the GEMM,
+the failing column — with both sides, the element (the intersection of the failing row and
+column) — and the residuals and thresholds.
+
+Cost
+----
+On a CPU every check is a few memory passes plus Python dispatch; the statistics of a tensor
+read by several GEMMs are computed once (:class:`~sdcscope.detect.checksum.Operand`), all checks
+of a step are judged together in one fused pass and one host sync. The column side alone costs
+about one pass over the result and the gradient operand per check; the row side adds two more
+(hence the default ``'column'``). Layers of a tiny model (d = 64) have GEMMs so cheap that these
+passes are a large share of them: there, sample (``budget``) rather than check everything.
 
 How the hooks see the values actually produced
 ----------------------------------------------
@@ -63,7 +73,7 @@ import torch
 from torch import nn
 
 from sdcscope._validate import check_choice, check_non_negative, check_positive
-from sdcscope.detect.checksum import gemm_check, operand_stats, rounding_model, unit_roundoff
+from sdcscope.detect.checksum import SIDES, GemmCheck, Operand, gemm_lines, line_ratios, rounding_model, unit_roundoff
 from sdcscope.detect.events import GEMMS, Event
 from sdcscope.observe._util import check_float, is_matmul, match_modules, no_autocast
 
@@ -76,8 +86,9 @@ class ABFTConfig:
     targets: tuple[str, ...] | None = None
     """Module-name patterns; ``None`` = every ``nn.Linear`` and MatMul-contract module."""
     gemms: tuple[str, ...] = GEMMS
-    checksums: str = "both"
-    """``'both'`` localises an element; ``'row'`` or ``'column'`` alone is cheaper."""
+    checksums: str = "column"
+    """``'column'``: 1ᵀC per check (names the column); ``'both'`` adds the row checksums C·1
+    (names the element; about 2 more memory passes per check); ``'row'``: C·1 only."""
     c: float = 8.0
     """Threshold in model standard deviations (:mod:`sdcscope.detect.checksum`). Largest clean
     ratio measured on small transformers: ≤ 0.3 (fp32 GEMMs), ≤ 1.9 (bf16 GEMMs)."""
@@ -126,12 +137,22 @@ class _Ctx:
     """One call of one sampled module, waiting for its gradients."""
 
     call: int
-    a: torch.Tensor | None = None          # X (Linear) / a (MatMul), in the compute dtype
-    b: torch.Tensor | None = None          # W (Linear) / b (MatMul), in the compute dtype
-    a_shape: tuple[int, ...] = ()
-    b_shape: tuple[int, ...] = ()
+    x: torch.Tensor | None = None          # Linear: the input as the caller passed it
+    a: Operand | None = None               # X (Linear) / a (MatMul), in the compute dtype
+    b: Operand | None = None               # W (Linear) / b (MatMul), in the compute dtype
+    a_shape: tuple[int, ...] = ()                          # Linear: X's shape
+    full: tuple[tuple[int, ...], ...] = ()                 # MatMul: broadcast operand shapes
     dy: torch.Tensor | None = None
     need: set[str] = field(default_factory=set)
+    _dy_op: Operand | None = None
+
+    def dy_operand(self, cs: torch.dtype) -> Operand:
+        """dY flattened to (1, tokens, out) in the GEMM's dtype, shared by the dX and dW checks."""
+        if self._dy_op is None:
+            cd = self.b.t.dtype
+            self._dy_op = Operand(self.dy if self.dy.dtype == cd else self.dy.to(cd), cs, flat=True,
+                                  bound=True)
+        return self._dy_op
 
     def done(self, what: str) -> None:
         self.need.discard(what)
@@ -140,7 +161,7 @@ class _Ctx:
 
     def release(self) -> None:
         self.need.clear()
-        self.a = self.b = self.dy = None
+        self.a = self.b = self.dy = self._dy_op = self.x = None
 
 
 @dataclass
@@ -187,7 +208,8 @@ class ABFTDetector:
         self._step: int | None = None
         self._rot = 0
         self._records: list[tuple] = []
-        self._bstats: dict[tuple, tuple] = {}
+        self._operands: dict[tuple, tuple[Operand, torch.Tensor]] = {}
+        self._models: dict[tuple, object] = {}   # rounding models of this step (torch settings)
         self._cal: dict[tuple[str, str], float] = {}
         self._c_eff: dict[tuple[str, str], float] = {}
         self._checked_steps = 0
@@ -269,23 +291,32 @@ class ABFTDetector:
         choice = self.config.checksum_dtype
         return torch.float32 if choice == "auto" else getattr(torch, choice)
 
+    def _operand(self, t: torch.Tensor, cd: torch.dtype, *, bound: bool = True) -> Operand:
+        """The step's :class:`Operand` of ``t`` as the GEMM consumed it (cast to ``cd``): a tensor
+        several GEMMs read (q/k/v's input; X in forward and dW) gets its statistics once."""
+        key = (id(t), cd)
+        got = self._operands.get(key)
+        if got is None:  # the entry holds t itself, so its id stays unique until the check
+            src = t   # a Linear operand: (…tokens…, features); hooks run under no_grad
+            got = self._operands[key] = (Operand(src if src.dtype == cd else src.to(cd), self._cs,
+                                                 flat=True, bound=bound), t)
+        return got[0]
+
+    def _weight(self, module: nn.Module, cd: torch.dtype) -> Operand:
+        return self._operand(module.weight, cd, bound=False)
+
     def _record(self, layer: _Layer, gemm: str, call: int, c_dims: tuple, batch_dims: tuple,
-                a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias=None, prev=None,
-                extra=None, operand: str | None = None, cache: str | None = None) -> None:
-        cd = a.dtype
-        cs = self._cs
-        stats = None
-        if cache is not None:  # weight statistics, reused across micro-batches within a step
-            key = (layer.name, cache, cd)
-            stats = self._bstats.get(key)
-            if stats is None:
-                with no_autocast(c.device):
-                    stats = self._bstats[key] = operand_stats(b, cs)
-        chk = gemm_check(a, b, c, bias=bias, model=rounding_model(cd, c.device, cs),
-                         checksum_dtype=cs, which=self.config.checksums, prev=prev, extra=extra,
-                         b_stats=stats)
-        self._records.append((layer.name, gemm, call, c_dims, batch_dims, a.shape[-1], str(cd),
-                              operand, chk))
+                a: Operand, b: Operand, c: torch.Tensor, *, bias=None, prev=None, extra=None,
+                operand: str | None = None) -> None:
+        cd = a.t.dtype
+        which = self.config.checksums
+        mkey = (cd, c.device)
+        model = self._models.get(mkey)
+        if model is None:
+            model = self._models[mkey] = rounding_model(cd, c.device, self._cs)
+        lines = gemm_lines(a, b, c, model=model, bias=bias, which=which, prev=prev, extra=extra)
+        self._records.append((layer.name, gemm, call, c_dims, batch_dims, a.t.shape[-1], str(cd),
+                              operand, GemmCheck(lines, SIDES[which])))
 
     def _pre_hook(self, layer: _Layer):
         grads = {"grad_input", "grad_weight"} & set(self.config.gemms)
@@ -307,6 +338,8 @@ class ABFTDetector:
                 gemm = "grad_input" if pos == 0 else "grad_weight"
                 if gemm not in grads:
                     continue
+                if pos == 0:
+                    ctx.x = x
                 view = x.view_as(x)
                 view.register_hook(self._grad_operand_hook(layer, ctx, pos))
                 ctx.need.add(f"op{pos}")
@@ -324,15 +357,14 @@ class ABFTDetector:
             with torch.no_grad(), self._timer(out.device):
                 cd = out.dtype
                 if layer.kind == "linear":
-                    x = args[0]
-                    w = module.weight.detach().to(cd)
-                    bias = None if module.bias is None else module.bias.detach().to(cd)
-                    x2 = x.detach().reshape(-1, x.shape[-1]).to(cd)
+                    x = ctx.x if ctx.x is not None else args[0]   # before ABFT's own view
+                    a = self._operand(x, cd)
+                    b = self._weight(module, cd)
                     if "forward" in gemms:
+                        bias = None if module.bias is None else module.bias.to(cd)
                         self._record(layer, "forward", ctx.call, tuple(out.shape[:-1]), (),
-                                     x2, w.t(), out.detach().reshape(-1, out.shape[-1]), bias=bias,
-                                     cache="forward")
-                    ctx.a, ctx.b, ctx.a_shape = x2, w, tuple(x.shape)
+                                     a, b.T, out, bias=bias)
+                    ctx.a, ctx.b, ctx.a_shape = a, b, tuple(x.shape)
                     if layer.check_dw and "grad_weight" in gemms and out.requires_grad:
                         ctx.need.add("dw")
                         layer.dw_pending.append(ctx)
@@ -342,13 +374,13 @@ class ABFTDetector:
                         ctx.release()
                         return None
                     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-                    a_e = a.detach().to(cd).expand(*batch, *a.shape[-2:])
-                    b_e = b.detach().to(cd).expand(*batch, *b.shape[-2:])
+                    a_e = Operand(_expand(a.to(cd), batch), self._cs)
+                    b_e = Operand(_expand(b.to(cd), batch), self._cs)
                     if "forward" in gemms:
                         self._record(layer, "forward", ctx.call, (), tuple(batch),
-                                     a_e, b_e, out.detach())
+                                     a_e, b_e, out)
                     ctx.a, ctx.b = a_e, b_e
-                    ctx.a_shape, ctx.b_shape = tuple(a.shape), tuple(b.shape)
+                    ctx.full = ((*batch, *a.shape[-2:]), (*batch, *b.shape[-2:]))
                 if ctx.need and out.requires_grad:
                     out.register_hook(self._dy_hook(ctx))
                 else:
@@ -359,7 +391,7 @@ class ABFTDetector:
     @staticmethod
     def _dy_hook(ctx: _Ctx):
         def hook(grad):
-            ctx.dy = grad.detach()
+            ctx.dy = grad
         return hook
 
     def _grad_operand_hook(self, layer: _Layer, ctx: _Ctx, pos: int):
@@ -368,23 +400,21 @@ class ABFTDetector:
                 ctx.done(f"op{pos}")
                 return None
             with torch.no_grad(), self._timer(grad.device):
-                cd = ctx.dy.dtype
-                if layer.kind == "linear":
-                    dy2 = ctx.dy.reshape(-1, ctx.dy.shape[-1]).to(cd)
-                    k = ctx.a_shape[-1]
+                dy = ctx.dy
+                if layer.kind == "linear":   # dX = dY · W
                     self._record(layer, "grad_input", ctx.call, ctx.a_shape[:-1], (),
-                                 dy2, ctx.b.to(cd), grad.detach().reshape(-1, k), cache="grad_input")
+                                 ctx.dy_operand(self._cs), ctx.b, grad)
                 else:
-                    full = ctx.a.shape if pos == 0 else ctx.b.shape
-                    if tuple(grad.shape) == tuple(full):  # operand was not broadcast
-                        batch = tuple(full[:-2])
-                        dc = ctx.dy.to(cd)
+                    full = ctx.full[pos]
+                    if tuple(grad.shape) == full:  # operand was not broadcast
+                        batch = full[:-2]
+                        dc = Operand(dy.to(ctx.a.t.dtype), self._cs)
                         if pos == 0:   # dA = dC · bᵀ
                             self._record(layer, "grad_input", ctx.call, (), batch,
-                                         dc, ctx.b.transpose(-2, -1), grad.detach(), operand="a")
+                                         dc, ctx.b.T, grad, operand="a")
                         else:          # dB = aᵀ · dC
                             self._record(layer, "grad_weight", ctx.call, (), batch,
-                                         ctx.a.transpose(-2, -1), dc, grad.detach(), operand="b")
+                                         ctx.a.T, dc, grad, operand="b")
             ctx.done(f"op{pos}")
             return None
         return hook
@@ -412,11 +442,14 @@ class ABFTDetector:
             g = param.grad
             prev, layer.prev_sums = layer.prev_sums, None
             with torch.no_grad(), no_autocast(g.device), self._timer(g.device):
-                cd = ready[0].dy.dtype
-                dys = [c.dy.reshape(-1, c.dy.shape[-1]).to(cd) for c in ready]
-                xs = [c.a.to(cd) for c in ready]
-                dy = dys[0] if len(dys) == 1 else torch.cat(dys)  # calls since the last
-                x = xs[0] if len(xs) == 1 else torch.cat(xs)      # accumulation (weight reuse)
+                if len(ready) == 1:   # dW = dYᵀ · X
+                    dy, x = ready[0].dy_operand(self._cs), ready[0].a
+                else:  # several calls since the last accumulation (weight reuse): stacked tokens
+                    cd = ready[0].dy.dtype
+                    dy = Operand(torch.cat([c.dy.reshape(-1, c.dy.shape[-1]).to(cd) for c in ready]),
+                                 self._cs, flat=True, bound=True)
+                    x = Operand(torch.cat([c.a.t.reshape(-1, c.a.t.shape[-1]) for c in ready]),
+                                self._cs, flat=True, bound=True)
                 extra = None
                 if prev is not None:
                     # rounding of grad += increment: ≤ u·|grad| per element, plus the correlated
@@ -427,14 +460,15 @@ class ABFTDetector:
                     extra = (u * (sq.sum(1).sqrt() + gd.sum(1).abs()),
                              u * (sq.sum(0).sqrt() + gd.sum(0).abs()))
                 self._record(layer, "grad_weight", ready[-1].call, (), (),
-                             dy.t(), x, g.detach(), prev=prev, extra=extra)
+                             dy.T, x, g, prev=prev, extra=extra)
             for c in ready:
                 c.done("dw")
         return hook
 
     # ------------------------------------------------------------------ check
     def _drop_pending(self) -> None:
-        self._bstats.clear()
+        self._operands.clear()
+        self._models.clear()
         for layer in self.layers:
             layer.open_ctx = None
             layer.dw_pending = []
@@ -457,8 +491,9 @@ class ABFTDetector:
         events: list[Event] = []
         self._steps_since_check += 1
         if records:
-            dev = records[0][-1].ratio.device
-            ratios = torch.stack([r[-1].ratio.to(dev) for r in records]).tolist()  # the sync
+            lines = [ln for r in records for ln in r[-1].lines.values()]
+            per_line = iter(line_ratios(lines).tolist())  # the sync
+            ratios = [max(next(per_line) for _ in r[-1].lines) for r in records]
             calibrating = self._checked_steps < cfg.calibration_steps
             self._checked_steps += 1
             for rec, ratio in zip(records, ratios):
@@ -571,6 +606,10 @@ class _HookTimer:
 
 
 _NO_TIMER = contextlib.nullcontext()
+
+
+def _expand(t: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
+    return t if tuple(t.shape[:-2]) == tuple(batch) else t.expand(*batch, *t.shape[-2:])
 
 
 def _unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ from sdcscope.detect import ABFTDetector, Event, NonFiniteDetector, SpikeDetecto
 from sdcscope.detect.state import StateChecksum
 from sdcscope.inject import reexecution
 from sdcscope.mitigate import LRBackoff, SnapshotRing, ZClip, qk_clip_
-from sdcscope.observe import Metrics
+from sdcscope.observe import Metrics, grad_sq_norms
 from sdcscope.guard.config import GuardConfig
 
 PRIORITY = ("rollback", "veto", "recompute", "skip_batch", "lr_backoff", "qk_clip", "report", "none")
@@ -76,6 +76,8 @@ class Guard:
         self._on_event = on_event
         self._step, self._batch, self._rng = 0, None, None
         self._pending: list[Event] = []
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._gsq: tuple[int, Any] | None = None
         self._step_events = 0
         self._attached = False
 
@@ -205,22 +207,37 @@ class Guard:
             self._emit(e)
         return sorted(actions, key=PRIORITY.index), loss
 
+    def _grad_sq(self) -> tuple[list[int], torch.Tensor | None]:
+        """Squared per-parameter gradient norms of this step, computed once and shared by the
+        non-finite prefilter, the gradient-spike detector and the metrics."""
+        if self._gsq is None or self._gsq[0] != self._step:
+            params = self.metrics._params if self.metrics is not None else self._params
+            self._gsq = (self._step, grad_sq_norms(params))
+        return self._gsq[1]
+
     def _detect(self, step: int, loss) -> list[Event]:
+        """One fused pass over the gradients and one host sync decide the cheap detectors: the
+        global gradient norm is non-finite iff some gradient is (or overflowed), and only then
+        does the non-finite detector look closer."""
         events: list[Event] = []
-        if self.nonfinite is not None:
-            events += self._safe(lambda: self.nonfinite.check(step, loss), "nonfinite")
         if self.abft is not None:
             events += self._safe(lambda: self.abft.check(step), "abft")
-        if self.loss_spike is not None or self.grad_spike is not None:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            parts = [torch.as_tensor(loss if loss is not None else math.nan, dtype=torch.float32).reshape(1)]
-            if grads:
-                parts.append(torch.nn.utils.get_total_norm(grads, foreach=True).float().reshape(1).cpu())
-            values = torch.cat([p.detach().cpu() for p in parts]).tolist()
-            if self.loss_spike is not None and loss is not None:
-                events += self._safe(lambda: self.loss_spike.check(step, values[0]), "spike")
-            if self.grad_spike is not None and len(values) > 1:
-                events += self._safe(lambda: self.grad_spike.check(step, values[1]), "spike")
+        if self.nonfinite is None and self.loss_spike is None and self.grad_spike is None:
+            return events
+        _, sq = self._grad_sq()
+        parts = [torch.as_tensor(math.nan if loss is None else loss, dtype=torch.float32).reshape(1)]
+        if sq is not None:
+            parts.append(sq.sum().sqrt().reshape(1))
+        dev = parts[-1].device
+        values = torch.cat([t.detach().to(dev, torch.float32) for t in parts]).tolist()  # the sync
+        loss_v, grad_v = values[0], (values[1] if len(values) > 1 else None)
+        bad_loss = loss is not None and not math.isfinite(loss_v)
+        if self.nonfinite is not None and (bad_loss or (grad_v is not None and not math.isfinite(grad_v))):
+            events += self._safe(lambda: self.nonfinite.check(step, loss), "nonfinite")
+        if self.loss_spike is not None and loss is not None:
+            events += self._safe(lambda: self.loss_spike.check(step, loss_v), "spike")
+        if self.grad_spike is not None and grad_v is not None:
+            events += self._safe(lambda: self.grad_spike.check(step, grad_v), "spike")
         return events
 
     def _replay(self, step: int, loss, rerun) -> tuple[dict[str, Any], Any]:
@@ -243,6 +260,7 @@ class Guard:
             self._internal_error("replay", exc)
             return {"verdict": "unverified", "error": repr(exc)}, loss
         new_value = float(new_loss)
+        self._gsq = None  # the gradients are the re-execution's now
         differs = [n for n, p in self.model.named_parameters()
                    if n in first_grads and (p.grad is None or not torch.equal(p.grad, first_grads[n]))]
         loss_differs = not (new_value == first_loss or (math.isnan(new_value) and math.isnan(first_loss)))
@@ -262,7 +280,7 @@ class Guard:
     def before_update(self) -> None:
         """Metrics that need the gradients the optimizer is about to use; ZClip."""
         if self.metrics is not None:  # gradient norms as computed, before any clipping
-            self._safe(self.metrics.after_backward, "metrics")
+            self._safe(lambda: self.metrics.after_backward(self._grad_sq()), "metrics")
         if self.zclip is not None:
             self._safe(lambda: self.zclip.clip_(self.model.parameters()), "zclip")
         if self.metrics is not None:

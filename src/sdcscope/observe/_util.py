@@ -28,10 +28,16 @@ def is_matmul(module: nn.Module) -> bool:
 def no_autocast(device: torch.device | str) -> contextlib.AbstractContextManager:
     """Disable autocast for ``device``: hooks run inside the model's autocast region, where an
     fp32 matmul of a monitor or checksum would silently run in bf16."""
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     try:
-        return torch.autocast(torch.device(device).type, enabled=False)
+        if not torch.is_autocast_enabled(kind):  # the common case: nothing to switch off
+            return _NULL
+        return torch.autocast(kind, enabled=False)
     except RuntimeError:  # a device type autocast does not know
-        return contextlib.nullcontext()
+        return _NULL
+
+
+_NULL = contextlib.nullcontext()
 
 
 def match_modules(

@@ -17,7 +17,10 @@ Call order in a training loop (each call is optional; a missing one only drops i
 
 ``attach(optimizer_hooks=True)`` registers the two optimizer calls as optimizer step hooks
 instead. Every quantity stays a device tensor until :meth:`Metrics.collect` concatenates them
-into one vector and calls ``.tolist()`` once. Metric names (``<layer>`` is a module name):
+into one vector and calls ``.tolist()`` once. Tiers (:class:`MetricsConfig`): every step the loss, learning rate, gradient and
+parameter norms and the attention-logit bound; statistics steps (``stats_every``) add the update
+ratio, cosines, Adam statistics and the log-sum-exp; probe steps (``probe_every``) the exact
+attention logit, entropy and kurtosis. Metric names (``<layer>`` is a module name):
 
 ====================================  =============================================================
 ``loss``, ``lr``                      the value given to ``collect``; group 0's learning rate
@@ -127,7 +130,7 @@ class Metrics:
             self.sinks = [make_sink(cfg.sink, cfg.path)] if cfg.path is not None else []
         self._handles: list = []
         self._step = 0
-        self._probe = True
+        self._probe = self._stats = True
         self._reset()
 
     # ------------------------------------------------------------------ hooks
@@ -208,7 +211,7 @@ class Metrics:
 
     def _lse(self, module, args, out):
         logits = _first_tensor(out)
-        if not module.training or logits is None:
+        if not (module.training and self._stats) or logits is None:
             return
         with torch.no_grad(), no_autocast(logits.device):
             lse = torch.logsumexp(logits.detach().float(), dim=-1)
@@ -231,6 +234,7 @@ class Metrics:
         """Declare the step the next forward belongs to (``collect`` does it for ``step + 1``)."""
         self._step = int(step)
         self._probe = self._step % self.config.probe_every == 0
+        self._stats = self._step % self.config.stats_every == 0
 
     def _with_grad(self) -> list[int]:
         return [i for i, p in enumerate(self._params) if p.grad is not None]
@@ -252,14 +256,17 @@ class Metrics:
     def _stack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         return torch.stack([t.to(device=device, dtype=torch.float32) for t in tensors])
 
-    def after_backward(self) -> None:
-        """Gradient norms (global and per layer) of the gradients as they are now (pre-clip)."""
-        idx = self._with_grad()
-        if not idx:
+    def grad_sq_norms(self) -> tuple[list[int], torch.Tensor | None]:
+        """:func:`grad_sq_norms` of the model's trainable parameters (shareable with detectors:
+        pass the result to ``after_backward(grad_sq=...)``)."""
+        return grad_sq_norms(self._params)
+
+    def after_backward(self, grad_sq: tuple[list[int], torch.Tensor | None] | None = None) -> None:
+        """Gradient norms (global and per layer) of the gradients as they are now (pre-clip);
+        ``grad_sq``: :meth:`grad_sq_norms` of these same gradients, if already computed."""
+        idx, sq = grad_sq if grad_sq is not None else self.grad_sq_norms()
+        if sq is None:
             return
-        grads = [self._params[i].grad for i in idx]
-        dev = grads[0].device
-        sq = self._stack(list(torch._foreach_norm(grads)), dev).pow(2)
         self._vec["grad_norm"] = ([], sq.sum().sqrt())
         if self.config.per_layer:
             names, per = self._layer_sums(idx, sq)
@@ -276,7 +283,7 @@ class Metrics:
             self.after_backward()
         cfg = self.config
         idx = self._with_grad()
-        if not idx:
+        if not idx or not self._stats:
             return
         if self._update_source() == "copy":
             self._prev = (idx, torch._foreach_clone([self._params[i].detach() for i in idx]))
@@ -329,7 +336,7 @@ class Metrics:
         if "post" in self._done:
             return
         self._done.add("post")
-        src = self._update_source()
+        src = self._update_source() if self._stats else "off"
         deltas: tuple[list[int], list[torch.Tensor]] | None = None
         if src == "copy" and self._prev is not None:
             idx, prev = self._prev
@@ -451,6 +458,16 @@ _SUMMARIES = (  # per-layer family -> (summary key, reducer)
 )
 
 
+def grad_sq_norms(params: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+    """(indices of the parameters that have a gradient, their squared 2-norms as one fp32 device
+    vector) in one fused pass; ``None`` when no parameter has a gradient."""
+    idx = [i for i, p in enumerate(params) if p.grad is not None]
+    if not idx:
+        return idx, None
+    grads = [params[i].grad for i in idx]
+    return idx, Metrics._stack(list(torch._foreach_norm(grads)), grads[0].device).square()
+
+
 def _summaries(out: dict[str, float]) -> None:
     for prefix, key, reduce in _SUMMARIES:
         vals = [v for k, v in out.items() if k.startswith(prefix) and not math.isnan(v)]
@@ -467,49 +484,55 @@ def _reconstruct_update(opt: torch.optim.Optimizer,
 
     Adam: θ_t = θ_{t-1}(1 − η·λ_decoupled) − η/(1−β₁ᵗ) · m_t / (√v_t/√(1−β₂ᵗ) + ε), so
     θ_{t-1} = (θ_t + u)/(1 − ηλ) and Δθ = θ_t − θ_{t-1}. SGD: Δθ = −η·d with d the momentum
-    buffer (or, without momentum, the gradient plus weight decay).
+    buffer (or, without momentum, the gradient plus weight decay). Fused over each group.
     """
     idx: list[int] = []
     deltas: list[torch.Tensor] = []
+    adam = isinstance(opt, torch.optim.Adam)
+    if not (adam or isinstance(opt, torch.optim.SGD)):
+        return idx, deltas
     with torch.no_grad():
         for group in opt.param_groups:
             lr = float(group["lr"])
             wd = float(group.get("weight_decay", 0.0))
-            for p in group["params"]:
-                if id(p) not in index_of or p.grad is None:
-                    continue
-                st = opt.state.get(p, {})
-                theta = p.detach()
-                if isinstance(opt, torch.optim.Adam):
-                    if "exp_avg" not in st or float(st.get("step", 0)) < 1:
-                        continue
-                    t = float(st["step"])
-                    b1, b2 = (float(b) for b in group["betas"])
-                    v = st["max_exp_avg_sq"] if group.get("amsgrad") else st["exp_avg_sq"]
-                    denom = v.sqrt() / math.sqrt(1 - b2 ** t) + group["eps"]
-                    upd = st["exp_avg"] / denom * (lr / (1 - b1 ** t))
-                    decoupled = group.get("decoupled_weight_decay",
-                                          isinstance(opt, torch.optim.AdamW))
-                    if decoupled and wd:
-                        delta = theta - (theta + upd) / (1 - lr * wd)
-                    else:
-                        delta = -upd
-                elif isinstance(opt, torch.optim.SGD):
-                    g = -p.grad if group.get("maximize") else p.grad
-                    mom = float(group.get("momentum", 0.0))
-                    buf = st.get("momentum_buffer")
-                    if mom and buf is not None:
-                        if group.get("nesterov"):
-                            # θ_t = θ_{t-1}(1 − ηλ) − η(g + μ·buf)
-                            old = (theta + lr * (g + mom * buf)) / (1 - lr * wd)
-                            delta = theta - old
-                        else:
-                            delta = -lr * buf
-                    else:
-                        old = (theta + lr * g) / (1 - lr * wd)
-                        delta = theta - old
+            rows = [(p, opt.state.get(p, {})) for p in group["params"]
+                    if id(p) in index_of and p.grad is not None]
+            if adam:
+                rows = [(p, st) for p, st in rows if "exp_avg" in st and float(st.get("step", 0)) >= 1]
+            if not rows:
+                continue
+            theta = [p.detach() for p, _ in rows]
+            if adam:
+                b1, b2 = (float(b) for b in group["betas"])
+                ts = [float(st["step"]) for _, st in rows]
+                v = [st["max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"] for _, st in rows]
+                denom = torch._foreach_sqrt(v)
+                torch._foreach_div_(denom, [math.sqrt(1 - b2 ** t) for t in ts])
+                torch._foreach_add_(denom, float(group["eps"]))
+                upd = torch._foreach_div([st["exp_avg"] for _, st in rows], denom)
+                torch._foreach_mul_(upd, [lr / (1 - b1 ** t) for t in ts])
+                decoupled = group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW))
+                if decoupled and wd:   # Δθ = θ_t − (θ_t + u)/(1 − ηλ)
+                    old = torch._foreach_add(theta, upd)
+                    torch._foreach_div_(old, 1 - lr * wd)
+                    delta = torch._foreach_sub(theta, old)
                 else:
-                    return [], []
-                idx.append(index_of[id(p)])
-                deltas.append(delta)
+                    delta = torch._foreach_neg(upd)
+            else:
+                delta = [_sgd_delta(p, st, group, lr, wd) for p, st in rows]
+            idx += [index_of[id(p)] for p, _ in rows]
+            deltas += list(delta)
     return idx, deltas
+
+
+def _sgd_delta(p: torch.Tensor, st: dict, group: dict, lr: float, wd: float) -> torch.Tensor:
+    theta = p.detach()
+    g = -p.grad if group.get("maximize") else p.grad
+    mom = float(group.get("momentum", 0.0))
+    buf = st.get("momentum_buffer")
+    if mom and buf is not None:
+        if not group.get("nesterov"):
+            return -lr * buf
+        # θ_t = θ_{t-1}(1 − ηλ) − η(g + μ·buf)
+        return theta - (theta + lr * (g + mom * buf)) / (1 - lr * wd)
+    return theta - (theta + lr * g) / (1 - lr * wd)
