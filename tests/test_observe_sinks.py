@@ -42,7 +42,8 @@ def test_metrics_writes_jsonl_from_config(tmp_path):
     m.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all({"loss", "grad_norm", "param_norm", "lr"} <= r.keys() for r in rows)
+    assert all({"loss", "grad_norm", "lr"} <= r.keys() for r in rows)
+    assert "param_norm" in rows[0] and "param_norm" not in rows[1]  # statistics tier: step 0
 
 
 def test_explicit_sinks_override_config(tmp_path):

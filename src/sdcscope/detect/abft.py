@@ -329,6 +329,10 @@ class ABFTDetector:
             layer.open_ctx = ctx
             if not (grads and torch.is_grad_enabled()):
                 return None
+            with self._timer(args[0].device if args and isinstance(args[0], torch.Tensor) else _CPU):
+                return views(args, ctx)
+
+        def views(args, ctx):
             n_ops = 1 if layer.kind == "linear" else 2
             new = list(args)
             for pos in range(min(n_ops, len(args))):
@@ -492,7 +496,8 @@ class ABFTDetector:
         self._steps_since_check += 1
         if records:
             lines = [ln for r in records for ln in r[-1].lines.values()]
-            per_line = iter(line_ratios(lines).tolist())  # the sync
+            with self._timer(lines[0].act.device):
+                per_line = iter(line_ratios(lines).tolist())  # the sync
             ratios = [max(next(per_line) for _ in r[-1].lines) for r in records]
             calibrating = self._checked_steps < cfg.calibration_steps
             self._checked_steps += 1
@@ -606,6 +611,7 @@ class _HookTimer:
 
 
 _NO_TIMER = contextlib.nullcontext()
+_CPU = torch.device("cpu")
 
 
 def _expand(t: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:

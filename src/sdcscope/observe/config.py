@@ -1,8 +1,8 @@
 """Configuration of the per-step metrics collector (:class:`~sdcscope.observe.Metrics`).
 
 Tiers follow research/instability.md §5.1: every step (loss, learning rate, gradient norms global
-and per layer, parameter norm, attention-logit bound — a few fused reductions); statistics steps
-every ``stats_every`` (update ratio, cosines, Adam ``g²/v``, output log-sum-exp); probe steps every
+and per layer, attention-logit bound — a few fused reductions); statistics steps every
+``stats_every`` (parameter norm, update ratio, cosines, Adam ``g²/v``, output log-sum-exp); probe steps every
 ``probe_every`` (exact attention max logit and entropy, activation kurtosis); and every
 ``stable_rank_every`` steps (weight stable rank by power iteration). Set ``stats_every=1`` to get
 the statistics tier every step (about +10 % step time on a 2-layer CPU GPT, where Python and
@@ -42,7 +42,7 @@ class MetricsConfig:
     """``adam/g2_over_v`` = Σg²/Σv̂_{t-1} (global and min/max over layers): ≪ 1 for long means the
     second moment has decoupled from the gradient (instability.md §1.9)."""
     stats_every: int = 10
-    """Update ratio, cosines, Adam statistics and the output log-sum-exp on steps with
+    """Parameter norm, update ratio, cosines, Adam statistics and the output log-sum-exp on steps with
     ``step % stats_every == 0`` (research tier "every ~10–100 steps")."""
     probe_every: int = 50
     """Exact attention max logit, attention entropy and activation kurtosis on steps with

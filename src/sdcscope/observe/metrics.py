@@ -17,15 +17,15 @@ Call order in a training loop (each call is optional; a missing one only drops i
 
 ``attach(optimizer_hooks=True)`` registers the two optimizer calls as optimizer step hooks
 instead. Every quantity stays a device tensor until :meth:`Metrics.collect` concatenates them
-into one vector and calls ``.tolist()`` once. Tiers (:class:`MetricsConfig`): every step the loss, learning rate, gradient and
-parameter norms and the attention-logit bound; statistics steps (``stats_every``) add the update
-ratio, cosines, Adam statistics and the log-sum-exp; probe steps (``probe_every``) the exact
+into one vector and calls ``.tolist()`` once. Tiers (:class:`MetricsConfig`): every step the loss, learning rate, gradient
+norms and the attention-logit bound; statistics steps (``stats_every``) add the parameter norm,
+update ratio, cosines, Adam statistics and the log-sum-exp; probe steps (``probe_every``) the exact
 attention logit, entropy and kurtosis. Metric names (``<layer>`` is a module name):
 
 ====================================  =============================================================
 ``loss``, ``lr``                      the value given to ``collect``; group 0's learning rate
 ``grad_norm``, ``grad_norm/<layer>``  ‖g‖₂ (global, per module), before clipping
-``param_norm``                        ‖θ‖₂ after the step
+``param_norm``                        ‖θ‖₂ after the step (statistics steps)
 ``update_ratio[/<layer>]``            ‖Δθ‖₂ / ‖θ‖₂ (instability.md §1.4)
 ``cos/update_grad``                   cos(Δθ_t, g_t); a descent step is negative
 ``cos/grad_moment``                   cos(g_t, m_{t-1}) with Adam's ``exp_avg`` before the step
@@ -344,6 +344,8 @@ class Metrics:
             self._prev = None
         elif src == "optimizer" and self.optimizer is not None:
             deltas = _reconstruct_update(self.optimizer, self._index_of)
+        if not self._stats:
+            return
         params = [p.detach() for p in self._params]
         dev = params[0].device if params else torch.device("cpu")
         p_sq = self._stack(list(torch._foreach_norm(params)), dev).pow(2) if params else None
@@ -398,7 +400,7 @@ class Metrics:
     def collect(self, step: int, loss: torch.Tensor | float | None = None) -> dict[str, float]:
         """All metrics of this step as ``{name: float}`` (one host sync), written to the sinks."""
         step = int(step)
-        if "param_norm" not in self._vec and self._params:
+        if "param_norm" not in self._vec and self._params and self._stats:
             params = [p.detach() for p in self._params]
             self._vec["param_norm"] = ([], self._stack(list(torch._foreach_norm(params)),
                                                        params[0].device).pow(2).sum().sqrt())
