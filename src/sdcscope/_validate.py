@@ -1,8 +1,9 @@
-"""Small validation helpers shared by the workload configs (errors name the value and the allowed ones)."""
+"""Small validation helpers shared by every room's configs (errors name the value and the allowed ones)."""
 
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable
 
 
@@ -22,3 +23,18 @@ def check_positive(name: str, value: object) -> None:
 def check_non_negative(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name}={value!r} must be an integer >= 0")
+
+
+def check_float(name: str, value: object, *, low: float | None = None,
+                high: float | None = None, low_open: bool = False, high_open: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a real number within the given bounds."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
+        rule = " and ".join(s for s in (lo, hi) if s) or "finite"
+        raise ValueError(f"{name}={value!r} must be a number {rule}")

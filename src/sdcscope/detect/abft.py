@@ -72,10 +72,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from sdcscope._validate import check_choice, check_non_negative, check_positive
+from sdcscope._validate import check_choice, check_float, check_non_negative, check_positive
 from sdcscope.detect.checksum import SIDES, GemmCheck, Operand, gemm_lines, line_ratios, rounding_model, unit_roundoff
 from sdcscope.detect.events import GEMMS, Event
-from sdcscope.observe._util import check_float, is_matmul, match_modules, no_autocast
+from sdcscope.observe._util import is_matmul, match_modules, no_autocast
 
 CHECKSUMS = ("both", "row", "column")
 CHECKSUM_DTYPES = ("auto", "float64", "float32")

@@ -38,9 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sdcscope._validate import check_choice, check_non_negative, check_positive
+from sdcscope._validate import check_choice, check_float, check_non_negative, check_positive
 from sdcscope.detect.events import Event
-from sdcscope.observe._util import check_float
 
 SPIKE_METHODS = ("mad", "ema")
 _MAD_TO_SIGMA = 1.4826

@@ -5,7 +5,7 @@
   follows it; so can any user module. Nothing here imports the workloads room.
 * shell-style module-name patterns (``fnmatch``, ``*`` also crosses dots) resolved against
   ``model.named_modules()``, with close matches in the error when a pattern matches nothing;
-* validation of float options and conversion of metric values to strict JSON.
+* conversion of metric values to strict JSON.
 """
 
 from __future__ import annotations
@@ -70,21 +70,6 @@ def match_modules(
             )
         chosen.update(hits)
     return chosen
-
-
-def check_float(name: str, value: object, *, low: float | None = None,
-                high: float | None = None, low_open: bool = False, high_open: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a real number within the given bounds."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value < high if high_open else value <= high
-    if not ok:
-        lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
-        hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
-        rule = " and ".join(s for s in (lo, hi) if s) or "finite"
-        raise ValueError(f"{name}={value!r} must be a number {rule}")
 
 
 def jsonable(value: object) -> object:
