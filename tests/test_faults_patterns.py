@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdcscope.faults import Pattern, resolve_indices, sample_bit_errors
+from sdcscope.faults import Pattern, resolve_indices, sample_bit_errors, swizzle_permutation
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -69,6 +69,104 @@ def test_mac_cell_errors():
         ids(p, [3, 2], channel_dim=(1, -1))
 
 
+def test_mac_cell_array_folds_channels_onto_the_cell():
+    # array R=2 input rows x C=3 output columns; cell (a=1, b=2) serves inputs {1, 3}, outputs {2, 5}
+    p = Pattern(kind="mac_cell", array=[2, 3], input_channel=1, output_channel=2)
+    conv_w = (7, 5, 1, 2)  # [out, in, kh, kw], strides (10, 2, 2, 1)
+    want = flat(conv_w, *[(o, i, 0, k) for o in (2, 5) for i in (1, 3) for k in (0, 1)])
+    assert ids(p, conv_w) == want == [22, 23, 26, 27, 52, 53, 56, 57]
+    assert ids(p, [6, 4]) == [2 * 4 + 1, 2 * 4 + 3, 5 * 4 + 1, 5 * 4 + 3] == [9, 11, 21, 23]  # Linear [out, in]
+    assert ids(p, [2, 7, 1, 1], channel_dim=1) == [2, 5, 9, 12]  # conv output: channels 2, 5 of both samples
+    assert ids(p, [2, 5], channel_dim=(None, -1)) == [1, 3, 6, 8]  # dX of a linear: input channels 1, 3
+    # NVDLA small config 8x8 on conv1 [16, 1, 3, 3]: only row 0 is used
+    small = Pattern(kind="mac_cell", array=[8, 8], input_channel=0, output_channel=0)
+    assert ids(small, [16, 1, 3, 3]) == list(range(0, 9)) + list(range(72, 81))
+    idle = Pattern(kind="mac_cell", array=[8, 8], input_channel=3, output_channel=0)
+    assert ids(idle, [16, 1, 3, 3]) == []  # input row 3 gets no channel of a 1-channel input
+    assert ids(Pattern(kind="mac_cell", array=[8, 8], input_channel=0, output_channel=7), [4, 2]) == []
+    # an array at least as large as the tensor: exactly the plain cell
+    assert ids(Pattern(kind="mac_cell", array=[8, 8], input_channel=1, output_channel=2), [4, 3]) == [7]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mac_cell_array_random_cell_is_one_cell_of_the_array(seed):
+    p = Pattern(kind="mac_cell", array=[2, 3])
+    got = set(ids_seed(p, [7, 5], seed))
+    cells = {(a, b): {o * 5 + i for o in range(b, 7, 3) for i in range(a, 5, 2)} for a in range(2) for b in range(3)}
+    cell = next(c for c, want in cells.items() if want == got)
+    # the draw depends on the array, not on the tensor: the same generator picks the same cell
+    a, b = cell
+    assert set(ids_seed(p, [3, 4], seed)) == {o * 4 + i for o in range(b, 3, 3) for i in range(a, 4, 2)}
+
+
+def ids_seed(pattern: Pattern, shape, seed: int, **kw) -> list[int]:
+    return resolve_indices(pattern, shape, gen(seed), **kw).tolist()
+
+
+def test_swizzle_permutation_is_a_deterministic_permutation_per_step():
+    for n in (1, 2, 5, 16):
+        for step in range(4):
+            perm = swizzle_permutation(n, 3, step, "input")
+            assert sorted(perm.tolist()) == list(range(n)) and perm.dtype == torch.long
+            assert torch.equal(perm, swizzle_permutation(n, 3, step, "input"))
+    maps = [swizzle_permutation(16, 3, step, "input").tolist() for step in range(8)]
+    assert len({tuple(m) for m in maps}) == 8  # a new map every step
+    assert swizzle_permutation(16, 3, 0, "output").tolist() != maps[0]  # the axes are independent
+    assert swizzle_permutation(16, 4, 0, "input").tolist() != maps[0]  # and keyed by the seed
+    with pytest.raises(ValueError, match=r"role 'in'.*\['input', 'output'\]"):
+        swizzle_permutation(4, 0, 0, "in")
+    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
+        swizzle_permutation(4, 0, -1, "input")
+
+
+def test_swizzled_mac_cell_hits_the_channels_mapped_onto_the_cell():
+    p = Pattern(kind="mac_cell", array=[2, 3], input_channel=1, output_channel=2, swizzle="per_step", swizzle_seed=4)
+    for step in range(5):
+        perm_in = swizzle_permutation(5, 4, step, "input").tolist()
+        perm_out = swizzle_permutation(7, 4, step, "output").tolist()
+        # logical channel c meets the cell when its lane perm[c] is one of the cell's lanes
+        ins = [c for c in range(5) if perm_in[c] in (1, 3)]
+        outs = [c for c in range(7) if perm_out[c] in (2, 5)]
+        assert len(ins) == 2 and len(outs) == 2  # swizzling moves the faulty products, never adds any
+        assert ids(p, [7, 5], step=step) == sorted(o * 5 + i for o in outs for i in ins)
+        assert ids(p, [2, 7, 1, 1], channel_dim=1, step=step) == sorted(n * 7 + o for n in (0, 1) for o in outs)
+    plain = Pattern(kind="mac_cell", input_channel=1, output_channel=2, swizzle="per_step")
+    seen = set()
+    for step in range(40):
+        i = swizzle_permutation(5, 0, step, "input").tolist().index(1)  # the logical input on lane 1
+        o = swizzle_permutation(7, 0, step, "output").tolist().index(2)
+        assert ids(plain, [7, 5], step=step) == [o * 5 + i]
+        seen.add((o, i))
+    assert len(seen) > 20  # the fault wanders over the channel pairs
+    with pytest.raises(ValueError, match="needs step="):
+        ids(plain, [7, 5])
+
+
+def test_mac_cell_array_and_swizzle_validation():
+    cases = [
+        (dict(array=[0, 8]), ValueError, ["array[0]", ">= 1", "got 0"]),
+        (dict(array=[8, 2.5]), TypeError, ["array[1]", "int", "2.5"]),
+        (dict(array=[8]), TypeError, ["array", "two ints", "[8]"]),
+        (dict(array=[8, 4], output_channel=4), ValueError, ["output_channel 4", "outside array [8, 4]", "0..3"]),
+        (dict(array=[2, 4], input_channel=2), ValueError, ["input_channel 2", "outside array [2, 4]", "0..1"]),
+        (dict(swizzle="per_epoch"), ValueError, ["'per_epoch'", "'none', 'per_step'"]),
+        (dict(swizzle=True), TypeError, ["swizzle", "True", "'none', 'per_step'"]),
+        (dict(swizzle_seed=3), ValueError, ["swizzle_seed 3", "per_step"]),
+        (dict(swizzle="per_step", swizzle_seed=-1), ValueError, ["swizzle_seed", ">= 0", "-1"]),
+    ]
+    for kw, exc, needles in cases:
+        with pytest.raises(exc) as info:
+            Pattern(kind="mac_cell", **kw)
+        for needle in needles:
+            assert needle in str(info.value), (kw, str(info.value))
+    with pytest.raises(ValueError, match="'row' does not take 'swizzle'"):
+        Pattern(kind="row", swizzle="per_step")
+    p = Pattern(kind="mac_cell", array=(8, 8), swizzle="per_step")
+    assert (p.array, p.swizzle_seed, p.swizzled) == ((8, 8), 0, True)
+    assert Pattern.from_dict(p.to_dict()) == p
+    assert "swizzle" not in Pattern(kind="mac_cell").to_dict() and not Pattern(kind="mac_cell").swizzled
+
+
 def test_element_burst_row_column():
     assert ids(Pattern(kind="element", index=5), [2, 3]) == [5]
     assert ids(Pattern(kind="element", index=[1, 0, 2]), [2, 3, 4]) == [14]
@@ -113,8 +211,11 @@ def _reference(pattern: Pattern, shape: tuple[int, ...], got: list[int]) -> set[
     elif pattern.kind == "pe":
         (n_r, n_c), first = pattern.array, got[0]
         sel = (i % n_r == (first // cols) % n_r) & (j % n_c == (first % cols) % n_c)
-    else:  # mac_cell on a weight [out, in, ...]
+    elif pattern.array is None:  # mac_cell on a weight [out, in, ...]
         sel = (multi[0] == multi[0][got[0]]) & (multi[1] == multi[1][got[0]])
+    else:  # mac_cell folded onto an array [R input rows, C output columns]
+        (n_in, n_out), first = pattern.array, got[0]
+        sel = (multi[0] % n_out == multi[0][first] % n_out) & (multi[1] % n_in == multi[1][first] % n_in)
     assert rows * cols == len(sel)
     return set(np.flatnonzero(sel).tolist())
 
@@ -122,17 +223,20 @@ def _reference(pattern: Pattern, shape: tuple[int, ...], got: list[int]) -> set[
 @settings(max_examples=60, deadline=None)
 @given(
     shape=st.lists(st.integers(1, 5), min_size=2, max_size=4).map(tuple),
-    kind=st.sampled_from(["row", "column", "pe", "mac_cell"]),
+    kind=st.sampled_from(["row", "column", "pe", "mac_cell", "mac_cell_array"]),
     array=st.tuples(st.integers(1, 4), st.integers(1, 4)),
     seed=st.integers(0, 2**32),
 )
 def test_random_patterns_match_brute_force(shape, kind, array, seed):
-    pattern = Pattern(kind=kind, array=array) if kind == "pe" else Pattern(kind=kind)
+    if kind == "mac_cell_array":
+        pattern = Pattern(kind="mac_cell", array=array)
+    else:
+        pattern = Pattern(kind=kind, array=array) if kind == "pe" else Pattern(kind=kind)
     got = resolve_indices(pattern, shape, gen(seed))
     assert got.dtype == torch.long
     values = got.tolist()
     assert values == sorted(set(values))
-    if kind == "pe" and not values:  # random PE idle on this small output
+    if kind in ("pe", "mac_cell_array") and not values:  # random PE / cell idle on this small tensor
         return
     assert set(values) == _reference(pattern, shape, values)
     assert torch.equal(got, resolve_indices(pattern, shape, gen(seed)))

@@ -5,7 +5,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from sdcscope.engine import TrainConfig, Trainer, param_sha256
-from sdcscope.faults import FaultSpec, fires
+from sdcscope.faults import FaultSpec, fires, swizzle_permutation
 from sdcscope.inject import Injector
 from sdcscope.workloads import WorkloadConfig, make_workload
 
@@ -82,6 +82,75 @@ def test_mac_cell_gemm_forward_corrupts_only_products_of_the_cell(cnn):
     dw = stuck_at(w[6, 3], (29,), 0) - w[6, 3]
     err = torch.nn.functional.conv2d(kept[0][:, 3:4], dw[None, None], padding=1)[:, 0]
     torch.testing.assert_close(faulty[:, 6] - golden[:, 6], err, rtol=1e-4, atol=1e-6)
+
+
+def _weight_diff(trainer, name, before):
+    after = dict(trainer.model.named_parameters())[name].detach().reshape(-1)
+    return set((before.reshape(-1) != after).nonzero().flatten().tolist())
+
+
+def test_mac_cell_array_on_conv_weight(cnn):
+    # conv2 weight [16, 8, 3, 3]; array 3 input rows x 5 output columns, cell (a=2, b=4):
+    # input channels {2, 5}, output channels {4, 9, 14}, every kernel element
+    s = spec(site="weight", target="conv2.weight",
+             pattern={"kind": "mac_cell", "array": [3, 5], "input_channel": 2, "output_channel": 4})
+    trainer = Trainer(cnn, TrainConfig())
+    before = trainer.model.conv2.weight.detach().clone()
+    with Injector(trainer.model, [s], trainer.optimizer) as inj:
+        inj.set_position(0)
+    c_in, k = 8, 9
+    assert _weight_diff(trainer, "conv2.weight", before) == {
+        o * c_in * k + i * k + e for o in (4, 9, 14) for i in (2, 5) for e in range(k)}
+    assert inj.records[0]["count"] == 3 * 2 * 9
+
+
+def test_mac_cell_array_random_cell_is_one_cell_for_every_layer(cnn):
+    """One physical cell of the array serves every GEMM the unit runs: the same (a, b) in each layer."""
+    for seed in range(4):
+        s = spec(site="weight", target=["conv2.weight", "fc1.weight", "fc2.weight"], seed=seed,
+                 pattern={"kind": "mac_cell", "array": [4, 8]})
+        trainer = Trainer(cnn, TrainConfig())
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        with Injector(trainer.model, [s], trainer.optimizer) as inj:
+            inj.set_position(0)
+        cells = set()
+        for name in ("conv2.weight", "fc1.weight", "fc2.weight"):
+            shape = before[name].shape
+            diff = _weight_diff(trainer, name, before[name])
+            inner = shape[1] * (shape[2] * shape[3] if len(shape) == 4 else 1)
+            pairs = {(e % inner // (inner // shape[1]), e // inner) for e in diff}  # (input, output) channel
+            cell = {(i % 4, o % 8) for i, o in pairs}
+            assert len(cell) == 1
+            a, b = cell.pop()
+            assert pairs == {(i, o) for i in range(a, shape[1], 4) for o in range(b, shape[0], 8)}
+            cells.add((a, b))
+        assert len(cells) == 1, cells
+
+
+def test_swizzled_mac_cell_moves_with_the_step_in_training_and_evaluation(cnn):
+    # conv2 [16, 8, 3, 3] on an array of 4 input rows x 8 output columns; cell (1, 3): lanes
+    # {1, 5} (input) and {3, 11} (output); logical channel c sits on lane perm_t[c] at step t
+    s = spec(site="gemm.forward", target="conv2", model="stuck_at_0", bits=[28],
+             pattern={"kind": "mac_cell", "array": [4, 8], "input_channel": 1, "output_channel": 3,
+                      "swizzle": "per_step", "swizzle_seed": 9},
+             schedule={"kind": "permanent", "start": 0})
+    trainer = Trainer(cnn, TrainConfig(seed=3))
+    inj = Injector(trainer.model, [s], trainer.optimizer).attach()
+    trainer.add_callback(inj.callback())
+    for _ in range(3):
+        trainer.train_step()
+    trainer.evaluate()  # evaluation at step 3 uses the mapping of step 3
+    inj.close()
+    assert [r["step"] for r in inj.records] == [0, 1, 2, 3]
+    sets = []
+    for rec in inj.records:
+        t = rec["step"]
+        ins = [c for c, lane in enumerate(swizzle_permutation(8, 9, t, "input").tolist()) if lane in (1, 5)]
+        outs = [c for c, lane in enumerate(swizzle_permutation(16, 9, t, "output").tolist()) if lane in (3, 11)]
+        want = sorted(o * 72 + i * 9 + e for o in outs for i in ins for e in range(9))
+        assert rec["count"] == 36 and rec["index"] == want
+        sets.append(tuple(want))
+    assert len(set(sets)) == 4
 
 
 def _fired_steps(workload, s, steps=12):

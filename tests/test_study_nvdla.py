@@ -1,39 +1,14 @@
-"""The NVDLA MAC-cell study: permanent faults evaluated with the fault present and removed; swizzling."""
+"""The NVDLA MAC-cell study: one cell of an array serving every layer, permanent, evaluated with
+the fault present and removed; channel swizzling as a pattern option, paired with the plain cell."""
+
+import json
 
 import pytest
 import torch
 
-from sdcscope.engine import TrainConfig, Trainer
-from sdcscope.faults import FaultSpec
-from sdcscope.study import SwizzledFault, init_campaign, run_campaign
+from sdcscope.study import init_campaign, plan_campaign, run_campaign
 from sdcscope.study.spec import load_campaign
 from sdcscope.study.store import ResultsDB
-from sdcscope.workloads import WorkloadConfig, make_workload
-
-SPEC = FaultSpec(site="gemm.forward", target="conv2", model="stuck_at_1", bits=[28],
-                 pattern={"kind": "mac_cell", "input_channel": 1, "output_channel": 3},
-                 schedule={"kind": "permanent", "start": 0}, seed=4)
-
-
-def test_swizzle_remaps_the_faulty_cell_every_step():
-    trainer = Trainer(make_workload(WorkloadConfig(workload="cnn", preset="tiny")), TrainConfig())
-    fault = SwizzledFault(trainer.model, SPEC, trainer.optimizer)
-    cells = [fault.channels(s) for s in range(20)]
-    assert cells == [fault.channels(s) for s in range(20)]  # deterministic
-    assert len(set(cells)) > 5 and all(0 <= a < 8 and 0 <= b < 16 for a, b in cells)
-    trainer.add_callback(fault)
-    for _ in range(3):
-        trainer.train_step()
-    fault.close()
-    w = trainer.model.conv2.weight
-    for step, rec in zip(range(3), fault.records):  # each step's record hits W[b_t, a_t, :, :]
-        a, b = fault.channels(step)
-        assert rec["step"] == step and rec["count"] == 9
-        assert {i // 9 for i in rec["index"]} == {b * w.shape[1] + a}
-    with pytest.raises(ValueError, match="mac_cell"):
-        SwizzledFault(trainer.model, FaultSpec(site="gemm.forward", target="conv2", model="zero",
-                                               schedule={"kind": "permanent"}), trainer.optimizer)
-
 
 CAMPAIGN = """
 name: nvdla-tiny
@@ -42,12 +17,12 @@ inject_steps: [2]
 horizon: 6
 faults:
   sites: [gemm.forward]
-  targets: [conv2]
+  targets: [[conv2, "fc*"]]
   models: [stuck_at_0]
   bits: [28]
-  patterns: [{kind: mac_cell, input_channel: 3, output_channel: 0}]
+  patterns: [{kind: mac_cell, array: [4, 4], input_channel: 3, output_channel: 0},
+             {kind: mac_cell, array: [4, 4], input_channel: 3, output_channel: 0, swizzle: per_step}]
   schedules: [{kind: permanent}]
-  swizzle: [false, true]
 baseline: {seeds: [1, 2]}
 """
 
@@ -59,9 +34,47 @@ def test_permanent_fault_campaign_evaluates_with_fault_present_and_removed(tmp_p
     with ResultsDB(tmp_path / "c" / "results.sqlite", load_campaign(tmp_path / "c" / "campaign.yaml")) as db:
         plain, swizzled = db.trials()
     assert (plain["swizzle"], swizzled["swizzle"]) == (0, 1)
+    assert plain["target"] == swizzled["target"] == "conv2,fc1,fc2,fc3"  # one unit runs every GEMM
+    assert plain["fault_seed"] == swizzled["fault_seed"]  # paired: the same physical cell
+    assert "swizzle=per_step" in swizzled["pattern"] and "swizzle" not in plain["pattern"]
     for r in (plain, swizzled):
-        assert r["injections"] >= 7  # every training step and the evaluation with the fault present
+        # 4 modules x (6 training steps + the evaluation with the fault present)
+        assert r["injections"] == 4 * 7
         assert r["val_acc_fault"] is not None and r["val_acc"] is not None
         assert r["val_loss_fault"] != r["val_loss"]  # the fault acts on evaluation when present
     assert plain["val_loss"] != swizzled["val_loss"]
     assert torch.isfinite(torch.tensor(plain["val_loss"]))
+
+
+RANDOM_CELLS = """
+name: nvdla-random
+workload: {name: cnn, preset: tiny}
+inject_steps: [0]
+horizon: 2
+faults:
+  sites: [gemm.forward]
+  targets: [[conv2, "fc*"]]
+  models: [stuck_at_0]
+  bits: [28]
+  patterns: [PATTERN]
+  schedules: [{kind: permanent}]
+  repeats: 3
+baseline: {seeds: [1, 2]}
+"""
+
+
+def test_plain_and_swizzled_campaigns_draw_the_same_random_cells():
+    plain = RANDOM_CELLS.replace("PATTERN", "{kind: mac_cell, array: [4, 4]}")
+    swizzled = RANDOM_CELLS.replace("PATTERN", "{kind: mac_cell, array: [4, 4], swizzle: per_step, swizzle_seed: 2}")
+    a, b = (plan_campaign(load_campaign(text)) for text in (plain, swizzled))
+    assert [t.fault_seed for t in a] == [t.fault_seed for t in b] and len({t.fault_seed for t in a}) == 3
+    assert [t.swizzle for t in a] == [False] * 3 and [t.swizzle for t in b] == [True] * 3
+    assert json.loads(b[0].pattern) == {"kind": "mac_cell", "array": [4, 4], "input_channel": "random",
+                                        "output_channel": "random", "swizzle": "per_step", "swizzle_seed": 2}
+    assert b[0].fault_spec().target == ("conv2", "fc1", "fc2", "fc3")
+
+
+def test_the_old_swizzle_dimension_points_to_the_pattern_option():
+    text = CAMPAIGN.replace("  schedules:", "  swizzle: [false, true]\n  schedules:")
+    with pytest.raises(ValueError, match=r"faults.swizzle \[False, True\] is a pattern option now.*per_step"):
+        load_campaign(text)

@@ -44,7 +44,11 @@ BAD = [
     ("kind: exhaustive", "kind: stratified, n: 3", ["stratified", "by"]),
     ("name: gpt", "name: gtp", ["gtp", "gpt"]),
     ("inject_steps: [4]", "inject_steps: [4, 4]", ["distinct"]),
-    ("bits: [\"0-3\", 30]", "bits: [1]\n  swizzle: true", ["mac_cell"]),
+    ("bits: [\"0-3\", 30]", "bits: [1]\n  swizzle: true", ["faults.swizzle True", "pattern option",
+                                                          "kind: mac_cell, swizzle: per_step"]),
+    ("bits: [\"0-3\", 30]", "bits: [1]\n  patterns: [{kind: mac_cell, swizzle: yes}]",
+     ["faults.patterns entry", "swizzle", "'none', 'per_step'"]),
+    ("\"blocks.0.attn.*_proj\", head", "[]", ["faults.targets entries", "[]"]),
     ("name: t", "name: t\nworkload: [", ["malformed YAML"]),
 ]
 
@@ -99,3 +103,17 @@ def test_schedule_templates_anchor_at_the_injection_step():
     kinds = {t.fault_spec().schedule.kind: t.fault_spec().schedule for t in plan}
     assert kinds["permanent"].start == 4
     assert (kinds["intermittent"].start, kinds["intermittent"].stop, kinds["intermittent"].p) == (4, 9, 0.1)
+
+
+def test_a_target_group_is_one_trial_hitting_every_module_it_matches():
+    spec = load_campaign(BASE.replace('targets: ["blocks.0.attn.*_proj", head]',
+                                      'targets: [["blocks.0.attn.*_proj", head], head]'))
+    assert spec.faults.targets == (("blocks.0.attn.*_proj", "head"), "head")
+    assert CampaignSpec.from_dict(json.loads(json.dumps(spec.to_dict()))).hash == spec.hash
+    plan = plan_campaign(spec)
+    group = ",".join([f"blocks.0.attn.{x}_proj" for x in "qkvo"] + ["head"])
+    assert len(plan) == 2 * 2 * 5 and {t.target for t in plan} == {group, "head"}
+    t = next(t for t in plan if t.target == group)
+    assert t.fault_spec().target == tuple(group.split(","))
+    seeds = {(t.site, t.target): t.fault_seed for t in plan}
+    assert seeds[("gemm.forward", group)] != seeds[("gemm.forward", "head")]

@@ -7,13 +7,14 @@ Pure functions and dataclasses on top of torch; no hooks, no module state. The
 from .apply import apply_spec
 from .formats import FORMATS, Format, check_bits, format_of, get_format
 from .ops import BIT_MODELS, MODELS, FaultResult, apply_fault, bitflip, random_value, stuck_at, zero
-from .patterns import resolve_indices, sample_bit_errors
+from .patterns import resolve_indices, sample_bit_errors, swizzle_permutation
 from .schedule import fault_generator, fires
 from .spec import (
     PATTERN_KINDS,
     SCHEDULE_KINDS,
     SITES,
     STEP_SITES,
+    SWIZZLE_MODES,
     FaultSpec,
     Pattern,
     Schedule,
@@ -28,6 +29,7 @@ __all__ = [
     "SCHEDULE_KINDS",
     "SITES",
     "STEP_SITES",
+    "SWIZZLE_MODES",
     "FaultResult",
     "FaultSpec",
     "Format",
@@ -46,5 +48,6 @@ __all__ = [
     "resolve_indices",
     "sample_bit_errors",
     "stuck_at",
+    "swizzle_permutation",
     "zero",
 ]

@@ -18,11 +18,13 @@ def apply_spec(
     generator: torch.Generator,
     *,
     channel_dim: ChannelDim = None,
+    step: int | None = None,
 ) -> FaultResult:
     """Apply ``spec``'s fault to ``tensor`` in place and return what changed.
 
     Resolves the spec's pattern on the tensor's shape (``channel_dim``: see
-    :func:`.patterns.resolve_indices`; only ``mac_cell`` uses it), checks ``bits``
+    :func:`.patterns.resolve_indices`; only ``mac_cell`` uses it, and ``step`` too when it
+    swizzles its channels), checks ``bits``
     against the format the fault lives in (``spec.format`` or the tensor's dtype) and
     calls :func:`.ops.apply_fault`. ``generator`` is normally
     :func:`.schedule.fault_generator` for the event. Does not decide whether the fault
@@ -34,5 +36,5 @@ def apply_spec(
             spec.pattern.ber, tensor.numel(), fmt, generator, bits=spec.bits
         )
         return apply_fault(tensor, index, spec.model, masks, fmt=fmt, generator=generator)
-    index = resolve_indices(spec.pattern, tensor.shape, generator, channel_dim=channel_dim)
+    index = resolve_indices(spec.pattern, tensor.shape, generator, channel_dim=channel_dim, step=step)
     return apply_fault(tensor, index, spec.model, spec.bits, fmt=fmt, generator=generator)

@@ -8,6 +8,8 @@ random choices are drawn from the given ``torch.Generator`` only.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Sequence
 
@@ -16,7 +18,10 @@ import torch
 from .formats import Format, check_bits, resolve_format
 from .spec import RANDOM, Pattern
 
-__all__ = ["resolve_indices", "sample_bit_errors"]
+__all__ = ["resolve_indices", "sample_bit_errors", "swizzle_permutation", "SWIZZLE_ROLES"]
+
+SWIZZLE_ROLES = ("input", "output")
+"""The two channel axes a swizzle permutes independently."""
 
 ChannelDim = int | tuple[int | None, int | None] | None
 
@@ -49,6 +54,66 @@ def _block(shape: Sequence[int], fixed: dict[int, int]) -> torch.Tensor:
     return out.reshape(-1)
 
 
+def _grid(shape: Sequence[int], chosen: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Sorted flat indices of all elements whose index along dim ``d`` lies in ``chosen[d]``
+    (a sorted 1-D tensor of distinct indices); unconstrained dims take every index."""
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    out = torch.zeros((), dtype=torch.long)
+    for d in range(len(shape)):
+        axis = chosen[d] if d in chosen else torch.arange(shape[d], dtype=torch.long)
+        out = out.unsqueeze(-1) + (axis * strides[d]).view(*([1] * d), -1)
+    return out.reshape(-1)
+
+
+def swizzle_permutation(n: int, seed: int, step: int, role: str) -> torch.Tensor:
+    """The channel-to-lane map of a swizzled MAC array at ``step``: ``perm[c]`` is the physical
+    lane that logical channel ``c`` (of ``n``) runs on. A uniform random permutation drawn from
+    a generator keyed by a stable hash of (``seed``, ``step``, ``role``, ``n``) -- the same on
+    every run and platform; ``role`` (``"input"`` or ``"output"``) makes the input- and
+    output-channel maps independent."""
+    if role not in SWIZZLE_ROLES:
+        raise ValueError(f"unknown swizzle role {role!r}; allowed: {list(SWIZZLE_ROLES)}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"swizzle channel count must be an int >= 1, got {n!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"swizzle step must be an int >= 0, got {step!r}")
+    data = json.dumps(["swizzle", seed, step, role, n], separators=(",", ":")).encode()
+    key = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+    return torch.randperm(n, generator=torch.Generator().manual_seed(key))
+
+
+def _mac_cell(pattern: Pattern, shape: tuple[int, ...], generator: torch.Generator,
+              channel_dim: ChannelDim, step: int | None) -> torch.Tensor:
+    """Index set of a ``mac_cell`` pattern (see :func:`resolve_indices`)."""
+    out_dim, in_dim = _channel_dims(channel_dim, shape)
+    axes = ((out_dim, "output_channel", "output", 1), (in_dim, "input_channel", "input", 0))
+    lanes: dict[int, torch.Tensor] = {}
+    if pattern.array is None:  # one cell per channel pair: the lane is the channel
+        for dim, what, _, _ in axes:
+            if dim is not None:
+                c = _pick(what, getattr(pattern, what), shape[dim], shape, generator)
+                lanes[dim] = torch.tensor([c], dtype=torch.long)
+    else:  # cell (a, b) of an R x C array serves every lane congruent to it
+        cell = {what: (int(torch.randint(pattern.array[axis], (1,), generator=generator))
+                       if getattr(pattern, what) == RANDOM else int(getattr(pattern, what)))
+                for _, what, _, axis in axes}
+        for dim, what, _, axis in axes:
+            if dim is not None:
+                start = min(cell[what], shape[dim])  # a cell past the last channel is idle
+                lanes[dim] = torch.arange(start, shape[dim], pattern.array[axis], dtype=torch.long)
+    if pattern.swizzled:
+        if step is None:
+            raise ValueError("pattern swizzle 'per_step' re-maps the channels every step: "
+                             "resolve_indices needs step= (an int >= 0)")
+        for dim, _, role, _ in axes:
+            if dim is not None:
+                perm = swizzle_permutation(shape[dim], pattern.swizzle_seed, step, role)
+                lanes[dim] = torch.isin(perm, lanes[dim]).nonzero().flatten()
+    if any(v.numel() == 0 for v in lanes.values()):
+        return _empty()  # the cell's row or column is idle on this GEMM
+    return _grid(shape, lanes)
+
+
 def _channel_dims(channel_dim: ChannelDim, shape: tuple[int, ...]) -> tuple[int | None, int | None]:
     ndim = len(shape)
     if channel_dim is None:
@@ -78,6 +143,7 @@ def resolve_indices(
     generator: torch.Generator,
     *,
     channel_dim: ChannelDim = None,
+    step: int | None = None,
 ) -> torch.Tensor:
     """Sorted, distinct flat indices (CPU int64) that ``pattern`` hits in a tensor of ``shape``.
 
@@ -98,6 +164,18 @@ def resolve_indices(
       activation: selects every element of output channel b.
     - a pair ``(out_dim, in_dim)``: general form; e.g. ``(None, -1)`` for a linear's
       gemm.grad_input dX = dY W [..., in], where the cell corrupts input channel a.
+
+    With ``array`` [R, C] (the MAC array: R input-channel rows, C output-channel columns) the
+    channels of a GEMM are folded onto the array: channel c runs on lane c, lane c uses row
+    ``c mod R`` (input) or column ``c mod C`` (output), so cell (a, b) serves every channel
+    pair (i, o) with ``i % R == a`` and ``o % C == b``. A random cell is drawn inside the
+    array (output column first, then input row); a cell whose row or column no channel of
+    this GEMM reaches (``a >= in_channels``) is idle: no indices.
+
+    With ``swizzle: per_step`` logical channel c runs on lane ``perm_t[c]`` at ``step`` t
+    (:func:`swizzle_permutation` of the pattern's ``swizzle_seed``, one permutation per
+    axis), so the channels that meet the faulty cell are ``{c : perm_t[c] in lanes}``;
+    ``step`` is then required. Swizzling moves the faulty products, it never adds any.
 
     The ``tensor`` pattern selects bits, not elements: use :func:`sample_bit_errors`.
     An empty tensor yields no indices.
@@ -146,13 +224,7 @@ def resolve_indices(
         j = torch.arange(c, cols, n_c, dtype=torch.long)
         return (i.unsqueeze(1) * cols + j.unsqueeze(0)).reshape(-1)
     assert kind == "mac_cell", kind
-    out_dim, in_dim = _channel_dims(channel_dim, shape)
-    fixed = {}
-    for dim, what, value in ((out_dim, "output_channel", pattern.output_channel),
-                             (in_dim, "input_channel", pattern.input_channel)):
-        if dim is not None:
-            fixed[dim] = _pick(what, value, shape[dim], shape, generator)
-    return _block(shape, fixed)
+    return _mac_cell(pattern, shape, generator, channel_dim, step)
 
 
 def _distinct(n: int, k: int, gen: torch.Generator) -> torch.Tensor:

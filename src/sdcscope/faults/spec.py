@@ -36,6 +36,7 @@ __all__ = [
     "PATTERN_KINDS",
     "SCHEDULE_KINDS",
     "RANDOM",
+    "SWIZZLE_MODES",
     "Pattern",
     "Schedule",
     "FaultSpec",
@@ -67,10 +68,14 @@ PATTERN_KINDS: dict[str, tuple[str, ...]] = {
     "row": ("index",),
     "column": ("index",),
     "pe": ("array", "pe"),
-    "mac_cell": ("input_channel", "output_channel"),
+    "mac_cell": ("input_channel", "output_channel", "array", "swizzle", "swizzle_seed"),
     "tensor": ("ber",),
 }
 """Spatial pattern kinds and the fields each takes."""
+
+SWIZZLE_MODES: tuple[str, ...] = ("none", "per_step")
+"""Channel swizzling of a ``mac_cell`` pattern: ``none`` (logical channel c always runs on
+physical lane c) or ``per_step`` (a fresh permutation of the channels every training step)."""
 
 SCHEDULE_KINDS: dict[str, tuple[str, ...]] = {
     "transient": ("step", "micro_batch"),
@@ -178,7 +183,14 @@ class Pattern:
     - ``pe``: ``array`` [R, C] of a systolic array and the faulty ``pe`` [r, c]; output
       element (i, j) of the 2-D view is computed by PE (i mod R, j mod C).
     - ``mac_cell``: NVDLA-style MAC cell for ``input_channel`` a and ``output_channel`` b;
-      see :func:`.patterns.resolve_indices` for what that selects on each tensor.
+      see :func:`.patterns.resolve_indices` for what that selects on each tensor. Options:
+      ``array`` [R, C] -- the MAC array (R input-channel rows x C output-channel columns,
+      e.g. [8, 8] for NVDLA's small config); cell (a, b) then serves every channel pair
+      congruent to (a, b) modulo (R, C), and a random cell is drawn inside the array.
+      ``swizzle`` -- ``none`` (default) or ``per_step``: the hardware re-maps logical
+      channels to physical lanes with a fresh permutation every step, keyed by
+      ``swizzle_seed`` (an int >= 0, default 0) and the step
+      (:func:`.patterns.swizzle_permutation`).
     - ``tensor``: ``ber`` in (0, 1]; every candidate bit of every element flips
       independently with that probability (candidates: the spec's ``bits``, or all).
     """
@@ -192,6 +204,8 @@ class Pattern:
     input_channel: int | str | None = None
     output_channel: int | str | None = None
     ber: float | None = None
+    swizzle: str | None = None
+    swizzle_seed: int | None = None
 
     def __post_init__(self) -> None:
         kind = _check_kind_fields(self, "pattern", PATTERN_KINDS)
@@ -227,9 +241,7 @@ class Pattern:
                     )
             _set(self, "pe", pe)
         elif kind == "mac_cell":
-            for name in ("input_channel", "output_channel"):
-                value = getattr(self, name)
-                _set(self, name, _index(f"pattern {name}", RANDOM if value is None else value))
+            self._check_mac_cell()
         else:  # tensor
             ber = self.ber
             if isinstance(ber, bool) or not isinstance(ber, (int, float)):
@@ -238,14 +250,49 @@ class Pattern:
                 raise ValueError(f"pattern ber must be in (0, 1], got {ber!r}")
             _set(self, "ber", float(ber))
 
+    def _check_mac_cell(self) -> None:
+        array = None
+        if self.array is not None:
+            array = _int_pair("pattern array", self.array, 1)
+            _set(self, "array", array)
+        for name, axis in (("input_channel", 0), ("output_channel", 1)):
+            value = getattr(self, name)
+            value = _index(f"pattern {name}", RANDOM if value is None else value)
+            if array is not None and value != RANDOM and value >= array[axis]:
+                raise ValueError(
+                    f"pattern {name} {value} is outside array {list(array)} "
+                    f"([input-channel rows, output-channel columns]); allowed: 0..{array[axis] - 1}"
+                )
+            _set(self, name, value)
+        swizzle = _choice("pattern swizzle", "none" if self.swizzle is None else self.swizzle,
+                          SWIZZLE_MODES)
+        _set(self, "swizzle", swizzle)
+        if swizzle == "none":
+            if self.swizzle_seed is not None:
+                raise ValueError(
+                    f"pattern swizzle_seed {self.swizzle_seed!r} is only used with swizzle "
+                    f"'per_step', but swizzle is 'none'; allowed swizzle: {list(SWIZZLE_MODES)}"
+                )
+        else:
+            seed = 0 if self.swizzle_seed is None else self.swizzle_seed
+            _set(self, "swizzle_seed", _int("pattern swizzle_seed", seed))
+
+    @property
+    def swizzled(self) -> bool:
+        """Whether the channels are re-mapped every step (``mac_cell`` with ``swizzle: per_step``)."""
+        return self.swizzle == "per_step"
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Pattern:
         """A pattern from a mapping such as ``{"kind": "row", "index": 3}``."""
         return _from_mapping(cls, data, "pattern", PATTERN_KINDS)
 
     def to_dict(self) -> dict[str, Any]:
-        """The mapping :meth:`from_dict` reads back."""
-        return _to_dict(self, PATTERN_KINDS[self.kind])
+        """The mapping :meth:`from_dict` reads back (``swizzle: none``, the default, left out)."""
+        out = _to_dict(self, PATTERN_KINDS[self.kind])
+        if out.get("swizzle") == "none":
+            del out["swizzle"]
+        return out
 
 
 # -------------------------------------------------------------------------- schedules

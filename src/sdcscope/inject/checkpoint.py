@@ -37,7 +37,7 @@ def corrupt_checkpoint_file(path: str | Path, specs: list[FaultSpec], *, rank: i
             key = next(p for p in [name, name.rsplit(".", 1)[0]] if spec.matches(p))
             if not fires(spec, step, None, key, rank):
                 continue
-            result = apply_spec(spec, tensors[name], fault_generator(spec, step, None, key, rank))
+            result = apply_spec(spec, tensors[name], fault_generator(spec, step, None, key, rank), step=step)
             records.append({"step": step, "micro_batch": 0, "rank": rank, "site": "checkpoint",
                             "module": name, "spec": i, "model": spec.model,
                             "bits": list(spec.bits) if spec.bits else None,

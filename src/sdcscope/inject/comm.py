@@ -129,7 +129,7 @@ class CommInjector:
             for name, tensor in ((f"bucket.{view.index}", view.buffer), *zip(view.names, view.grads)):
                 if fires(spec, self.step, None, name, self.rank):
                     gen = fault_generator(spec, self.step, None, name, self.rank)
-                    self._record(i, spec, name, phase, apply_spec(spec, tensor, gen))
+                    self._record(i, spec, name, phase, apply_spec(spec, tensor, gen, step=self.step))
 
     def _record(self, i: int, spec: FaultSpec, name: str, phase: str, result) -> None:
         values = result.to_dict()

@@ -6,7 +6,10 @@ Sites and how they are reached (all hooks are removed by :meth:`Injector.detach`
 activation          forward hook on the module: its output is replaced
 gemm.forward        forward hook on a GEMM module (Linear, Conv, ``is_matmul``): Y is replaced;
                     with pattern ``mac_cell`` the *weight operand* of cell (a, b) is faulted in
-                    the computation only (NVDLA software error model), Y gets exactly that error
+                    the computation only (NVDLA software error model), Y gets exactly that error;
+                    with an ``array`` the random cell is the same for every targeted GEMM, and a
+                    ``swizzle: per_step`` mapping follows the injector's step (evaluation at step
+                    t uses the mapping of step t)
 gemm.grad_input     full backward hook: dX (for ``a @ b`` modules: d a) is replaced
 gemm.grad_weight    tensor hook on the weight (for ``a @ b``: d b): this GEMM's dW, before it is
                     accumulated into ``.grad``
@@ -58,6 +61,8 @@ def reexecution() -> Iterator[None]:
 
 
 MEMORY_SITES = ("weight", "optimizer_state")
+MAC_ARRAY = "<mac-array>"
+"""The name a ``mac_cell`` pattern with an ``array`` keys its fault generator on (one unit)."""
 MAX_RECORDED = 64
 """Elements listed per record (a row or tensor-wide fault can hit thousands); ``count`` says all."""
 
@@ -200,8 +205,11 @@ class Injector:
 
     def _corrupt(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, *,
                  suffix: str = "", channel_dim=None) -> None:
-        gen = fault_generator(spec, self.step, self.micro_batch, t.key + suffix, self.rank)
-        result = apply_spec(spec, tensor, gen, channel_dim=channel_dim)
+        # A mac_cell on an array is one physical cell of the unit that runs every targeted GEMM:
+        # its random cell (and value) is drawn once for the unit, not per module.
+        unit = spec.pattern.kind == "mac_cell" and spec.pattern.array is not None
+        gen = fault_generator(spec, self.step, self.micro_batch, MAC_ARRAY if unit else t.key + suffix, self.rank)
+        result = apply_spec(spec, tensor, gen, channel_dim=channel_dim, step=self.step)
         self._record(i, spec, t.name + suffix, result)
 
     def _output_hook(self, i, spec, t: Target):

@@ -12,11 +12,10 @@ from sdcscope.study.runner import SPEC_FILE, init_campaign, plan_campaign, run_c
 from sdcscope.study.spec import Baseline, CampaignSpec, FaultSpace, Sampling, load_campaign
 from sdcscope.study.stats import prediction_bound, pvf_table, wilson_interval
 from sdcscope.study.store import DB_FILE, ResultsDB
-from sdcscope.study.swizzle import SwizzledFault
 
 __all__ = [
     "Baseline", "CampaignSpec", "DB_FILE", "EFFECTS", "FaultSpace", "OUTCOMES", "ResultsDB", "SDC_KINDS",
-    "SPEC_FILE", "Sampling", "SwizzledFault", "Trial", "build_plan", "build_report", "classify", "compare_runs",
+    "SPEC_FILE", "Sampling", "Trial", "build_plan", "build_report", "classify", "compare_runs",
     "init_campaign", "load_campaign", "param_distance", "plan_campaign", "prediction_bound", "pvf_table",
     "run_campaign", "wilson_interval", "write_comparison", "write_report",
 ]

@@ -1,12 +1,16 @@
 """From a campaign spec to its trials: expand the fault space, sample it, number the trials.
 
 Target patterns are expanded against the live model into single modules (or parameters), so
-every trial corrupts one layer and PVF can be read per layer. The plan is a pure function of
-the spec: trial ``k`` is the same trial on every run, every machine, every worker count.
+every trial corrupts one layer and PVF can be read per layer; a target group (a list entry of
+``faults.targets``) stays one target, the names it matches joined by ``,``. The plan is a pure
+function of the spec: trial ``k`` is the same trial on every run, every machine, every worker
+count.
 
-Fault seeds give a *paired* design: all bits, fault models, schedules and swizzle settings of one
-(injection step, site, target, pattern, repeat) share a seed, so a ``"random"`` location is the
-same element for each of them and a sweep over bits compares like with like.
+Fault seeds give a *paired* design: all bits, fault models and schedules of one (injection step,
+site, target, pattern location, repeat) share a seed, so a ``"random"`` location is the same
+element for each of them and a sweep over bits compares like with like. A pattern's location
+leaves out its channel swizzling (``swizzle``, ``swizzle_seed``), so a swizzled MAC cell and a
+plain one are the same physical cell -- in one campaign or in two with the same fault space.
 """
 
 from __future__ import annotations
@@ -23,7 +27,16 @@ from sdcscope.inject import resolve_targets, validate_specs
 from sdcscope.study.spec import CampaignSpec
 from sdcscope.workloads import mix_seed
 
-__all__ = ["Trial", "build_plan", "pattern_label", "schedule_label"]
+__all__ = ["Trial", "build_plan", "pattern_label", "schedule_label", "location_json", "TARGET_SEP"]
+
+TARGET_SEP = ","
+"""Joins the module names of a target group into one trial target."""
+SWIZZLE_KEYS = ("swizzle", "swizzle_seed")
+
+
+def location_json(pattern: dict) -> str:
+    """JSON of where a pattern's fault sits, without how the hardware swizzles channels to it."""
+    return json.dumps({k: v for k, v in pattern.items() if k not in SWIZZLE_KEYS}, sort_keys=True)
 
 
 def pattern_label(pattern: dict) -> str:
@@ -50,14 +63,18 @@ class Trial:
     """JSON of the pattern mapping (hashable)."""
     schedule: str
     """JSON of the schedule template."""
-    swizzle: bool
     repeat: int
     fault_seed: int
 
     @property
+    def swizzle(self) -> bool:
+        """Whether the pattern re-maps its channels every step (a ``mac_cell`` with ``swizzle: per_step``)."""
+        return json.loads(self.pattern).get("swizzle", "none") != "none"
+
+    @property
     def key(self) -> str:
         return "|".join(f"{k}={getattr(self, k)}" for k in
-                        ("inject_step", "site", "target", "model", "bit", "pattern", "schedule", "swizzle", "repeat"))
+                        ("inject_step", "site", "target", "model", "bit", "pattern", "schedule", "repeat"))
 
     def dimension(self, name: str) -> Any:
         """The value of a fault-space dimension (labels for pattern and schedule)."""
@@ -80,7 +97,7 @@ class Trial:
             duration = template.get("duration")
             schedule = {"kind": kind, "p": template["p"], "start": s,
                         **({"stop": s + duration} if duration else {})}
-        return FaultSpec(site=self.site, target=self.target, model=self.model,
+        return FaultSpec(site=self.site, target=self.target.split(TARGET_SEP), model=self.model,
                          bits=None if self.bit is None else [self.bit], format=format,
                          pattern=json.loads(self.pattern), schedule=schedule, rank=0, seed=self.fault_seed)
 
@@ -93,12 +110,20 @@ class Trial:
 
 def _expand(model: nn.Module, space, site: str) -> list[str]:
     names: list[str] = []
-    for pattern in space.targets:
-        probe = FaultSpec(site=site, target=pattern, model="zero", schedule={"kind": "transient", "step": 0})
-        try:
-            names += [t.key for t in resolve_targets(model, probe)]
-        except ValueError as exc:
-            raise ValueError(f"faults.targets {pattern!r} for site {site!r}: {exc}") from None
+    for entry in space.targets:
+        found: list[str] = []
+        for pattern in (entry if isinstance(entry, tuple) else (entry,)):
+            probe = FaultSpec(site=site, target=pattern, model="zero", schedule={"kind": "transient", "step": 0})
+            try:
+                found += [t.key for t in resolve_targets(model, probe)]
+            except ValueError as exc:
+                raise ValueError(f"faults.targets {pattern!r} for site {site!r}: {exc}") from None
+        found = list(dict.fromkeys(found))
+        bad = [n for n in found if TARGET_SEP in n]
+        if bad:
+            raise ValueError(f"faults.targets {entry!r}: module name {bad[0]!r} contains {TARGET_SEP!r}, "
+                             "which joins the names of a target group")
+        names += [TARGET_SEP.join(found)] if isinstance(entry, tuple) else found
     return list(dict.fromkeys(names))
 
 
@@ -112,15 +137,14 @@ def _points(spec: CampaignSpec, model: nn.Module, optimizer) -> list[dict]:
                 for pattern in space.patterns:
                     p_json = json.dumps(pattern, sort_keys=True)
                     for repeat in range(space.repeats):
-                        seed = mix_seed(space.seed, s, site, target, p_json, repeat)
+                        seed = mix_seed(space.seed, s, site, target, location_json(pattern), repeat)
                         for model_name in space.models:
                             for bit in (space.bits if model_name in BIT_MODELS else (None,)):
                                 for schedule in space.schedules:
-                                    for swizzle in space.swizzle:
-                                        points.append(dict(inject_step=s, site=site, target=target,
-                                                           model=model_name, bit=bit, pattern=p_json,
-                                                           schedule=json.dumps(schedule, sort_keys=True),
-                                                           swizzle=swizzle, repeat=repeat, fault_seed=seed))
+                                    points.append(dict(inject_step=s, site=site, target=target,
+                                                       model=model_name, bit=bit, pattern=p_json,
+                                                       schedule=json.dumps(schedule, sort_keys=True),
+                                                       repeat=repeat, fault_seed=seed))
     # One FaultSpec per distinct (site, target, model, pattern, schedule) checks against the model.
     seen: dict[tuple, dict] = {}
     for p in points:

@@ -125,22 +125,38 @@ class _Pool:
 
 
 class _Ray:
+    """One ``Worker`` actor (1 CPU) per worker on a Ray cluster; ``address`` as for ``ray.init``
+    (``local`` starts a private cluster on this machine, ``auto`` joins a running one; a Ray
+    already initialized in this process is used as it is). The actors are removed on close, and
+    a cluster this backend started is shut down."""
+
     def __init__(self, directory: Path, spec: CampaignSpec, workers: int | None, address: str) -> None:
         try:
             import ray
             from ray.util import ActorPool
         except ImportError:
-            raise ValueError("--ray-address needs Ray: pip install 'sdcscope[ray]'") from None
-        ray.init(address=address, ignore_reinit_error=True)
+            raise ValueError(f"--ray-address {address!r} needs Ray: pip install 'sdcscope[ray]'") from None
+        self.ray = ray
+        self.started = not ray.is_initialized()
+        if self.started:
+            try:
+                ray.init(address=address)
+            except ConnectionError as exc:
+                raise ValueError(f"--ray-address {address!r}: no Ray cluster to connect to ({exc}); "
+                                 "'local' starts one on this machine") from None
         n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
         actor = ray.remote(num_cpus=1)(Worker)
-        self.pool = ActorPool([actor.remote(str(directory.resolve()), spec.to_dict()) for _ in range(n)])
+        self.actors = [actor.remote(str(directory.resolve()), spec.to_dict()) for _ in range(n)]
+        self.pool = ActorPool(self.actors)
 
     def map(self, jobs: list[dict]) -> Iterator[dict]:
         return self.pool.map_unordered(lambda a, job: a.run.remote(job), jobs)
 
     def close(self) -> None:
-        return None
+        for a in self.actors:
+            self.ray.kill(a)
+        if self.started:
+            self.ray.shutdown()
 
 
 def _backend(directory: Path, spec: CampaignSpec, workers: int | None, ray_address: str | None):
@@ -186,6 +202,9 @@ def run_campaign(directory: str | Path, *, workers: int | None = None, ray_addre
     directory = Path(directory)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise ValueError(f"workers={workers!r} must be an int >= 0 (0: run in this process)")
+    if ray_address is not None and (not isinstance(ray_address, str) or not ray_address):
+        raise ValueError(f"ray_address={ray_address!r} must be a non-empty str: 'local' (a private cluster on "
+                         "this machine), 'auto' (a running cluster) or 'ray://host:port'")
     spec_path = directory / SPEC_FILE
     if not spec_path.is_file():
         raise FileNotFoundError(f"{str(directory)!r} holds no {SPEC_FILE} (create it, or use "

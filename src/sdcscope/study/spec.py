@@ -13,15 +13,19 @@ Example (every key but ``workload``, ``inject_steps``, ``horizon`` and ``faults`
       targets: ["blocks.*.attn.*_proj", "blocks.*.mlp.*", head]   # expanded to single modules
       models: [bitflip]
       bits: ["0-31"]               # ints and "a-b" ranges
-      patterns: [{kind: element}]  # FaultSpec patterns
+      patterns: [{kind: element}]  # FaultSpec patterns (mac_cell: array, swizzle: per_step, ...)
       schedules: [{kind: transient}]   # transient | permanent | intermittent {p, duration}
-      swizzle: [false]             # true: re-map the channels of a mac_cell fault every step
       repeats: 1                   # independent draws (fault seeds) per point
       seed: 0
     sampling: {kind: random, n: 40, seed: 0}   # exhaustive | random | stratified (+ by: [bit])
     baseline: {seeds: [101, 102, 103], alpha: 0.01}
     guard: false
     analysis: basic                # full: also lock-step (level a) and gradient NSR (level b)
+
+A ``targets`` entry that is itself a list is *one* target: every module its patterns match, hit
+by the same fault in one trial (a unit that runs all those GEMMs, e.g. one NVDLA MAC array serving
+every layer: ``targets: [[conv1, conv2, fc1, fc2, fc3]]``). A plain entry is expanded into single
+modules, one trial each.
 
 Schedules are templates: the runner puts the injection step in (transient ``step``, permanent and
 intermittent ``start``; intermittent ``duration`` gives ``stop = start + duration``). Everything is
@@ -40,7 +44,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from sdcscope.faults import BIT_MODELS, FORMATS, MODELS, SITES, Pattern, check_bits, get_format
+from sdcscope.faults import BIT_MODELS, FORMATS, MODELS, SITES, SWIZZLE_MODES, Pattern, check_bits, get_format
 
 __all__ = ["CampaignSpec", "FaultSpace", "Sampling", "Baseline", "load_campaign", "SAMPLING_KINDS",
            "DIMENSIONS", "ANALYSES", "SCHEDULE_TEMPLATES"]
@@ -148,25 +152,28 @@ def _schedule_template(data: Any) -> dict:
 
 @dataclass(frozen=True)
 class FaultSpace:
-    """Sites × targets × models × bits × patterns × schedules × swizzle × repeats."""
+    """Sites × targets × models × bits × patterns × schedules × repeats."""
 
     sites: tuple[str, ...]
-    targets: tuple[str, ...]
+    targets: tuple[str | tuple[str, ...], ...]
     models: tuple[str, ...] = ("bitflip",)
     bits: tuple[int, ...] | None = None
     format: str | None = None
     patterns: tuple[dict, ...] = ({"kind": "element"},)
     schedules: tuple[dict, ...] = ({"kind": "transient"},)
-    swizzle: tuple[bool, ...] = (False,)
     repeats: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         set_("sites", _choices("faults.sites", self.sites, SITES))
-        targets = _list("faults.targets", self.targets)
-        if not all(isinstance(t, str) and t for t in targets):
-            raise TypeError(f"faults.targets must be non-empty strings, got {targets!r}")
+        targets = []
+        for t in _list("faults.targets", self.targets):
+            group = isinstance(t, (list, tuple))
+            if not (t and all(isinstance(x, str) and x for x in (t if group else [t]))):
+                raise TypeError(f"faults.targets entries must be non-empty strings or non-empty lists of "
+                                f"them (one target hit as a whole), got {t!r}")
+            targets.append(tuple(dict.fromkeys(t)) if group else t)
         set_("targets", tuple(targets))
         set_("models", _choices("faults.models", self.models, MODELS))
         if self.format is not None:
@@ -192,18 +199,15 @@ class FaultSpace:
                 raise type(exc)(f"faults.patterns entry {p!r}: {exc}") from None
         set_("patterns", tuple(patterns))
         set_("schedules", tuple(_schedule_template(s) for s in _list("faults.schedules", self.schedules)))
-        swizzle = _list("faults.swizzle", self.swizzle)
-        if not all(isinstance(s, bool) for s in swizzle):
-            raise TypeError(f"faults.swizzle must be true/false (or a list of them), got {self.swizzle!r}")
-        set_("swizzle", tuple(dict.fromkeys(swizzle)))
-        if True in self.swizzle and any(p["kind"] != "mac_cell" for p in self.patterns):
-            raise ValueError("faults.swizzle re-maps the channels of a MAC cell: it needs every pattern "
-                             f"to be kind 'mac_cell', got {[p['kind'] for p in self.patterns]}")
         _int("faults.repeats", self.repeats, 1)
         _int("faults.seed", self.seed)
 
     @classmethod
     def from_dict(cls, data: Any) -> FaultSpace:
+        if isinstance(data, Mapping) and "swizzle" in data:
+            raise ValueError(f"faults.swizzle {data['swizzle']!r} is a pattern option now: write "
+                             "patterns: [{kind: mac_cell, swizzle: per_step}] (swizzle allowed: "
+                             f"{list(SWIZZLE_MODES)})")
         data = _keys("faults", data, tuple(f.name for f in fields(cls)))
         for key in ("sites", "targets"):
             if key not in data:
@@ -211,7 +215,9 @@ class FaultSpace:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+        out = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+        out["targets"] = [list(t) if isinstance(t, tuple) else t for t in self.targets]
+        return out
 
 
 @dataclass(frozen=True)

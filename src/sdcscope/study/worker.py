@@ -25,7 +25,6 @@ from sdcscope.study.levels import gradient_level, submodule_level
 from sdcscope.study.outcomes import classify
 from sdcscope.study.plan import Trial
 from sdcscope.study.spec import CampaignSpec
-from sdcscope.study.swizzle import SwizzledFault
 from sdcscope.workloads import make_workload
 
 __all__ = ["Worker", "GOLDEN_DIR", "drift_offsets", "flat_params", "rel_distance"]
@@ -191,20 +190,10 @@ class Worker:
                 "losses": run["losses"], "drift": run["drift"]}
 
     # -- trial -------------------------------------------------------------------------------
-    def _fault(self, trial: Trial, spec) -> tuple[Any, Any]:
-        """(fault handle with ``records`` and ``close()``, engine callback) for the main run."""
+    def _arm(self, spec):
+        """``arm(step)``: a fresh attached injector holding the fault (a swizzled pattern follows
+        the injector's step by itself)."""
         t = self.trainer
-        if trial.swizzle:
-            fault = SwizzledFault(t.model, spec, t.optimizer)
-            return fault, fault
-        injector = Injector(t.model, [spec], t.optimizer).attach()
-        return injector, injector.callback()
-
-    def _arm(self, trial: Trial, spec):
-        """``arm(step)``: a fresh attached injector holding the fault as it is at ``step``."""
-        t = self.trainer
-        if trial.swizzle:
-            return SwizzledFault(t.model, spec, t.optimizer).injector_at
         return lambda step: Injector(t.model, [spec], t.optimizer).attach()
 
     def trial(self, job: dict[str, Any]) -> dict[str, Any]:
@@ -214,13 +203,14 @@ class Worker:
         row: dict[str, Any] = {"kind": "trial", **trial.to_row()}
         if self.spec.analysis == "full":
             self._restore(s)
-            arm = self._arm(trial, spec)
+            arm = self._arm(spec)
             row.update(submodule_level(t, arm))
             self._restore(s)
             ratios = gradient_level(t, arm, self.spec.horizon)
             row.update(nsr=ratios, nsr_max=max(ratios), nsr_mean=sum(ratios) / len(ratios))
         self._restore(s)
-        fault, callback = self._fault(trial, spec)
+        fault = Injector(t.model, [spec], t.optimizer).attach()
+        callback = fault.callback()
         t.add_callback(callback)
         guard = make_guard(t) if self.spec.guard else None
         sched = spec.schedule
