@@ -1,6 +1,6 @@
 """ABFT detection over a grid of single bit flips in every Linear of the tiny GPT.
 
-    python benchmarks/bench_guard_detection.py [--bits 20-30] [--step 60]
+    python benchmarks/bench_guard_detection.py [--bits 20-30] [--step 60] [--checksums both]
 
 For each Linear, each GEMM (forward Y, dX, dW) and each bit, one training step is run from the
 same trained state with a flip of that bit in one random element of that GEMM's output. The
@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--bits", default="20-30")
     parser.add_argument("--step", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checksums", choices=("column", "both", "row"), default="column",
+                        help="ABFT sides (default: the guard's default, column)")
     args = parser.parse_args()
     workload = make_workload(WorkloadConfig(workload="gpt", preset="tiny"))
     trainer = Trainer(workload, TrainConfig(seed=args.seed))
@@ -74,7 +76,7 @@ def main() -> None:
                 trainer.restore(state)
                 spec = FaultSpec(site=site, target=layer, model="bitflip", bits=[bit],
                                  schedule={"kind": "transient", "step": args.step}, seed=trial)
-                abft = ABFTDetector(trainer.model, ABFTConfig())
+                abft = ABFTDetector(trainer.model, ABFTConfig(checksums=args.checksums))
                 with Injector(trainer.model, [spec], trainer.optimizer) as inj, abft:
                     inj.set_position(args.step)
                     abft.begin_step(args.step)
@@ -109,7 +111,7 @@ def main() -> None:
     for miss in misses_above[:10]:
         print("missed above threshold:", miss)
     print(f"smallest detected relative error: {smallest:.3g}")
-    print(f"ABFT flagged {above_ok}/{above} flips above the rounding-model threshold in the same step "
+    print(f"ABFT ({args.checksums}) flagged {above_ok}/{above} flips above the rounding-model threshold in the same step "
           f"(right layer and GEMM); overall {sum(d for d, _ in stats.values())}/{trial} detected; "
           f"smallest detected relative error {smallest:.3g}")
 
