@@ -44,8 +44,10 @@ How the hooks see the values actually produced
 
 Idle cost: on a step (or layer) that is not sampled every hook returns after one set lookup; no
 view, tensor hook or autograd node is added. Sampling is deterministic: every ``every`` steps,
-``layer_fraction`` of the layers in a rotation; with ``budget`` the detector times its own hooks
-and sizes the rotation so that checking costs about ``budget`` × the step time.
+``layer_fraction`` of the layers in a rotation; with ``budget`` the detector checks at most every
+other step and sizes the rotation from the measured wall time of checked and unchecked steps, so
+that checking costs about ``budget`` × the step time (call :meth:`ABFTDetector.check` once per
+step).
 
 Not covered: products computed outside a module's ``forward`` (``F.linear`` on another
 module's weight, ``F.scaled_dot_product_attention``: expose them as MatMul-contract modules to
@@ -64,7 +66,6 @@ Per step::
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -103,7 +104,7 @@ class ABFTConfig:
     """Share of the targeted layers checked on a checked step (deterministic rotation)."""
     budget: float | None = None
     """Target overhead (e.g. 0.02 = 2 % of step time): overrides ``every`` / ``layer_fraction``
-    from the detector's own timing of its hooks (full coverage on the first checked step)."""
+    from measured step times (full coverage on step 0, none on step 1, then a rotation)."""
     calibration_steps: int = 0
     """Checked steps whose largest ratio per (layer, gemm) sets a tighter threshold
     ``max(c_min, calibration_margin × max ratio)`` (never above ``c``)."""
@@ -217,11 +218,9 @@ class ABFTDetector:
         self.unjudged = 0
         self.max_ratio: dict[tuple[str, str], float] = {}
         # budget control
-        self._hook_seconds = 0.0
-        self._events_cuda: list = []
-        self._last_check_wall: float | None = None
-        self._steps_since_check = 0
-        self._plan = (max(1, math.ceil(cfg.layer_fraction * len(self.layers))), cfg.every)
+        self._last_check: tuple[float, int] | None = None   # (wall time, step) of the last check
+        self._plan = (len(self.layers), 2) if cfg.budget is not None else \
+            (max(1, math.ceil(cfg.layer_fraction * len(self.layers))), cfg.every)
         self._cost_per_layer: float | None = None
         self._base_step: float | None = None
 
@@ -283,9 +282,6 @@ class ABFTDetector:
         return layer.name in self._active and (layer.module.training or self.config.include_eval)
 
     # ------------------------------------------------------------------ hooks
-    def _timer(self, dev: torch.device):
-        return _HookTimer(self, dev) if self.config.budget is not None else _NO_TIMER
-
     @property
     def _cs(self) -> torch.dtype:
         choice = self.config.checksum_dtype
@@ -329,10 +325,6 @@ class ABFTDetector:
             layer.open_ctx = ctx
             if not (grads and torch.is_grad_enabled()):
                 return None
-            with self._timer(args[0].device if args and isinstance(args[0], torch.Tensor) else _CPU):
-                return views(args, ctx)
-
-        def views(args, ctx):
             n_ops = 1 if layer.kind == "linear" else 2
             new = list(args)
             for pos in range(min(n_ops, len(args))):
@@ -358,7 +350,7 @@ class ABFTDetector:
             ctx, layer.open_ctx = layer.open_ctx, None
             if ctx is None or not self._on(layer) or not isinstance(out, torch.Tensor):
                 return None
-            with torch.no_grad(), self._timer(out.device):
+            with torch.no_grad():
                 cd = out.dtype
                 if layer.kind == "linear":
                     x = ctx.x if ctx.x is not None else args[0]   # before ABFT's own view
@@ -403,7 +395,7 @@ class ABFTDetector:
             if ctx.dy is None or ctx.a is None:
                 ctx.done(f"op{pos}")
                 return None
-            with torch.no_grad(), self._timer(grad.device):
+            with torch.no_grad():
                 dy = ctx.dy
                 if layer.kind == "linear":   # dX = dY · W
                     self._record(layer, "grad_input", ctx.call, ctx.a_shape[:-1], (),
@@ -445,7 +437,7 @@ class ABFTDetector:
             layer.dw_pending = [c for c in layer.dw_pending if c not in ready]
             g = param.grad
             prev, layer.prev_sums = layer.prev_sums, None
-            with torch.no_grad(), no_autocast(g.device), self._timer(g.device):
+            with torch.no_grad(), no_autocast(g.device):
                 if len(ready) == 1:   # dW = dYᵀ · X
                     dy, x = ready[0].dy_operand(self._cs), ready[0].a
                 else:  # several calls since the last accumulation (weight reuse): stacked tokens
@@ -493,11 +485,9 @@ class ABFTDetector:
         step = self._step if step is None else int(step)
         records, self._records = self._records, []
         events: list[Event] = []
-        self._steps_since_check += 1
         if records:
             lines = [ln for r in records for ln in r[-1].lines.values()]
-            with self._timer(lines[0].act.device):
-                per_line = iter(line_ratios(lines).tolist())  # the sync
+            per_line = iter(line_ratios(lines).tolist())  # the sync
             ratios = [max(next(per_line) for _ in r[-1].lines) for r in records]
             calibrating = self._checked_steps < cfg.calibration_steps
             self._checked_steps += 1
@@ -508,7 +498,7 @@ class ABFTDetector:
                     self._c_eff[key] = min(cfg.c, max(cfg.c_min, cfg.calibration_margin * worst))
             self.checks_run += len(records)
         if cfg.budget is not None:
-            self._update_plan(n_checked=len({r[0] for r in records}))
+            self._update_plan(step, n_checked=len({r[0] for r in records}))
         self._drop_pending()
         if step is not None:
             self.begin_step(step + 1)
@@ -555,25 +545,29 @@ class ABFTDetector:
         return [Event(step, self.name, "checksum_mismatch", module=name, gemm=gemm,
                       rank=self.rank, index=index, evidence=evidence)]
 
-    def _update_plan(self, n_checked: int) -> None:
-        """Size the rotation so that hook time ≈ budget × step time (budget mode)."""
+    def _update_plan(self, step: int | None, n_checked: int) -> None:
+        """Budget mode: size the rotation from measured step times. Checked and unchecked steps
+        alternate (the plan checks at most every other step), so the wall time of an unchecked
+        step is the baseline and a checked step's excess over it, per layer, is the whole cost
+        of checking — hooks, autograd nodes, memory traffic, the judgement — not just the part a
+        timer around the hooks would see. Layers per checked step = 2·budget·base/cost."""
         now = time.perf_counter()
-        spent = self._hook_seconds + sum(a.elapsed_time(b) for a, b in self._events_cuda) / 1e3
-        self._hook_seconds, self._events_cuda = 0.0, []
-        if self._last_check_wall is not None and n_checked:
-            wall = now - self._last_check_wall
-            base = max(wall - spent, 1e-9) / self._steps_since_check
-            per_layer = spent / n_checked
-            ema = lambda old, new: new if old is None else 0.7 * old + 0.3 * new  # noqa: E731
-            self._base_step = ema(self._base_step, base)
-            self._cost_per_layer = ema(self._cost_per_layer, per_layer)
-            want = self.config.budget * self._base_step / max(self._cost_per_layer, 1e-12)
-            n = len(self.layers)
-            self._plan = (min(n, max(1, int(want))), 1) if want >= 1 else \
-                (1, min(10_000, math.ceil(1 / want)))
-        if n_checked or self._last_check_wall is None:
-            self._last_check_wall = now
-            self._steps_since_check = 0
+        last, self._last_check = self._last_check, (now, step)
+        if last is None or step is None or last[1] is None or step <= last[1]:
+            return
+        dt = (now - last[0]) / (step - last[1])
+        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new  # noqa: E731
+        if n_checked == 0:
+            self._base_step = ema(self._base_step, dt)
+        elif self._base_step is not None:
+            self._cost_per_layer = ema(self._cost_per_layer,
+                                       max(dt - self._base_step, 0.0) / n_checked)
+        if self._base_step is None or self._cost_per_layer is None:
+            return
+        per_step = self.config.budget * self._base_step / max(self._cost_per_layer, 1e-12)
+        n = len(self.layers)
+        self._plan = (min(n, max(1, int(2 * per_step))), 2) if 2 * per_step >= 1 else \
+            (1, min(10_000, math.ceil(1 / per_step)))
 
 
 def _keep_last(layer: _Layer) -> None:
@@ -585,33 +579,6 @@ def _keep_last(layer: _Layer) -> None:
     if hooks is None or hid not in hooks or next(reversed(hooks)) == hid:
         return
     hooks.move_to_end(hid)
-
-
-class _HookTimer:
-    """Adds a hook's duration to the detector's budget accounting (CUDA events on GPUs)."""
-
-    __slots__ = ("det", "dev", "t0", "ev")
-
-    def __init__(self, det: ABFTDetector, dev: torch.device) -> None:
-        self.det, self.dev = det, dev
-
-    def __enter__(self) -> None:
-        if self.dev.type == "cuda":
-            self.ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self.ev[0].record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.dev.type == "cuda":
-            self.ev[1].record()
-            self.det._events_cuda.append(self.ev)
-        else:
-            self.det._hook_seconds += time.perf_counter() - self.t0
-
-
-_NO_TIMER = contextlib.nullcontext()
-_CPU = torch.device("cpu")
 
 
 def _expand(t: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
