@@ -42,8 +42,9 @@ How the hooks see the values actually produced
   shared between modules (a tied LM head) get a sum of several products and are not checked for
   ``grad_weight``.
 
-Idle cost: on a step (or layer) that is not sampled every hook returns after one set lookup; no
-view, tensor hook or autograd node is added. Sampling is deterministic: every ``every`` steps,
+Idle cost: hooks are registered only on the layers sampled for the current step (re-registered
+by :meth:`ABFTDetector.begin_step` when the sample changes), so a step or layer that is not
+checked runs no ABFT code at all. Sampling is deterministic: every ``every`` steps,
 ``layer_fraction`` of the layers in a rotation; with ``budget`` the detector checks at most every
 other step and sizes the rotation from the measured wall time of checked and unchecked steps, so
 that checking costs about ``budget`` × the step time (call :meth:`ABFTDetector.check` once per
@@ -173,6 +174,7 @@ class _Layer:
     check_dw: bool
     calls: int = 0
     fwd_handle: object = None
+    handles: list = field(default_factory=list)
     open_ctx: _Ctx | None = None           # created by the pre-hook, completed by the forward hook
     dw_pending: list[_Ctx] = field(default_factory=list)
     prev_sums: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -203,7 +205,7 @@ class ABFTDetector:
                                       check_dw=not (linear and (shared or not mod.weight.requires_grad))))
         self.skipped_grad_weight = [x.name for x in self.layers if x.kind == "linear" and not x.check_dw]
         """Linear layers whose dW is not checked (weight shared with another module, or frozen)."""
-        self._handles: list = []
+        self._attached = False
         self._active: frozenset[str] = frozenset()
         self._chosen: list[_Layer] = []
         self._step: int | None = None
@@ -226,27 +228,41 @@ class ABFTDetector:
 
     # ----------------------------------------------------------------- attach
     def attach(self) -> ABFTDetector:
-        """Register the hooks (forward ones last in each module's order); returns ``self``."""
-        if self._handles:
+        """Start checking; returns ``self``. Hooks live only on the layers sampled for the
+        current step (forward ones last in each module's order): a layer that is not checked
+        costs nothing."""
+        if self._attached:
             return self
-        h = self._handles
-        for layer in self.layers:
-            mod = layer.module
-            h.append(mod.register_forward_pre_hook(self._pre_hook(layer), prepend=False))
-            layer.fwd_handle = mod.register_forward_hook(self._fwd_hook(layer), prepend=False)
-            h.append(layer.fwd_handle)
-            if layer.kind == "linear" and layer.check_dw and "grad_weight" in self.config.gemms:
-                h.append(mod.weight.register_hook(self._snapshot_hook(layer)))
-                h.append(mod.weight.register_post_accumulate_grad_hook(self._dw_hook(layer)))
+        self._attached = True
         if self._step is None:
             self.begin_step(0)
+        else:
+            self._sync_hooks()
         return self
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._attached = False
+        self._sync_hooks()
         self._drop_pending()
+
+    def _sync_hooks(self) -> None:
+        """Register the hooks of the chosen layers, remove those of the others."""
+        want = self._active if self._attached else frozenset()
+        for layer in self.layers:
+            on = layer.name in want
+            if on and not layer.handles:
+                mod = layer.module
+                layer.fwd_handle = mod.register_forward_hook(self._fwd_hook(layer), prepend=False)
+                layer.handles = [mod.register_forward_pre_hook(self._pre_hook(layer), prepend=False),
+                                 layer.fwd_handle]
+                if layer.kind == "linear" and layer.check_dw and "grad_weight" in self.config.gemms:
+                    layer.handles += [
+                        mod.weight.register_hook(self._snapshot_hook(layer)),
+                        mod.weight.register_post_accumulate_grad_hook(self._dw_hook(layer))]
+            elif not on and layer.handles:
+                for handle in layer.handles:
+                    handle.remove()
+                layer.handles, layer.fwd_handle = [], None
 
     def __enter__(self) -> ABFTDetector:
         return self.attach()
@@ -271,6 +287,7 @@ class ABFTDetector:
                 self._rot = (self._rot + k) % n
             self._active = frozenset(layer.name for layer in chosen)
             self._chosen = chosen
+            self._sync_hooks()
         for layer in self._chosen:
             _keep_last(layer)
 
