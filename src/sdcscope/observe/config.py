@@ -41,7 +41,7 @@ class MetricsConfig:
     adam_stats: bool = True
     """``adam/g2_over_v`` = Σg²/Σv̂_{t-1} (global and min/max over layers): ≪ 1 for long means the
     second moment has decoupled from the gradient (instability.md §1.9)."""
-    stats_every: int = 10
+    stats_every: int = 25
     """Parameter norm, update ratio, cosines, Adam statistics and the output log-sum-exp on steps with
     ``step % stats_every == 0`` (research tier "every ~10–100 steps")."""
     probe_every: int = 50

@@ -254,6 +254,12 @@ class Metrics:
 
     @staticmethod
     def _stack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        try:  # the common case: one device, fp32 — no per-tensor conversion calls
+            out = torch.stack(tensors)
+            if out.device == device and out.dtype == torch.float32:
+                return out
+        except RuntimeError:
+            pass
         return torch.stack([t.to(device=device, dtype=torch.float32) for t in tensors])
 
     def grad_sq_norms(self) -> tuple[list[int], torch.Tensor | None]:
