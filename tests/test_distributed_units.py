@@ -8,15 +8,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sdcscope.detect.crossrank import CrossRankConfig, bitsum, fletcher, grad_signatures
+from sdcscope.detect.crossrank import CrossRankConfig, bitsum, bucket_norms, fletcher, grad_signatures
 from sdcscope.detect.events import Event
 from sdcscope.engine import TrainConfig, Trainer, param_sha256
-from sdcscope.engine.ddp import BucketView, DDPTrainer, DistConfig, DistributedError, free_port, \
-    gather_rows, init_distributed, launch
+from sdcscope.engine.ddp import BucketView, DDPTrainer, DistConfig, DistributedError, decode_rows, encode_rows, \
+    free_port, gather_rows, init_distributed, launch
 from sdcscope.faults import FaultSpec
 from sdcscope.inject.comm import CommInjector, comm_phase
 from sdcscope.localize.ranks import LedgerConfig, LocalizeConfig, RankLedger, RankLocalizer
+from sdcscope.guard import Guard, GuardConfig
 from sdcscope.mitigate.quarantine import RankGuardConfig
+from sdcscope.study import write_report
 from sdcscope.workloads import WorkloadConfig, make_workload
 
 WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=200_000)
@@ -110,7 +112,22 @@ def test_checksums_see_every_single_bit_flip_and_ignore_order():
         assert bitsum(y) != bitsum(x) and not torch.equal(fletcher(y), fletcher(x))
     assert bitsum(x.flip(0)) == bitsum(x) and fletcher(x.flip(0))[1] != fletcher(x)[1]
     sig = grad_signatures([x, None])
-    assert sig[0, 0] == torch.linalg.vector_norm(x.double()) and sig[:, 1].isnan().all()
+    assert torch.allclose(sig[0, 0], torch.linalg.vector_norm(x.double()), rtol=1e-6) and sig[:, 1].isnan().all()
+
+
+@pytest.mark.parametrize("sizes", [[4096, 64, 256, 64, 16384], [100, 3, 7]])  # fused rows of 64; per tensor
+def test_bucket_norms_are_what_a_replay_of_the_same_gradients_computes(sizes):
+    parts = [torch.randn(n) * 10.0 ** (k % 5 - 3) for k, n in enumerate(sizes)]
+    parts[1].view(torch.int32)[2] ^= 1 << 30  # an exponent-bit flip: ~2^127, its square overflows float32
+    flat = torch.cat(parts)
+    norms = bucket_norms(flat, sizes)
+    assert norms.dtype == torch.float64 and torch.isfinite(norms).all()
+    assert torch.allclose(norms, torch.stack([torch.linalg.vector_norm(t.double()) for t in parts]), rtol=1e-5)
+    # the localizer's replay: separate gradients, grouped as the bucket was -> the same bits
+    grads = [t.clone() for t in parts]
+    assert torch.equal(grad_signatures(grads, [list(range(len(sizes)))])[0], norms)
+    assert torch.equal(bucket_norms(torch.tensor([float("inf"), 1.0, float("nan"), 2.0]), [2, 2]).isnan(),
+                       torch.tensor([False, True]))
 
 
 def test_ledger_counts_suspicions_per_step_and_persists(tmp_path):
@@ -145,6 +162,9 @@ def test_peer_is_the_next_healthy_rank():
     (lambda: LedgerConfig(max_suspicions=0), "max_suspicions=0"),
     (lambda: RankGuardConfig(hash_every=-1), "hash_every=-1"),
     (lambda: RankGuardConfig(crossrank={"z_threshold": -1}), "z_threshold=-1"),
+    (lambda: RankGuardConfig(crossrank={"evry": 2}), "unknown rank guard crossrank key 'evry' \\(did you mean 'every'"),
+    (lambda: CrossRankConfig(piggyback="yes"), "piggyback='yes'"),
+    (lambda: GuardConfig.from_dict({"ranks": {"hash_evry": 2}}), "unknown guard config key 'hash_evry'|hash_every"),
 ])
 def test_configs_name_the_bad_value(build, match):
     with pytest.raises(ValueError, match=match):
@@ -176,3 +196,82 @@ def test_outside_a_launch_the_error_says_how_to_start(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(DistributedError, match="sdcscope train --nproc N"):
         init_distributed(DistConfig(backend="gloo"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_rows_ride_a_bucket_of_any_float_dtype_bit_exactly(dtype):
+    special = [1.5, -0.0, float("nan"), float("inf"), -float("inf"), 5e-324, -1e308, 2.0 ** 32 - 1, -(2.0 ** 31)]
+    row = torch.cat([torch.tensor(special, dtype=torch.float64), torch.randn(50, dtype=torch.float64) * 1e12,
+                     torch.randint(-2 ** 62, 2 ** 62, (50,)).view(torch.float64)])
+    chunks = encode_rows(row, dtype)
+    assert chunks.dtype == dtype and chunks.min() >= 0
+    sent = torch.zeros((3, chunks.numel()), dtype=dtype)
+    sent[1] = chunks  # what an all-reduce SUM of the other ranks' zeros leaves
+    rows = decode_rows(sent + torch.zeros_like(sent), row.numel())
+    assert torch.equal(rows[1].view(torch.int64), row.view(torch.int64))
+    assert not rows[0].view(torch.int64).any()
+
+
+def test_guard_rejects_settings_a_data_parallel_run_cannot_honour(tmp_path):
+    cfg = tmp_path / "guard.yaml"
+    for text, match in (("ranks: null\n", "ranks: null cannot watch a data-parallel run"),
+                        ("qk_clip: 50\n", "qk_clip is not supported in data-parallel runs"),
+                        ("ranks: {hash_evry: 3}\n", "did you mean 'hash_every'")):
+        cfg.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            launch(2, ["--out", str(tmp_path / "run"), "--guard-config", str(cfg)])
+    with pytest.raises(ValueError, match="drop --no-crossrank"):
+        launch(2, ["--out", str(tmp_path / "run"), "--guard", "--no-crossrank"])
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        launch(2, ["--out", str(tmp_path / "run"), "--guard-config", str(tmp_path / "missing.yaml")])
+    assert not (tmp_path / "run").exists()
+
+
+def test_guard_on_a_ddp_module_in_a_world_of_one_trains_like_the_plain_trainer(world_of_one, tmp_path):
+    workload = make_workload(WORKLOAD)
+    plain, ddp = Trainer(workload, TrainConfig(seed=2)), DDPTrainer(workload, TrainConfig(seed=2))
+    with pytest.raises(ValueError, match="pass ddp.module as model"):
+        Guard(plain.model, ddp.optimizer, ddp=ddp.ddp)
+    guard = Guard(ddp.ddp, ddp.optimizer, GuardConfig(), run_dir=tmp_path)  # the wrapper as the model
+    assert guard.model is ddp.model and guard.rank == 0 and guard.ranks is not None
+    ddp.add_callback(guard.callback())
+    rows = []
+    for _ in range(3):
+        plain.train_step()
+        rows.append(ddp.train_step())
+    guard.close()
+    assert param_sha256(plain.model) == param_sha256(ddp.model)
+    assert [r["quarantined"] for r in rows] == [[]] * 3 and guard.events == []
+    assert (tmp_path / "events.jsonl").read_text() == "" and (tmp_path / "ledger.json").is_file()
+
+
+def test_report_of_a_run_directory_shows_every_rank_lane(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"workload": {"workload": "gpt", "preset": "tiny"},
+                                                 "train": {"seed": 0}, "world_size": 3, "backend": "gloo"}))
+    metrics = [{"step": s, "loss": 5.0 - 0.1 * s, "rank_loss": [5.0, 5.1, 4.9], "skipped": s == 2,
+                "quarantined": [2] if s >= 2 else []} for s in range(5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    events = [{"step": 2, "detector": "crossrank", "verdict": "grad_outlier", "module": "head", "rank": 2,
+               "evidence": {}, "action": "veto"},
+              {"step": 2, "detector": "quarantine", "verdict": "quarantined", "module": None, "rank": 2,
+               "evidence": {}, "action": "quarantine"},
+              {"step": 1, "detector": "spike", "verdict": "reproducible", "module": None, "rank": None,
+               "evidence": {"finding": "spike"}, "action": "report"}]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "events.rank1.jsonl").write_text(json.dumps({"step": 3, "detector": "guard", "verdict": "internal_error",
+                                                        "module": None, "rank": 1, "evidence": {},
+                                                        "action": "report"}) + "\n")
+    html, md = write_report(run)
+    text = md.read_text()
+    assert "outcome | unfinished (no summary.json)" in text and "quarantined ranks | 2 (from step 2)" in text
+    lanes = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| rank ")
+             or line.startswith("| world |")}
+    assert set(lanes) == {"rank 0", "rank 1", "rank 2", "world"}
+    assert "guard:internal_error ×1" in lanes["rank 1"]
+    assert "crossrank:grad_outlier ×1" in lanes["rank 2"] and lanes["rank 2"].rstrip(" |").endswith("2")
+    assert "spike:reproducible ×1" in lanes["world"] and "| 1 | spike | reproducible | – | spike | report |" in text
+    assert html.read_text().count("data:image/png;base64,") == 2
+    with pytest.raises(FileNotFoundError, match="no results.sqlite .* and no config.json"):
+        write_report(tmp_path)

@@ -1,4 +1,5 @@
-"""``sdcscope report DIR``: report.html (self-contained, figures inlined) and report.md of a campaign."""
+"""``sdcscope report DIR``: report.html (self-contained, figures inlined) and report.md of a campaign
+or of a run directory (per-rank timelines of a distributed run)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from sdcscope.cli.common import out_console, user_errors
 
 
 @app.command()
-def report(directory: Path = typer.Argument(..., help="Campaign directory holding results.sqlite.")) -> None:
-    """Write DIR/report.html and DIR/report.md from the campaign's results."""
+def report(directory: Path = typer.Argument(..., help="Campaign directory (results.sqlite) or run directory "
+                                                     "(config.json, from sdcscope train/inject).")) -> None:
+    """Write DIR/report.html and DIR/report.md: a campaign's results, or a run's per-rank timelines."""
     with user_errors():
         from sdcscope.study import write_report
 

@@ -61,8 +61,11 @@ def train(
     guard: bool = GUARD_OPT,
     guard_config_path: Optional[Path] = GUARD_CONFIG_OPT,
     invariants: Optional[Path] = INVARIANTS_OPT,
-    nproc: int = typer.Option(1, "--nproc", help="Data-parallel ranks; N != 1 launches torchrun (gloo/nccl DDP)."),
+    nproc: int = typer.Option(1, "--nproc", help="Data-parallel ranks; N != 1 launches torchrun (gloo/nccl DDP); "
+                                                 "with --guard every rank is watched and decides alike."),
     faults: Optional[Path] = typer.Option(None, "--faults", help="Fault specs bound to ranks (distributed run)."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Distributed run: seconds a rendezvous or collective may "
+                                                           "wait before a missing or hung rank fails the run."),
 ) -> None:
     """Train a reference workload deterministically into a run directory."""
     if nproc != 1 or faults is not None:
@@ -72,18 +75,27 @@ def train(
                 raise CLIError("--resume does not apply to a distributed run")
             if out is None:
                 raise CLIError("--out DIR is required")
+            if invariants is not None:
+                raise CLIError("--invariants is not supported in a distributed run yet; drop it or use --nproc 1")
             from sdcscope.engine.ddp import launch
 
             argv = ["--out", str(out), "--workload", workload, "--preset", preset, "--steps", str(steps),
-                    "--seed", str(seed), "--grad-accum", str(grad_accum), "--eval-every", str(eval_every)]
+                    "--seed", str(seed), "--grad-accum", str(grad_accum), "--eval-every", str(eval_every),
+                    "--timeout", str(timeout)]
             for flag, value in (("--corpus", corpus), ("--batch-size", batch_size), ("--lr", lr),
-                                ("--faults", faults)):
+                                ("--faults", faults), ("--guard-config", guard_config_path)):
                 if value is not None:
                     argv += [flag, str(value)]
+            if guard:
+                argv.append("--guard")
             rc = launch(nproc, argv)  # validates first: ValueError → exit 2, nothing created
         if rc != 0:
             raise fail(f"distributed training failed (exit code {rc}); see the rank errors above and "
                        f"{out}/failure.rank*.json")
+        if guard or guard_config_path is not None:
+            events = out / "events.jsonl"
+            count = sum(1 for line in events.read_text().splitlines() if line.strip()) if events.is_file() else 0
+            out_console.print(f"guard: {count} event(s) in {events}; per-rank timelines: sdcscope report {out}")
         return
     with user_errors():
         check_steps(steps)

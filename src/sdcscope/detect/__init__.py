@@ -1,4 +1,4 @@
-"""Detectors: non-finite values, spikes, ABFT checksums of every GEMM.
+"""Detectors: non-finite values, spikes, ABFT checksums of every GEMM, cross-rank signatures.
 
 Each detector is a small class with a config dataclass and ``check(...) -> list[Event]``;
 :class:`Event` is one line of ``events.jsonl``. May import :mod:`sdcscope.observe`.
@@ -6,6 +6,17 @@ Each detector is a small class with a config dataclass and ``check(...) -> list[
 
 from sdcscope.detect.abft import ABFTConfig, ABFTDetector
 from sdcscope.detect.checksum import RoundingModel, gemm_check, rounding_model, unit_roundoff
+from sdcscope.detect.crossrank import (
+    CrossRankConfig,
+    CrossRankDetector,
+    Gathered,
+    GradientSignatures,
+    ReplicaHashCheck,
+    bitsum,
+    bucket_norms,
+    fletcher,
+    grad_signatures,
+)
 from sdcscope.detect.events import GEMMS, Event
 from sdcscope.detect.nonfinite import NonFiniteConfig, NonFiniteDetector
 from sdcscope.detect.spike import SpikeConfig, SpikeDetector, SpikeState
@@ -17,17 +28,26 @@ __all__ = [
     "ABFT",
     "ABFTConfig",
     "ABFTDetector",
+    "CrossRankConfig",
+    "CrossRankDetector",
     "Event",
     "GEMMS",
+    "Gathered",
+    "GradientSignatures",
     "NonFiniteConfig",
     "NonFiniteDetector",
+    "ReplicaHashCheck",
     "RoundingModel",
     "SpikeConfig",
     "SpikeDetector",
     "SpikeState",
     "StateChecksum",
     "StateChecksumConfig",
+    "bitsum",
+    "bucket_norms",
+    "fletcher",
     "gemm_check",
+    "grad_signatures",
     "rounding_model",
     "unit_roundoff",
 ]

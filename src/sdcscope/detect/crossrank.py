@@ -4,10 +4,10 @@ The gradient all-reduce copies one rank's corruption into every replica, so comp
 *after* it sees nothing (style_ecosystem.md B4; production_sdc.md §7 gap 3). Three checks:
 
 - :class:`CrossRankDetector` -- each rank's gradient signatures taken **before** the reduction
-  (a stage of the DDP bucket hook): per parameter the fp64 L2 norm, per bucket a bit checksum
+  (a stage of the DDP bucket hook): per parameter the L2 norm (:func:`bucket_norms`), per bucket a bit checksum
   (the sum of the raw bits as integers, mod 2³²: exact, order-free, and changed by any single bit
-  flip). Each sampled step, every rank's row of norms and checksums is gathered by one
-  all-reduce issued inside the hook next to the last bucket's (no extra synchronization point),
+  flip). Each sampled step, every rank's row of norms and checksums rides along in the last
+  bucket's own all-reduce (no extra collective, no extra synchronization point),
   and every rank runs the same test on the same numbers, so every rank reaches the same verdict
   (and vetoes the same step) without another message. Tests, in log2 of the norms across the
   healthy ranks:
@@ -33,16 +33,20 @@ The gradient all-reduce copies one rank's corruption into every replica, so comp
   compared across replicas: catches a fault that desynchronizes one replica (a flipped Adam
   moment, a weight, a post-reduction bucket).
 - Local verdicts of per-rank detectors (ABFT, replay, ...) passed to :meth:`CrossRankDetector.check`
-  are shared with every rank in the same step.
+  are shared with every rank in the same step, each naming the rank that found it; a finding that
+  every healthy rank made alike (the all-reduced gradient is the same everywhere) becomes one
+  event about the world (``rank`` None, every rank a candidate).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -66,8 +70,14 @@ class CrossRankConfig:
     margin: float = 1.5
     """... and by ``margin`` × the largest natural log2-spread seen so far for that parameter."""
     max_listed: int = 8
+    piggyback: bool = True
+    """Gather the signatures in the last gradient bucket's own all-reduce (no extra collective;
+    see :class:`~sdcscope.engine.ddp.BucketHook`); False: in a small all-reduce of their own,
+    which leaves the bucket's reduction exactly as without the check at any world size."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.piggyback, bool):
+            raise ValueError(f"piggyback={self.piggyback!r} must be True or False")
         check_positive("every", self.every)
         check_positive("max_listed", self.max_listed)
         for name, low in (("z_threshold", 0.0), ("min_ratio", 1.0), ("margin", 0.0)):
@@ -95,6 +105,15 @@ def _wrapsum(t: torch.Tensor) -> torch.Tensor:
     return _ints(t).sum(dtype=_acc(t))
 
 
+_NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _wrapsum_host(a: np.ndarray) -> int:
+    """:func:`_wrapsum` of a flat numpy array, as a Python int."""
+    acc = np.int32 if a.itemsize <= 4 else np.int64
+    return int(a.view(_NP_INT[a.itemsize]).sum(dtype=acc))
+
+
 def bitsum(t: torch.Tensor) -> torch.Tensor:
     """Sum of the raw bits of ``t`` read as integers, mod 2³², as a float64 0-d tensor (exact)."""
     return _mod32(_wrapsum(t))
@@ -108,76 +127,158 @@ def fletcher(t: torch.Tensor) -> torch.Tensor:
     return _mod32(torch.stack([v.sum(dtype=acc), (v * w).sum(dtype=acc)]))
 
 
-def grad_signatures(grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    """``[2, P]``: fp64 L2 norm and :func:`bitsum` of each gradient (nan where ``None``)."""
+ROW_MIN = 16
+"""Shortest row worth a fused reduction: with shorter rows a bucket's norms are taken per tensor."""
+
+
+@functools.lru_cache(maxsize=64)
+def _row(sizes: tuple[int, ...]) -> int:
+    """The row length that tiles every segment of a bucket: their gcd (0 when below ROW_MIN)."""
+    g = math.gcd(*sizes)
+    return g if g >= ROW_MIN else 0
+
+
+def bucket_norms(flat: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """The L2 norm of each consecutive segment of the flat ``flat`` (``sizes`` elements each), as
+    float64 on ``flat``'s device: a pure function of the bits and the segmentation, so the
+    signature sent before the reduction and a replay of the same gradients agree exactly.
+
+    Float32 on the CPU: one fused reduction over rows of ``gcd(sizes)`` elements (no row straddles
+    two segments) and a float64 sum of squared row norms per segment, instead of one kernel per
+    tensor (the kernel calls, not the arithmetic, dominate a CPU hook). A row that overflows
+    float32 is recomputed in float64, so a finite gradient has a finite norm (an exponent-bit flip
+    reaches 2^128). Elsewhere (GPUs: no host sync in the comm hook), one fused ``foreach`` norm in
+    float64.
+    """
+    sizes = tuple(int(n) for n in sizes)
+    flat = flat.detach()
+    if flat.device.type == "cpu" and flat.dtype == torch.float32 and _row(sizes):
+        return torch.from_numpy(_row_norms(flat, sizes))
+    return torch.stack(torch._foreach_norm(list(flat.split(sizes)), 2, dtype=torch.float64))
+
+
+@functools.lru_cache(maxsize=64)
+def _starts(sizes: tuple[int, ...], g: int) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum([n // g for n in sizes[:-1]], dtype=np.int64)])
+
+
+def _row_norms(flat: torch.Tensor, sizes: tuple[int, ...]) -> np.ndarray:
+    """:func:`bucket_norms` of a float32 CPU tensor whose segments tile into rows (numpy result)."""
+    g = _row(sizes)
+    grid = flat.view(-1, g)
+    rows = torch.linalg.vector_norm(grid, dim=1).numpy().astype(np.float64)
+    overflow = np.flatnonzero(np.isinf(rows))  # overflowed in float32 (or a real inf: stays inf)
+    if overflow.size:
+        rows[overflow] = torch.linalg.vector_norm(grid[overflow.tolist()].double(), dim=1).numpy()
+    return np.sqrt(np.add.reduceat(rows * rows, _starts(sizes, g)))
+
+
+def grad_signatures(grads: Sequence[torch.Tensor | None], buckets: Sequence[Sequence[int]] | None = None
+                    ) -> torch.Tensor:
+    """``[2, P]``: :func:`bucket_norms` and :func:`bitsum` of each gradient (nan where ``None``).
+
+    ``buckets``: the slots of each DDP bucket, to take the norms exactly as the comm hook did
+    (default: every tensor its own bucket; a missing gradient is left out of its bucket).
+    """
     out = torch.full((2, len(grads)), math.nan, dtype=torch.float64)
     present = [i for i, g in enumerate(grads) if g is not None]
+    for slots in buckets if buckets is not None else [[i] for i in present]:
+        slots = [i for i in slots if grads[i] is not None]
+        if slots:
+            flat = torch.cat([grads[i].detach().reshape(-1) for i in slots])
+            out[0, slots] = bucket_norms(flat, tuple(grads[i].numel() for i in slots)).cpu()
     if present:
-        norms = torch._foreach_norm([grads[i].detach() for i in present], 2, dtype=torch.float64)
-        out[0, present] = torch.stack(norms).cpu()
         out[1, present] = torch.stack([bitsum(grads[i]) for i in present]).cpu()
     return out
 
 
 class GradientSignatures:
-    """Bucket-hook stage: this rank's signatures, gathered without an extra synchronization point.
+    """Bucket-hook stage: this rank's signatures, gathered without an extra collective.
 
-    Before each bucket's reduction: the fp64 norm of each of its parameters and one bit checksum
+    Before each bucket's reduction: the norm of each of its parameters and one bit checksum
     of the whole bucket (written into each of its parameters' slots). At the step's last bucket
-    the row ``[norms, checksums, reduced checksums of the previous sampled step]`` is gathered by
-    an asynchronous all-reduce issued next to the bucket's own. After each reduction: the bit
-    checksum of the reduced bucket, sent with the next sampled step (so a corrupted reduction is
-    seen one step late).
+    the row ``[norms, checksums, reduced checksums of the previous sampled step]`` rides along
+    in the bucket's own all-reduce (:class:`~sdcscope.engine.ddp.BucketHook` riders), or with
+    ``piggyback=False`` in an asynchronous all-reduce of its own issued next to it. After each
+    reduction: the bit checksum of the reduced bucket, sent with the next sampled step (so a
+    corrupted reduction is seen one step late).
     """
 
-    def __init__(self, names: Sequence[str], device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, names: Sequence[str], device: torch.device, group: dist.ProcessGroup | None = None,
+                 *, piggyback: bool = True) -> None:
         self.index = {n: i for i, n in enumerate(names)}
-        self.group = group
-        p, self.rank = len(names), dist.get_rank(group)
-        # Every rank's row of [norms, checksums (wrapped; reduced mod 2³² after the gather), reduced
-        # checksums]; this rank writes its own row in place, the all-reduce fills in the others.
-        self.rows = torch.zeros((dist.get_world_size(group), 3 * p), dtype=torch.float64, device=device)
-        self.norm, self.pre, self.post = self.rows[self.rank].split(p)
+        self.group, self.piggyback = group, piggyback
+        p, self.rank, self.world = len(names), dist.get_rank(group), dist.get_world_size(group)
+        # This rank's row of [norms, checksums (wrapped; reduced mod 2³² after the gather), reduced
+        # checksums of the previous sampled step]; ``rows``: every rank's, once gathered.
+        self.row = torch.zeros(3 * p, dtype=torch.float64, device=device)
+        self.norm, self.pre, self.post = self.row.split(p)
         self.post.fill_(math.nan)
-        self._others = torch.arange(self.rows.shape[0], device=device) != self.rank
+        self.rows: torch.Tensor | None = None
         self.post_step: int | None = None                  # the step whose reduced checksums ``post`` holds
         self._post_next = torch.full_like(self.norm, math.nan)
+        # On the CPU the hook writes through numpy views (a few microseconds, not tens, per write).
+        self._host = (self.norm.numpy(), self.pre.numpy(), self._post_next.numpy()) if device.type == "cpu" else None
         self._reduced_step: int | None = None
         self.buckets: list[list[int]] = []                 # parameter slots of each bucket, this step
         self.step, self.sampled = 0, False
         self.pending: tuple[int, int | None, list[list[int]], Any] | None = None  # step, post step, buckets, work
-        self._slots: dict[tuple, tuple[list[int], torch.Tensor]] = {}
+        self._slots: dict[tuple, tuple[list[int], torch.Tensor, tuple[int, ...]]] = {}
 
     def begin(self, step: int, sampled: bool) -> None:
-        if self.pending is not None:  # gathered but never collected: let it land before rewriting
+        if self.pending is not None and self.pending[-1] is not None:  # never collected: let it land
             self.pending[-1].wait()
         if self._reduced_step is not None:
             self.post.copy_(self._post_next)
             self.post_step, self._reduced_step = self._reduced_step, None
         self.step, self.sampled, self.pending, self.buckets = step, sampled, None, []
 
-    def _slot(self, view) -> tuple[list[int], torch.Tensor]:
+    def _slot(self, view) -> tuple[list[int], torch.Tensor, tuple[int, ...]]:
+        """A bucket's parameter slots (as a list and an index tensor) and segment sizes."""
         key = (view.index, *view.names)
         if key not in self._slots:
             slots = [self.index[n] for n in view.names]
-            self._slots[key] = (slots, torch.tensor(slots, device=view.buffer.device))
+            sizes = tuple(g.numel() for g in view.grads)
+            assert sum(sizes) == view.buffer.numel(), "a DDP bucket holds more than its gradients"
+            self._slots[key] = (slots, torch.tensor(slots, device=view.buffer.device), sizes)
         return self._slots[key]
 
     def before_reduce(self, view) -> None:
         if not self.sampled:
             return
-        slots, idx = self._slot(view)
+        slots, idx, sizes = self._slot(view)
         self.buckets.append(slots)
-        self.norm[idx] = torch.stack(torch._foreach_norm(view.grads, 2, dtype=torch.float64))
-        self.pre[idx] = _wrapsum(view.buffer).to(torch.float64)
-        if view.last:
-            self.rows[self._others] = 0.0
+        host = getattr(view, "host", None)
+        if self._host is not None and host is not None and view.buffer.dtype == torch.float32 and _row(sizes):
+            self._host[0][slots] = _row_norms(view.buffer, sizes)
+            self._host[1][slots] = _wrapsum_host(host)
+        else:
+            self.norm[idx] = bucket_norms(view.buffer, sizes).to(self.norm.device)
+            self.pre[idx] = _wrapsum(view.buffer).to(self.pre.device, torch.float64)
+        if view.last and not self.piggyback:
+            self.rows = torch.zeros((self.world, self.row.numel()), dtype=torch.float64, device=self.row.device)
+            self.rows[self.rank] = self.row
             work = dist.all_reduce(self.rows, group=self.group, async_op=True)  # as gather_rows does
             self.pending = (self.step, self.post_step, self.buckets, work)
 
+    def ride(self, view) -> torch.Tensor | None:
+        """The row to gather with the last bucket of a sampled step (piggyback mode)."""
+        if not (self.piggyback and self.sampled and view.last):
+            return None
+        self.pending, self.rows = (self.step, self.post_step, self.buckets, None), None
+        return self.row
+
+    def landed(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
     def after_reduce(self, view) -> None:
         if self.sampled:
-            self._post_next[self._slot(view)[1]] = _wrapsum(view.buffer).to(torch.float64)
+            slots, idx, _ = self._slot(view)
+            host = getattr(view, "host", None)
+            if self._host is not None and host is not None:
+                self._host[2][slots] = _wrapsum_host(host)
+            else:
+                self._post_next[idx] = _wrapsum(view.buffer).to(self._post_next.device, torch.float64)
             self._reduced_step = self.step
 
     def collect(self, step: int) -> tuple[torch.Tensor, int | None, list[list[int]]] | None:
@@ -185,11 +286,13 @@ class GradientSignatures:
         if self.pending is None or self.pending[0] != step:
             return None
         _, post_step, buckets, work = self.pending
-        work.wait()
+        if work is not None:
+            work.wait()
         self.pending = None
-        rows = self.rows.to("cpu", copy=True)
+        assert self.rows is not None, "the last bucket of a sampled step was reduced without its signatures"
+        rows = self.rows.cpu().numpy().copy()
         rows[:, self.pre.numel():] %= MOD32  # exact: float64 holds these integers
-        return rows, post_step, buckets
+        return torch.from_numpy(rows), post_step, buckets
 
 
 @dataclass
@@ -215,9 +318,9 @@ def _groups(rows: torch.Tensor, ranks: Sequence[int]) -> tuple[list[int] | None,
     return majority, differ
 
 
-def _median(x: torch.Tensor) -> torch.Tensor:
-    """Median over dim 0 (the mean of the two middle values for an even count)."""
-    v = x.sort(0).values
+def _median(x: np.ndarray) -> np.ndarray:
+    """Median over axis 0 (the mean of the two middle values for an even count)."""
+    v = np.sort(x, axis=0)
     n = v.shape[0]
     return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
@@ -242,11 +345,14 @@ class CrossRankDetector:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.signatures = GradientSignatures(self.names, next(model.parameters()).device, group)
+        self.signatures = GradientSignatures(self.names, next(model.parameters()).device, group,
+                                             piggyback=self.config.piggyback)
         self.excluded: frozenset[int] = frozenset()
-        self.spread = torch.zeros(len(self.names), dtype=torch.float64)
+        # The per-step statistics run on a few numbers per parameter: numpy, not torch (whose
+        # per-operation dispatch cost would dominate on arrays this small).
+        self.spread = np.zeros(len(self.names))
         """Largest natural |log2 norm − median| seen per parameter."""
-        self.threshold = torch.full_like(self.spread, math.log2(self.config.min_ratio))
+        self.threshold = np.full_like(self.spread, math.log2(self.config.min_ratio))
         """log2 distance from the median that flags a rank: max(log2 min_ratio, margin × spread)."""
         self.last: Gathered | None = None
 
@@ -268,15 +374,16 @@ class CrossRankDetector:
             return events
         rows, post_step, buckets = got
         p = len(self.names)
-        norm = rows[:, :p]
-        self.last = Gathered(step, norm, rows[:, p:2 * p], buckets)
-        finite = torch.isfinite(norm).all(1).tolist()
+        a = rows.numpy()
+        norm = a[:, :p]
+        self.last = Gathered(step, torch.from_numpy(norm), torch.from_numpy(a[:, p:2 * p]), buckets)
+        finite = np.isfinite(norm).all(1)
         bad = [r for r in self.healthy() if not finite[r]]
         events += [self._nonfinite(step, r, norm[r]) for r in bad]
         if not bad:
             events += self._outliers(step, norm)
         if post_step is not None:
-            events += self._post(step, post_step, rows[:, 2 * p:])
+            events += self._post(step, post_step, a[:, 2 * p:])
         return events
 
     def _shared(self, local: Sequence[Event]) -> list[Event]:
@@ -285,33 +392,48 @@ class CrossRankDetector:
         if not counts.any():
             return []
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, [e.to_dict() for e in local], group=self.group)
-        return [Event(**{**d, "index": None if d["index"] is None else tuple(d["index"])})
-                for rank, part in enumerate(gathered) if rank not in self.excluded for d in part]
+        dist.all_gather_object(gathered, [{**e.to_dict(), "rank": self.rank} for e in local], group=self.group)
+        healthy = self.healthy()
+        found: dict[tuple, list[dict]] = {}
+        for rank in healthy:
+            for d in gathered[rank]:
+                key = (d["detector"], d["verdict"], d["module"], d["gemm"], str(d["index"]))
+                found.setdefault(key, []).append(d)
+        events = []
+        for same in found.values():
+            ranks = sorted({d["rank"] for d in same})
+            if len(healthy) > 1 and ranks == healthy:
+                # Every healthy rank found it (e.g. in the all-reduced gradient): a finding about
+                # the world, not one rank -- a replay of every rank decides who, if anyone.
+                same = [{**same[0], "rank": None,
+                         "evidence": {**same[0]["evidence"], "ranks": ranks, "candidates": ranks}}]
+            events += [Event(**{**d, "index": None if d["index"] is None else tuple(d["index"])}) for d in same]
+        return events
 
-    def _nonfinite(self, step: int, rank: int, norm: torch.Tensor) -> Event:
-        params = [self.names[i] for i in (~torch.isfinite(norm)).nonzero().flatten().tolist()]
+    def _nonfinite(self, step: int, rank: int, norm: np.ndarray) -> Event:
+        params = [self.names[i] for i in np.flatnonzero(~np.isfinite(norm))]
         return Event(step, self.name, "nonfinite", module=_module(params[0]) if params else None, rank=rank,
                      evidence={"what": "pre-reduction gradient", "count": len(params),
                                "params": params[:self.config.max_listed]})
 
-    def _deviation(self, norm: torch.Tensor, healthy: list[int]) -> torch.Tensor:
+    def _deviation(self, norm: np.ndarray, healthy: list[int]) -> np.ndarray:
         """``[healthy, P]``: |log2 norm − median| across the healthy ranks (a zero norm counts
         as 2^-1000)."""
-        x = torch.log2(norm if len(healthy) == len(norm) else norm[healthy]).clamp_min_(-1000.0)
-        return (x - _median(x)).abs_()
+        with np.errstate(divide="ignore"):
+            x = np.maximum(np.log2(norm if len(healthy) == len(norm) else norm[healthy]), -1000.0)
+        return np.abs(x - _median(x))
 
-    def learn(self, dev: torch.Tensor | None = None) -> None:
+    def learn(self, dev: np.ndarray | None = None) -> None:
         """Fold a step's spread (default: the last sampled step's) into the natural spread: a
         clean step, or one a replay proved natural."""
         healthy = self.healthy()
         if dev is None and self.last is not None and len(healthy) >= 2:
-            dev = self._deviation(self.last.norm, healthy)
+            dev = self._deviation(self.last.norm.numpy(), healthy)
         if dev is not None:
-            torch.maximum(self.spread, dev.max(0).values, out=self.spread)
-            torch.clamp(self.config.margin * self.spread, min=math.log2(self.config.min_ratio), out=self.threshold)
+            np.maximum(self.spread, dev.max(0), out=self.spread)
+            np.maximum(self.config.margin * self.spread, math.log2(self.config.min_ratio), out=self.threshold)
 
-    def _outliers(self, step: int, norm: torch.Tensor) -> list[Event]:
+    def _outliers(self, step: int, norm: np.ndarray) -> list[Event]:
         healthy = self.healthy()
         if len(healthy) < 2:
             return []
@@ -325,31 +447,31 @@ class CrossRankDetector:
             self.learn(dev)
             return []
         thr = self.threshold
-        score = torch.where(flagged, dev / thr, torch.zeros_like(dev))
+        score = np.where(flagged, dev / thr, 0.0)
         if z is None:
-            return [self._outlier_event(step, None, healthy, score.max(0).values, norm, thr, z=None)]
+            return [self._outlier_event(step, None, healthy, score.max(0), norm, thr, z=None)]
         return [self._outlier_event(step, healthy[i], healthy, score[i], norm, thr, z[i])
                 for i in range(len(healthy)) if flagged[i].any()]
 
     def _outlier_event(self, step, rank, healthy, score, norm, thr, z) -> Event:
         j = int(score.argmax())
-        flagged = [self.names[k] for k in score.argsort(descending=True).tolist() if score[k] > 0]
+        flagged = [self.names[k] for k in np.argsort(-score, kind="stable") if score[k] > 0]
         col = norm[healthy, j]
-        median = _median(col[:, None])[0].item()
+        median = float(_median(col))
         evidence = {"param": self.names[j], "norms": dict(zip(healthy, col.tolist())), "median": median,
-                    "threshold_ratio": 2.0 ** thr[j].item(), "params": flagged[:self.config.max_listed]}
+                    "threshold_ratio": 2.0 ** float(thr[j]), "params": flagged[:self.config.max_listed]}
         if rank is None:
             evidence["candidates"] = list(healthy)
         else:
-            evidence.update(ratio=norm[rank, j].item() / median if median else math.inf, z=z[j].item())
+            evidence.update(ratio=float(norm[rank, j]) / median if median else math.inf, z=float(z[j]))
         return Event(step, self.name, "grad_outlier", module=_module(self.names[j]), rank=rank, evidence=evidence)
 
-    def _post(self, step: int, post_step: int, post: torch.Tensor) -> list[Event]:
+    def _post(self, step: int, post_step: int, post: np.ndarray) -> list[Event]:
         """The reduced buckets of ``post_step`` must have been equal on every rank."""
         healthy = self.healthy()
-        if bool((post[healthy] == post[healthy[0]]).all()):  # the common case: one comparison
+        if (post[healthy] == post[healthy[0]]).all():  # the common case: one comparison
             return []
-        majority, differ = _groups(post, healthy)
+        majority, differ = _groups(torch.from_numpy(post), healthy)
         params = [self.names[k] for k in differ]
         odd = [None] if majority is None else [r for r in healthy if r not in majority]
         return [Event(step, self.name, "reduce_mismatch", rank=r,

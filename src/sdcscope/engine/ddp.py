@@ -3,6 +3,8 @@
 A world is formed from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``); :func:`launch` starts one (``sdcscope train --nproc N``), and
 ``torchrun --nproc-per-node N -m sdcscope.engine.ddp --out DIR ...`` is the same thing by hand.
+``--guard`` watches every rank with the Guard (:mod:`sdcscope.guard.ranks`); without it the rank
+guard alone (:mod:`sdcscope.mitigate.quarantine`) runs, unless ``--no-crossrank``.
 
 - **Shards.** Rank r trains micro-batch ``m`` of a step on ``workload.batch(seed, data_pos,
   r * grad_accum + m)``: a pure function, so reruns are bitwise identical, a rank's batch can be
@@ -12,7 +14,8 @@ A world is formed from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTE
   :class:`BucketView`): fault injection (:mod:`sdcscope.inject.comm`), pre-reduction signatures
   (:mod:`sdcscope.detect.crossrank`), and rank exclusion (:meth:`BucketHook.exclude`, the
   re-weighted all-reduce of :mod:`sdcscope.mitigate.quarantine`). With nothing excluded it
-  averages exactly like DDP's default hook (divide, then all-reduce SUM), bit for bit.
+  averages exactly like DDP's default hook (divide, then all-reduce SUM), bit for bit at 2 ranks
+  (see :class:`BucketHook` on rows that ride along with the last bucket).
 - **Run directory.** Rank 0 writes ``config.json``, ``metrics.jsonl`` (world-mean ``loss`` and
   ``rank_loss``), ``summary.json`` (with every replica's ``param_sha256``) and the checkpoint.
   Each rank logs its fired faults to ``injections.rank{r}.jsonl`` as they happen; rank 0 merges
@@ -32,20 +35,22 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sdcscope import __version__
 from sdcscope.engine.rundir import JsonlWriter, check_new_run_dir, read_jsonl, write_json
 from sdcscope.engine.state import param_sha256, save_checkpoint
-from sdcscope.engine.trainer import StepContext, TrainConfig, Trainer
+from sdcscope.engine.trainer import TrainConfig, Trainer
 from sdcscope.faults import FaultSpec, load_specs
 from sdcscope.inject import Injector, reexecution
 from sdcscope.inject.comm import CommInjector
@@ -133,6 +138,56 @@ def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> to
     return rows
 
 
+CHUNK_BITS = {torch.float64: 16, torch.float32: 16, torch.float16: 8, torch.bfloat16: 8}
+"""Bits of a float64 that travel in one element of a bucket of this dtype: integers below 2^16
+(2^8) are exact in float32 (float16, bfloat16), and so is their sum with zeros."""
+_NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}
+
+
+def _host(t: torch.Tensor) -> np.ndarray | None:
+    """``t`` as a numpy view when it lives on the CPU in a numpy dtype: the hook's bookkeeping on
+    a few hundred numbers costs a few microseconds per numpy call, tens per torch operation."""
+    return t.detach().numpy() if t.device.type == "cpu" and t.dtype in _NUMPY else None
+
+
+def _encode(bits: Any, b: int, xp: Any) -> Any:
+    """``[len(bits), 64 / b]`` chunks of int64 ``bits`` (numpy or torch, ``xp`` the module)."""
+    if xp is np:
+        return (bits[:, None] >> np.arange(0, 64, b, dtype=np.int64)) & ((1 << b) - 1)
+    return (bits[:, None] >> torch.arange(0, 64, b, device=bits.device, dtype=torch.int64)) & ((1 << b) - 1)
+
+
+def _decode(c: Any, b: int, xp: Any) -> Any:
+    """int64 bits from ``[..., 64 / b]`` int64 chunks (modified in place)."""
+    n = 64 // b
+    top = c[..., -1]
+    top -= (top >> (b - 1)) << b  # the highest chunk carries the sign of the int64: [-2^(b-1), 2^(b-1))
+    weights = [1 << (b * i) for i in range(n)]
+    weights = np.array(weights, dtype=np.int64) if xp is np else torch.tensor(weights, dtype=torch.int64, device=c.device)
+    return (c * weights).sum(-1)  # every partial sum fits in an int64: exact
+
+
+def encode_rows(row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bits of the float64 ``row`` as ``len(row) * 64 / b`` integers in ``[0, 2^b)``, stored in
+    ``dtype`` (``b`` = :data:`CHUNK_BITS`): a row that survives any all-reduce SUM with zeros."""
+    b = CHUNK_BITS[dtype]
+    row = row.to(torch.float64).contiguous()
+    if row.device.type == "cpu" and dtype in _NUMPY:
+        return torch.from_numpy(_encode(row.numpy().view(np.int64), b, np).reshape(-1).astype(_NUMPY[dtype]))
+    return _encode(row.view(torch.int64), b, torch).reshape(-1).to(dtype)
+
+
+def decode_rows(chunks: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse of :func:`encode_rows` for ``[world, width * 64 / b]`` chunks: ``[world, width]`` float64."""
+    b = CHUNK_BITS[chunks.dtype]
+    host = _host(chunks)
+    if host is not None:
+        c = host.astype(np.int64).reshape(chunks.shape[0], width, 64 // b)
+        return torch.from_numpy(_decode(c, b, np).view(np.float64))
+    c = chunks.to(torch.int64).view(chunks.shape[0], width, 64 // b)
+    return _decode(c, b, torch).view(torch.float64)
+
+
 # ---------------------------------------------------------------------------- the comm hook
 
 
@@ -148,6 +203,8 @@ class BucketView:
     grads: list[torch.Tensor]
     last: bool
     """The step's last bucket: every bucket before it has been seen."""
+    host: np.ndarray | None = None
+    """``buffer`` as a numpy view (CPU buckets of a numpy dtype): cheap bookkeeping for stages."""
 
 
 class BucketHook:
@@ -159,6 +216,15 @@ class BucketHook:
     multiplication) and every rank divides by the number of contributors: the result is the
     average of the healthy ranks, identical bit for bit on every rank, and an excluded rank
     keeps computing and receives it, so its replica stays equal to the others.
+
+    **Riders.** A stage with ``ride(view)`` may return, for the step's last bucket, a 1-D float64
+    row of its own (e.g. gradient signatures); the hook gathers every rank's row in the same
+    all-reduce as the bucket -- no extra collective -- and hands ``[world, len(row)]`` to the
+    stage's ``landed(rows)`` before ``after_reduce``. The rows travel bit-exactly as small
+    integers appended to the bucket (see :func:`encode_rows`); the bucket part is reduced as
+    before (at 2 ranks bit for bit like DDP's own hook; at more ranks the summation order of a
+    longer message may differ, still identical on every rank and from run to run). A bucket of
+    another dtype sends the rows in a second all-reduce instead.
     """
 
     def __init__(self, ddp: DDP, group: dist.ProcessGroup | None = None) -> None:
@@ -167,10 +233,13 @@ class BucketHook:
         self.names = {id(p): n for n, p in ddp.module.named_parameters()}
         self._views: dict[tuple, BucketView] = {}
         self.stages: list[Any] = []
+        self.riders: list[Any] = []
         self.excluded: frozenset[int] = frozenset()
+        self._combined: dict[tuple, torch.Tensor] = {}
 
     def add(self, stage: Any, *, first: bool = False) -> None:
         self.stages.insert(0, stage) if first else self.stages.append(stage)
+        self.riders = [s for s in self.stages if callable(getattr(s, "ride", None))]
 
     def exclude(self, ranks: Iterable[int]) -> None:
         """From the next bucket on, leave ``ranks``' gradients out of the average."""
@@ -193,7 +262,7 @@ class BucketHook:
             assert all(g.untyped_storage().data_ptr() == storage for g in grads), \
                 "DDP bucket gradients are not views of the bucket buffer"
             self._views[key] = BucketView(bucket.index(), buffer, [self.names[id(p)] for p in bucket.parameters()],
-                                          grads, bucket.is_last())
+                                          grads, bucket.is_last(), _host(buffer))
         return self._views[key]
 
     def reduce(self, state, bucket):  # unannotated: DDP checks annotations against real types
@@ -204,14 +273,64 @@ class BucketHook:
         if self.rank in self.excluded:
             buffer.zero_()
         buffer.div_(self.world - len(self.excluded))
-        fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
+        rows = [(s, r) for s in self.riders if (r := s.ride(view)) is not None] if view is not None and view.last else []
+        if not rows:
+            fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
+        elif buffer.dtype in CHUNK_BITS:
+            fut = self._reduce_with(buffer, view, torch.cat([r.to(torch.float64) for _, r in rows]))
+        else:
+            mat = torch.zeros((self.world, sum(r.numel() for _, r in rows)), dtype=torch.float64, device=buffer.device)
+            mat[self.rank] = torch.cat([r.to(torch.float64) for _, r in rows])
+            fut = torch.futures.collect_all([
+                dist.all_reduce(buffer, group=self.group, async_op=True).get_future(),
+                dist.all_reduce(mat, group=self.group, async_op=True).get_future()])
+            fut = fut.then(lambda f: (f.value()[0].value()[0], mat))
 
         def reduced(f: torch.futures.Future) -> torch.Tensor:
-            out = f.value()[0]
+            value = f.value()
+            if rows:
+                out, mat = value
+                start = 0
+                for stage, row in rows:
+                    stage.landed(mat[:, start:start + row.numel()])
+                    start += row.numel()
+            else:
+                out = value[0]
             for stage in self.stages:
                 stage.after_reduce(view)
             return out
         return fut.then(reduced)
+
+    def _reduce_with(self, buffer: torch.Tensor, view: BucketView, row: torch.Tensor) -> torch.futures.Future:
+        """All-reduce ``buffer`` with every rank's float64 ``row`` appended (bit-exact chunks);
+        the future's value is ``(buffer, [world, len(row)] rows)``."""
+        n, b, width = buffer.numel(), CHUNK_BITS[buffer.dtype], row.numel()
+        size = width * (64 // b)
+        key = (view.index, buffer.data_ptr(), n, size)
+        if key not in self._combined:
+            self._combined = {k: v for k, v in self._combined.items() if k[0] != view.index}  # DDP rebuilt its buckets
+            combined = torch.empty(n + self.world * size, dtype=buffer.dtype, device=buffer.device)
+            self._combined[key] = (combined, _host(combined))
+        combined, out = self._combined[key]
+        own = slice(n + self.rank * size, n + (self.rank + 1) * size)
+        row_host = _host(row) if view.host is not None and out is not None else None
+        if row_host is not None:  # the CPU: numpy views, no torch operation but the all-reduce
+            out[:n] = view.host
+            out[n:] = 0
+            out[own] = _encode(np.ascontiguousarray(row_host, dtype=np.float64).view(np.int64), b, np).reshape(-1)
+        else:
+            combined[:n].copy_(buffer)
+            combined[n:].zero_()
+            combined[own] = encode_rows(row, buffer.dtype)
+
+        def unpack(f: torch.futures.Future) -> tuple[torch.Tensor, torch.Tensor]:
+            if row_host is not None:
+                view.host[:] = out[:n]
+                chunks = out[n:].astype(np.int64).reshape(self.world, width, 64 // b)
+                return buffer, torch.from_numpy(_decode(chunks, b, np).view(np.float64))
+            buffer.copy_(combined[:n])
+            return buffer, decode_rows(combined[n:].view(self.world, size), width)
+        return dist.all_reduce(combined, group=self.group, async_op=True).get_future().then(unpack)
 
 
 def bucket_hook(ddp: DDP) -> BucketHook:
@@ -264,25 +383,18 @@ class DDPTrainer(Trainer):
                                      world_size=self.world, log=sink).attach()
             self.callbacks.insert(0, self.injector.callback())
 
-    def batch_for(self, data_pos: int, rank: int, micro_batch: int):
+    def batch_for(self, data_pos: int, micro_batch: int, rank: int | None = None):
+        """Micro-batch ``micro_batch`` of rank ``rank``'s shard (default: this rank's), on this
+        rank's device."""
+        rank = self.rank if rank is None else rank
         batch = self.workload.batch(self.config.seed, data_pos, shard(rank, self.config.grad_accum, micro_batch))
         return tuple(t.to(self.device) for t in batch)
 
-    def forward_backward(self, ctx: StepContext) -> torch.Tensor:
-        """This rank's micro-batches of ``ctx.step``; gradients are all-reduced on the last one."""
-        accum = self.config.grad_accum
-        self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.device)
-        for m in range(accum):
-            ctx.micro_batch = m
-            ctx.batch = self.batch_for(ctx.data_pos, self.rank, m)
-            with self.ddp.no_sync() if m + 1 < accum else contextlib.nullcontext():
-                ctx.loss = self.workload.loss(self.ddp, ctx.batch)
-                self._emit("after_forward", ctx)
-                (ctx.loss / accum).backward()
-            self._emit("after_backward", ctx)
-            total = total + ctx.loss.detach()
-        return total / accum
+    @contextlib.contextmanager
+    def micro_step(self, micro_batch: int, accum: int) -> Iterator[nn.Module]:
+        """Run the DDP wrapper; gradients are all-reduced on the last micro-batch only."""
+        with self.ddp.no_sync() if micro_batch + 1 < accum else contextlib.nullcontext():
+            yield self.ddp
 
     def local_gradients(self, rank: int, step: int, data_pos: int) -> torch.Tensor:
         """Recompute rank ``rank``'s local (pre-reduction) gradient of ``step`` into ``.grad`` and
@@ -300,7 +412,7 @@ class DDPTrainer(Trainer):
             for m in range(accum):
                 if self.injector is not None:
                     self.injector.set_position(step, m)
-                loss = self.workload.loss(self.model, self.batch_for(data_pos, rank, m))
+                loss = self.workload.loss(self.model, self.batch_for(data_pos, m, rank))
                 (loss / accum).backward()
                 total = total + loss.detach()
         return total / accum
@@ -456,7 +568,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="Rendezvous/collective timeout, seconds.")
     p.add_argument("--no-crossrank", action="store_true",
                    help="Train without cross-rank detection, localization and quarantine.")
-    p.add_argument("--hash-every", type=int, default=10, help="Replica hash check every N steps (0: off).")
+    p.add_argument("--hash-every", type=int, default=None,
+                   help="Replica hash check every N steps (0: off; default: the rank guard's, 10).")
+    p.add_argument("--guard", action="store_true",
+                   help="Watch every rank with the Guard (its detectors per rank, one shared verdict, the rank guard).")
+    p.add_argument("--guard-config", type=Path, default=None, help="YAML guard settings (implies --guard).")
     p.add_argument("--ledger", type=Path, default=None,
                    help="Device ledger shared across jobs (default: OUT/ledger.json).")
     return p
@@ -473,8 +589,10 @@ class Job:
     dist: DistConfig
     specs: list[FaultSpec]
     crossrank: bool
-    hash_every: int
+    hash_every: int | None
     ledger: Path | None
+    guard: Any = None
+    """A :class:`sdcscope.guard.GuardConfig` (``--guard``), or None."""
 
 
 def parse_job(argv: Sequence[str], world_size: int) -> Job:
@@ -485,8 +603,21 @@ def parse_job(argv: Sequence[str], world_size: int) -> Job:
         raise ValueError(f"bad arguments for sdcscope.engine.ddp: {' '.join(argv)}") from exc
     if a.steps < 0:
         raise ValueError(f"--steps {a.steps} must be >= 0")
-    if a.hash_every < 0:
+    if a.hash_every is not None and a.hash_every < 0:
         raise ValueError(f"--hash-every {a.hash_every} must be >= 0")
+    guard = None
+    if a.guard or a.guard_config is not None:
+        if a.no_crossrank:
+            raise ValueError("--guard needs the cross-rank checks (every rank must take the same decision); "
+                             "drop --no-crossrank")
+        # The entry point is a composition root: it may reach right in the room order.
+        from sdcscope.guard import GuardConfig
+        from sdcscope.guard.ranks import check_config
+
+        guard = GuardConfig.load(a.guard_config) if a.guard_config is not None else GuardConfig()
+        check_config(guard)
+        if a.hash_every is not None:
+            guard.ranks.hash_every = a.hash_every
     if a.faults is not None and not a.faults.is_file():
         raise FileNotFoundError(f"--faults {str(a.faults)!r} does not exist")
     specs = load_specs(a.faults) if a.faults is not None else []
@@ -499,7 +630,7 @@ def parse_job(argv: Sequence[str], world_size: int) -> Job:
                                        corpus=a.corpus, max_corpus_bytes=a.max_corpus_bytes),
                train=TrainConfig(seed=a.seed, grad_accum=a.grad_accum, eval_every=a.eval_every),
                dist=DistConfig(backend=a.backend, timeout_s=a.timeout), specs=specs,
-               crossrank=not a.no_crossrank, hash_every=a.hash_every, ledger=a.ledger)
+               crossrank=not a.no_crossrank, hash_every=a.hash_every, ledger=a.ledger, guard=guard)
 
 
 def check_job(job: Job, world_size: int) -> None:
@@ -514,17 +645,26 @@ def check_job(job: Job, world_size: int) -> None:
 
 def run_job(job: Job) -> dict[str, Any]:
     """Run ``job`` on this rank (the process group must be initialized)."""
-    run = DDPRun(job.out, job.workload, job.train, specs=job.specs, dist_config=job.dist,
-                 extra_config={"crossrank": job.crossrank, "hash_every": job.hash_every})
+    extra = {"crossrank": job.crossrank, "hash_every": job.hash_every,
+             "guard": None if job.guard is None else job.guard.to_dict()}
+    run = DDPRun(job.out, job.workload, job.train, specs=job.specs, dist_config=job.dist, extra_config=extra)
     if not job.crossrank:
         return run.train(job.steps)
     # The entry point is a composition root: it may reach right in the room order.
-    from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
+    if job.guard is not None:
+        from sdcscope.guard import Guard
 
-    guard = RankGuard(run.trainer.ddp, run.trainer.optimizer, run_dir=job.out, ledger=job.ledger,
-                      config=RankGuardConfig(hash_every=job.hash_every))
+        guard = Guard(run.trainer.model, run.trainer.optimizer, job.guard, ddp=run.trainer.ddp, run_dir=job.out,
+                      ledger=job.ledger)
+        callback = guard.callback()
+    else:
+        from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
+
+        config = RankGuardConfig() if job.hash_every is None else RankGuardConfig(hash_every=job.hash_every)
+        guard = callback = RankGuard(run.trainer.ddp, run.trainer.optimizer, run_dir=job.out, ledger=job.ledger,
+                                     config=config)
     try:
-        return run.train(job.steps, callbacks=[guard])
+        return run.train(job.steps, callbacks=[callback])
     finally:
         guard.close()
 

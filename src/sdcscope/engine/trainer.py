@@ -13,11 +13,13 @@ Same seed ⇒ bitwise-identical parameters on CPU; the batch of a step is a pure
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from sdcscope._validate import check_non_negative, check_positive
 from sdcscope.engine.state import TrainState, apply, capture
@@ -93,19 +95,31 @@ class Trainer:
             pos += 1
         return pos
 
+    def batch_for(self, data_pos: int, micro_batch: int) -> Any:
+        """The batch of micro-batch ``micro_batch`` at data position ``data_pos`` (a pure function)."""
+        return self.workload.batch(self.config.seed, data_pos, micro_batch)
+
+    @contextlib.contextmanager
+    def micro_step(self, micro_batch: int, accum: int) -> Iterator[nn.Module]:
+        """Around the forward and backward pass of one micro-batch; yields the module to run.
+        A data-parallel trainer yields its wrapper and holds back the gradient all-reduce until
+        the last micro-batch."""
+        yield self.model
+
     def forward_backward(self, ctx: StepContext) -> torch.Tensor:
         """Run all micro-batches of ``ctx.step``; return the mean loss (a 0-d tensor)."""
         accum = self.config.grad_accum
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(())
+        total = None
         for m in range(accum):
             ctx.micro_batch = m
-            ctx.batch = self.workload.batch(self.config.seed, ctx.data_pos, m)
-            ctx.loss = self.workload.loss(self.model, ctx.batch)
-            self._emit("after_forward", ctx)
-            (ctx.loss / accum).backward()
+            ctx.batch = self.batch_for(ctx.data_pos, m)
+            with self.micro_step(m, accum) as module:
+                ctx.loss = self.workload.loss(module, ctx.batch)
+                self._emit("after_forward", ctx)
+                (ctx.loss / accum).backward()
             self._emit("after_backward", ctx)
-            total = total + ctx.loss.detach()
+            total = ctx.loss.detach() if total is None else total + ctx.loss.detach()
         return total / accum
 
     def train_step(self) -> dict[str, Any]:

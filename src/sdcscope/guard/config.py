@@ -11,14 +11,14 @@ import yaml
 
 from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
 from sdcscope.detect.state import StateChecksumConfig
-from sdcscope.mitigate import LRBackoffConfig, PolicyConfig, SnapshotConfig, ZClipConfig
+from sdcscope.mitigate import LRBackoffConfig, PolicyConfig, RankGuardConfig, SnapshotConfig, ZClipConfig
 from sdcscope.observe import MetricsConfig
 
 _NESTED = {
     "metrics": MetricsConfig, "nonfinite": NonFiniteConfig, "loss_spike": SpikeConfig,
     "grad_spike": SpikeConfig, "abft": ABFTConfig, "state_checksum": StateChecksumConfig,
     "snapshots": SnapshotConfig, "lr_backoff": LRBackoffConfig, "zclip": ZClipConfig,
-    "policy": PolicyConfig,
+    "policy": PolicyConfig, "ranks": RankGuardConfig,
 }
 
 
@@ -47,6 +47,10 @@ class GuardConfig:
     invariants: str | None = None
     """An invariants file (``sdcscope invariants infer``) checked online every step."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    ranks: RankGuardConfig | None = field(default_factory=RankGuardConfig)
+    """Data-parallel runs (a Guard given ``ddp=``): cross-rank gradient signatures, replica hash
+    checks, rank localization by replay, the device ledger and quarantine
+    (:mod:`sdcscope.guard.ranks`); ignored in a single process, required under DDP."""
     strict: bool = False
     """Re-raise the guard's own internal errors instead of reporting them as events."""
 

@@ -12,6 +12,10 @@ Plain loop::
 
 Engine: ``trainer.add_callback(guard.callback())``.
 
+Data-parallel (DDP, every rank): ``Guard(ddp_model, optimizer, config, run_dir="run",
+loss_fn=loss_fn, rank_batch=lambda rank, step: batch_of(rank, step))`` -- each rank checks its
+own computation and every rank takes the same decision (:mod:`sdcscope.guard.ranks`).
+
 Per step: the weights and optimizer state are verified against their checksums before the
 forward pass; after backward, non-finite values, ABFT checksums of every GEMM and loss /
 gradient-norm spikes are checked before the optimizer may step. A detection triggers a replay
@@ -33,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from sdcscope._io import JsonlWriter
 from sdcscope.detect import ABFTDetector, Event, NonFiniteDetector, SpikeDetector
@@ -49,9 +54,23 @@ class Guard:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: GuardConfig | None = None,
                  *, run_dir: str | Path | None = None,
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                 rank: int | None = None, on_event: Callable[[dict], None] | None = None) -> None:
+                 rank: int | None = None, on_event: Callable[[dict], None] | None = None,
+                 ddp: DistributedDataParallel | None = None, ledger: str | Path | None = None,
+                 rank_batch: Callable[[int, int], Any] | None = None) -> None:
         """``run_dir``: events go to ``run_dir/events.jsonl``; ``on_event``: also (or instead)
-        to this callable; ``loss_fn(model, batch)``: lets a plain loop's step be replayed."""
+        to this callable; ``loss_fn(model, batch)``: lets a plain loop's step be replayed.
+
+        Data-parallel: ``ddp`` is the DDP wrapper of ``model`` (or pass the wrapper as ``model``);
+        build the Guard on every rank before the first backward. ``ledger``: a device ledger shared
+        across jobs (default ``run_dir/ledger.json``); ``rank_batch(rank, step)``: that rank's
+        batch of ``step``, so a plain loop's suspect rank can be replayed with ``loss_fn`` (the
+        engine's DDP trainer replays by itself)."""
+        if ddp is None and isinstance(model, DistributedDataParallel):
+            ddp, model = model, model.module
+        if ddp is not None:
+            from sdcscope.guard.ranks import check_distributed
+
+            rank = check_distributed(config or GuardConfig(), model, ddp, rank)
         self.model, self.optimizer = model, optimizer
         self.config = c = config or GuardConfig()
         self.loss_fn, self.rank = loss_fn, rank
@@ -72,7 +91,10 @@ class Guard:
         self.events: list[dict[str, Any]] = []
         self.skip_batches: set[int] = set()
         self.rolled_back_to: int | None = None
-        self._writer = JsonlWriter(Path(run_dir) / "events.jsonl") if run_dir is not None else None
+        lead = ddp is None or rank == 0  # under DDP rank 0 writes the world's events
+        self._writer = JsonlWriter(Path(run_dir) / "events.jsonl") if run_dir is not None and lead else None
+        self._run_dir, self._rank_writer = run_dir, None
+        self.rank_batch = rank_batch
         self._on_event = on_event
         self._step, self._batch, self._rng = 0, None, None
         self._pending: list[Event] = []
@@ -80,6 +102,13 @@ class Guard:
         self._gsq: tuple[int, Any] | None = None
         self._step_events = 0
         self._attached = False
+        self.ranks = None
+        if ddp is not None:
+            from sdcscope.guard.ranks import GuardRanks
+
+            if self._writer is not None:
+                self._writer.touch()
+            self.ranks = GuardRanks(self, ddp, c.ranks, run_dir=run_dir, ledger=ledger)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def attach(self) -> "Guard":
@@ -102,6 +131,10 @@ class Guard:
             self.metrics.close()
         if self._writer is not None:
             self._writer.close()
+        if self._rank_writer is not None:
+            self._rank_writer.close()
+        if self.ranks is not None:
+            self.ranks.close()
 
     def __enter__(self) -> "Guard":
         return self.attach()
@@ -128,6 +161,8 @@ class Guard:
                 self._safe(lambda p=part: p.begin_step(step), type(part).__name__)
         if self.invariants is not None:
             self._safe(lambda: self.invariants.step_begin(step), "invariants")
+        if self.ranks is not None:  # a collective's preparation: never skipped on one rank
+            self.ranks.begin(step)
 
     @contextlib.contextmanager
     def step(self, step: int, batch: Any = None) -> Iterator["Guard"]:
@@ -142,7 +177,8 @@ class Guard:
         batches in :attr:`skip_batches`.
         """
         rerun = self._rerun_plain if self.loss_fn is not None and self._batch is not None else None
-        actions, loss = self.decide(loss, rerun)
+        rank_replay = self._rank_replay_plain if self.loss_fn is not None and self.rank_batch is not None else None
+        actions, loss = self.decide(loss, rerun, rank_replay=rank_replay)
         if "rollback" in actions:
             state = self.ring.restore_latest(self.model, self.optimizer)
             self.rolled_back_to = state.step
@@ -169,10 +205,22 @@ class Guard:
         loss.backward()
         return loss.detach()
 
+    def _rank_replay_plain(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s local gradient of this step, on the plain module (no all-reduce)."""
+        for p in self.model.parameters():
+            p.grad = None
+        with reexecution():
+            loss = self.loss_fn(self.model, self.rank_batch(rank, self._step))
+            loss.backward()
+        return loss.detach()
+
     # -- decisions ---------------------------------------------------------------------------
-    def decide(self, loss, rerun: Callable[[], torch.Tensor] | None) -> tuple[list[str], Any]:
+    def decide(self, loss, rerun: Callable[[], torch.Tensor] | None, *,
+               rank_replay: Callable[[int], Any] | None = None) -> tuple[list[str], Any]:
         """Run the detectors on the finished backward pass; replay if any fired; return the
-        actions of the policy (most decisive first) and the loss to report."""
+        actions of the policy (most decisive first) and the loss to report. Under DDP the
+        findings of every rank decide together and ``rank_replay(r)`` (rank r's local gradient of
+        this step, no collectives) replaces ``rerun``."""
         step = self._step
         events = list(self._pending)
         if events:  # the step ran on corrupted state: its results are void, drain the detectors
@@ -180,6 +228,8 @@ class Guard:
                 self._safe(lambda: self.abft.check(step), "abft")
         else:
             events = self._detect(step, loss)
+        if self.ranks is not None:  # every rank, every step: one world decision (sdcscope.guard.ranks)
+            return self.ranks.decide(step, events, rank_replay), loss
         if not events:
             return [], loss
         replay = {}
@@ -294,6 +344,8 @@ class Guard:
             row = self._safe(lambda: self.metrics.collect(step, loss), "metrics", default={})
             if self.config.qk_clip is not None:
                 self._qk_clip(step, row)
+        if self.ranks is not None:  # before the state checksums: a replica rollback restores state
+            self.ranks.end(step, verify=self.rolled_back_to is not None)
         if self.state is not None:
             self._safe(self.state.record, "state_checksum")
         if self.invariants is not None:
@@ -319,12 +371,20 @@ class Guard:
                                                "scale": gamma}, action="qk_clip"))
 
     # -- events and failures -----------------------------------------------------------------
-    def _emit(self, event: Event) -> None:
+    def _emit(self, event: Event, world: bool = False) -> None:
+        """``world``: a verdict every rank holds alike (under DDP rank 0 writes it, and only these
+        count toward the snapshot decision, which must be the same on every rank)."""
         record = event.to_dict()
         self.events.append(record)
-        self._step_events += 1
-        if self._writer is not None:
-            self._writer.write(record)
+        if self.ranks is None or world:
+            self._step_events += 1
+        writer = self._writer
+        if self.ranks is not None and not world and self.rank != 0 and self._run_dir is not None:
+            if self._rank_writer is None:  # this rank's own report, outside the world verdict
+                self._rank_writer = JsonlWriter(Path(self._run_dir) / f"events.rank{self.rank}.jsonl")
+            writer = self._rank_writer
+        if writer is not None:
+            writer.write(record)
         if self._on_event is not None:
             self._on_event(record)
 
@@ -362,7 +422,9 @@ class GuardCallback:
         def rerun() -> torch.Tensor:
             return trainer.forward_backward(ctx)
 
-        actions, ctx.step_loss = g.decide(ctx.step_loss, rerun)
+        replay = getattr(trainer, "local_gradients", None)
+        rank_replay = None if replay is None else (lambda r: replay(r, ctx.step, ctx.data_pos))
+        actions, ctx.step_loss = g.decide(ctx.step_loss, rerun, rank_replay=rank_replay)
         if "skip_batch" in actions:
             trainer.skip_data.add(ctx.data_pos)
         if "rollback" in actions:
@@ -382,6 +444,8 @@ class GuardCallback:
             group["lr"] *= scale
 
     def after_step(self, ctx) -> None:
+        if self.guard.ranks is not None:
+            ctx.metrics["quarantined"] = self.guard.ranks.quarantined
         if ctx.restored:
             return
         row = self.guard._after_update(applied=not ctx.skip_update, loss=ctx.step_loss,

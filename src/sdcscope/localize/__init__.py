@@ -5,10 +5,25 @@ direction (forward/backward), GEMM product, element indices and magnitude; ``loc
 sync=True)`` gives mismatch frequency and severity per submodule with every value re-synchronized
 to the reference (Ma et al.'s computation synchronization). ``replica(model)`` makes a hook-free
 float64 copy for a recomputation-in-higher-precision reference.
+
+Across data-parallel ranks, :class:`RankLocalizer` replays a suspect rank's step on itself and on
+a peer (transient, persistent, or the data's doing) and :class:`RankLedger` keeps every
+suspicion per device.
 """
 
 from sdcscope.localize.compare import TensorDiff, diff
 from sdcscope.localize.lockstep import Divergence, LockstepReport, Mismatch, first_divergence, lockstep, replica
+from sdcscope.localize.ranks import (
+    LEDGER_FILE,
+    SUSPICIONS,
+    VERDICTS,
+    LedgerConfig,
+    LocalizeConfig,
+    RankLedger,
+    RankLocalizer,
+    device_id,
+)
 
 __all__ = ["Divergence", "LockstepReport", "Mismatch", "TensorDiff", "diff", "first_divergence", "lockstep",
-           "replica"]
+           "replica", "LEDGER_FILE", "SUSPICIONS", "VERDICTS", "LedgerConfig", "LocalizeConfig", "RankLedger",
+           "RankLocalizer", "device_id"]

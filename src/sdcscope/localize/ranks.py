@@ -108,7 +108,8 @@ class RankLocalizer:
 
     def _signatures(self, buckets: list[list[int]]) -> torch.Tensor:
         """``[norms, bucket checksums]`` of ``.grad``, laid out as the detector sent them."""
-        norms, sums = grad_signatures([p.grad for p in self.params])
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]  # as in a bucket
+        norms, sums = grad_signatures(grads, buckets)
         pre = torch.zeros_like(sums)
         for slots in buckets:
             pre[slots] = sums[slots].sum() % MOD32  # exact: a bucket's checksum is the sum of its parts'

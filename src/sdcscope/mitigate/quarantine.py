@@ -26,6 +26,11 @@ localization and the device ledger (:mod:`sdcscope.localize.ranks`) on the DDP b
 Events go to ``events.jsonl`` in the run directory, written by rank 0 only: every event is a
 world verdict (identical on every rank) and names the rank it is about in ``rank``.
 
+The Guard (:class:`sdcscope.guard.Guard` given a DDP model, see :mod:`sdcscope.guard.ranks`)
+embeds a RankGuard: it shares its per-rank detectors' findings through :meth:`RankGuard.check`
+(``delegate=True``: localized and ledgered here, acted on by the Guard's policy) and writes the
+events itself.
+
 Use as an engine callback (``trainer.add_callback(RankGuard(trainer.ddp, trainer.optimizer,
 run_dir=...))`` with :class:`~sdcscope.engine.ddp.DDPTrainer`) or in a plain loop::
 
@@ -42,8 +47,9 @@ run_dir=...))`` with :class:`~sdcscope.engine.ddp.DDPTrainer`) or in a plain loo
 from __future__ import annotations
 
 import copy
+import difflib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +88,12 @@ class RankGuardConfig:
         for name, cls in _NESTED.items():
             value = getattr(self, name)
             if isinstance(value, dict):
+                allowed = [f.name for f in fields(cls)]
+                for key in value:
+                    if key not in allowed:
+                        close = difflib.get_close_matches(str(key), allowed, n=1)
+                        hint = f" (did you mean {close[0]!r}?)" if close else ""
+                        raise ValueError(f"unknown rank guard {name} key {key!r}{hint}; allowed: {', '.join(allowed)}")
                 setattr(self, name, cls(**value))
             elif not isinstance(value, cls):
                 raise TypeError(f"rank guard {name} must be a mapping or {cls.__name__}, got {value!r}")
@@ -124,6 +136,7 @@ class RankGuard:
         self.ledger = RankLedger(self.devices, path, c.ledger, writer=self.rank == 0, entries=known[0])
         self.quarantined: set[int] = set()
         self.events: list[Event] = []
+        self.verdicts: dict[int, Event] = {}
         self.veto = False
         self._writer = (JsonlWriter(Path(run_dir) / "events.jsonl")
                         if run_dir is not None and self.rank == 0 and write_events else None)
@@ -141,31 +154,45 @@ class RankGuard:
         self.detector.begin(step)
 
     def check(self, step: int, *, replay: Callable[[int], Any] | None = None,
-              local_events: Sequence[Event] | None = None) -> list[Event]:
+              local_events: Sequence[Event] | None = None, delegate: bool = False) -> list[Event]:
         """After backward, before the optimizer: the world's verdicts on ``step``; sets :attr:`veto`.
 
         ``replay(r)`` recomputes rank r's local gradient of this step into ``.grad`` (needed to
         localize); ``local_events``: this rank's own detectors' findings, shared with every rank
         (one more small all-reduce per step; ``None`` when there are no local detectors).
+        ``delegate``: the shared local findings are localized and ledgered, but what to do about
+        them is the caller's (the Guard's policy): they get no action here, and :attr:`veto`
+        answers the cross-rank findings alone. :attr:`verdicts` holds this step's replay
+        verdict per rank.
         """
+        self.verdicts = {}
         events = self.detector.check(step, local_events)
         if not events:
             return []
+        own = [e for e in events if e.detector == self.detector.name]
         desync = self._replicas(step, step)  # a replay on a peer means something only on equal replicas
         verdicts = [] if desync or replay is None or not self.config.replay else self._localize(step, events, replay)
+        self.verdicts = {e.rank: e for e in verdicts}
         cleared = {e.rank for e in verdicts if e.verdict == "correct_result"}
-        natural = bool(verdicts) and len(cleared) == len(verdicts) and all(
-            e.detector == self.detector.name and e.verdict == "grad_outlier" for e in events)
+        suspects = {r for e in own for r in ([e.rank] if e.rank is not None else e.evidence.get("candidates", []))}
+        natural = bool(own) and all(e.verdict == "grad_outlier" for e in own) and suspects <= cleared and (
+            delegate or len(own) == len(events))
         if natural:  # every suspect's gradient reproduces on a peer: the data did it; apply the step
             self.detector.learn()
-            events += verdicts
-        else:
-            self.veto = True
-            events += [e for e in verdicts if e.verdict != "correct_result"] or verdicts
-        for e in events:
-            e.action = e.action or ("report" if natural else "veto")
+        self.veto = bool(desync) or (bool(own) and not natural) or (not delegate and len(own) < len(events))
+        events += [e for e in verdicts if e.verdict != "correct_result"] or verdicts
+        for e in events:  # delegated: the caller's final decision fills in the rest
+            if not delegate or e.detector == self.detector.name:
+                e.action = e.action or ("veto" if self.veto else "report")
         events += desync
         events += self._judge(step, [e for e in events if e.rank not in cleared])
+        self._emit(events)
+        return events
+
+    def verify(self, step: int) -> list[Event]:
+        """Compare the replicas now (a collective): after a caller restored a state on every rank."""
+        events = self._replicas(step, step)
+        events += self._judge(step, events)
         self._emit(events)
         return events
 
@@ -234,9 +261,18 @@ class RankGuard:
             if e.rank is None or e.rank in self.quarantined:
                 continue
             self.ledger.record(e)
-            if self.config.quarantine and self.ledger.faulty(e.rank):
+            if self.config.quarantine and self.ledger.faulty(e.rank) and e.rank not in self.quarantined:
                 out.append(self._quarantine(step, e.rank, f"{e.detector}: {e.verdict}"))
         return out
+
+    def quarantine(self, step: int, rank: int, reason: str) -> Event:
+        """Exclude ``rank`` from the gradient average from the next bucket on (on every rank
+        alike: call it everywhere with the same arguments); refused for the last healthy rank."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world:
+            raise ValueError(f"cannot quarantine rank {rank!r}; allowed: 0..{self.world - 1}")
+        event = self._quarantine(step, rank, reason)
+        self._emit([event])
+        return event
 
     def _quarantine(self, step: int, rank: int, reason: str) -> Event:
         evidence = {"device": self.devices[rank], "reason": reason,
