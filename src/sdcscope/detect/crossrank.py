@@ -229,7 +229,10 @@ class GradientSignatures:
         if self.pending is not None and self.pending[-1] is not None:  # never collected: let it land
             self.pending[-1].wait()
         if self._reduced_step is not None:
-            self.post.copy_(self._post_next)
+            if self._host is not None:
+                self.post.numpy()[:] = self._host[2]
+            else:
+                self.post.copy_(self._post_next)
             self.post_step, self._reduced_step = self._reduced_step, None
         self.step, self.sampled, self.pending, self.buckets = step, sampled, None, []
 
@@ -290,7 +293,7 @@ class GradientSignatures:
             work.wait()
         self.pending = None
         assert self.rows is not None, "the last bucket of a sampled step was reduced without its signatures"
-        rows = self.rows.cpu().numpy().copy()
+        rows = self.rows.numpy().copy() if self.rows.device.type == "cpu" else self.rows.cpu().numpy()
         rows[:, self.pre.numel():] %= MOD32  # exact: float64 holds these integers
         return torch.from_numpy(rows), post_step, buckets
 
@@ -348,6 +351,7 @@ class CrossRankDetector:
         self.signatures = GradientSignatures(self.names, next(model.parameters()).device, group,
                                              piggyback=self.config.piggyback)
         self.excluded: frozenset[int] = frozenset()
+        self._healthy: tuple[frozenset[int] | None, list[int]] = (None, [])
         # The per-step statistics run on a few numbers per parameter: numpy, not torch (whose
         # per-operation dispatch cost would dominate on arrays this small).
         self.spread = np.zeros(len(self.names))
@@ -363,7 +367,9 @@ class CrossRankDetector:
         self.signatures.begin(step, self.sampled(step))
 
     def healthy(self) -> list[int]:
-        return [r for r in range(self.world) if r not in self.excluded]
+        if self._healthy[0] is not self.excluded:
+            self._healthy = (self.excluded, [r for r in range(self.world) if r not in self.excluded])
+        return self._healthy[1]
 
     def check(self, step: int, local_events: Sequence[Event] | None = None) -> list[Event]:
         """The world's findings at ``step``. ``local_events``: this rank's own detectors' findings
@@ -419,8 +425,7 @@ class CrossRankDetector:
     def _deviation(self, norm: np.ndarray, healthy: list[int]) -> np.ndarray:
         """``[healthy, P]``: |log2 norm − median| across the healthy ranks (a zero norm counts
         as 2^-1000)."""
-        with np.errstate(divide="ignore"):
-            x = np.maximum(np.log2(norm if len(healthy) == len(norm) else norm[healthy]), -1000.0)
+        x = np.log2(np.maximum(norm if len(healthy) == len(norm) else norm[healthy], 2.0 ** -1000))
         return np.abs(x - _median(x))
 
     def learn(self, dev: np.ndarray | None = None) -> None:
@@ -476,7 +481,7 @@ class CrossRankDetector:
         odd = [None] if majority is None else [r for r in healthy if r not in majority]
         return [Event(step, self.name, "reduce_mismatch", rank=r,
                       evidence={"reduced_at": post_step, "bucket_params": params[:self.config.max_listed],
-                                "majority": majority, "candidates": healthy if r is None else [r]})
+                                "majority": majority, "candidates": list(healthy) if r is None else [r]})
                 for r in odd]
 
 
