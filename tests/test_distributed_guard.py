@@ -45,6 +45,9 @@ SCENARIOS = {
         # a permanently broken unit on rank 2: caught (cross-rank and by rank 2's own ABFT), replayed as
         # persistent, quarantined; training goes on with ranks 0 and 1
         "permanent": (6, [flip("gemm.grad_weight", "blocks.0.mlp.fc", 2, {"kind": "permanent", "start": 2})]),
+        # the policy may quarantine at once: here every transient ABFT finding excludes its rank
+        "policy": (4, [flip("gemm.forward", "blocks.0.mlp.fc", 1, at(1), bit=26)],
+                   {"policy": {"rules": {"abft:transient": ["quarantine"]}}}),
     },
 }
 
@@ -100,9 +103,10 @@ def _shared_findings(rank: int) -> list[list]:
 def _world(rank: int, world: int, root) -> None:
     torch.set_num_threads(1)
     init_distributed(DistConfig(backend="gloo", timeout_s=60))
-    for name, (steps, specs) in SCENARIOS[world].items():
+    for name, (steps, specs, *config) in SCENARIOS[world].items():
         run = DDPRun(root / name, WORKLOAD, TrainConfig(seed=0), specs=[FaultSpec.from_dict(s) for s in specs])
-        guard = Guard(run.trainer.model, run.trainer.optimizer, GuardConfig(), ddp=run.trainer.ddp, run_dir=root / name)
+        guard = Guard(run.trainer.model, run.trainer.optimizer, GuardConfig.from_dict(config[0] if config else {}),
+                      ddp=run.trainer.ddp, run_dir=root / name)
         run.train(steps, callbacks=[guard.callback()])
         guard.close()
     if world == 2:
@@ -181,6 +185,14 @@ def test_guard_on_three_ranks_quarantines_a_permanent_fault_and_training_goes_on
     assert [m["skipped"] for m in metrics] == [s == 2 for s in range(6)]
     assert all(m["quarantined"] == [2] for m in metrics[2:])
     assert summary["final_train_loss"] < metrics[0]["loss"]
+
+    summary, events, metrics = _load(tmp_path, "policy")
+    assert summary["replicas_identical"]
+    found = _found(events, "step", "detector", "verdict", "rank", "action")
+    assert (1, "abft", "transient", 1, "quarantine, veto") in found
+    assert (1, "quarantine", "quarantined", 1, "quarantine") in found
+    assert [m["skipped"] for m in metrics] == [False, True, False, False]
+    assert [m["quarantined"] for m in metrics] == [[], [1], [1], [1]]
 
 
 def test_cli_train_nproc_2_guard_attributes_a_gradient_flip_to_rank_1_and_reports_per_rank_timelines(tmp_path):

@@ -275,3 +275,27 @@ def test_report_of_a_run_directory_shows_every_rank_lane(tmp_path):
     assert html.read_text().count("data:image/png;base64,") == 2
     with pytest.raises(FileNotFoundError, match="no results.sqlite .* and no config.json"):
         write_report(tmp_path)
+
+
+def test_a_shared_finding_takes_its_verdict_and_rank_from_the_replays():
+    from types import SimpleNamespace
+
+    from sdcscope.guard.ranks import GuardRanks
+
+    ranks = object.__new__(GuardRanks)  # the verdict mapping needs no world
+
+    def judged(rank, candidates, verdicts):
+        ranks.rank_guard = SimpleNamespace(verdicts={r: Event(4, "rank_replay", v, rank=r) for r, v in verdicts.items()})
+        e = Event(4, "abft", "checksum_mismatch", module="fc", rank=rank,
+                  evidence={"candidates": candidates} if candidates else {})
+        ranks._replay_verdict(e)
+        return e.verdict, e.rank, e.evidence["finding"], e.evidence["replay"]
+
+    assert judged(1, None, {1: "transient"}) == ("transient", 1, "checksum_mismatch",
+                                                 {"verdict": "transient", "ranks": {1: "transient"}})
+    verdict, rank, _, replay = judged(None, [0, 1, 2], {0: "correct_result", 1: "persistent", 2: "correct_result"})
+    assert (verdict, rank) == ("reproducible", 1) and "persistent fault" in replay["evidence"]
+    verdict, rank, _, replay = judged(None, [0, 1], {0: "correct_result", 1: "correct_result"})
+    assert (verdict, rank) == ("reproducible", None) and "not the hardware" in replay["evidence"]
+    assert judged(2, None, {})[:2] == ("unverified", 2)
+    assert judged(None, [0, 1], {0: "correct_result"})[:2] == ("unverified", None)  # rank 1 never replayed

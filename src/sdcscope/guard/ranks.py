@@ -132,12 +132,13 @@ class GuardRanks:
             for a in g.config.policy.actions_for(e.detector, e.verdict):
                 if a == "recompute" or (a == "rollback" and restored):
                     a = "veto"
-                elif a == "quarantine":
+                elif a == "quarantine":  # the rank leaves the average from the next step; this one is void
                     extra += self._quarantine(step, e)
+                    chosen += [] if "quarantine" in chosen else ["quarantine"]
                     a = "veto"
                 chosen += [a] if a not in chosen else []
             e.action = ", ".join(chosen)
-            actions += [a for a in chosen if a not in actions]
+            actions += [a for a in chosen if a not in actions and a in PRIORITY]
         if "rollback" in actions and g.ring.latest() is None:
             actions.remove("rollback")
             actions += [] if "veto" in actions else ["veto"]
