@@ -164,14 +164,17 @@ def build_report(directory: str | Path) -> dict[str, Any]:
 
 
 _HTML = jinja2.Template("""<!doctype html>
-<html><head><meta charset="utf-8"><title>sdcscope campaign {{ r.name }}</title>
+<html><head><meta charset="utf-8"><title>sdcscope {{ "run" if r.kind == "run" else "campaign" }} {{ r.name }}</title>
 <style>body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:.5em 0}
 td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:right}th{background:#f0f0f0}
 td:first-child{text-align:left}.note{color:#555;font-size:12px}img{max-width:100%}</style></head><body>
-<h1>Campaign {{ r.name }}</h1>
+{% if r.kind == "run" %}<h1>Run {{ r.name }}</h1>
+<p>{{ r.line }}</p>
+{% else %}<h1>Campaign {{ r.name }}</h1>
 <p>{{ r.done }}/{{ r.planned }} trials · workload {{ r.spec.workload.name }}/{{ r.spec.workload.preset }} ·
 injection steps {{ r.spec.inject_steps }} · horizon {{ r.spec.horizon }} · guard {{ r.spec.guard }} ·
 analysis {{ r.spec.analysis }} · spec hash <code>{{ r.hash[:12] }}</code></p>
+{% endif %}
 {% for name, png in r.figures.items() %}<h3>{{ name }}</h3><img alt="{{ name }}" src="data:image/png;base64,{{ png }}">
 {% endfor %}
 {% for t in r.tables %}<h2>{{ t.title }}</h2>{% if t.note %}<p class="note">{{ t.note }}</p>{% endif %}
@@ -199,7 +202,7 @@ def write_report(directory: str | Path) -> tuple[Path, Path]:
     directory = Path(directory)
     data = build_report(directory)
     html, md = directory / "report.html", directory / "report.md"
-    html.write_text((_RUN_HTML if data.get("kind") == "run" else _HTML).render(r=data), encoding="utf-8")
+    html.write_text(_HTML.render(r=data), encoding="utf-8")
     md.write_text(_markdown(data), encoding="utf-8")
     return html, md
 
@@ -363,17 +366,3 @@ def build_run_report(directory: str | Path) -> dict[str, Any]:
             "figures": {k: v for k, v in figs.items() if v is not None}}
 
 
-_RUN_HTML = jinja2.Template("""<!doctype html>
-<html><head><meta charset="utf-8"><title>sdcscope run {{ r.name }}</title>
-<style>body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:.5em 0}
-td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:right}th{background:#f0f0f0}
-td:first-child{text-align:left}.note{color:#555;font-size:12px}img{max-width:100%}</style></head><body>
-<h1>Run {{ r.name }}</h1>
-<p>{{ r.line }}</p>
-{% for name, png in r.figures.items() %}<h3>{{ name }}</h3><img alt="{{ name }}" src="data:image/png;base64,{{ png }}">
-{% endfor %}
-{% for t in r.tables %}<h2>{{ t.title }}</h2>{% if t.note %}<p class="note">{{ t.note }}</p>{% endif %}
-<table><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr>
-{% for row in t.rows %}<tr>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>{% endfor %}</table>
-{% endfor %}</body></html>
-""", autoescape=True)
