@@ -18,6 +18,7 @@ from sdcscope.engine.ddp import DDPRun, DistConfig, init_distributed, spawn
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.workloads import WorkloadConfig
+from test_distributed_faults import _found, _load
 
 WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=200_000)
 
@@ -112,16 +113,6 @@ def _world(rank: int, world: int, root) -> None:
     if world == 2:
         (root / f"loop.rank{rank}.json").write_text(json.dumps(_user_loop(rank, root / "loop")))
         (root / f"shared.rank{rank}.json").write_text(json.dumps(_shared_findings(rank)))
-
-
-def _load(root, name):
-    out = root / name
-    return (json.loads((out / "summary.json").read_text()), read_jsonl(out / "events.jsonl"),
-            read_jsonl(out / "metrics.jsonl"))
-
-
-def _found(events, *keys):
-    return [tuple(e[k] for k in keys) for e in events]
 
 
 def test_guard_on_two_ranks_shares_abft_and_state_verdicts_and_stays_silent_when_clean(tmp_path):

@@ -149,11 +149,9 @@ class _Ctx:
     _dy_op: Operand | None = None
 
     def dy_operand(self, cs: torch.dtype) -> Operand:
-        """dY flattened to (1, tokens, out) in the GEMM's dtype, shared by the dX and dW checks."""
+        """dY (…tokens…, out) in the GEMM's dtype, shared by the dX and dW checks."""
         if self._dy_op is None:
-            cd = self.b.t.dtype
-            self._dy_op = Operand(self.dy if self.dy.dtype == cd else self.dy.to(cd), cs, flat=True,
-                                  bound=True)
+            self._dy_op = Operand(self.dy.to(self.b.t.dtype), cs, flat=True, bound=True)
         return self._dy_op
 
     def done(self, what: str) -> None:
@@ -173,8 +171,7 @@ class _Layer:
     kind: str                              # 'linear' | 'matmul'
     check_dw: bool
     calls: int = 0
-    fwd_handle: object = None
-    handles: list = field(default_factory=list)
+    handles: list = field(default_factory=list)   # [forward pre-hook, forward hook, dW hooks…]
     open_ctx: _Ctx | None = None           # created by the pre-hook, completed by the forward hook
     dw_pending: list[_Ctx] = field(default_factory=list)
     prev_sums: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -252,9 +249,8 @@ class ABFTDetector:
             on = layer.name in want
             if on and not layer.handles:
                 mod = layer.module
-                layer.fwd_handle = mod.register_forward_hook(self._fwd_hook(layer), prepend=False)
                 layer.handles = [mod.register_forward_pre_hook(self._pre_hook(layer), prepend=False),
-                                 layer.fwd_handle]
+                                 mod.register_forward_hook(self._fwd_hook(layer), prepend=False)]
                 if layer.kind == "linear" and layer.check_dw and "grad_weight" in self.config.gemms:
                     layer.handles += [
                         mod.weight.register_hook(self._snapshot_hook(layer)),
@@ -262,7 +258,7 @@ class ABFTDetector:
             elif not on and layer.handles:
                 for handle in layer.handles:
                     handle.remove()
-                layer.handles, layer.fwd_handle = [], None
+                layer.handles = []
 
     def __enter__(self) -> ABFTDetector:
         return self.attach()
@@ -310,9 +306,7 @@ class ABFTDetector:
         key = (id(t), cd)
         got = self._operands.get(key)
         if got is None:  # the entry holds t itself, so its id stays unique until the check
-            src = t   # a Linear operand: (…tokens…, features); hooks run under no_grad
-            got = self._operands[key] = (Operand(src if src.dtype == cd else src.to(cd), self._cs,
-                                                 flat=True, bound=bound), t)
+            got = self._operands[key] = (Operand(t.to(cd), self._cs, flat=True, bound=bound), t)
         return got[0]
 
     def _weight(self, module: nn.Module, cd: torch.dtype) -> Operand:
@@ -592,7 +586,7 @@ def _keep_last(layer: _Layer) -> None:
     registered after ``attach()`` (an injector editing the output) still runs before the check.
     Uses the module's ordered hook dict (no public API reorders hooks)."""
     hooks = getattr(layer.module, "_forward_hooks", None)
-    hid = getattr(layer.fwd_handle, "id", None)
+    hid = layer.handles[1].id if layer.handles else None
     if hooks is None or hid not in hooks or next(reversed(hooks)) == hid:
         return
     hooks.move_to_end(hid)

@@ -239,7 +239,7 @@ class Line:
     act: torch.Tensor          # checksums of the result
     exp: torch.Tensor          # checksums predicted from the operands
     scale: torch.Tensor
-    s1: torch.Tensor           # (rows,) or 0-d
+    s1: torch.Tensor           # (rows,)
     v: torch.Tensor            # (rows, ·) or 1-D: the checksum vector the GEMV multiplied
     a1: float
     a2: float

@@ -261,8 +261,8 @@ class Guard:
         """Squared per-parameter gradient norms of this step, computed once and shared by the
         non-finite prefilter, the gradient-spike detector and the metrics."""
         if self._gsq is None or self._gsq[0] != self._step:
-            params = self.metrics._params if self.metrics is not None else self._params
-            self._gsq = (self._step, grad_sq_norms(params))
+            self._gsq = (self._step, self.metrics.grad_sq_norms() if self.metrics is not None
+                         else grad_sq_norms(self._params))
         return self._gsq[1]
 
     def _detect(self, step: int, loss) -> list[Event]:
