@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import inspect
 import math
 import os
@@ -697,7 +698,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
+        leave_world()
+
+
+def leave_world() -> None:
+    """Destroy the process group while the interpreter is whole.
+
+    DDP reducers, comm-hook futures and guards sit in reference cycles that keep the group and
+    its gloo work alive; freed late, during interpreter shutdown, a gloo worker thread that drops
+    the last reference to a Python object aborts the process ("terminate called without an
+    active exception"). Collect them first, then destroy the group, so its threads are joined now.
+    """
+    gc.collect()
+    if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def free_port() -> int:
@@ -717,8 +732,7 @@ def _spawned(rank: int, fn: Callable[..., Any], world: int, port: int, args: tup
         errors.put((rank, f"{type(exc).__name__}: {exc}"))
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_world()
 
 
 def spawn(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout_s: float = 120.0) -> None:
@@ -785,4 +799,7 @@ def launch(nproc: int, argv: Sequence[str], *, timeout_s: float | None = None) -
 if __name__ == "__main__":
     from sdcscope.engine import ddp as _module  # run the importable copy: one set of classes, not two
 
-    sys.exit(_module.main())
+    code = _module.main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter shutdown: no gloo thread can meet a half-finalized interpreter
