@@ -3,9 +3,12 @@
     python benchmarks/bench_guard_overhead.py [--presets tiny small] [--rounds 11] [--clock cpu]
 
 Configurations: (1) metrics + non-finite + spike detectors (target ≤ 3 %); (2) ABFT alone on every
-Linear and attention product, forward/dX/dW, every step (target ≤ 15 % on CPU); (3) ABFT alone
-sampled to a 2 % budget (target ≤ 2 %); (4) the full default guard (all of the above with ABFT
-every step, plus the weight/optimizer-state checksums).
+Linear, forward/dX/dW, every step (target ≤ 15 % on CPU); (3) the same plus the attention products
+(score and context MatMuls); (4) ABFT alone sampled to a 2 % budget (target ≤ 2 %); (5) the full
+default guard (all of the above with ABFT every step, plus the weight/optimizer-state checksums).
+
+``--hooks-only`` (analysis): ABFT's hooks, operand views and gradient captures run but record no
+check — the floor of checking every GEMM through module hooks, whatever the checksum costs.
 
 ``--clock cpu`` times with the process CPU clock (all threads): robust when other jobs share the
 machine; the default wall clock is right on a quiet one.
@@ -28,7 +31,8 @@ from sdcscope.workloads import WorkloadConfig, make_workload  # noqa: E402
 _ONLY_ABFT = dict(metrics=None, nonfinite=None, loss_spike=None, grad_spike=None, state_checksum=None)
 CONFIGS = {
     "metrics+nonfinite+spike": dict(abft=None, state_checksum=None),
-    "ABFT every GEMM, every step": _ONLY_ABFT,
+    "ABFT every Linear, every step": dict(_ONLY_ABFT, abft={"kinds": ["linear"]}),
+    "ABFT + attention products": _ONLY_ABFT,
     "ABFT sampled to a 2% budget": dict(_ONLY_ABFT, abft={"budget": 0.02}),
     "full default guard": dict(),
 }
@@ -46,12 +50,20 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--hooks-only", action="store_true", help="ABFT records no check (analysis)")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
+                        help=f"subset of: {'; '.join(CONFIGS)}")
     args = parser.parse_args()
+    if args.hooks_only:
+        from sdcscope.detect.abft import ABFTDetector
+
+        ABFTDetector._record = lambda self, *a, **k: None
     summary = []
     for preset in args.presets:
         base = trainer(preset, None)
         inner = 5 if preset == "tiny" else 2
-        for name, cfg in CONFIGS.items():
+        for name in args.configs:
+            cfg = CONFIGS[name]
             tool = trainer(preset, cfg)
             ratio, tb, tt = interleaved_ratio(base.train_step, tool.train_step, rounds=args.rounds,
                                               inner=inner, warmup=2, clock=args.clock)

@@ -363,3 +363,19 @@ def test_config_validation():
         ABFTDetector(transformer(), ABFTConfig(targets=("blocks.*.qproj",)))
     det = ABFTDetector(transformer(), ABFTConfig(targets="*.score"))
     assert [layer.name for layer in det.layers] == ["blocks.0.score", "blocks.1.score"]
+    with pytest.raises(ValueError, match="kind 'conv'.*allowed: linear, matmul"):
+        ABFTConfig(kinds=("conv",))
+    linear = ABFTDetector(transformer(), ABFTConfig(kinds="linear"))
+    assert linear.layers and all(layer.kind == "linear" for layer in linear.layers)
+    assert len(linear.layers) == len(ABFTDetector(transformer()).layers) - 4  # 2 blocks × score, context
+
+
+def test_operands_are_released_once_their_checks_are_recorded():
+    """ABFT holds a layer's input and output gradient only until its checks are recorded: after
+    backward nothing but small checksum vectors waits for ``check()``."""
+    model = transformer(14)
+    det = ABFTDetector(model).attach()
+    det.begin_step(0)
+    lm_loss(model, lm_batch(0)).backward()
+    assert len(det._operands) == 0
+    assert det.check(0) == [] and det.checks_run == 51

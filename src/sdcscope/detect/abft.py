@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -80,13 +81,16 @@ from sdcscope.detect.events import GEMMS, Event
 from sdcscope.observe._util import is_matmul, match_modules, no_autocast
 
 CHECKSUMS = ("both", "row", "column")
+KINDS = ("linear", "matmul")
 CHECKSUM_DTYPES = ("auto", "float64", "float32")
 
 
 @dataclass(kw_only=True)
 class ABFTConfig:
     targets: tuple[str, ...] | None = None
-    """Module-name patterns; ``None`` = every ``nn.Linear`` and MatMul-contract module."""
+    """Module-name patterns; ``None`` = every module of ``kinds``."""
+    kinds: tuple[str, ...] = KINDS
+    """Which products: ``'linear'`` (``nn.Linear``), ``'matmul'`` (MatMul-contract modules)."""
     gemms: tuple[str, ...] = GEMMS
     checksums: str = "column"
     """``'column'``: 1ᵀC per check (names the column); ``'both'`` adds the row checksums C·1
@@ -118,6 +122,11 @@ class ABFTConfig:
         if self.targets is not None:
             self.targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
         self.gemms = (self.gemms,) if isinstance(self.gemms, str) else tuple(self.gemms)
+        self.kinds = (self.kinds,) if isinstance(self.kinds, str) else tuple(self.kinds)
+        for kind in self.kinds:
+            check_choice("kind", kind, KINDS)
+        if not self.kinds:
+            raise ValueError(f"kinds is empty; allowed: {', '.join(KINDS)}")
         for g in self.gemms:
             check_choice("gemm", g, GEMMS)
         if not self.gemms:
@@ -134,7 +143,7 @@ class ABFTConfig:
         check_float("c_min", self.c_min, low=0, low_open=True)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Ctx:
     """One call of one sampled module, waiting for its gradients."""
 
@@ -186,10 +195,12 @@ class ABFTDetector:
                  rank: int | None = None) -> None:
         self.config = cfg = config or ABFTConfig()
         self.model = model
+        self._cs = torch.float32 if cfg.checksum_dtype == "auto" else getattr(torch, cfg.checksum_dtype)
         self.rank = rank
         eligible = match_modules(
-            model, cfg.targets, where=lambda m: isinstance(m, nn.Linear) or is_matmul(m),
-            option="ABFT targets")
+            model, cfg.targets, option="ABFT targets",
+            where=lambda m: ("linear" in cfg.kinds and isinstance(m, nn.Linear))
+            or ("matmul" in cfg.kinds and is_matmul(m)))
         owners: dict[int, int] = {}
         for _, mod in model.named_modules(remove_duplicate=False):
             for p in mod.parameters(recurse=False):
@@ -208,7 +219,7 @@ class ABFTDetector:
         self._step: int | None = None
         self._rot = 0
         self._records: list[tuple] = []
-        self._operands: dict[tuple, tuple[Operand, torch.Tensor]] = {}
+        self._operands: weakref.WeakValueDictionary[tuple, Operand] = weakref.WeakValueDictionary()
         self._models: dict[tuple, object] = {}   # rounding models of this step (torch settings)
         self._cal: dict[tuple[str, str], float] = {}
         self._c_eff: dict[tuple[str, str], float] = {}
@@ -295,19 +306,14 @@ class ABFTDetector:
         return layer.name in self._active and (layer.module.training or self.config.include_eval)
 
     # ------------------------------------------------------------------ hooks
-    @property
-    def _cs(self) -> torch.dtype:
-        choice = self.config.checksum_dtype
-        return torch.float32 if choice == "auto" else getattr(torch, choice)
-
     def _operand(self, t: torch.Tensor, cd: torch.dtype, *, bound: bool = True) -> Operand:
         """The step's :class:`Operand` of ``t`` as the GEMM consumed it (cast to ``cd``): a tensor
         several GEMMs read (q/k/v's input; X in forward and dW) gets its statistics once."""
         key = (id(t), cd)
         got = self._operands.get(key)
-        if got is None:  # the entry holds t itself, so its id stays unique until the check
-            got = self._operands[key] = (Operand(t.to(cd), self._cs, flat=True, bound=bound), t)
-        return got[0]
+        if got is None:  # alive while a pending check holds it; it holds t, so the id stays unique
+            got = self._operands[key] = Operand(t.to(cd), self._cs, flat=True, bound=bound, src=t)
+        return got
 
     def _weight(self, module: nn.Module, cd: torch.dtype) -> Operand:
         return self._operand(module.weight, cd, bound=False)

@@ -153,17 +153,18 @@ class Operand:
     anyway. The model std stays an upper bound; the threshold widens by ≲ √(columns) on the
     lines that use them (the dW checks), and each check saves the most expensive pass it has."""
 
-    __slots__ = ("t", "cs", "flat", "bound", "_cache", "_flip")
+    __slots__ = ("t", "cs", "flat", "bound", "src", "_cache", "_flip", "__weakref__")
 
     def __init__(self, t: torch.Tensor, cs: torch.dtype, *, flat: bool = False, bound: bool = False,
-                 _cache: dict | None = None, _flip: bool = False) -> None:
+                 src: torch.Tensor | None = None, _cache: dict | None = None, _flip: bool = False) -> None:
         self.t, self.cs, self.flat, self.bound = t, cs, flat, bound
+        self.src = src  # the tensor ``t`` was cast from, kept alive with it
         self._cache = {} if _cache is None else _cache
         self._flip = _flip
 
     @property
     def T(self) -> "Operand":
-        return Operand(self.t, self.cs, flat=self.flat, bound=self.bound, _cache=self._cache,
+        return Operand(self.t, self.cs, flat=self.flat, bound=self.bound, src=self.src, _cache=self._cache,
                        _flip=not self._flip)
 
     @property
