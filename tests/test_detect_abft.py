@@ -379,3 +379,23 @@ def test_operands_are_released_once_their_checks_are_recorded():
     lm_loss(model, lm_batch(0)).backward()
     assert len(det._operands) == 0
     assert det.check(0) == [] and det.checks_run == 51
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "heads", "broadcast"])
+def test_batched_statistics_match_a_dense_reference(layout):
+    """Batched operands are read where they lie (no reshaped copies): GEMV and norms agree with a
+    dense computation for contiguous, head-transposed and broadcast layouts."""
+    from sdcscope.detect.checksum import Operand, _matvec
+
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 5, 3, 4, generator=g)        # (batch, tokens, heads, dim)
+    t = {"contiguous": base.transpose(1, 2).contiguous(), "heads": base.transpose(1, 2),
+         "broadcast": base[:1, :, :1].transpose(1, 2).expand(2, 3, 5, 4)}[layout]
+    dense = t.contiguous().double()
+    op = Operand(t, torch.float64)
+    vec = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    got = _matvec(op.stat("x"), vec)
+    ref = torch.einsum("bpq,bq->bp", dense.reshape(6, 5, 4), vec)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(op.stat("fn"), dense.reshape(6, -1).norm(dim=-1).float())
+    torch.testing.assert_close(op.T.stat("fn"), op.stat("fn"))
