@@ -20,7 +20,10 @@ read by several GEMMs are computed once (:class:`~sdcscope.detect.checksum.Opera
 of a step are judged together in one fused pass and one host sync. The column side alone costs
 about one pass over the result and the gradient operand per check; the row side adds two more
 (hence the default ``'column'``). Layers of a tiny model (d = 64) have GEMMs so cheap that these
-passes are a large share of them: there, sample (``budget``) rather than check everything.
+passes are a large share of them — and the hooks alone (operand views, gradient captures, no
+checksum work) cost +14 % of a d = 64 step and +5 % at d = 128 on a 2-core CPU
+(``benchmarks/bench_guard_overhead.py --hooks-only``): there, sample (``budget``) rather than
+check everything, or leave the attention products out (``kinds=('linear',)``).
 
 How the hooks see the values actually produced
 ----------------------------------------------
