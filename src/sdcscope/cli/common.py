@@ -48,3 +48,8 @@ def step_progress(total: int, done: int = 0, label: str = "training") -> Iterato
             progress.update(task, advance=1, loss=f"{metrics.get('loss', float('nan')):.4f}")
 
         yield advance
+
+
+def fmt_loss(value) -> str:
+    """A loss for the console: 4 decimals, or as recorded when not a number ("nan", a crash)."""
+    return format(value, ".4f") if isinstance(value, float) else str(value)

@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 from sdcscope.cli.app import app
-from sdcscope.cli.common import out_console, step_progress, user_errors
+from sdcscope.cli.common import fmt_loss, out_console, step_progress, user_errors
 from sdcscope.cli.train_cmd import build_configs, check_steps
 
 DEMO_MARKER = "demo.json"
@@ -89,10 +89,10 @@ def demo(
                       f"fault: bit 30 flip in blocks.0.attn.q_proj's forward GEMM at step {steps // 2}")
     c = experiment.run(steps, progress=lambda label, total: step_progress(total, label=label))
     g = c["guarded"]
-    out_console.print(f"golden   val loss {c['val_loss_golden']:.4f}")
-    out_console.print(f"faulty   val loss {c['val_loss_faulty']} → [bold]{c['outcome']}[/] "
+    out_console.print(f"golden   val loss {fmt_loss(c['val_loss_golden'])}")
+    out_console.print(f"faulty   val loss {fmt_loss(c['val_loss_faulty'])} → [bold]{c['outcome']}[/] "
                       f"(diverged at step {c['first_divergence_step']})")
-    out_console.print(f"guarded  val loss {g['val_loss_faulty']:.4f} → [bold]{g['outcome']}[/] vs golden")
+    out_console.print(f"guarded  val loss {fmt_loss(g['val_loss_faulty'])} → [bold]{g['outcome']}[/] vs golden")
     for e in g["events"]:
         out_console.print(f"  step {e['step']}: {e['detector']} found {e['evidence'].get('finding')} "
                           f"in {e.get('module') or '-'} {e.get('gemm') or ''}; replay: {e['verdict']} "

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from sdcscope.cli.app import app
-from sdcscope.cli.common import out_console, step_progress, user_errors
+from sdcscope.cli.common import fmt_loss, out_console, step_progress, user_errors
 from sdcscope.cli.guard_opts import GUARD_CONFIG_OPT, GUARD_OPT, guard_config
 from sdcscope.cli.train_cmd import PRESET_OPT, SEED_OPT, STEPS_OPT, WORKLOAD_OPT, build_configs, check_steps
 
@@ -20,22 +20,18 @@ def print_comparison(out: Path, c: dict) -> None:
     out_console.print(
         f"[bold]{c['outcome']}[/]: {c['injections']} fault(s) fired; first divergence at step "
         f"{c['first_divergence_step']}; final parameter distance (rel. L2) {size}; "
-        f"val loss {_fmt(c['val_loss_golden'])} → {_fmt(vf)} "
+        f"val loss {fmt_loss(c['val_loss_golden'])} → {fmt_loss(vf)} "
         f"(Δ {val if val is None else format(val, '+.4g')})"
     )
     if "guarded" in c:
         g = c["guarded"]
         out_console.print(f"[bold]guarded[/]: {len(g['events'])} event(s); outcome vs golden {g['outcome']}; "
-                          f"val loss {_fmt(g['val_loss_faulty'])} (golden {_fmt(c['val_loss_golden'])})")
+                          f"val loss {fmt_loss(g['val_loss_faulty'])} (golden {fmt_loss(c['val_loss_golden'])})")
         for e in g["events"][:5]:
             out_console.print(f"  step {e['step']}: {e['detector']} {e['verdict']} "
                               f"{e.get('module') or ''} {e.get('gemm') or ''} → {e['action']}")
     runs = ", ".join(str(out / r) for r in ("golden", "faulty", "guarded") if (out / r).is_dir())
     out_console.print(f"runs: {runs}; comparison: {out / 'comparison.json'}")
-
-
-def _fmt(value) -> str:
-    return format(value, ".4f") if isinstance(value, float) else str(value)
 
 
 @app.command()
