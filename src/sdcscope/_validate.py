@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from collections.abc import Iterable
@@ -38,3 +39,16 @@ def check_float(name: str, value: object, *, low: float | None = None,
         hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
         rule = " and ".join(s for s in (lo, hi) if s) or "finite"
         raise ValueError(f"{name}={value!r} must be a number {rule}")
+
+
+def build_config(cls, data: object, what: str):
+    """``cls(**data)`` for a dataclass ``cls``; an unknown key is refused naming the allowed ones."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{what} must be a mapping, got {data!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown {what} key {key!r}{hint}; allowed: {', '.join(names)}")
+    return cls(**data)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import yaml
 
+from sdcscope._validate import build_config
 from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
 from sdcscope.detect.state import StateChecksumConfig
 from sdcscope.mitigate import LRBackoffConfig, PolicyConfig, RankGuardConfig, SnapshotConfig, ZClipConfig
@@ -58,7 +58,7 @@ class GuardConfig:
         for name, cls in _NESTED.items():
             value = getattr(self, name)
             if isinstance(value, dict):
-                setattr(self, name, _build(cls, value, name))
+                setattr(self, name, build_config(cls, value, name))
             elif value is not None and not isinstance(value, cls):
                 raise TypeError(f"guard {name} must be a mapping or {cls.__name__}, got {value!r}")
         for name in ("snapshots", "lr_backoff", "policy"):
@@ -74,7 +74,7 @@ class GuardConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "GuardConfig":
-        return _build(cls, data or {}, "guard config")
+        return build_config(cls, data or {}, "guard config")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "GuardConfig":
@@ -95,15 +95,3 @@ class GuardConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _build(cls, data: dict[str, Any], what: str):
-    if not isinstance(data, dict):
-        raise TypeError(f"{what} must be a mapping, got {data!r}")
-    names = [f.name for f in fields(cls)]
-    for key in data:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"unknown {what} key {key!r}{hint}; allowed: {', '.join(names)}")
-    return cls(**data)

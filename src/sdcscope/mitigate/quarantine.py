@@ -47,9 +47,8 @@ run_dir=...))`` with :class:`~sdcscope.engine.ddp.DDPTrainer`) or in a plain loo
 from __future__ import annotations
 
 import copy
-import difflib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +57,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sdcscope._io import JsonlWriter
+from sdcscope._validate import build_config
 from sdcscope.detect.crossrank import CrossRankConfig, CrossRankDetector, ReplicaHashCheck
 from sdcscope.detect.events import Event
 from sdcscope.engine.ddp import bucket_hook
@@ -88,13 +88,7 @@ class RankGuardConfig:
         for name, cls in _NESTED.items():
             value = getattr(self, name)
             if isinstance(value, dict):
-                allowed = [f.name for f in fields(cls)]
-                for key in value:
-                    if key not in allowed:
-                        close = difflib.get_close_matches(str(key), allowed, n=1)
-                        hint = f" (did you mean {close[0]!r}?)" if close else ""
-                        raise ValueError(f"unknown rank guard {name} key {key!r}{hint}; allowed: {', '.join(allowed)}")
-                setattr(self, name, cls(**value))
+                setattr(self, name, build_config(cls, value, f"rank guard {name}"))
             elif not isinstance(value, cls):
                 raise TypeError(f"rank guard {name} must be a mapping or {cls.__name__}, got {value!r}")
         if isinstance(self.hash_every, bool) or not isinstance(self.hash_every, int) or self.hash_every < 0:
