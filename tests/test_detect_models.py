@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from sdcscope.inject.targets import weight_grad_edge
+
 
 class MatMul(nn.Module):
     """The MatMul contract: ``is_matmul = True`` and ``forward(a, b) = a @ b``."""
@@ -95,6 +97,17 @@ def flip_bit(t: torch.Tensor, index: tuple, bit: int) -> None:
     assert t.dtype == torch.float32
     flat = t.detach().view(torch.int32)
     flat[index] = flat[index] ^ torch.tensor(1 << bit if bit < 31 else -(1 << 31), dtype=torch.int32)
+
+
+def on_grad_weight(module: nn.Module, fn) -> None:
+    """Apply ``fn(dW) -> dW`` to the dW of every call of ``module``'s GEMM (where hardware
+    corrupts it: the call's own autograd node, before the weight's other uses are summed in)."""
+    def forward_hook(mod, args, out):
+        edge = weight_grad_edge(out, mod.weight)
+        if edge is not None:
+            node, i = edge
+            node.register_hook(lambda gi, go: tuple(fn(g) if k == i else g for k, g in enumerate(gi)))
+    module.register_forward_hook(forward_hook)
 
 
 # --- the helpers above are imported by the other observe/detect tests; sanity checks here ---

@@ -38,12 +38,12 @@ How the hooks see the values actually produced
   operand and registers a tensor hook on it. The view is consumed only by this module, so its
   gradient is this module's dX — after every full backward hook (an injector's edits included),
   whatever the registration order — and not the sum over the operand's other consumers.
-* **dW**: ``weight.grad`` accumulates over micro-batches (and is what the optimizer reads). A
-  tensor hook on the weight (which fires before accumulation) snapshots the row and column sums
-  of the gradient accumulated so far; ``register_post_accumulate_grad_hook`` then checks
-  ``grad_after − grad_before`` against dYᵀX of the micro-batch(es) whose dY arrived. Weights
-  shared between modules (a tied LM head) get a sum of several products and are not checked for
-  ``grad_weight``.
+* **dW**: a hook on the call's own autograd node that hands dW to the weight
+  (:func:`sdcscope.inject.targets.weight_grad_edge`, where the injector's ``gemm.grad_weight``
+  faults land too): the product of this call alone, before autograd sums it with the weight's
+  other uses (a tied embedding, an explicit L2 term, another call of the module) and
+  accumulates it into ``weight.grad`` — so none of those, nor gradient accumulation, enters the
+  check. A fault in that sum or in ``.grad`` itself is not a GEMM's (the ``param_grad`` site).
 
 Idle cost: hooks are registered only on the layers sampled for the current step (re-registered
 by :meth:`ABFTDetector.begin_step` when the sample changes), so a step or layer that is not
@@ -55,10 +55,10 @@ step).
 
 Not covered: products computed outside a module's ``forward`` (``F.linear`` on another
 module's weight, ``F.scaled_dot_product_attention``: expose them as MatMul-contract modules to
-check them), bias gradients (a reduction, not a GEMM), and — for ``grad_weight`` — gradients
-that are reduced across ranks inside autograd (DDP buckets, FSDP flat parameters): there the
-post-accumulate hook sees the local increment only where the wrapper keeps per-parameter
-``.grad``.
+check them), ``nn.Linear`` subclasses that override ``forward`` (a LoRA layer's output is not
+XWᵀ + b; listed in :attr:`ABFTDetector.skipped`), bias gradients (a reduction, not a GEMM), and
+the ``grad_weight`` of parameters that are not leaves of the call's graph (FSDP's flattened
+parameters).
 
 Per step::
 
@@ -70,6 +70,7 @@ Per step::
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import weakref
@@ -78,9 +79,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from sdcscope._validate import check_choice, check_float, check_non_negative, check_positive
-from sdcscope.detect.checksum import SIDES, GemmCheck, Operand, gemm_lines, line_ratios, rounding_model, unit_roundoff
+from sdcscope._validate import check_bool, check_choice, check_float, check_non_negative, check_positive
+from sdcscope.detect.checksum import SIDES, GemmCheck, Operand, gemm_lines, line_ratios, rounding_model
 from sdcscope.detect.events import GEMMS, Event
+from sdcscope.inject.targets import weight_grad_edge
 from sdcscope.observe._util import is_matmul, match_modules, no_autocast
 
 CHECKSUMS = ("both", "row", "column")
@@ -117,15 +119,19 @@ class ABFTConfig:
     """Checked steps whose largest ratio per (layer, gemm) sets a tighter threshold
     ``max(c_min, calibration_margin × max ratio)`` (never above ``c``)."""
     calibration_margin: float = 4.0
-    c_min: float = 0.5
+    c_min: float = 3.0
+    """Floor of a calibrated threshold: the model std is an upper bound, but a short calibration
+    sees only part of the tail (a clean bf16 ratio of 0.78 after 20 calibrated steps at 0.15)."""
     include_eval: bool = False
     """Also check forward passes in eval mode."""
 
     def __post_init__(self) -> None:
         if self.targets is not None:
-            self.targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
-        self.gemms = (self.gemms,) if isinstance(self.gemms, str) else tuple(self.gemms)
-        self.kinds = (self.kinds,) if isinstance(self.kinds, str) else tuple(self.kinds)
+            self.targets = _names("targets", self.targets)
+            if not self.targets:
+                raise ValueError("targets is empty; give module-name patterns, or null for every layer")
+        self.gemms = _names("gemms", self.gemms)
+        self.kinds = _names("kinds", self.kinds)
         for kind in self.kinds:
             check_choice("kind", kind, KINDS)
         if not self.kinds:
@@ -144,6 +150,16 @@ class ABFTConfig:
         check_non_negative("calibration_steps", self.calibration_steps)
         check_float("calibration_margin", self.calibration_margin, low=1.0)
         check_float("c_min", self.c_min, low=0, low_open=True)
+        check_bool("include_eval", self.include_eval)
+
+
+def _names(key: str, value: object) -> tuple[str, ...]:
+    """A string or a list of strings, as a tuple."""
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{key}={value!r} must be a name or a list of names")
+    return tuple(value)
 
 
 @dataclass(slots=True)
@@ -163,7 +179,8 @@ class _Ctx:
     def dy_operand(self, cs: torch.dtype) -> Operand:
         """dY (…tokens…, out) in the GEMM's dtype, shared by the dX and dW checks."""
         if self._dy_op is None:
-            self._dy_op = Operand(self.dy.to(self.b.t.dtype), cs, flat=True, bound=True)
+            dy, cd = self.dy, self.b.t.dtype
+            self._dy_op = Operand(dy if dy.dtype == cd else dy.to(cd), cs, flat=True, bound=True)
         return self._dy_op
 
     def done(self, what: str) -> None:
@@ -182,11 +199,10 @@ class _Layer:
     module: nn.Module
     kind: str                              # 'linear' | 'matmul'
     check_dw: bool
+    names: tuple[str, ...]                 # forward's parameter names of the operands (keywords)
     calls: int = 0
-    handles: list = field(default_factory=list)   # [forward pre-hook, forward hook, dW hooks…]
+    handles: list = field(default_factory=list)   # [forward pre-hook, forward hook]
     open_ctx: _Ctx | None = None           # created by the pre-hook, completed by the forward hook
-    dw_pending: list[_Ctx] = field(default_factory=list)
-    prev_sums: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ABFTDetector:
@@ -204,23 +220,25 @@ class ABFTDetector:
             model, cfg.targets, option="ABFT targets",
             where=lambda m: ("linear" in cfg.kinds and isinstance(m, nn.Linear))
             or ("matmul" in cfg.kinds and is_matmul(m)))
-        owners: dict[int, int] = {}
-        for _, mod in model.named_modules(remove_duplicate=False):
-            for p in mod.parameters(recurse=False):
-                owners[id(p)] = owners.get(id(p), 0) + 1
         self.layers: list[_Layer] = []
+        self.skipped: list[str] = []
+        """``nn.Linear`` subclasses overriding ``forward``: their output is not XWᵀ + b."""
         for name, mod in eligible.items():
             linear = isinstance(mod, nn.Linear)
-            shared = linear and owners.get(id(mod.weight), 0) > 1
+            if linear and type(mod).forward is not nn.Linear.forward:
+                self.skipped.append(name)
+                continue
             self.layers.append(_Layer(name, mod, "linear" if linear else "matmul",
-                                      check_dw=not (linear and (shared or not mod.weight.requires_grad))))
-        self.skipped_grad_weight = [x.name for x in self.layers if x.kind == "linear" and not x.check_dw]
-        """Linear layers whose dW is not checked (weight shared with another module, or frozen)."""
+                                      check_dw=not linear or mod.weight.requires_grad,
+                                      names=_operand_names(mod, 1 if linear else 2)))
+        self.skipped_grad_weight = [x.name for x in self.layers if not x.check_dw]
+        """Linear layers whose dW is not checked (frozen weight)."""
         self._attached = False
         self._active: frozenset[str] = frozenset()
         self._chosen: list[_Layer] = []
         self._step: int | None = None
-        self._rot = 0
+        self._rot = self._chosen_rot = 0
+        self._last_checked: tuple[int, list[_Layer], int] | None = None   # (step, its layers, rotation)
         self._records: list[tuple] = []
         self._operands: weakref.WeakValueDictionary[tuple, Operand] = weakref.WeakValueDictionary()
         self._models: dict[tuple, object] = {}   # rounding models of this step (torch settings)
@@ -263,12 +281,9 @@ class ABFTDetector:
             on = layer.name in want
             if on and not layer.handles:
                 mod = layer.module
-                layer.handles = [mod.register_forward_pre_hook(self._pre_hook(layer), prepend=False),
-                                 mod.register_forward_hook(self._fwd_hook(layer), prepend=False)]
-                if layer.kind == "linear" and layer.check_dw and "grad_weight" in self.config.gemms:
-                    layer.handles += [
-                        mod.weight.register_hook(self._snapshot_hook(layer)),
-                        mod.weight.register_post_accumulate_grad_hook(self._dw_hook(layer))]
+                layer.handles = [
+                    mod.register_forward_pre_hook(self._pre_hook(layer), prepend=False, with_kwargs=True),
+                    mod.register_forward_hook(self._fwd_hook(layer), prepend=False, with_kwargs=True)]
             elif not on and layer.handles:
                 for handle in layer.handles:
                     handle.remove()
@@ -284,17 +299,23 @@ class ABFTDetector:
     def begin_step(self, step: int) -> None:
         """Choose the layers checked on ``step`` (deterministic rotation) and move ABFT's forward
         hook of each back to the end of its module's hook order. Calling it again for the same
-        step re-orders the hooks only."""
-        if self._step != int(step):
-            self._step = int(step)
-            k, every = self._plan
-            if not self.layers or self._step % every:
-                chosen = []
+        step re-orders the hooks only; calling it for the step :meth:`check` just judged (a replay
+        re-executing it) arms that step's layers again, and the rotation goes on as before."""
+        step = int(step)
+        if self._step != step:
+            again = self._last_checked
+            if again is not None and again[0] == step:
+                _, chosen, self._rot = again
             else:
-                n = len(self.layers)
-                k = min(k, n)
-                chosen = [self.layers[(self._rot + i) % n] for i in range(k)]
-                self._rot = (self._rot + k) % n
+                k, every = self._plan
+                if not self.layers or step % every:
+                    chosen = []
+                else:
+                    n = len(self.layers)
+                    k = min(k, n)
+                    chosen = [self.layers[(self._rot + i) % n] for i in range(k)]
+                    self._rot = (self._rot + k) % n
+            self._step, self._chosen_rot = step, self._rot
             self._active = frozenset(layer.name for layer in chosen)
             self._chosen = chosen
             self._sync_hooks()
@@ -315,29 +336,29 @@ class ABFTDetector:
         key = (id(t), cd)
         got = self._operands.get(key)
         if got is None:  # alive while a pending check holds it; it holds t, so the id stays unique
-            got = self._operands[key] = Operand(t.to(cd), self._cs, flat=True, bound=bound, src=t)
+            got = self._operands[key] = Operand(t if t.dtype == cd else t.to(cd), self._cs, flat=True,
+                                                bound=bound, src=t)
         return got
 
     def _weight(self, module: nn.Module, cd: torch.dtype) -> Operand:
         return self._operand(module.weight, cd, bound=False)
 
-    def _record(self, layer: _Layer, gemm: str, call: int, c_dims: tuple, batch_dims: tuple,
-                a: Operand, b: Operand, c: torch.Tensor, *, bias=None, prev=None, extra=None,
-                operand: str | None = None) -> None:
+    def _record(self, layer: _Layer, gemm: str, call: int, c_dims: tuple | None, batch_dims: tuple,
+                a: Operand, b: Operand, c: torch.Tensor, *, bias=None, operand: str | None = None) -> None:
         cd = a.t.dtype
         which = self.config.checksums
         mkey = (cd, c.device)
         model = self._models.get(mkey)
         if model is None:
             model = self._models[mkey] = rounding_model(cd, c.device, self._cs)
-        lines = gemm_lines(a, b, c, model=model, bias=bias, which=which, prev=prev, extra=extra)
+        lines = gemm_lines(a, b, c, model=model, bias=bias, which=which)
         self._records.append((layer.name, gemm, call, c_dims, batch_dims, a.t.shape[-1], str(cd),
                               operand, GemmCheck(lines, SIDES[which])))
 
     def _pre_hook(self, layer: _Layer):
         grads = {"grad_input", "grad_weight"} & set(self.config.gemms)
 
-        def hook(module, args):
+        def hook(module, args, kwargs):
             if not self._on(layer):
                 return None
             layer.calls += 1
@@ -345,10 +366,9 @@ class ABFTDetector:
             layer.open_ctx = ctx
             if not (grads and torch.is_grad_enabled()):
                 return None
-            n_ops = 1 if layer.kind == "linear" else 2
-            new = list(args)
-            for pos in range(min(n_ops, len(args))):
-                x = args[pos]
+            new, new_kw = list(args), dict(kwargs)
+            for pos, key in enumerate(layer.names):
+                x = args[pos] if pos < len(args) else kwargs.get(key)
                 if not isinstance(x, torch.Tensor) or not x.requires_grad:
                     continue
                 gemm = "grad_input" if pos == 0 else "grad_weight"
@@ -359,33 +379,44 @@ class ABFTDetector:
                 view = x.view_as(x)
                 view.register_hook(self._grad_operand_hook(layer, ctx, pos))
                 ctx.need.add(f"op{pos}")
-                new[pos] = view
-            return tuple(new)
+                if pos < len(args):
+                    new[pos] = view
+                else:
+                    new_kw[key] = view
+            return tuple(new), new_kw
         return hook
 
     def _fwd_hook(self, layer: _Layer):
         gemms = set(self.config.gemms)
 
-        def hook(module, args, out):
+        def hook(module, args, kwargs, out):
             ctx, layer.open_ctx = layer.open_ctx, None
             if ctx is None or not self._on(layer) or not isinstance(out, torch.Tensor):
+                return None
+            ops = [args[i] if i < len(args) else kwargs.get(k) for i, k in enumerate(layer.names)]
+            if not all(isinstance(t, torch.Tensor) for t in ops):
+                ctx.release()
                 return None
             with torch.no_grad():
                 cd = out.dtype
                 if layer.kind == "linear":
-                    x = ctx.x if ctx.x is not None else args[0]   # before ABFT's own view
+                    x = ctx.x if ctx.x is not None else ops[0]   # before ABFT's own view
                     a = self._operand(x, cd)
                     b = self._weight(module, cd)
                     if "forward" in gemms:
-                        bias = None if module.bias is None else module.bias.to(cd)
+                        bias = module.bias
+                        if bias is not None and bias.dtype != cd:
+                            bias = bias.to(cd)
                         self._record(layer, "forward", ctx.call, tuple(out.shape[:-1]), (),
                                      a, b.T, out, bias=bias)
                     ctx.a, ctx.b, ctx.a_shape = a, b, tuple(x.shape)
-                    if layer.check_dw and "grad_weight" in gemms and out.requires_grad:
+                    edge = weight_grad_edge(out, module.weight) \
+                        if layer.check_dw and "grad_weight" in gemms and out.requires_grad else None
+                    if edge is not None:
                         ctx.need.add("dw")
-                        layer.dw_pending.append(ctx)
+                        edge[0].register_hook(self._dw_hook(layer, ctx, edge[1]))
                 else:
-                    a, b = args[0], args[1]
+                    a, b = ops
                     if a.dim() < 2 or b.dim() < 2:
                         ctx.release()
                         return None
@@ -393,7 +424,7 @@ class ABFTDetector:
                     a_e = Operand(_expand(a.to(cd), batch), self._cs)
                     b_e = Operand(_expand(b.to(cd), batch), self._cs)
                     if "forward" in gemms:
-                        self._record(layer, "forward", ctx.call, (), tuple(batch),
+                        self._record(layer, "forward", ctx.call, None, tuple(batch),
                                      a_e, b_e, out)
                     ctx.a, ctx.b = a_e, b_e
                     ctx.full = ((*batch, *a.shape[-2:]), (*batch, *b.shape[-2:]))
@@ -426,59 +457,25 @@ class ABFTDetector:
                         batch = full[:-2]
                         dc = Operand(dy.to(ctx.a.t.dtype), self._cs)
                         if pos == 0:   # dA = dC · bᵀ
-                            self._record(layer, "grad_input", ctx.call, (), batch,
+                            self._record(layer, "grad_input", ctx.call, None, batch,
                                          dc, ctx.b.T, grad, operand="a")
                         else:          # dB = aᵀ · dC
-                            self._record(layer, "grad_weight", ctx.call, (), batch,
+                            self._record(layer, "grad_weight", ctx.call, None, batch,
                                          ctx.a.T, dc, grad, operand="b")
             ctx.done(f"op{pos}")
             return None
         return hook
 
-    def _snapshot_hook(self, layer: _Layer):
-        def hook(grad):
-            if not layer.dw_pending:
-                return None
-            g = layer.module.weight.grad
-            if g is None:
-                layer.prev_sums = None
-            else:
-                cs = self._cs
-                with torch.no_grad():
-                    layer.prev_sums = (g.sum(1, dtype=cs), g.sum(0, dtype=cs))
+    def _dw_hook(self, layer: _Layer, ctx: _Ctx, index: int):
+        """Post-hook of the call's node handing dW to the weight: dW = dYᵀ · X of this call."""
+        def hook(grad_inputs, grad_outputs):
+            g = grad_inputs[index]
+            if g is not None and ctx.dy is not None and ctx.a is not None:
+                with torch.no_grad(), no_autocast(g.device):
+                    self._record(layer, "grad_weight", ctx.call, None, (),
+                                 ctx.dy_operand(self._cs).T, ctx.a, g)
+            ctx.done("dw")
             return None
-        return hook
-
-    def _dw_hook(self, layer: _Layer):
-        def hook(param):
-            ready = [c for c in layer.dw_pending if c.dy is not None and c.a is not None]
-            if not ready:
-                return
-            layer.dw_pending = [c for c in layer.dw_pending if c not in ready]
-            g = param.grad
-            prev, layer.prev_sums = layer.prev_sums, None
-            with torch.no_grad(), no_autocast(g.device):
-                if len(ready) == 1:   # dW = dYᵀ · X
-                    dy, x = ready[0].dy_operand(self._cs), ready[0].a
-                else:  # several calls since the last accumulation (weight reuse): stacked tokens
-                    cd = ready[0].dy.dtype
-                    dy = Operand(torch.cat([c.dy.reshape(-1, c.dy.shape[-1]).to(cd) for c in ready]),
-                                 self._cs, flat=True, bound=True)
-                    x = Operand(torch.cat([c.a.t.reshape(-1, c.a.t.shape[-1]) for c in ready]),
-                                self._cs, flat=True, bound=True)
-                extra = None
-                if prev is not None:
-                    # rounding of grad += increment: ≤ u·|grad| per element, plus the correlated
-                    # part; in fp64 so that a corrupted element (~3e38) cannot overflow its bound
-                    u = unit_roundoff(g.dtype)
-                    gd = g.detach().double()
-                    sq = gd.square()
-                    extra = (u * (sq.sum(1).sqrt() + gd.sum(1).abs()),
-                             u * (sq.sum(0).sqrt() + gd.sum(0).abs()))
-                self._record(layer, "grad_weight", ready[-1].call, (), (),
-                             dy.T, x, g, prev=prev, extra=extra)
-            for c in ready:
-                c.done("dw")
         return hook
 
     # ------------------------------------------------------------------ check
@@ -487,8 +484,6 @@ class ABFTDetector:
         self._models.clear()
         for layer in self.layers:
             layer.open_ctx = None
-            layer.dw_pending = []
-            layer.prev_sums = None
             layer.calls = 0
 
     def threshold(self, layer: str, gemm: str) -> float:
@@ -521,6 +516,7 @@ class ABFTDetector:
             self._update_plan(step, n_checked=len({r[0] for r in records}))
         self._drop_pending()
         if step is not None:
+            self._last_checked = (step, self._chosen, self._chosen_rot)
             self.begin_step(step + 1)
         return events
 
@@ -546,7 +542,7 @@ class ABFTDetector:
         row = int(s["row"]) if row_hit else None
         col = int(s["col"]) if col_hit else None
         batch = _unravel(int(s["batch"]), batch_dims) if batch_dims else ()
-        if c_dims:  # rows of a flattened (…, n) operand
+        if c_dims is not None:  # rows of a flattened (…, n) result (none: a 1-D one)
             lead = _unravel(row, c_dims) if row is not None else (None,) * len(c_dims)
             index = (*lead, col)
         else:
@@ -599,6 +595,15 @@ def _keep_last(layer: _Layer) -> None:
     if hooks is None or hid not in hooks or next(reversed(hooks)) == hid:
         return
     hooks.move_to_end(hid)
+
+
+def _operand_names(module: nn.Module, n: int) -> tuple[str, ...]:
+    """Names of the first ``n`` parameters of ``module.forward`` (operands passed by keyword)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        params = []
+    return tuple(params[:n]) + tuple(f"_{i}" for i in range(len(params), n))
 
 
 def _expand(t: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:

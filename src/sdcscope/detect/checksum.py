@@ -23,7 +23,10 @@ arithmetic. With unit roundoff u of each stage (fp32 2⁻²⁴, TF32 2⁻¹¹, b
   the row-i checksum error std ≤ u·√k·‖A_{i,:}‖·‖B‖_F. This is the usual worst-case bound
   γ_k·|A||B| (τ = c·u·k·(|a|ᵀ|b|), Higham) with k replaced by √k (probabilistic rounding, as in
   V-ABFT's variance-based bound, production_sdc.md §5) and |a|ᵀ|b| by norms so that the bound
-  costs O(nk + km) instead of a second GEMM.
+  costs O(nk + km) instead of a second GEMM. Rows that repeat (dY of a mean-pooled output, a
+  broadcast input) make equal errors, which add linearly: n equal rows aᵢ = a sum to
+  n·u√k‖a‖‖bⱼ‖ = u√k‖1ᵀA‖‖bⱼ‖, so the model adds u√k‖1ᵀA‖‖B_{:,j}‖ (‖1ᵀA‖ is computed anyway;
+  for independent rows it is about ‖A‖_F, at most doubling the term).
 * **operand rounding** inside the unit (TF32 on CUDA, ``float32_matmul_precision`` 'high' or
   'medium'): each product is off by ≤ 2u_in relative: std ≤ 2u_in·‖aᵢ‖‖bⱼ‖, no √k.
 * **output rounding** (to bf16/fp16, or of the final fp32 add): each element is off by
@@ -32,7 +35,10 @@ arithmetic. With unit roundoff u of each stage (fp32 2⁻²⁴, TF32 2⁻¹¹, b
   mean-dominated column rounds the same way in every row): measured on a bf16 GPT, such
   columns reached 7× the independent model. The correlated part is bounded by the common
   component, u_out·|Σᵢ ĉᵢⱼ| (the checksum itself, free), so the output term is
-  u_out·(‖Ĉ_{:,j}‖₂ + |1ᵀĈ_{:,j}|); with it the largest clean ratio fell to ≤ 1.9. The 2-norm is
+  u_out·(‖Ĉ_{:,j}‖₂ + |1ᵀĈ_{:,j}|); with it the largest clean ratio fell to ≤ 1.9. The common
+  component of a (batch, sequence, ·) output is also taken per sequence, Σ_b|Σ_t ĉ_btj|, so rows
+  repeated within each sequence (mean pooling) are covered even when the sequences' sums cancel
+  (clean ratios fell from 12.5 to ≤ 1.3 on such a model, T = 1024). The 2-norm is
   read from the output clamped to the Cauchy-Schwarz bound 2·(maxᵢ‖aᵢ‖·maxⱼ‖bⱼ‖ + max|bias|),
   so a corrupted element (up to 3e38) cannot inflate its own threshold: it adds at most
   2c·u_out·|δ| ≪ |δ|. For fp32 outputs the 2-norm part is bounded by ‖A‖_F‖B_{:,j}‖ instead (no
@@ -194,25 +200,23 @@ class Operand:
             done = self._cache.get("rn", None if self.bound else self._cache.get("cn"))
             if done is not None:
                 return torch.linalg.vector_norm(done, dim=-1, keepdim=self.flat)
-            if self.flat and t.dtype == torch.float32 and t.is_contiguous():
-                v = t.view(-1)
-                return torch.dot(v, v).sqrt_().view(1)   # one BLAS pass
             if self.flat:
-                return torch.linalg.vector_norm(t, dtype=torch.float32).view(1)
+                return torch.linalg.vector_norm(t, dtype=_norm_dtype(t)).view(1)
             # per matrix: first along the dimension that is contiguous in memory (CPU norm kernels
             # are fast there and ~10-50x slower along any other), caching that statistic
             inner = "rn" if t.stride(-1) == 1 else "cn" if t.stride(-2) == 1 else None
             if inner is None:
-                x = t.float()
+                x = t.to(_norm_dtype(t))
                 return (x * x).sum((-2, -1)).sqrt().reshape(-1)
             got = self._cache.get(inner)
             if got is None:
                 got = self._cache[inner] = _reduce(t, False, inner, cs)
             return torch.linalg.vector_norm(got, dim=-1)
         if key == "x":   # batched operands keep their batch dims: reshaping a strided one copies it
+            x = t if t.dtype == cs else t.to(cs)
             if self.flat:
-                return t.reshape(-1, t.shape[-1]).to(cs)
-            return t.to(cs) if t.dim() > 2 else t.to(cs).unsqueeze(0)
+                return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            return x if x.dim() > 2 else x.unsqueeze(0)
         if key == "cn" and self.bound and self.flat:
             return self.stat("fn").expand(t.shape[-1])
         return _reduce(t, self.flat, key, cs)
@@ -223,13 +227,13 @@ def _reduce(t: torch.Tensor, flat: bool, key: str, cs: torch.dtype) -> torch.Ten
     c = t.shape[-1]
     if flat:
         lead = tuple(range(t.dim() - 1))
-        if key == "s0":
-            return t.sum(lead, dtype=cs) if lead else t.to(cs)
-        if key == "s1":
-            return t.sum(-1, dtype=cs).reshape(-1)
-        if key == "rn":
-            return _vec_norms(t, -1).reshape(-1)
-        t = t.float()   # cn: x·x beats x.square() and a strided vector_norm on CPU
+        if key == "s0":  # a 1-D result is one row: copied, an in-place op may change it later
+            return t.sum(lead, dtype=cs) if lead else t.to(cs, copy=True)
+        if key in ("s1", "rn"):
+            got = t.sum(-1, dtype=cs) if key == "s1" else _vec_norms(t, -1)
+            return got if t.dim() == 2 else got.reshape(-1)
+        if t.dtype != _norm_dtype(t):
+            t = t.to(_norm_dtype(t))   # cn: x·x beats x.square() and a strided vector_norm on CPU
         return (t * t).sum(lead).sqrt() if lead else t.abs()
     r = t.shape[-2]
     if key == "s0":
@@ -311,20 +315,14 @@ def line_ratios(lines: list[Line]) -> torch.Tensor:
 
 
 def gemm_lines(a: Operand, b: Operand, c: torch.Tensor, *, model: RoundingModel,
-               bias: torch.Tensor | None = None, which: str = "both",
-               prev: tuple[torch.Tensor, torch.Tensor] | None = None,
-               extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[Line]:
+               bias: torch.Tensor | None = None, which: str = "both") -> list[Line]:
     """The row and/or column lines of C = A·B (+ bias). Flat operands: C is (…, m) with every
-    leading index a row; batched ones: A (…, n, k), B (…, k, m), C (…, n, m).
-
-    ``prev`` = (row sums, column sums) already in C before this product (gradient accumulation:
-    the check is on the increment); ``extra`` = additional (row, column) model stds.
-    """
+    leading index a row; batched ones: A (…, n, k), B (…, k, m), C (…, n, m)."""
     with no_autocast(c.device):  # hooks run inside the model's autocast region
-        return _gemm_lines(a, b, c, model, bias, which, prev, extra)
+        return _gemm_lines(a, b, c, model, bias, which)
 
 
-def _gemm_lines(a, b, c, model, bias, which, prev, extra) -> list[Line]:
+def _gemm_lines(a, b, c, model, bias, which) -> list[Line]:
     cs, flat = a.cs, a.flat
     n, k = a.shape
     m = b.shape[1]
@@ -342,8 +340,6 @@ def _gemm_lines(a, b, c, model, bias, which, prev, extra) -> list[Line]:
     for side in SIDES[which]:
         col = side == "col"
         act = _reduce(c, flat, "s0" if col else "s1", cs)
-        if prev is not None:
-            act = act - prev[1 if col else 0].reshape(act.shape).to(cs)
         if col:   # 1ᵀC vs (1ᵀA)·B + n·bias
             v, mat, summed, out = a.stat("s0"), b.stat("xt"), n, m
             add = None if bias is None else (bias, n)
@@ -352,14 +348,13 @@ def _gemm_lines(a, b, c, model, bias, which, prev, extra) -> list[Line]:
             add = None if bias is None else (bias.sum(dtype=cs).expand(n), 1)
         exp = _matvec(mat, v, add)
         ext = None if cc is None else model.u_out * _reduce(cc, flat, "cn" if col else "rn", cs)
-        if extra is not None:
-            e = extra[1 if col else 0].reshape(act.shape).float()
-            ext = e if ext is None else ext + e
+        if cc is not None and col and flat and c.dim() > 2:  # rows repeated within a sequence
+            ext = ext + model.u_out * cc.sum(-2).abs().sum(tuple(range(c.dim() - 2)))
         scale, s1 = (b.stat("cn"), a.stat("fn")) if col else (a.stat("rn"), b.stat("fn"))
         lines.append(Line(act if flat else act.reshape(-1), exp if flat else exp.reshape(-1),
                           scale if flat else scale.reshape(-1), s1, v if flat else v.reshape(-1),
                           u_base + 2 * u_cs * math.sqrt(summed),
-                          u_cs * (math.sqrt(summed) + math.sqrt(k)),
+                          u_base + u_cs * (math.sqrt(summed) + math.sqrt(k)),
                           model.u_out + u_cs * math.sqrt(summed), rows, out,
                           None if ext is None else ext.reshape(-1)))
     return lines
@@ -420,9 +415,14 @@ def _vec_norms(x: torch.Tensor, dim: int) -> torch.Tensor:
     """2-norms along ``dim`` in fp32. ``vector_norm`` along a strided (not unit-stride) dim is
     ~15× slower on CPU than squaring and summing, so that case squares explicitly."""
     if x.stride(dim) == 1 or x.shape[dim] == 1:
-        return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float32)
-    x = x.float()
+        return torch.linalg.vector_norm(x, dim=dim, dtype=_norm_dtype(x))
+    x = x.to(_norm_dtype(x))
     return (x * x).sum(dim).sqrt()
+
+
+def _norm_dtype(x: torch.Tensor) -> torch.dtype:
+    """Norms in fp32, or fp64 for fp64 tensors (fp32 would narrow them)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _matvec(mat: torch.Tensor, vec: torch.Tensor, add: tuple | None = None) -> torch.Tensor:
@@ -434,7 +434,7 @@ def _matvec(mat: torch.Tensor, vec: torch.Tensor, add: tuple | None = None) -> t
         if add is None:
             return torch.mv(mat, vec)
         y, beta = add
-        return torch.addmv(y.to(vec.dtype), mat, vec, beta=beta)
+        return torch.addmv(y if y.dtype == vec.dtype else y.to(vec.dtype), mat, vec, beta=beta)
     p, q = mat.shape[-2:]
     batch = [(n, st) for n, st in zip(mat.shape[:-2], mat.stride()[:-2]) if n != 1]
     if all(outer[1] == inner[0] * inner[1] for outer, inner in zip(batch, batch[1:])):
@@ -456,16 +456,13 @@ def gemm_check(
     model: RoundingModel,
     checksum_dtype: torch.dtype,
     which: str = "both",
-    prev: tuple[torch.Tensor, torch.Tensor] | None = None,
-    extra: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> GemmCheck:
     """Check C = A·B (+ bias) on its own. ``a``, ``b`` are the operands exactly as the GEMM
-    consumed them (cast them to the compute dtype first); ``c`` the result as produced; ``prev``
-    and ``extra`` as in :func:`gemm_lines`."""
+    consumed them (cast them to the compute dtype first); ``c`` the result as produced."""
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2])
     a3 = Operand(a.expand(*lead, *a.shape[-2:]), checksum_dtype)
     b3 = Operand(b.expand(*lead, *b.shape[-2:]), checksum_dtype)
     with torch.no_grad():
         lines = gemm_lines(a3, b3, c.expand(*lead, *c.shape[-2:]), model=model, bias=bias,
-                           which=which, prev=prev, extra=extra)
+                           which=which)
     return GemmCheck(lines, SIDES[which])

@@ -11,8 +11,9 @@ gemm.forward        forward hook on a GEMM module (Linear, Conv, ``is_matmul``):
                     ``swizzle: per_step`` mapping follows the injector's step (evaluation at step
                     t uses the mapping of step t)
 gemm.grad_input     full backward hook: dX (for ``a @ b`` modules: d a) is replaced
-gemm.grad_weight    tensor hook on the weight (for ``a @ b``: d b): this GEMM's dW, before it is
-                    accumulated into ``.grad``
+gemm.grad_weight    this GEMM's dW (for ``a @ b``: d b, full backward hook): a hook on the
+                    call's own autograd node that hands dW to the weight, before it is summed
+                    with the weight's other uses and accumulated into ``.grad``
 weight              memory fault on the parameter, applied before the forward of the event;
                     a permanent fault is re-applied after every optimizer update
 param_grad          post-accumulate-grad hook: the accumulated ``.grad`` buffer
@@ -43,7 +44,7 @@ from torch import nn
 
 from sdcscope._io import JsonlWriter
 from sdcscope.faults import FaultSpec, apply_spec, fault_generator, fires
-from sdcscope.inject.targets import CONV_TYPES, Target, validate_specs
+from sdcscope.inject.targets import CONV_TYPES, Target, validate_specs, weight_grad_edge
 
 _REEXECUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdcscope_reexecuting", default=False)
 
@@ -195,7 +196,7 @@ class Injector:
         if site == "gemm.grad_weight":
             if getattr(t.module, "is_matmul", False):
                 return t.module.register_full_backward_hook(self._grad_input_hook(i, spec, t, 1), prepend=True)
-            return t.module.weight.register_hook(self._tensor_hook(i, spec, t))
+            return t.module.register_forward_hook(self._grad_weight_hook(i, spec, t), prepend=True)
         if site == "param_grad":
             return t.param.register_post_accumulate_grad_hook(self._param_grad_hook(i, spec, t))
         return None
@@ -253,13 +254,26 @@ class Injector:
             return tuple(faulty if k == position else gi for k, gi in enumerate(grad_input))
         return hook
 
-    def _tensor_hook(self, i, spec, t: Target):
-        def hook(grad):
-            if not self._fires(spec, t):
+    def _grad_weight_hook(self, i, spec, t: Target):
+        """Forward hook: reach this call's dW through its autograd node (weight_grad_edge)."""
+        def hook(module, args, output):
+            if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
-            faulty = grad.clone()
-            self._corrupt(i, spec, t, faulty)
-            return faulty
+            edge = weight_grad_edge(output, module.weight)
+            if edge is None:
+                raise RuntimeError(f"gemm.grad_weight on {t.name!r}: the weight's gradient does not "
+                                   f"come from this call's autograd graph (a flattened or wrapped parameter?)")
+            node, index = edge
+
+            def corrupt(grad_inputs, grad_outputs):
+                g = grad_inputs[index]
+                if g is None or not self._fires(spec, t):
+                    return None
+                faulty = g.clone()
+                self._corrupt(i, spec, t, faulty)
+                return tuple(faulty if k == index else gi for k, gi in enumerate(grad_inputs))
+            node.register_hook(corrupt)
+            return None
         return hook
 
     def _param_grad_hook(self, i, spec, t: Target):

@@ -33,6 +33,38 @@ def is_gemm(module: nn.Module) -> bool:
     return isinstance(module, GEMM_TYPES) or getattr(module, "is_matmul", False)
 
 
+def weight_grad_edge(output: torch.Tensor, weight: torch.Tensor, max_depth: int = 4):
+    """``(node, index)``: the autograd node of the call that produced ``output`` whose
+    ``index``-th gradient is this call's dW, on its way to ``weight.grad`` — the GEMM's own
+    product, before it is summed with the weight's other uses (a tied embedding, an explicit
+    L2 term, another call) and accumulated. ``None`` when ``weight`` is not reached within
+    ``max_depth`` nodes (it is not a leaf of this call, e.g. a flattened FSDP parameter).
+
+    Breadth-first from ``output.grad_fn``, so the call's own use of the weight (two or three
+    nodes deep: TBackward0 of ``F.linear``, ConvolutionBackward0) is found before any use
+    further up the input's graph. A cast on the way (``ToCopyBackward0`` under autocast,
+    cached and shared by every use of the weight in the region) is looked through: the node
+    before it is the call's own."""
+    frontier = [output.grad_fn] if output.grad_fn is not None else []
+    seen: set[int] = set()
+    for _ in range(max_depth):
+        nxt = []
+        for node in frontier:
+            for i, (child, _) in enumerate(node.next_functions):
+                if child is None or id(child) in seen:
+                    continue
+                seen.add(id(child))
+                leaf = child
+                while type(leaf).__name__ == "ToCopyBackward0" and leaf.next_functions:
+                    leaf = leaf.next_functions[0][0]
+                if getattr(leaf, "variable", None) is weight:
+                    return node, i
+                if not hasattr(child, "variable"):
+                    nxt.append(child)
+        frontier = nxt
+    return None
+
+
 @dataclass(frozen=True)
 class Target:
     """A resolved target. ``key`` is the name the spec's pattern matched (what ``fires`` and the
