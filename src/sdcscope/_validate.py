@@ -16,19 +16,28 @@ def check_choice(name: str, value: object, allowed: Iterable[str]) -> None:
         raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}{hint}")
 
 
+def check_bool(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is a real ``bool`` (a string such as ``'no'`` is refused)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be a boolean; allowed: true, false")
+
+
 def check_positive(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer > 0 (``bool`` is refused)."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
+        raise ValueError(f"{name}={value!r} must be a positive integer (>= 1)")
 
 
 def check_non_negative(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer >= 0 (``bool`` is refused)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name}={value!r} must be an integer >= 0")
 
 
 def check_float(name: str, value: object, *, low: float | None = None,
                 high: float | None = None, low_open: bool = False, high_open: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a real number within the given bounds."""
+    """Raise ``ValueError`` unless ``value`` is a finite real number (not a ``bool``, not a
+    string) within the given bounds."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok and low is not None:
         ok = value > low if low_open else value >= low
@@ -37,8 +46,8 @@ def check_float(name: str, value: object, *, low: float | None = None,
     if not ok:
         lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
         hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
-        rule = " and ".join(s for s in (lo, hi) if s) or "finite"
-        raise ValueError(f"{name}={value!r} must be a number {rule}")
+        rule = " and ".join(s for s in (lo, hi) if s)
+        raise ValueError(f"{name}={value!r} must be a finite number{' ' + rule if rule else ''}")
 
 
 def build_config(cls, data: object, what: str):

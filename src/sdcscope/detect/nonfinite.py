@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sdcscope._validate import check_positive
+from sdcscope._validate import check_bool, check_positive
 from sdcscope.detect.events import Event
 
 
@@ -28,8 +28,7 @@ class NonFiniteConfig:
 
     def __post_init__(self) -> None:
         for name in ("check_loss", "check_grads"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+            check_bool(name, getattr(self, name))
         check_positive("max_listed", self.max_listed)
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sdcscope._validate import check_choice, check_float, check_non_negative, check_positive
+from sdcscope._validate import check_bool, check_choice, check_float, check_non_negative, check_positive
 from sdcscope.detect.events import Event
 
 SPIKE_METHODS = ("mad", "ema")
@@ -73,6 +73,8 @@ class SpikeConfig:
         check_float("clip_z", self.clip_z, low=0, low_open=True)
         check_float("min_ratio", self.min_ratio, low=1.0)
         check_float("ema_alpha", self.ema_alpha, low=0, high=1, low_open=True, high_open=True)
+        check_bool("log_space", self.log_space)
+        check_bool("two_sided", self.two_sided)
         if not isinstance(self.signal, str) or not self.signal:
             raise ValueError(f"signal={self.signal!r} must be a non-empty string")
 

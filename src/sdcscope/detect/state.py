@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sdcscope._validate import check_positive
+from sdcscope._validate import check_bool, check_positive
 from sdcscope.detect.events import Event
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -29,6 +29,7 @@ class StateChecksumConfig:
 
     def __post_init__(self) -> None:
         check_positive("state checksum every", self.every)
+        check_bool("state checksum optimizer_state", self.optimizer_state)
 
 
 def _int_sum(t: torch.Tensor) -> torch.Tensor:

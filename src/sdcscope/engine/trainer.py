@@ -147,6 +147,7 @@ class Trainer:
         if not ctx.skip_update:
             self.optimizer.step()
         loss_v, norm_v = torch.stack([loss, grad_norm.detach().to(loss.dtype)]).tolist()
+        lr = float(self.optimizer.param_groups[0]["lr"])  # as used: a callback may scale it (LR backoff)
         ctx.metrics.update(step=self.step, loss=loss_v, grad_norm=norm_v, lr=lr,
                            data_pos=ctx.data_pos, skipped=ctx.skip_update)
         self.step += 1

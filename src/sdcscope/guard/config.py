@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from sdcscope._validate import build_config
+from sdcscope._validate import build_config, check_bool, check_float
 from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
 from sdcscope.detect.state import StateChecksumConfig
 from sdcscope.mitigate import LRBackoffConfig, PolicyConfig, RankGuardConfig, SnapshotConfig, ZClipConfig
@@ -64,13 +64,14 @@ class GuardConfig:
         for name in ("snapshots", "lr_backoff", "policy"):
             if getattr(self, name) is None:
                 raise ValueError(f"guard {name} cannot be null")
-        if self.qk_clip is not None and not (isinstance(self.qk_clip, (int, float)) and self.qk_clip > 0):
-            raise ValueError(f"guard qk_clip={self.qk_clip!r} must be a positive number or null")
+        if self.qk_clip is not None:
+            check_float("guard qk_clip", self.qk_clip, low=0.0, low_open=True)
+        if self.invariants is not None and not isinstance(self.invariants, (str, os.PathLike)):
+            raise TypeError(f"guard invariants={self.invariants!r} must be a file path or null")
         if self.invariants is not None and not os.path.isfile(str(self.invariants)):
             raise FileNotFoundError(f"guard invariants file {str(self.invariants)!r} does not exist")
         for name in ("replay", "strict"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"guard {name}={getattr(self, name)!r} must be true or false")
+            check_bool(f"guard {name}", getattr(self, name))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "GuardConfig":

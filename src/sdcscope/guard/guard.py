@@ -97,6 +97,12 @@ class Guard:
         self.rank_batch = rank_batch
         self._on_event = on_event
         self._step, self._batch, self._rng = 0, None, None
+        self._clock = -1  # steps begun, minus 1: the LR backoff's count (a loop's step may restart or go back)
+        # persistent buffers (BatchNorm running statistics, ...): a forward pass updates them, so a
+        # replay or a veto puts back their values from before the step (self._buffers_before)
+        self._buffer_slots = [(m, name) for m in model.modules() for name, b in m._buffers.items()
+                              if b is not None and name not in m._non_persistent_buffers_set]
+        self._buffers_before: list[torch.Tensor] = []
         self._pending: list[Event] = []
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._gsq: tuple[int, Any] | None = None
@@ -148,8 +154,10 @@ class Guard:
 
     # -- the per-step protocol ---------------------------------------------------------------
     def begin(self, step: int, batch: Any = None, *, snapshot: Callable[[], None] | None = None) -> None:
-        """Before the forward pass: remember RNG and batch; verify the state checksums."""
+        """Before the forward pass: remember RNG, batch and buffers; verify the state checksums."""
         self._step, self._batch, self._rng = step, batch, torch.get_rng_state()
+        self._clock += 1
+        self._buffers_before = [m._buffers[n].detach().clone() for m, n in self._buffer_slots]
         self._step_events = 0
         self.rolled_back_to = None
         if len(self.ring) == 0:
@@ -186,17 +194,22 @@ class Guard:
             return False
         if "veto" in actions:
             self.optimizer.zero_grad(set_to_none=True)
+            self._restore_buffers()
             self._after_update(applied=False)
             return False
         self.before_update()
-        scale = self.backoff.scale(self._step)
         groups = self.optimizer.param_groups
-        for g in groups:
-            g["lr"] *= scale
-        self.optimizer.step()
-        for g in groups:
-            g["lr"] /= scale
-        self._after_update(applied=True, loss=loss)
+        base_lrs = [g["lr"] for g in groups]
+        scale = self.backoff.scale(self._clock)
+        for g, lr in zip(groups, base_lrs):
+            g["lr"] = lr * scale
+        try:
+            self.optimizer.step()
+            row = self._update_metrics(loss)  # under the learning rate the step used
+        finally:
+            for g, lr in zip(groups, base_lrs):  # the very objects: no rounding drift
+                g["lr"] = lr
+        self._after_update(applied=True, row=row)
         return True
 
     def _rerun_plain(self) -> torch.Tensor:
@@ -250,7 +263,7 @@ class Guard:
             actions.remove("rollback")
             actions.insert(0, "veto")
         if "lr_backoff" in actions:
-            self.backoff.trigger(step)
+            self.backoff.trigger(self._clock)
         if "skip_batch" in actions:
             self.skip_batches.add(step)
         for e in events:
@@ -298,6 +311,9 @@ class Guard:
         after_rng = torch.get_rng_state()
         torch.set_rng_state(self._rng)
         try:
+            self._restore_buffers()  # else the step's forward pass would update them twice
+            if self.abft is not None:  # the layers this step checked, not the next step's sample
+                self.abft.begin_step(step)
             with reexecution():
                 new_loss = rerun()
             again = []
@@ -336,14 +352,28 @@ class Guard:
         if self.metrics is not None:
             self._safe(self.metrics.before_optimizer_step, "metrics")
 
-    def _after_update(self, *, applied: bool, loss=None, snapshot: Callable[[], None] | None = None) -> dict:
-        row: dict[str, Any] = {}
+    @torch.no_grad()
+    def _restore_buffers(self) -> None:
+        """Put the persistent buffers back to their values before this step's forward pass."""
+        for (module, name), value in zip(self._buffer_slots, self._buffers_before):
+            module._buffers[name].copy_(value)
+
+    def _update_metrics(self, loss) -> dict:
+        """The metrics row of an applied update (call while the optimizer's learning rates are the
+        ones the update used); QK-clip on its attention logits."""
+        if self.metrics is None:
+            return {}
+        self._safe(self.metrics.after_optimizer_step, "metrics")
+        row = self._safe(lambda: self.metrics.collect(self._step, loss), "metrics", default={})
+        if self.config.qk_clip is not None:
+            self._qk_clip(self._step, row)
+        return row
+
+    def _after_update(self, *, applied: bool, row: dict | None = None,
+                      snapshot: Callable[[], None] | None = None) -> dict:
+        """``row``: the applied update's metrics (:meth:`_update_metrics`)."""
+        row = row or {}
         step = self._step
-        if applied and self.metrics is not None:
-            self._safe(self.metrics.after_optimizer_step, "metrics")
-            row = self._safe(lambda: self.metrics.collect(step, loss), "metrics", default={})
-            if self.config.qk_clip is not None:
-                self._qk_clip(step, row)
         if self.ranks is not None:  # before the state checksums: a replica rollback restores state
             self.ranks.end(step, verify=self.rolled_back_to is not None)
         if self.state is not None:
@@ -437,9 +467,10 @@ class GuardCallback:
             return
         if "veto" in actions:
             ctx.skip_update = True
+            g._restore_buffers()
             return
         g.before_update()
-        scale = g.backoff.scale(ctx.step)
+        scale = g.backoff.scale(g._clock)  # the trainer sets every step's lr afresh: no restore needed
         for group in trainer.optimizer.param_groups:
             group["lr"] *= scale
 
@@ -448,8 +479,9 @@ class GuardCallback:
             ctx.metrics["quarantined"] = self.guard.ranks.quarantined
         if ctx.restored:
             return
-        row = self.guard._after_update(applied=not ctx.skip_update, loss=ctx.step_loss,
-                                       snapshot=self._snapshot(ctx.trainer))
+        applied = not ctx.skip_update
+        row = self.guard._update_metrics(ctx.step_loss) if applied else {}  # the step's lr is still set
+        row = self.guard._after_update(applied=applied, row=row, snapshot=self._snapshot(ctx.trainer))
         for key, value in row.items():
             ctx.metrics.setdefault(key, value)
         ctx.metrics["events"] = self.guard._step_events

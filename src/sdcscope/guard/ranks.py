@@ -146,7 +146,7 @@ class GuardRanks:
         for e in events:
             e.action = e.action or final
         if "lr_backoff" in actions:
-            g.backoff.trigger(step)
+            g.backoff.trigger(g._clock)
         if "skip_batch" in actions:
             g.skip_batches.add(step)
         for e in events + extra:

@@ -8,12 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sdcscope._validate import check_non_negative, check_positive
-
-
-def _check_range(name: str, value: float, low: float, high: float) -> None:
-    if not low < value < high:
-        raise ValueError(f"{name}={value!r} must be in ({low}, {high})")
+from sdcscope._validate import check_float, check_non_negative, check_positive
 
 
 @dataclass(kw_only=True)
@@ -28,9 +23,9 @@ class ZClipConfig:
     """Hard cap also applied (standard clipping during warm-up, ``min(adaptive, cap)`` after)."""
 
     def __post_init__(self) -> None:
-        _check_range("zclip alpha", self.alpha, 0.0, 1.0)
-        if not self.z_threshold > 0 or not self.max_grad_norm > 0:
-            raise ValueError("zclip z_threshold and max_grad_norm must be > 0")
+        check_float("zclip alpha", self.alpha, low=0.0, high=1.0, low_open=True, high_open=True)
+        check_float("zclip z_threshold", self.z_threshold, low=0.0, low_open=True)
+        check_float("zclip max_grad_norm", self.max_grad_norm, low=0.0, low_open=True)
         check_non_negative("zclip warmup", self.warmup)
 
 
@@ -44,8 +39,12 @@ class ZClip:
         self.seen: list[float] = []
 
     def limit(self, norm: float) -> float:
-        """The clipping threshold for a gradient of this norm (and update the statistics)."""
+        """The clipping threshold for a gradient of this norm (and update the statistics). A
+        non-finite norm leaves the statistics alone (one NaN would poison them for good) and
+        gets the hard cap."""
         c = self.config
+        if not math.isfinite(norm):
+            return c.max_grad_norm
         if self.mean is None or len(self.seen) < c.warmup:
             self.seen.append(min(norm, c.max_grad_norm))
             if len(self.seen) >= max(c.warmup, 1):
@@ -81,12 +80,16 @@ class LRBackoffConfig:
     """Steps over which the scale returns linearly to 1."""
 
     def __post_init__(self) -> None:
-        _check_range("lr backoff factor", self.factor, 0.0, 1.0)
+        check_float("lr backoff factor", self.factor, low=0.0, high=1.0, low_open=True, high_open=True)
         check_positive("lr backoff recover_steps", self.recover_steps)
 
 
 class LRBackoff:
-    """A learning-rate scale that drops on a backoff and recovers linearly."""
+    """A learning-rate scale that drops on a backoff and recovers linearly.
+
+    ``step`` counts optimizer steps (the Guard passes its own monotonic count, so loops whose step
+    numbers restart per epoch, or go back on a rollback, still recover over ``recover_steps``). A
+    step before the trigger gets the floor: the scale stays within [floor, 1]."""
 
     def __init__(self, config: LRBackoffConfig | None = None) -> None:
         self.config = config or LRBackoffConfig()
@@ -100,7 +103,7 @@ class LRBackoff:
     def scale(self, step: int) -> float:
         if self._since is None:
             return 1.0
-        t = min(1.0, (step - self._since) / self.config.recover_steps)
+        t = min(1.0, max(0.0, (step - self._since) / self.config.recover_steps))
         return self._floor + (1.0 - self._floor) * t
 
 

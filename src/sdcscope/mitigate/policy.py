@@ -49,7 +49,11 @@ class PolicyConfig:
             if not isinstance(key, str) or key.count(":") != 1:
                 raise ValueError(f"policy key {key!r} must look like 'detector:verdict' ('*' allowed)")
             if isinstance(actions, str):
-                actions = self.rules[key] = [actions]
+                actions = [actions]
+            if not isinstance(actions, (list, tuple)):
+                raise TypeError(f"policy rule {key!r}: {actions!r} must be an action or a list of actions; "
+                                f"allowed: {', '.join(ACTIONS)}")
+            actions = self.rules[key] = list(actions)
             for action in actions:
                 check_choice("policy action", action, ACTIONS)
 

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sdcscope._io import JsonlWriter
-from sdcscope._validate import build_config
+from sdcscope._validate import build_config, check_bool
 from sdcscope.detect.crossrank import CrossRankConfig, CrossRankDetector, ReplicaHashCheck
 from sdcscope.detect.events import Event
 from sdcscope.engine.ddp import bucket_hook
@@ -94,8 +94,7 @@ class RankGuardConfig:
         if isinstance(self.hash_every, bool) or not isinstance(self.hash_every, int) or self.hash_every < 0:
             raise ValueError(f"hash_every={self.hash_every!r} must be an integer >= 0 (0: off)")
         for name in ("replay", "quarantine", "rollback"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+            check_bool(name, getattr(self, name))
 
 
 class RankGuard:

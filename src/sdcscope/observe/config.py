@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from sdcscope._validate import check_choice, check_positive
+from sdcscope._validate import check_bool, check_choice, check_positive
 
 UPDATE_RATIO_SOURCES = ("auto", "optimizer", "copy", "off")
 SINKS = ("jsonl", "tensorboard")
@@ -76,8 +76,7 @@ class MetricsConfig:
         for name in ("stats_every", "probe_every", "stable_rank_every", "power_iters"):
             check_positive(name, getattr(self, name))
         for name in ("per_layer", "cosines", "adam_stats"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+            check_bool(name, getattr(self, name))
         for name in ("attn_score", "attn_context", "output_module", "path"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
