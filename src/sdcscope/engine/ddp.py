@@ -53,8 +53,9 @@ from sdcscope.engine.rundir import JsonlWriter, check_new_run_dir, read_jsonl, w
 from sdcscope.engine.state import param_sha256, save_checkpoint
 from sdcscope.engine.trainer import TrainConfig, Trainer
 from sdcscope.faults import FaultSpec, load_specs
-from sdcscope.inject import Injector, reexecution
+from sdcscope.inject import Injector, reexecution, validate_specs
 from sdcscope.inject.comm import CommInjector
+from sdcscope.inject.targets import probe_model
 from sdcscope.workloads import Workload, WorkloadConfig, make_workload
 
 BACKENDS = ("gloo", "nccl")
@@ -641,7 +642,10 @@ def check_job(job: Job, world_size: int) -> None:
     model = workload.build_model()
     comm = [s for s in job.specs if s.site == "comm"]
     CommInjector(model, comm, world_size=world_size)
-    Injector(model, [s for s in job.specs if s.site != "comm"], workload.build_optimizer(model), world_size=world_size)
+    batch = workload.batch(job.train.seed, 0, 0)
+    validate_specs(model, [s for s in job.specs if s.site != "comm"], workload.build_optimizer(model),
+                   world_size=world_size, steps=job.steps, grad_accum=job.train.grad_accum,
+                   probe=probe_model(model, lambda m: workload.loss(m, batch)))
 
 
 def run_job(job: Job) -> dict[str, Any]:

@@ -4,8 +4,8 @@ Pure functions and dataclasses on top of torch; no hooks, no module state. The
 :mod:`sdcscope.inject` room attaches these to a live model.
 """
 
-from .apply import apply_spec
-from .formats import FORMATS, Format, check_bits, format_of, get_format
+from .apply import apply_spec, check_spec
+from .formats import FORMATS, Format, check_bits, fault_format, format_of, get_format
 from .ops import BIT_MODELS, MODELS, FaultResult, apply_fault, bitflip, random_value, stuck_at, zero
 from .patterns import resolve_indices, sample_bit_errors, swizzle_permutation
 from .schedule import fault_generator, fires
@@ -16,8 +16,10 @@ from .spec import (
     STEP_SITES,
     SWIZZLE_MODES,
     FaultSpec,
+    FaultSpecError,
     Pattern,
     Schedule,
+    describe_yaml_error,
     load_specs,
 )
 
@@ -32,6 +34,7 @@ __all__ = [
     "SWIZZLE_MODES",
     "FaultResult",
     "FaultSpec",
+    "FaultSpecError",
     "Format",
     "Pattern",
     "Schedule",
@@ -39,6 +42,9 @@ __all__ = [
     "apply_spec",
     "bitflip",
     "check_bits",
+    "check_spec",
+    "describe_yaml_error",
+    "fault_format",
     "fault_generator",
     "fires",
     "format_of",

@@ -1,15 +1,42 @@
-"""Apply a whole :class:`~.spec.FaultSpec` to one tensor (pattern, format, model)."""
+"""Apply a whole :class:`~.spec.FaultSpec` to one tensor (pattern, format, model), or check
+beforehand that it fits a tensor of a given dtype and shape."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from .formats import format_of, get_format
+from .formats import Format, check_bits, fault_format
 from .ops import FaultResult, apply_fault
 from .patterns import ChannelDim, resolve_indices, sample_bit_errors
-from .spec import FaultSpec
+from .spec import FaultSpec, FaultSpecError
 
-__all__ = ["apply_spec"]
+__all__ = ["apply_spec", "check_spec"]
+
+
+def _locate(spec: FaultSpec, dtype: torch.dtype, shape: Sequence[int] | None, generator: torch.Generator,
+            channel_dim: ChannelDim, step: int | None) -> tuple[Format, torch.Tensor | None]:
+    """The format the fault lives in and the flat indices its pattern hits (``None`` for the
+    ``tensor`` pattern, which picks bits, or when ``shape`` is unknown). Every way the spec can
+    fail to fit the tensor raises :class:`FaultSpecError`."""
+    try:
+        fmt = fault_format(dtype, spec.format)
+        if spec.bits is not None:
+            check_bits(spec.bits, fmt)
+        if shape is None or spec.pattern.kind == "tensor":
+            return fmt, None
+        return fmt, resolve_indices(spec.pattern, shape, generator, channel_dim=channel_dim, step=step)
+    except (TypeError, ValueError) as exc:
+        raise FaultSpecError(str(exc)) from None
+
+
+def check_spec(spec: FaultSpec, dtype: torch.dtype, shape: Sequence[int] | None = None, *,
+               channel_dim: ChannelDim = None) -> None:
+    """Raise :class:`FaultSpecError` when ``spec`` cannot be applied to a tensor of ``dtype``
+    (and ``shape``, when known): the checks :func:`apply_spec` makes, without a tensor. The
+    pattern's fixed locations are checked against ``shape``; ``"random"`` ones always fit."""
+    _locate(spec, dtype, shape, torch.Generator(), channel_dim, step=0)
 
 
 def apply_spec(
@@ -26,15 +53,15 @@ def apply_spec(
     :func:`.patterns.resolve_indices`; only ``mac_cell`` uses it, and ``step`` too when it
     swizzles its channels), checks ``bits``
     against the format the fault lives in (``spec.format`` or the tensor's dtype) and
-    calls :func:`.ops.apply_fault`. ``generator`` is normally
+    calls :func:`.ops.apply_fault`; a spec that does not fit the tensor raises
+    :class:`FaultSpecError` before any value changes. ``generator`` is normally
     :func:`.schedule.fault_generator` for the event. Does not decide whether the fault
     fires: that is :func:`.schedule.fires`.
     """
-    fmt = format_of(tensor.dtype) if spec.format is None else get_format(spec.format)
-    if spec.pattern.kind == "tensor":
+    fmt, index = _locate(spec, tensor.dtype, tensor.shape, generator, channel_dim, step)
+    if index is None:  # the tensor pattern: independent bit errors
         index, masks = sample_bit_errors(
             spec.pattern.ber, tensor.numel(), fmt, generator, bits=spec.bits
         )
         return apply_fault(tensor, index, spec.model, masks, fmt=fmt, generator=generator)
-    index = resolve_indices(spec.pattern, tensor.shape, generator, channel_dim=channel_dim, step=step)
     return apply_fault(tensor, index, spec.model, spec.bits, fmt=fmt, generator=generator)

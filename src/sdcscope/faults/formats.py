@@ -26,7 +26,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["Format", "FORMATS", "get_format", "format_of", "resolve_format", "check_bits"]
+__all__ = ["Format", "FORMATS", "get_format", "format_of", "resolve_format", "fault_format", "check_bits"]
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,23 @@ def resolve_format(fmt: Format | str | torch.dtype) -> Format:
     if isinstance(fmt, torch.dtype):
         return format_of(fmt)
     return get_format(fmt)
+
+
+def fault_format(dtype: torch.dtype, fmt: Format | str | None = None) -> Format:
+    """The format a fault on a ``dtype`` tensor lives in: ``fmt``, or the dtype's own for ``None``.
+
+    Another format than the tensor's own needs both to be float formats (the selected values are
+    rounded into ``fmt``); integer formats are only faulted in their own dtype.
+    """
+    stored = format_of(dtype)
+    compute = stored if fmt is None else resolve_format(fmt)
+    if compute != stored and not (compute.is_float and stored.is_float):
+        raise ValueError(
+            f"a fault in format {compute.name} on a {stored.name} tensor needs two float "
+            f"formats; integer formats are only faulted in their own dtype (allowed here: "
+            f"{stored.name}{' or another float format' if stored.is_float else ''})"
+        )
+    return compute
 
 
 def check_bits(bits: Iterable[int], fmt: Format | str | torch.dtype) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .formats import Format, check_bits, format_of, resolve_format
+from .formats import Format, check_bits, fault_format, format_of
 
 __all__ = [
     "MODELS",
@@ -160,12 +160,7 @@ def apply_fault(
     by ``random_value``. Returns the indices with the values before and after.
     """
     stored = format_of(tensor.dtype)
-    compute = stored if fmt is None else resolve_format(fmt)
-    if compute != stored and not (compute.is_float and stored.is_float):
-        raise ValueError(
-            f"a fault in format {compute.name} on a {stored.name} tensor needs two float "
-            "formats; integer formats are only faulted in their own dtype"
-        )
+    compute = fault_format(tensor.dtype, fmt)
     if bits is not None and not isinstance(bits, torch.Tensor):
         bits = check_bits(bits, compute)
     if index.dtype != torch.long or index.dim() != 1:

@@ -120,7 +120,7 @@ def _channel_dims(channel_dim: ChannelDim, shape: tuple[int, ...]) -> tuple[int 
         if ndim < 2:
             raise ValueError(
                 f"pattern 'mac_cell' on a weight needs a tensor with >= 2 dims "
-                f"[out, in, ...], got shape {list(shape)}"
+                f"(out channels, in channels, ...), got shape {list(shape)}"
             )
         return 0, 1
     dims = (channel_dim, None) if isinstance(channel_dim, int) else tuple(channel_dim)

@@ -13,7 +13,8 @@ A fault file is a YAML (or JSON) list of mappings, one per spec::
 
 Everything is validated when a spec is built; mistakes raise ``ValueError`` (bad value)
 or ``TypeError`` (bad type) naming the value and what is allowed. Checks that need the
-tensor (its dtype, its shape) happen when the fault is applied.
+tensor (its dtype, its shape) are :func:`.apply.check_spec`; a spec that does not fit the
+tensor it is applied to raises :class:`FaultSpecError`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ __all__ = [
     "Pattern",
     "Schedule",
     "FaultSpec",
+    "FaultSpecError",
     "load_specs",
+    "describe_yaml_error",
 ]
 
 SITES: tuple[str, ...] = (
@@ -85,6 +88,11 @@ SCHEDULE_KINDS: dict[str, tuple[str, ...]] = {
 """Temporal schedule kinds and the fields each takes."""
 
 # ---------------------------------------------------------------------------- helpers
+
+
+class FaultSpecError(ValueError):
+    """A fault spec that does not fit the tensor it lands on (its shape, its dtype): a mistake in
+    the configuration, never an effect of the fault -- a campaign must not record it as a crash."""
 
 
 def _suggest(value: str, allowed: Any) -> str:
@@ -505,6 +513,20 @@ _Loader.add_implicit_resolver(
 )
 
 
+def describe_yaml_error(exc: yaml.YAMLError) -> str:
+    """One line: what is wrong in a YAML document and where (1-based line and column)."""
+    problem = getattr(exc, "problem", None)
+    if problem is None:
+        return " ".join(str(exc).split())
+
+    def at(mark) -> str:
+        return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    context = getattr(exc, "context", None)
+    text = f"{problem}{at(exc.problem_mark)}"
+    return f"{text} ({context}{at(exc.context_mark)})" if context else text
+
+
 def load_specs(source: str | os.PathLike[str]) -> list[FaultSpec]:
     """Fault specs from a YAML/JSON file path or from YAML/JSON text.
 
@@ -521,7 +543,7 @@ def load_specs(source: str | os.PathLike[str]) -> list[FaultSpec]:
     try:
         data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
-        raise ValueError(f"malformed YAML in {where}: {exc}") from exc
+        raise ValueError(f"malformed YAML in {where}: {describe_yaml_error(exc)}") from None
     if data is None:
         return []
     if isinstance(data, Mapping):

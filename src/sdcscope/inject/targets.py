@@ -4,27 +4,45 @@ Module sites (``activation``, ``gemm.*``) match qualified module names. Paramete
 (``weight``, ``param_grad``, ``optimizer_state``, ``checkpoint``) match parameter names
 (``blocks.0.mlp.fc.weight``) or, for a module name (``blocks.0.mlp.fc``), that module's own
 ``weight``. Mistakes name the pattern and list close names.
+
+:func:`validate_specs` refuses, before any work, every spec that cannot be applied: targets,
+ranks, a schedule that never fires in the run, optimizer state the optimizer never creates, and
+a pattern, bits or format that do not fit a tensor the fault lands on
+(:func:`sdcscope.faults.check_spec`). Parameters and the weight operand of a GEMM have known
+shapes and dtypes; the output or input gradient of a module is known only once the module ran:
+:func:`probe_model` records them from one forward pass on a throwaway copy of the model.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from sdcscope.faults import FaultSpec, check_bits, format_of, get_format
+from sdcscope.faults import FaultSpec, FaultSpecError, check_spec
+from sdcscope.faults.patterns import ChannelDim
 
 MODULE_SITES = ("activation", "gemm.forward", "gemm.grad_input", "gemm.grad_weight")
 PARAM_SITES = ("weight", "param_grad", "optimizer_state", "checkpoint")
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 GEMM_TYPES = (nn.Linear, *CONV_TYPES)
-KNOWN_STATE_KEYS = {
-    torch.optim.Adam: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-    torch.optim.AdamW: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-    torch.optim.SGD: ("momentum_buffer",),
+FROM_STEP_1 = {"optimizer_state": "optimizer state exists only after the first update",
+               "checkpoint": "a checkpoint fault corrupts the checkpoint written after a step"}
+"""Sites visited from step 1 on, and why (a checkpoint is also written after the run's last step)."""
+UNREACHED = {
+    "activation": "was never called (or returned no tensor)",
+    "gemm.forward": "was never called",
+    "gemm.grad_input": "computed no input gradient dX (its input needs none: a first layer?)",
+    "gemm.grad_weight": "computed no weight gradient dW",
 }
 
 
@@ -120,42 +138,183 @@ def resolve_targets(model: nn.Module, spec: FaultSpec) -> list[Target]:
     return found
 
 
-def validate_specs(model: nn.Module, specs: list[FaultSpec],
-                   optimizer: torch.optim.Optimizer | None = None, world_size: int = 1) -> dict[int, list[Target]]:
-    """Check every spec against the model before training; return the targets of each spec."""
+class TensorInfo(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _info(x: Any) -> TensorInfo | None:
+    return TensorInfo(tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else None
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """One call of a module in a probe forward pass: its output and positional inputs (``None``
+    where not a tensor) and, for a Linear/Conv, whether its dW is reachable through the call's
+    own autograd node (:func:`weight_grad_edge`; ``None`` when no gradient flows)."""
+
+    output: TensorInfo | None
+    inputs: tuple[TensorInfo | None, ...]
+    weight_grad: bool | None
+
+
+def probe_model(model: nn.Module, forward: Callable[[nn.Module], Any]) -> dict[str, list[ModuleCall]]:
+    """Every call of every named module while ``forward(copy)`` runs on a throwaway deep copy of
+    ``model`` -- e.g. ``lambda m: loss_fn(m, sample_batch)``, under the autocast the training
+    uses, if any. The model, its gradients and buffers and the global RNG are left as they were;
+    hooks already on the model run on the copy too, so probe before attaching any."""
+    twin = copy.deepcopy(model)
+    calls: dict[str, list[ModuleCall]] = defaultdict(list)
+
+    def record(name: str):
+        def hook(module, args, output):
+            grad = None
+            if isinstance(module, GEMM_TYPES) and isinstance(output, torch.Tensor) and output.requires_grad:
+                grad = weight_grad_edge(output, module.weight) is not None
+            calls[name].append(ModuleCall(_info(output), tuple(_info(a) for a in args), grad))
+        return hook
+
+    for name, module in twin.named_modules():
+        if name:
+            module.register_forward_hook(record(name))
+    devices = sorted({p.device.index for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        forward(twin)
+    return dict(calls)
+
+
+View = tuple[tuple[int, ...] | None, torch.dtype, ChannelDim]
+"""A tensor a fault lands on, as the injector hands it to ``apply_spec``: shape (``None``: not
+known), dtype and ``channel_dim``."""
+
+
+def _views(spec: FaultSpec, t: Target, calls: list[ModuleCall] | None, dtype: torch.dtype) -> list[View]:
+    """The distinct tensors ``spec``'s fault lands on at ``t``; ``calls``: the module's calls in a
+    probe (``None``: no probe, ``dtype`` is then the guess for a module site). Empty when the
+    probe never reached the site."""
+    if t.param is not None:
+        return [(tuple(t.param.shape), t.param.dtype, None)]
+    site, module = spec.site, t.module
+    conv, matmul = isinstance(module, CONV_TYPES), getattr(module, "is_matmul", False)
+    if (site == "gemm.forward" and spec.pattern.kind == "mac_cell") or (site == "gemm.grad_weight" and not matmul):
+        if site == "gemm.grad_weight" and any(c.weight_grad is False for c in calls or ()):
+            raise ValueError(f"{t.name!r}: the weight's gradient does not come from this call's autograd "
+                             "graph (a flattened or wrapped parameter?)")
+        reached = calls is None or any(site == "gemm.forward" or c.weight_grad for c in calls)
+        return [(tuple(module.weight.shape), module.weight.dtype, None)] if reached else []
+    if calls is None:
+        return [(None, dtype, None)]
+    if site in ("activation", "gemm.forward"):
+        infos, channel_dim = [c.output for c in calls], (1 if conv else -1)
+    else:  # gemm.grad_input: dX; gemm.grad_weight of a @ b: d b
+        k = 1 if site == "gemm.grad_weight" else 0
+        infos = [c.inputs[k] for c in calls
+                 if k < len(c.inputs) and c.inputs[k] is not None and c.inputs[k].requires_grad]
+        channel_dim = None if k else ((None, 1) if conv else (None, -1))
+    return list(dict.fromkeys((i.shape, i.dtype, channel_dim) for i in infos if i is not None))
+
+
+def validate_specs(model: nn.Module, specs: list[FaultSpec], optimizer: torch.optim.Optimizer | None = None,
+                   world_size: int = 1, *, steps: int | None = None, grad_accum: int | None = None,
+                   probe: dict[str, list[ModuleCall]] | None = None) -> dict[int, list[Target]]:
+    """Check every spec against the model before training (:func:`validate_spec`); return the
+    targets of each spec. Errors name the spec by its position."""
     resolved: dict[int, list[Target]] = {}
-    default_dtype = next((p.dtype for p in model.parameters()), torch.float32)
     for i, spec in enumerate(specs):
-        where = f"fault spec #{i} ({spec.site} on {', '.join(spec.target)})"
         try:
-            targets = resolve_targets(model, spec)
-            if spec.rank is not None and spec.rank >= world_size:
-                raise ValueError(f"rank {spec.rank} does not exist; allowed: 0..{world_size - 1}")
-            if spec.bits is not None:
-                for t in targets:
-                    dtype = t.param.dtype if t.param is not None else default_dtype
-                    check_bits(spec.bits, get_format(spec.format) if spec.format else format_of(dtype))
-            if spec.site == "optimizer_state":
-                _check_optimizer_spec(spec, optimizer)
-            if spec.pattern.kind == "mac_cell" and spec.site == "gemm.forward":
-                for t in targets:
-                    if getattr(t.module, "weight", None) is None:
-                        raise ValueError(f"pattern mac_cell on gemm.forward needs a weight operand; "
-                                         f"{t.name!r} has none (use Linear or Conv layers)")
+            resolved[i] = validate_spec(model, spec, optimizer, world_size, steps=steps, grad_accum=grad_accum,
+                                        probe=probe)
         except (ValueError, TypeError) as exc:
-            raise type(exc)(f"{where}: {exc}") from None
-        resolved[i] = targets
+            raise type(exc)(f"fault spec #{i} ({spec.site} on {', '.join(spec.target)}): {exc}") from None
     return resolved
 
 
-def _check_optimizer_spec(spec: FaultSpec, optimizer: torch.optim.Optimizer | None) -> None:
+def validate_spec(model: nn.Module, spec: FaultSpec, optimizer: torch.optim.Optimizer | None = None,
+                  world_size: int = 1, *, steps: int | None = None, grad_accum: int | None = None,
+                  probe: dict[str, list[ModuleCall]] | None = None) -> list[Target]:
+    """Check one spec against the model before training; return its targets.
+
+    ``steps`` (the run trains steps ``0..steps-1``) and ``grad_accum`` (micro-batches per step),
+    when given, refuse a schedule that never fires in the run. ``probe`` (:func:`probe_model`)
+    lets the pattern, bits and format be checked against the tensors of module sites too (without
+    it, only against their dtype, guessed from the model's parameters); a target the probe never
+    reached (a module not called, a first layer whose input needs no gradient) gets a warning:
+    its fault may never fire.
+    """
+    targets = resolve_targets(model, spec)
+    if spec.rank is not None and spec.rank >= world_size:
+        raise ValueError(f"rank {spec.rank} does not exist; allowed: 0..{world_size - 1}")
+    _check_schedule(spec, steps, grad_accum)
+    if spec.site == "optimizer_state":
+        _check_optimizer_spec(spec, optimizer, targets)
+    if spec.pattern.kind == "mac_cell" and spec.site == "gemm.forward":
+        for t in targets:
+            if getattr(t.module, "weight", None) is None:
+                raise ValueError(f"pattern mac_cell on gemm.forward needs a weight operand; "
+                                 f"{t.name!r} has none (use Linear or Conv layers)")
+    default_dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    for t in targets:
+        views = _views(spec, t, None if probe is None else probe.get(t.name, []), default_dtype)
+        if not views:
+            warnings.warn(f"{spec.site} on {t.name!r}: the module {UNREACHED[spec.site]} in the probe forward "
+                          "pass; its fault may never fire", stacklevel=2)
+        for shape, dtype, channel_dim in views:
+            try:
+                check_spec(spec, dtype, shape, channel_dim=channel_dim)
+            except FaultSpecError as exc:
+                raise FaultSpecError(f"{t.name!r}: {exc}") from None
+    return targets
+
+
+def _check_schedule(spec: FaultSpec, steps: int | None, grad_accum: int | None) -> None:
+    """Refuse a schedule that never fires in a run of ``steps`` optimizer steps of ``grad_accum``
+    micro-batches each (``None``: not known)."""
+    sched = spec.schedule
+    if sched.kind == "intermittent" and sched.p == 0:
+        raise ValueError("schedule p 0 never fires; allowed: p in (0, 1]")
+    if sched.kind == "transient" and grad_accum is not None and (sched.micro_batch or 0) >= grad_accum:
+        raise ValueError(f"schedule micro_batch {sched.micro_batch} never fires: a step runs grad_accum="
+                         f"{grad_accum} micro-batch(es); allowed: 0..{grad_accum - 1}")
+    lo = 1 if spec.site in FROM_STEP_1 else 0
+    hi = math.inf if steps is None else steps + (spec.site == "checkpoint")
+    start = sched.step if sched.kind == "transient" else sched.start
+    stop = start + 1 if sched.kind == "transient" else (sched.stop or math.inf)
+    if max(start, lo) >= min(stop, hi):
+        visits = (f"steps >= {lo}" if steps is None else f"steps {lo}..{hi - 1} of this {steps}-step run"
+                  if hi > lo else f"no step of this {steps}-step run")
+        why = f" ({FROM_STEP_1[spec.site]})" if spec.site in FROM_STEP_1 else ""
+        raise ValueError(f"schedule {sched.to_dict()} never fires: site {spec.site!r} is visited at {visits}{why}")
+
+
+def _state_keys(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> tuple[str, ...] | None:
+    """The state tensors shaped like ``param`` that ``optimizer`` keeps for it (what an
+    ``optimizer_state`` fault can corrupt): seen after one dry step of a twin optimizer, with the
+    same hyperparameters, on a zero copy of the parameter. ``None`` when the optimizer cannot be
+    re-created like this (another constructor signature, a step that needs a closure)."""
+    group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), None)
+    if group is None:
+        return ()
+    twin = torch.zeros_like(param, requires_grad=True)
+    twin.grad = torch.zeros_like(param)
+    try:
+        dry = type(optimizer)([{**group, "params": [twin]}])
+        dry.step()
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return tuple(k for k, v in dry.state[twin].items() if isinstance(v, torch.Tensor) and v.shape == param.shape)
+
+
+def _check_optimizer_spec(spec: FaultSpec, optimizer: torch.optim.Optimizer | None, targets: list[Target]) -> None:
     if optimizer is None:
         raise ValueError("site 'optimizer_state' needs the optimizer (pass optimizer=...)")
-    sched = spec.schedule
-    if sched.kind == "transient" and sched.step == 0:
-        raise ValueError("optimizer state exists only after the first update; "
-                         "a transient optimizer_state fault needs step >= 1")
-    keys = next((v for k, v in KNOWN_STATE_KEYS.items() if type(optimizer) is k), None)
-    if spec.state_key is not None and keys is not None and spec.state_key not in keys:
-        raise ValueError(f"unknown state_key {spec.state_key!r} for {type(optimizer).__name__}; "
-                         f"allowed: {', '.join(keys)}")
+    name = type(optimizer).__name__
+    for t in targets:
+        keys = _state_keys(optimizer, t.param)
+        if keys is None or (keys and spec.state_key in (None, *keys)):
+            continue
+        if spec.state_key is None:
+            raise ValueError(f"{name} keeps no state tensor for {t.name!r} with this configuration (not in a "
+                             "param group, or e.g. SGD without momentum): the fault would never fire")
+        raise ValueError(f"state_key {spec.state_key!r} is never created by {name} for {t.name!r} with this "
+                         f"configuration; allowed: {', '.join(keys) or 'none (it keeps no state tensor)'}")

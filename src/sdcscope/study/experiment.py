@@ -1,8 +1,14 @@
 """One injection experiment: the golden run and the faulty run from the same seed and data,
-written as two run directories plus ``comparison.json``."""
+written as two run directories plus ``comparison.json``.
+
+The specs are validated before anything is written, against a probe forward pass too (the shapes
+a module site's fault lands on). A faulty run in which no fault fired has the outcome
+``not_fired`` (and ``fired: false``), never ``masked``: it says nothing about masking.
+"""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,9 +19,11 @@ from sdcscope.engine import (
     CheckpointError, Run, TrainConfig, check_new_run_dir, load_checkpoint,
     save_checkpoint,
 )
-from sdcscope.faults import FaultSpec, fires
+from sdcscope.faults import FaultSpec
 from sdcscope.guard import Guard, GuardConfig
-from sdcscope.inject import Injector, corrupt_checkpoint_file
+from sdcscope.inject import Injector, corrupt_checkpoint_file, validate_specs
+from sdcscope.inject.checkpoint import checkpoint_faults
+from sdcscope.inject.targets import probe_model
 from sdcscope.study.compare import compare_runs, write_comparison
 from sdcscope.workloads import WorkloadConfig
 
@@ -27,18 +35,17 @@ class CheckpointFault:
 
     def __init__(self, specs: list[FaultSpec], run_dir: Path, injections: JsonlWriter,
                  events: JsonlWriter, rank: int = 0) -> None:
-        self.specs = [s for s in specs if s.site == "checkpoint"]
+        self.specs = specs  # all of them: a record's spec index is the spec's position
         self.run_dir, self.injections, self.events, self.rank = run_dir, injections, events, rank
 
     def after_step(self, ctx) -> None:
-        step = ctx.trainer.step
-        due = [s for s in self.specs if s.schedule.covers(step)
-               and any(fires(s, step, None, t, self.rank) for t in s.target)]
-        if not due:
+        step, model = ctx.trainer.step, ctx.trainer.model
+        if not any(s.site == "checkpoint" and s.schedule.covers(step) for s in self.specs) \
+                or not checkpoint_faults(self.specs, model.state_dict(), step, self.rank):
             return
         directory = self.run_dir / f"checkpoint-{step}"
         save_checkpoint(ctx.trainer.snapshot(), directory)
-        for record in corrupt_checkpoint_file(directory / "state.pt", due, rank=self.rank):
+        for record in corrupt_checkpoint_file(directory / "state.pt", self.specs, rank=self.rank):
             self.injections.write(record)
         try:
             ctx.trainer.restore(load_checkpoint(directory))
@@ -60,6 +67,9 @@ class Experiment:
     specs: list[FaultSpec]
     guard: GuardConfig | None = None
     """With a guard config a third run, ``guarded/``, repeats the faulty run under the Guard."""
+    steps: int | None = None
+    """The run length, when known on construction: a schedule that never fires in it is refused
+    here (:meth:`run` checks its own ``steps`` again, before writing anything)."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -67,28 +77,49 @@ class Experiment:
         faults = [s.to_dict() for s in self.specs]
         self.golden = Run(self.out / "golden", self.workload, self.train, extra_config={"faults": []})
         self.faulty = _FaultyRun(self.out / "faulty", self.workload, self.train, self.specs)
+        run = self.faulty.run
+        batch = run.workload.batch(self.train.seed, 0, 0)
+        self._validate(self.steps, probe_model(run.trainer.model, lambda model: run.workload.loss(model, batch)))
         self.guarded = None
         if self.guard is not None:
             self.guarded = _FaultyRun(self.out / "guarded", self.workload, self.train, self.specs,
                                       guard=self.guard)
         self.config = {"faults": faults, "guard": None if self.guard is None else self.guard.to_dict()}
 
+    def _validate(self, steps: int | None, probe=None) -> None:
+        trainer = self.faulty.run.trainer
+        validate_specs(trainer.model, self.specs, trainer.optimizer, steps=steps,
+                       grad_accum=self.train.grad_accum, probe=probe)
+
     def run(self, steps: int, progress: Callable[[str, int], Any] | None = None) -> dict[str, Any]:
         def bar(label: str):
             return progress(label, steps) if progress else _null_bar()
 
+        self._validate(steps)
         with bar("golden") as advance:
             self.golden.train(steps, on_step=advance)
         runs = [("faulty", self.faulty)] + ([("guarded", self.guarded)] if self.guarded else [])
         for label, run in runs:
             with bar(label) as advance:
                 run.train(steps, on_step=advance)
-        comparison = compare_runs(self.golden.out, self.faulty.run.out)
+        comparison = _compare(self.golden.out, self.faulty.run.out)
         if self.guarded is not None:
-            comparison["guarded"] = compare_runs(self.golden.out, self.guarded.run.out)
+            comparison["guarded"] = _compare(self.golden.out, self.guarded.run.out)
             comparison["guarded"]["events"] = self.guarded.guard.events
         write_comparison(self.out, comparison)
         return comparison
+
+
+def _compare(golden: Path, faulty: Path) -> dict[str, Any]:
+    """:func:`compare_runs`, with ``fired``; a run in which no fault fired is ``not_fired``."""
+    comparison = compare_runs(golden, faulty)
+    comparison["fired"] = comparison["injections"] > 0
+    if not comparison["fired"]:
+        comparison["outcome"] = "not_fired"
+        warnings.warn(f"no fault fired in {str(faulty)!r}: its outcome is not_fired (a target never "
+                      "reached, e.g. a module not called or a first layer without dX, or a schedule that "
+                      "missed every event)", stacklevel=3)
+    return comparison
 
 
 class _FaultyRun:

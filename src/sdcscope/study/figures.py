@@ -13,13 +13,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from sdcscope.study.outcomes import NOT_FIRED  # noqa: E402
 from sdcscope.study.stats import pvf_table  # noqa: E402
 
 __all__ = ["outcome_bars", "pvf_heatmap", "loss_curves", "drift_curves", "latency_hist",
            "fault_present_bars", "COLORS"]
 
 COLORS = {"masked": "#9e9e9e", "benign": "#80cbc4", "detected": "#64b5f6", "recovered": "#1565c0",
-          "crash": "#212121", "sdc:sharp": "#e53935", "sdc:slow": "#fb8c00", "sdc:drift": "#8e24aa"}
+          "crash": "#212121", "sdc:sharp": "#e53935", "sdc:slow": "#fb8c00", "sdc:drift": "#8e24aa",
+          NOT_FIRED: "#eeeeee"}
 
 
 def label(row: dict[str, Any]) -> str:
@@ -91,7 +93,7 @@ def loss_curves(golden: list[float], rows: list[dict], baselines: list[dict], li
     for b in baselines:
         s = b["inject_step"]
         ax.plot(range(s, s + len(b["losses"])), b["losses"], color="#bdbdbd", lw=0.8)
-    ranked = sorted((r for r in rows if r["effect"] != "masked"),
+    ranked = sorted((r for r in rows if r["effect"] not in ("masked", NOT_FIRED)),
                     key=lambda r: -(r["loss_diff_max"] if r["loss_diff_max"] is not None else math.inf))
     for r in ranked[:limit]:
         s = r["inject_step"]
@@ -118,6 +120,8 @@ def drift_curves(rows: list[dict], baselines: list[dict], offsets: list[int]) ->
     for b in baselines:
         ax.plot(offsets[:len(b["drift"])], b["drift"], color="#757575", lw=1.2, ls="--")
     for r in rows:
+        if r["effect"] == NOT_FIRED:
+            continue
         d = [x if isinstance(x, (int, float)) and x > 0 else math.nan for x in r["drift"] or []]
         if d and not all(math.isnan(x) for x in d):
             ax.plot(offsets[:len(d)], d, color=COLORS[label(r)], lw=0.8, alpha=0.7)

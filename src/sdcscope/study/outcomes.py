@@ -2,6 +2,9 @@
 
 ``effect`` -- what the fault did, in this order of precedence:
 
+- ``not_fired``: the fault never fired (its target was never reached -- a module not called, a
+  first layer without dX -- or an intermittent schedule missed every event). Such a trial is no
+  evidence of anything: it is neither masked nor incorrect, and no part of PVF;
 - ``crash``: a non-finite loss, parameter or validation loss (or the step raised);
 - ``masked``: the final parameters are bitwise equal to golden's at the same step, or the fault
   never changed a single value;
@@ -15,7 +18,9 @@
 
 ``outcome`` -- ``effect``, unless the guard is on and emitted an event at or after the
 injection step: then ``recovered`` when the run ends finite with a validation loss within the
-healthy bound, else ``detected``. PVF counts ``crash`` and ``sdc`` effects as incorrect.
+healthy bound, else ``detected`` (a ``not_fired`` trial stays ``not_fired``: an event there is a
+false positive). PVF counts ``crash`` and ``sdc`` effects as incorrect among the trials whose
+fault fired.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["EFFECTS", "OUTCOMES", "SDC_KINDS", "classify"]
+__all__ = ["EFFECTS", "OUTCOMES", "SDC_KINDS", "NOT_FIRED", "classify"]
 
-EFFECTS = ("masked", "benign", "crash", "sdc")
+NOT_FIRED = "not_fired"
+EFFECTS = ("masked", "benign", "crash", "sdc", NOT_FIRED)
 SDC_KINDS = ("sharp", "slow", "drift")
-OUTCOMES = ("masked", "benign", "detected", "recovered", "crash", "sdc")
+OUTCOMES = ("masked", "benign", "detected", "recovered", "crash", "sdc", NOT_FIRED)
 
 
 def _above(value: float | None, bound: float) -> bool:
@@ -35,9 +41,12 @@ def _above(value: float | None, bound: float) -> bool:
 
 
 def classify(m: dict[str, Any], thresholds: dict[str, float], guard: bool) -> dict[str, Any]:
-    """``{"effect", "sdc_kind", "outcome"}`` of trial measures ``m`` (keys: crash, masked,
-    loss_excess, val_delta, dist_golden, detected) against ``thresholds`` (measure -> bound)."""
+    """``{"effect", "sdc_kind", "outcome"}`` of trial measures ``m`` (keys: fired -- true when left
+    out --, crash, masked, loss_excess, val_delta, dist_golden, detected) against ``thresholds``
+    (measure -> bound)."""
     kind = None
+    if not m.get("fired", True):
+        return {"effect": NOT_FIRED, "sdc_kind": None, "outcome": NOT_FIRED}
     if m["crash"]:
         effect = "crash"
     elif m["masked"]:

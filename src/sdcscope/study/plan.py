@@ -23,9 +23,10 @@ from typing import Any
 from torch import nn
 
 from sdcscope.faults import BIT_MODELS, FaultSpec
-from sdcscope.inject import resolve_targets, validate_specs
+from sdcscope.inject import resolve_targets
+from sdcscope.inject.targets import probe_model, validate_spec
 from sdcscope.study.spec import CampaignSpec
-from sdcscope.workloads import mix_seed
+from sdcscope.workloads import make_workload, mix_seed
 
 __all__ = ["Trial", "build_plan", "pattern_label", "schedule_label", "location_json", "TARGET_SEP"]
 
@@ -145,16 +146,21 @@ def _points(spec: CampaignSpec, model: nn.Module, optimizer) -> list[dict]:
                                                        model=model_name, bit=bit, pattern=p_json,
                                                        schedule=json.dumps(schedule, sort_keys=True),
                                                        repeat=repeat, fault_seed=seed))
-    # One FaultSpec per distinct (site, target, model, pattern, schedule) checks against the model.
+    # One FaultSpec per distinct (site, target, model, pattern, schedule) checks against the model, and
+    # against the tensors of one forward pass: a trial's trainer runs from inject_step to + horizon.
     seen: dict[tuple, dict] = {}
     for p in points:
         seen.setdefault((p["site"], p["target"], p["model"], p["pattern"], p["schedule"], p["inject_step"]), p)
-    probes = [Trial(trial_id=-1, **p).fault_spec(space.format) for p in seen.values()]
-    for spec_ in probes:
+    workload = make_workload(spec.workload_config())
+    batch = workload.batch(spec.seed, spec.inject_steps[0], 0)
+    probe = probe_model(model, lambda m: workload.loss(m, batch))
+    for p in seen.values():
+        spec_ = Trial(trial_id=-1, **p).fault_spec(space.format)
         try:
-            validate_specs(model, [spec_], optimizer)
+            validate_spec(model, spec_, optimizer, steps=p["inject_step"] + spec.horizon,
+                          grad_accum=spec.grad_accum, probe=probe)
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"fault space point {spec_.site} on {spec_.target[0]} "
+            raise type(exc)(f"fault space point {spec_.site} on {p['target']} "
                             f"({spec_.schedule.kind}): {exc}") from None
     return points
 

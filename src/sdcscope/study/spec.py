@@ -44,7 +44,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from sdcscope.faults import BIT_MODELS, FORMATS, MODELS, SITES, SWIZZLE_MODES, Pattern, check_bits, get_format
+from sdcscope.faults import (
+    BIT_MODELS, FORMATS, MODELS, SITES, SWIZZLE_MODES, Pattern, check_bits, describe_yaml_error, get_format,
+)
 
 __all__ = ["CampaignSpec", "FaultSpace", "Sampling", "Baseline", "load_campaign", "SAMPLING_KINDS",
            "DIMENSIONS", "ANALYSES", "SCHEDULE_TEMPLATES"]
@@ -58,6 +60,13 @@ SCHEDULE_TEMPLATES: dict[str, tuple[str, ...]] = {
     "permanent": (),
     "intermittent": ("p", "duration"),
 }
+UNSUPPORTED_SITES = {
+    "checkpoint": "a trial never writes a checkpoint to corrupt; inject checkpoint faults with `sdcscope inject`",
+    "comm": "a trial trains in one process, without a gradient all-reduce; inject comm faults with "
+            "`sdcscope train --nproc N --faults FILE`",
+}
+"""Fault sites a campaign cannot inject, and why."""
+CAMPAIGN_SITES = tuple(s for s in SITES if s not in UNSUPPORTED_SITES)
 WORKLOAD_KEYS = ("name", "preset", "batch_size", "lr", "weight_decay", "warmup", "grad_clip", "corpus",
                  "max_corpus_bytes", "eval_batches", "qk_norm", "z_loss")
 
@@ -167,6 +176,10 @@ class FaultSpace:
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         set_("sites", _choices("faults.sites", self.sites, SITES))
+        for site in self.sites:
+            if site in UNSUPPORTED_SITES:
+                raise ValueError(f"faults.sites: site {site!r} is not supported in a campaign: "
+                                 f"{UNSUPPORTED_SITES[site]}; allowed: {list(CAMPAIGN_SITES)}")
         targets = []
         for t in _list("faults.targets", self.targets):
             group = isinstance(t, (list, tuple))
@@ -373,7 +386,7 @@ def load_campaign(source: str | os.PathLike[str]) -> CampaignSpec:
     try:
         data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
-        raise ValueError(f"malformed YAML in {where}: {str(exc).splitlines()[0]}") from None
+        raise ValueError(f"malformed YAML in {where}: {describe_yaml_error(exc)}") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"{where} must hold a mapping (a campaign spec), got {data!r}")
     try:

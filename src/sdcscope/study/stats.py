@@ -22,6 +22,8 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
+from sdcscope.study.outcomes import NOT_FIRED
+
 __all__ = ["Z95", "wilson_interval", "prediction_bound", "THRESHOLD_MEASURES", "RULE", "pvf_table",
            "INCORRECT"]
 
@@ -66,9 +68,11 @@ def prediction_bound(values: Sequence[float], alpha: float) -> dict[str, float]:
 
 def pvf_table(rows: Iterable[dict], by: Sequence[str]) -> list[dict]:
     """PVF with Wilson 95% intervals grouped by the columns ``by`` (rows: trial rows with
-    ``effect``); sorted by group key."""
+    ``effect``; those whose fault never fired are no trial of the fault); sorted by group key."""
     groups: dict[tuple, list[int]] = {}
     for r in rows:
+        if r["effect"] == NOT_FIRED:
+            continue
         key = tuple(r[c] for c in by)
         g = groups.setdefault(key, [0, 0])
         g[0] += r["effect"] in INCORRECT

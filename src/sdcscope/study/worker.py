@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from sdcscope.engine import Trainer, load_checkpoint, param_sha256, save_checkpoint
+from sdcscope.faults import FaultSpecError
 from sdcscope.inject import Injector
 from sdcscope.study.guarded import guard_events, make_guard
 from sdcscope.study.levels import gradient_level, submodule_level
@@ -154,6 +155,8 @@ class Worker:
                 if stop is not None and stop():
                     out["early"] = True
                     break
+        except FaultSpecError:  # the fault does not fit its tensor: a configuration error, not a crash
+            raise
         except Exception as exc:  # a corrupted value can make an operation raise: the run crashed
             out.update(crash=True, error=f"{type(exc).__name__}: {exc}")
         out["drift"] = [drift[k] for k in traj["steps"] if k in drift]
@@ -198,6 +201,14 @@ class Worker:
 
     def trial(self, job: dict[str, Any]) -> dict[str, Any]:
         trial = Trial(**job["trial"])
+        try:
+            return self._trial(trial, job)
+        except FaultSpecError as exc:
+            raise FaultSpecError(f"trial {trial.trial_id} ({trial.site} on {trial.target}, pattern "
+                                 f"{trial.dimension('pattern')}): {exc}; fix the fault space (a configuration "
+                                 "error is never recorded as a crash)") from None
+
+    def _trial(self, trial: Trial, job: dict[str, Any]) -> dict[str, Any]:
         s, t, ref = trial.inject_step, self.trainer, job["reference"]
         spec = trial.fault_spec(self.spec.faults.format)
         row: dict[str, Any] = {"kind": "trial", **trial.to_row()}
@@ -243,7 +254,8 @@ class Worker:
         events = guard_events(guard, s) if guard is not None else []
         row.update(
             fired=int(bool(records)), activated=int(activated), injections=len(records), crash=int(crash),
-            masked=int(not crash and (sha == ref["param_sha256"] or not activated)), error=run["error"],
+            masked=int(bool(records) and not crash and (sha == ref["param_sha256"] or not activated)),
+            error=run["error"],
             val_loss=val_loss if _finite(val_loss) else None, val_acc=ev.get("val_acc"),
             val_loss_fault=ev_fault.get("val_loss"), val_acc_fault=ev_fault.get("val_acc"),
             val_delta=val_loss - ref["val_loss"] if _finite(val_loss) else None,

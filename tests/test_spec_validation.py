@@ -1,0 +1,288 @@
+"""Fault specs are validated before any work: shapes and formats (with a probe forward pass for
+module sites), schedules that can never fire, optimizer state the optimizer never creates;
+a spec error is never a crash; a fault that never fired is ``not_fired``, not ``masked``; the
+checkpoint site decides firing in one place; YAML errors keep their position."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sdcscope.cli import app
+from sdcscope.engine import TrainConfig, Trainer
+from sdcscope.faults import FaultSpec, FaultSpecError, apply_spec, check_spec, load_specs
+from sdcscope.inject import validate_specs
+from sdcscope.inject.checkpoint import checkpoint_faults
+from sdcscope.inject.targets import probe_model
+from sdcscope.study import classify, init_campaign, load_campaign, plan_campaign, run_campaign
+from sdcscope.study.experiment import Experiment
+from sdcscope.study.store import ResultsDB
+from sdcscope.workloads import WorkloadConfig, make_workload
+
+
+def spec(site, target, pattern=None, schedule=None, **kw):
+    return FaultSpec.from_dict({"site": site, "target": target, "model": kw.pop("model", "bitflip"),
+                                "bits": kw.pop("bits", [3]), "pattern": pattern or {"kind": "element"},
+                                "schedule": schedule or {"kind": "transient", "step": 2}, **kw})
+
+
+class Setup:
+    def __init__(self, name):
+        self.workload = make_workload(WorkloadConfig(workload=name, preset="tiny", batch_size=2))
+        self.trainer = Trainer(self.workload, TrainConfig(seed=0))
+        batch = self.workload.batch(0, 0, 0)
+        self.probe = probe_model(self.trainer.model, lambda m: self.workload.loss(m, batch))
+
+    def validate(self, *specs, probe=True, **kw):
+        return validate_specs(self.trainer.model, list(specs), self.trainer.optimizer,
+                              probe=self.probe if probe else None, **kw)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return Setup("gpt")
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    return Setup("cnn")
+
+
+# ------------------------------------------------------------- 1. shapes and formats up front
+
+@pytest.mark.parametrize("site,target,pattern,words", [
+    ("gemm.forward", "blocks.0.attn.q_proj", {"kind": "element", "index": 99999999},
+     ["99999999", "[2, 64, 64]", "0..8191"]),
+    ("gemm.forward", "blocks.0.attn.q_proj", {"kind": "element", "index": [1, 2, 3, 4, 5]}, ["5 dims", "[2, 64, 64]"]),
+    ("gemm.forward", "blocks.0.attn.q_proj", {"kind": "row", "index": 99999999}, ["row index 99999999", "0..127"]),
+    ("gemm.grad_input", "blocks.0.mlp.fc", {"kind": "column", "index": 64}, ["column index 64", "0..63"]),
+    ("activation", "blocks.0.attn.score", {"kind": "element", "index": [0, 0, 0]}, ["3 dims", "[2, 2, 64, 64]"]),
+])
+def test_module_site_shapes_are_checked_against_the_probe(gpt, site, target, pattern, words):
+    bad = spec(site, target, pattern)
+    gpt.validate(bad, probe=False)  # the shapes of a module site are not known statically
+    with pytest.raises(FaultSpecError) as err:
+        gpt.validate(bad)
+    assert "fault spec #0" in str(err.value) and target in str(err.value)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+@pytest.mark.parametrize("setup,site,target,pattern,extra,words", [
+    ("gpt", "weight", "head", None, {"format": "int8"}, ["int8", "fp32", "two float formats"]),
+    ("gpt", "weight", "head", None, {"format": "int32"}, ["int32", "fp32"]),
+    ("gpt", "gemm.forward", "blocks.0.attn.q_proj", None, {"format": "int8"}, ["int8", "fp32"]),
+    ("cnn", "weight", "conv2", {"kind": "element", "index": [0, 9, 1, 1]}, {}, ["index[1] 9", "0..7"]),
+    ("cnn", "weight", "conv2.bias", {"kind": "mac_cell"}, {}, [">= 2 dims", "[16]"]),
+    ("cnn", "weight", "conv1", {"kind": "mac_cell", "input_channel": 3}, {}, ["input_channel 3", "0..0"]),
+    ("cnn", "gemm.forward", "conv2", {"kind": "mac_cell", "input_channel": 8, "output_channel": 0}, {},
+     ["input_channel 8", "0..7"]),
+    ("cnn", "optimizer_state", "fc3", {"kind": "row", "index": 10}, {"schedule": {"kind": "permanent"}},
+     ["row index 10", "0..9"]),
+])
+def test_known_shapes_and_dtypes_are_checked_without_a_probe(request, setup, site, target, pattern, extra, words):
+    bad = spec(site, target, pattern, **extra)
+    with pytest.raises(ValueError) as err:
+        request.getfixturevalue(setup).validate(bad, probe=False)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_check_spec_is_the_check_apply_spec_makes():
+    s = spec("weight", "w", {"kind": "element", "index": [1, 5]})
+    check_spec(s, torch.float32, (2, 6))
+    with pytest.raises(FaultSpecError, match="index\\[1\\] 5 is out of range"):
+        check_spec(s, torch.float32, (2, 5))
+    x = torch.ones(2, 5)
+    with pytest.raises(FaultSpecError, match="index\\[1\\] 5 is out of range"):
+        apply_spec(s, x, torch.Generator())
+    assert torch.equal(x, torch.ones(2, 5))  # nothing changed
+    with pytest.raises(FaultSpecError, match="bit 20 is out of range for bf16"):
+        check_spec(spec("weight", "w", bits=[20]), torch.bfloat16)
+
+
+def test_probe_leaves_the_model_and_rng_untouched(cnn):
+    before = {k: v.clone() for k, v in cnn.trainer.model.state_dict().items()}
+    rng = torch.get_rng_state()
+    batch = cnn.workload.batch(0, 0, 0)
+    calls = probe_model(cnn.trainer.model, lambda m: cnn.workload.loss(m, batch).backward())
+    assert calls["conv2"][0].output.shape == (2, 16, 4, 4) and calls["conv1"][0].inputs[0].requires_grad is False
+    assert all(torch.equal(v, before[k]) for k, v in cnn.trainer.model.state_dict().items())
+    assert all(p.grad is None for p in cnn.trainer.model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def _inject(tmp_path, text, *extra):
+    (tmp_path / "faults.yaml").write_text(text)
+    return CliRunner().invoke(app, ["inject", "--spec", str(tmp_path / "faults.yaml"), "--steps", "4",
+                                    "--batch-size", "2", "--out", str(tmp_path / "exp"), *extra])
+
+
+def test_inject_refuses_a_bad_pattern_before_any_output(tmp_path):
+    result = _inject(tmp_path, "- {site: gemm.forward, target: blocks.0.attn.q_proj, model: bitflip, bits: [3],\n"
+                               "   pattern: {kind: element, index: 99999999}, schedule: {kind: transient, step: 2}}\n")
+    assert result.exit_code == 2, result.output
+    assert "99999999" in result.output and "0..8191" in result.output
+    assert not (tmp_path / "exp").exists()
+
+
+def test_campaign_init_refuses_a_pattern_that_fits_no_tensor_and_writes_nothing(tmp_path):
+    (tmp_path / "c.yaml").write_text(CAMPAIGN.replace("patterns: [{kind: element}]",
+                                                      "patterns: [{kind: element, index: 100}]"))
+    with pytest.raises(FaultSpecError, match="fault space point weight on conv1 .*'conv1.weight'.*index 100.*0..71"):
+        init_campaign(tmp_path / "c", tmp_path / "c.yaml")
+    assert not (tmp_path / "c").exists()
+
+
+# ------------------------------------------------------------- 2. a spec error is never a crash
+
+CAMPAIGN = """
+name: v
+workload: {name: cnn, preset: tiny, eval_batches: 1}
+inject_steps: [1]
+horizon: 1
+faults:
+  sites: [weight]
+  targets: [conv1]
+  bits: [30]
+  patterns: [{kind: element}]
+baseline: {seeds: [11, 12]}
+"""
+
+
+def test_a_spec_error_in_a_trial_stops_the_campaign_instead_of_a_crash_row(tmp_path, monkeypatch):
+    # A spec that slipped past planning (here: planning's checks switched off) fails when it fires.
+    monkeypatch.setattr("sdcscope.study.plan.validate_spec", lambda *a, **k: [])
+    text = CAMPAIGN.replace("sites: [weight]", "sites: [gemm.forward]").replace(
+        "targets: [conv1]", "targets: [fc3]").replace("{kind: element}", "{kind: element, index: 999}")
+    (tmp_path / "c.yaml").write_text(text)
+    init_campaign(tmp_path / "c", tmp_path / "c.yaml")
+    with pytest.raises(FaultSpecError, match="trial 0 \\(gemm.forward on fc3.*index 999.*never recorded as a crash"):
+        run_campaign(tmp_path / "c", workers=0)
+    with ResultsDB(tmp_path / "c" / "results.sqlite", load_campaign(tmp_path / "c" / "campaign.yaml")) as db:
+        assert db.trials() == []
+
+
+# ------------------------------------------------------------- 3. faults that can never fire
+
+@pytest.mark.parametrize("site,schedule,kw,words", [
+    ("gemm.forward", {"kind": "transient", "step": 500}, {"steps": 6}, ["step': 500", "steps 0..5", "6-step run"]),
+    ("gemm.forward", {"kind": "permanent", "start": 6}, {"steps": 6}, ["start': 6", "steps 0..5"]),
+    ("gemm.forward", {"kind": "intermittent", "p": 0.0}, {}, ["p 0 never fires", "(0, 1]"]),
+    ("gemm.forward", {"kind": "transient", "step": 3, "micro_batch": 1}, {"grad_accum": 1},
+     ["micro_batch 1", "grad_accum=1", "0..0"]),
+    ("checkpoint", {"kind": "transient", "step": 0}, {}, ["step': 0", "steps >= 1", "written after a step"]),
+    ("checkpoint", {"kind": "transient", "step": 7}, {"steps": 6}, ["steps 1..6"]),
+    ("optimizer_state", {"kind": "intermittent", "p": 0.5, "start": 0, "stop": 1}, {},
+     ["steps >= 1", "after the first update"]),
+])
+def test_schedules_that_never_fire_in_the_run_are_refused(gpt, site, schedule, kw, words):
+    target = "head" if site in ("checkpoint", "optimizer_state") else "blocks.0.attn.q_proj"
+    with pytest.raises(ValueError) as err:
+        gpt.validate(spec(site, target, schedule=schedule), **kw)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+    gpt.validate(spec(site, target, schedule={"kind": "transient", "step": 1}), steps=6, grad_accum=2)
+
+
+def test_optimizer_state_keys_come_from_the_optimizer_configuration(gpt):
+    model = gpt.trainer.model
+    amsgrad = torch.optim.AdamW(model.parameters(), amsgrad=True)
+    wanted = spec("optimizer_state", "head", state_key="max_exp_avg_sq")
+    with pytest.raises(ValueError, match="'max_exp_avg_sq' is never created by AdamW for 'head.weight'.*"
+                                         "allowed: exp_avg, exp_avg_sq"):
+        gpt.validate(wanted)
+    validate_specs(model, [wanted], amsgrad)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="SGD keeps no state tensor for 'head.weight'"):
+        validate_specs(model, [spec("optimizer_state", "head")], sgd)
+    validate_specs(model, [spec("optimizer_state", "head", state_key="momentum_buffer")],
+                   torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert not amsgrad.state and not sgd.state  # the dry step ran on a twin optimizer
+
+
+def test_the_probe_warns_about_targets_it_never_reached(gpt, cnn):
+    with pytest.warns(UserWarning, match="activation on 'blocks'.*never called"):
+        gpt.validate(spec("activation", "blocks"))
+    with pytest.warns(UserWarning, match="gemm.grad_input on 'conv1'.*no input gradient dX"):
+        cnn.validate(spec("gemm.grad_input", "conv*"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cnn.validate(spec("gemm.grad_input", "conv2"))
+
+
+def test_an_experiment_whose_fault_never_fired_is_not_fired_not_masked(tmp_path):
+    wcfg = WorkloadConfig(workload="cnn", preset="tiny", batch_size=4, eval_batches=1)
+    experiment = Experiment(tmp_path / "e", wcfg, TrainConfig(seed=0), [spec("gemm.grad_input", "conv1")], steps=4)
+    with pytest.warns(UserWarning, match="no fault fired"):
+        comparison = experiment.run(4)
+    assert comparison["outcome"] == "not_fired" and comparison["fired"] is False
+    assert json.loads((tmp_path / "e" / "comparison.json").read_text())["outcome"] == "not_fired"
+
+
+def test_run_checks_its_steps_before_writing_anything(tmp_path):
+    wcfg = WorkloadConfig(workload="cnn", preset="tiny", batch_size=4, eval_batches=1)
+    experiment = Experiment(tmp_path / "e", wcfg, TrainConfig(seed=0), [spec("weight", "fc1")])
+    with pytest.raises(ValueError, match="step': 2.*steps 0..1 of this 2-step run"):
+        experiment.run(2)
+    assert not (tmp_path / "e").exists()
+
+
+def test_a_trial_that_never_fired_is_not_fired_and_no_part_of_masking():
+    thresholds = {"val_delta": 0.1, "loss_excess": 0.5, "dist_golden": 0.01}
+    m = {"fired": 0, "crash": False, "masked": False, "loss_excess": 0.0, "val_delta": 0.0, "dist_golden": 0.0,
+         "detected": 1}
+    assert classify(m, thresholds, guard=True) == {"effect": "not_fired", "sdc_kind": None, "outcome": "not_fired"}
+    assert classify({**m, "fired": 1, "masked": True}, thresholds, guard=False)["effect"] == "masked"
+
+
+@pytest.mark.parametrize("old,new,words", [
+    ("sites: [weight]", "sites: [checkpoint]", ["site 'checkpoint' is not supported in a campaign", "sdcscope inject"]),
+    ("sites: [weight]", "sites: [comm]", ["site 'comm' is not supported in a campaign"]),
+])
+def test_campaigns_refuse_sites_a_trial_cannot_inject(old, new, words):
+    with pytest.raises(ValueError) as err:
+        load_campaign(CAMPAIGN.replace(old, new))
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_campaign_plan_refuses_a_micro_batch_beyond_grad_accum():
+    text = CAMPAIGN.replace("patterns: [{kind: element}]",
+                            "patterns: [{kind: element}]\n  schedules: [{kind: transient, micro_batch: 1}]")
+    with pytest.raises(ValueError, match="micro_batch 1 never fires.*grad_accum=1"):
+        plan_campaign(load_campaign(text))
+    assert len(plan_campaign(load_campaign(text + "grad_accum: 2\n"))) == 1
+
+
+# ------------------------------------------------------------- 4. checkpoint faults: one decision
+
+def test_checkpoint_events_match_the_faults_that_fired(tmp_path):
+    ck = {"site": "checkpoint", "target": "fc3.b*", "model": "bitflip", "bits": [30],
+          "schedule": {"kind": "intermittent", "p": 0.5, "start": 1, "stop": 7}}
+    wcfg = WorkloadConfig(workload="cnn", preset="tiny", batch_size=4, eval_batches=1)
+    Experiment(tmp_path / "e", wcfg, TrainConfig(seed=0), [FaultSpec.from_dict(ck)], steps=6).run(6)
+    faulty = tmp_path / "e" / "faulty"
+    injected = [json.loads(x) for x in (faulty / "injections.jsonl").read_text().splitlines()]
+    events = [json.loads(x)["step"] for x in (faulty / "events.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in injected]
+    assert 0 < len(steps) < 6 and events == steps and {r["module"] for r in injected} == {"fc3.bias"}
+    assert sorted(p.name for p in faulty.glob("checkpoint-*")) == sorted(f"checkpoint-{s}" for s in steps)
+    # the decision is keyed on the tensor's name, never on the target pattern
+    assert [s for s in range(1, 7) if checkpoint_faults([FaultSpec.from_dict(ck)], ["fc3.bias"], s)] == steps
+
+
+# ------------------------------------------------------------- 5. YAML errors keep their position
+
+def test_yaml_errors_name_the_problem_and_its_position(tmp_path):
+    with pytest.raises(ValueError) as err:
+        load_campaign("name: [x\nhorizon: 3\n")
+    message = str(err.value)
+    assert "malformed YAML in <text>" in message and "expected ',' or ']'" in message
+    assert "line 1, column 7" in message and "\n" not in message
+    (tmp_path / "f.yaml").write_text("- site: weight\n  target: [unbalanced\n")
+    with pytest.raises(ValueError, match="f.yaml: expected ',' or ']'.* at line 3, column 1 "
+                                         "\\(while parsing a flow sequence at line 2, column 11\\)"):
+        load_specs(tmp_path / "f.yaml")
