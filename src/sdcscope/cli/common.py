@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -18,8 +19,26 @@ class CLIError(Exception):
 
 
 def fail(message: str) -> "typer.Exit":
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print("[bold red]error:[/] ", end="", highlight=False)
+    err_console.print(message, markup=False, highlight=False, soft_wrap=True)  # "[out, in]" is text
     return typer.Exit(code=2)
+
+
+def one_line(exc: BaseException) -> str:
+    """The message of ``exc`` on one line. A YAML syntax error it wraps whole or by its first line
+    (PyYAML's messages span lines) is replaced by its problem and position, e.g. "expected ',' or
+    ']', but got ':' at line 3, column 8 (while parsing a flow sequence at line 2, column 11)"."""
+    text = str(exc) or type(exc).__name__
+    cause = exc.__cause__ or exc.__context__
+    if getattr(cause, "problem_mark", None) is not None:
+        from sdcscope.faults import describe_yaml_error
+
+        original = str(cause)
+        if original in text:
+            text = text.replace(original, describe_yaml_error(cause))
+        elif text.endswith(original.splitlines()[0]):
+            text = text[:-len(original.splitlines()[0])] + describe_yaml_error(cause)
+    return text.splitlines()[0]
 
 
 @contextlib.contextmanager
@@ -28,7 +47,26 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except (ValueError, TypeError, FileNotFoundError, CLIError) as exc:
-        raise fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+        raise fail(one_line(exc)) from None
+
+
+def check_file(flag: str, path: Path) -> Path:
+    """``path`` if it is a file; else a FileNotFoundError naming ``flag`` and what is there instead."""
+    if path.is_dir():
+        raise FileNotFoundError(f"{flag} {str(path)!r} is a folder; give a file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
+    return path
+
+
+def load_fault_file(flag: str, path: Path) -> list:
+    """The fault specs in the YAML/JSON file ``path`` (at least one; raises on a bad file)."""
+    from sdcscope.faults import load_specs
+
+    specs = load_specs(check_file(flag, path))
+    if not specs:
+        raise ValueError(f"{flag} {str(path)!r} holds no fault specs")
+    return specs
 
 
 @contextlib.contextmanager

@@ -7,20 +7,21 @@ from typing import Optional
 
 import typer
 
+from sdcscope.cli.common import check_file
+
 GUARD_OPT = typer.Option(False, "--guard", help="Watch the run with the Guard (detect, localize, repair).")
 GUARD_CONFIG_OPT = typer.Option(None, "--guard-config", help="YAML guard settings (implies --guard).")
 INVARIANTS_OPT = typer.Option(None, "--invariants", help="Invariants file checked online by the guard (implies --guard).")
 
 
-def guard_config(guard: bool, path: Optional[Path], invariants: Optional[Path] = None):
-    """The GuardConfig asked for on the command line, or None (raises on a bad file)."""
+def guard_config(guard: bool, path: Optional[Path], invariants: Optional[Path] = None, recorded=None):
+    """The GuardConfig asked for on the command line, else ``recorded`` (a resumed run's, which
+    ``--guard`` alone keeps and ``--invariants`` extends), or None (raises on a bad file)."""
     if not guard and path is None and invariants is None:
-        return None
+        return recorded
     from sdcscope.guard import GuardConfig
 
-    config = GuardConfig.load(path) if path is not None else GuardConfig()
+    config = GuardConfig.load(check_file("--guard-config", path)) if path is not None else recorded or GuardConfig()
     if invariants is not None:
-        if not invariants.is_file():
-            raise FileNotFoundError(f"--invariants {str(invariants)!r} does not exist")
-        config.invariants = str(invariants)
+        config.invariants = str(check_file("--invariants", invariants))
     return config

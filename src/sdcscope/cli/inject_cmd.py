@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from sdcscope.cli.app import app
-from sdcscope.cli.common import fmt_loss, out_console, step_progress, user_errors
+from sdcscope.cli.common import fmt_loss, load_fault_file, out_console, step_progress, user_errors
 from sdcscope.cli.guard_opts import GUARD_CONFIG_OPT, GUARD_OPT, guard_config
 from sdcscope.cli.train_cmd import PRESET_OPT, SEED_OPT, STEPS_OPT, WORKLOAD_OPT, build_configs, check_steps
 
@@ -52,16 +52,11 @@ def inject(
     """Run the golden and the faulty run and compare them."""
     with user_errors():
         check_steps(steps)
-        from sdcscope.faults import load_specs
         from sdcscope.study.experiment import Experiment
 
-        if not spec.is_file():
-            raise FileNotFoundError(f"--spec {str(spec)!r} does not exist")
-        specs = load_specs(spec)
-        if not specs:
-            raise ValueError(f"--spec {str(spec)!r} holds no fault specs")
+        specs = load_fault_file("--spec", spec)
         wcfg, tcfg = build_configs(workload, preset, seed, corpus=corpus, batch_size=batch_size,
                                    lr=lr, grad_accum=grad_accum)
-        experiment = Experiment(out, wcfg, tcfg, specs, guard=guard_config(guard, guard_config_path))
+        experiment = Experiment(out, wcfg, tcfg, specs, guard=guard_config(guard, guard_config_path), steps=steps)
     comparison = experiment.run(steps, progress=lambda label, total: step_progress(total, label=label))
     print_comparison(out, comparison)

@@ -1,5 +1,6 @@
-"""``sdcscope report DIR``: report.html (self-contained, figures inlined) and report.md of a campaign
-or of a run directory (per-rank timelines of a distributed run)."""
+"""``sdcscope report DIR``: report.html (self-contained, figures inlined) and report.md of a campaign,
+of a run directory (per-rank timelines of a distributed run), or of each run an ``inject`` or
+``demo`` directory holds."""
 
 from __future__ import annotations
 
@@ -10,13 +11,35 @@ import typer
 from sdcscope.cli.app import app
 from sdcscope.cli.common import out_console, user_errors
 
+MARKERS = ("results.sqlite", "campaign.yaml", "config.json")
+"""A campaign's or a run's own files: such a directory is reported as itself."""
+
+
+def report_dirs(directory: Path) -> list[Path]:
+    """The directories to report: ``directory`` itself, or the runs a folder of runs (``inject``,
+    ``demo``) holds."""
+    if not directory.exists():
+        raise FileNotFoundError(f"{str(directory)!r} does not exist; give a campaign directory "
+                                "(sdcscope campaign init) or a run directory (sdcscope train/inject --out)")
+    if not directory.is_dir():
+        raise ValueError(f"{str(directory)!r} is a file; give a campaign directory or a run directory")
+    if any((directory / name).exists() for name in MARKERS):
+        return [directory]
+    runs = sorted(p.parent for p in directory.glob("*/config.json"))
+    if not runs:
+        raise ValueError(f"{str(directory)!r} is neither a campaign directory ({', '.join(MARKERS[:2])}) nor a "
+                         "run directory (config.json), nor a folder of runs (DIR/*/config.json)")
+    return runs
+
 
 @app.command()
-def report(directory: Path = typer.Argument(..., help="Campaign directory (results.sqlite) or run directory "
-                                                     "(config.json, from sdcscope train/inject).")) -> None:
+def report(directory: Path = typer.Argument(..., help="Campaign directory (results.sqlite), run directory "
+                                                     "(config.json, from sdcscope train), or a folder of runs "
+                                                     "(from sdcscope inject / demo: each run is reported).")) -> None:
     """Write DIR/report.html and DIR/report.md: a campaign's results, or a run's per-rank timelines."""
     with user_errors():
         from sdcscope.study import write_report
 
-        html, md = write_report(directory)
-    out_console.print(f"wrote {html} and {md}")
+        for target in report_dirs(directory):
+            html, md = write_report(target)
+            out_console.print(f"wrote {html} and {md}")

@@ -1,34 +1,108 @@
 """A training run bound to a run directory: config.json, metrics.jsonl, summary.json, checkpoint/.
 
-All validation happens before the folder is created, so bad input leaves nothing behind.
+All validation happens before the folder is created, so bad input leaves nothing behind. A run
+stopped by SIGINT or SIGTERM finishes its step, saves its checkpoint and summary, and raises
+:class:`Interrupted`; ``Run.resume(out)`` continues it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import math
+import reprlib
+import signal
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from sdcscope import __version__
-from sdcscope.engine.rundir import JsonlWriter, check_new_run_dir, write_json
-from sdcscope.engine.state import TrainState, load_checkpoint, param_sha256, save_checkpoint
+from sdcscope._validate import build_config
+from sdcscope.engine.rundir import (
+    CHECKPOINT_DIR, JsonlWriter, check_new_run_dir, dumps, has_checkpoint, read_jsonl, write_json,
+)
+from sdcscope.engine.state import CheckpointError, load_checkpoint, param_sha256, read_manifest, save_checkpoint
 from sdcscope.engine.trainer import TrainConfig, Trainer
 from sdcscope.workloads import WorkloadConfig, make_workload
 
-CHECKPOINT_DIR = "checkpoint"
+__all__ = ["Run", "Interrupted", "CHECKPOINT_DIR"]
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Training stopped on a signal at a step boundary; the checkpoint and ``summary`` are saved."""
+
+    def __init__(self, signum: int, summary: dict[str, Any]) -> None:
+        super().__init__(f"{signal.Signals(signum).name} at step {summary['steps']}")
+        self.signum, self.summary = signum, summary
+
+
+@contextlib.contextmanager
+def _stop_requests() -> Iterator[list[int]]:
+    """Collect SIGINT/SIGTERM while training (the list of signals received), so the loop stops at
+    a step boundary; a second signal acts at once. Only handlers still at Python's defaults are
+    replaced, and only in the main thread (the only one that may set them)."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    previous = {s: h for s, h in previous.items() if h in (signal.default_int_handler, signal.SIG_DFL)}
+
+    def restore() -> None:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+    def request(signum, frame) -> None:
+        received.append(signum)
+        restore()
+
+    for s in previous:
+        signal.signal(s, request)
+    try:
+        yield received
+    finally:
+        restore()
+
+
+def _json(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples become lists, non-finite floats strings)."""
+    return json.loads(dumps(value))
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (a's value, b's value)}`` wherever two JSON values differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: v for key in sorted(a.keys() | b.keys(), key=str)
+                for k, v in _differences(a.get(key), b.get(key), f"{prefix}{key}.").items()}
+    return {} if a == b else {prefix[:-1]: (a, b)}
+
+
+def _identity(config: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint must share with config.json to continue the run: everything that shapes
+    the parameters (the evaluation cadence and the guard may change on resume)."""
+    train = {k: v for k, v in config["train"].items() if k != "eval_every"}
+    return _json({"workload": config["workload"], "train": train, "faults": config.get("faults") or []})
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({exc})") from None
 
 
 class Run:
     """Train a workload into ``out``; ``Run.resume(out)`` continues a run from its checkpoint."""
 
     def __init__(self, out: str | Path, workload: WorkloadConfig, train: TrainConfig, *,
-                 extra_config: dict[str, Any] | None = None, _state: TrainState | None = None,
-                 _config: dict[str, Any] | None = None) -> None:
+                 extra_config: dict[str, Any] | None = None, _config: dict[str, Any] | None = None) -> None:
         self.out = Path(out)
-        if _state is None:
+        if _config is None:
             check_new_run_dir(self.out)
         self.workload = make_workload(workload)  # may raise (missing corpus): before any output
         self.trainer = Trainer(self.workload, train)
@@ -39,65 +113,134 @@ class Run:
             "data": self.workload.describe(),
             **(extra_config or {}),
         }
+        self._written = copy.deepcopy(_config)  # config.json as on disk (None before the first write)
         self.summary: dict[str, Any] = {}
-        if _state is not None:
-            self.trainer.restore(_state)
 
     @classmethod
     def resume(cls, out: str | Path) -> "Run":
+        """The run in ``out`` at its checkpoint; refused (ValueError) unless config.json, the data
+        and the checkpoint agree."""
         out = Path(out)
-        config_path = out / "config.json"
-        if not config_path.is_file():
+        path = out / "config.json"
+        if not path.is_file():
             raise ValueError(f"--resume {str(out)!r} is not a run directory (no config.json)")
-        config = json.loads(config_path.read_text())
-        state = load_checkpoint(out / CHECKPOINT_DIR)
-        return cls(out, WorkloadConfig(**config["workload"]), TrainConfig(**config["train"]),
-                   _state=state, _config=config)
+        config = _read_json(path)
+        if not isinstance(config, dict):
+            raise ValueError(f"{str(path)!r} must hold a mapping, got {reprlib.repr(config)}")
+        world = config.get("world_size", 1)
+        if world != 1:
+            raise ValueError(f"--resume {str(out)!r}: the run was trained on {world} ranks (world_size in "
+                             f"{str(path)!r}) and resuming a distributed run is not supported; start a new "
+                             f"one with --nproc {world} --out NEW")
+        try:
+            wcfg = build_config(WorkloadConfig, config.get("workload"), "workload")
+            tcfg = build_config(TrainConfig, config.get("train"), "train")
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{str(path)!r}: {exc}") from None
+        checkpoint = out / CHECKPOINT_DIR
+        if not has_checkpoint(out):
+            raise CheckpointError(f"--resume {str(out)!r}: the run saved no checkpoint ({CHECKPOINT_DIR}/ is "
+                                  "missing or incomplete), so it cannot be continued; train it again in a new "
+                                  "or empty folder")
+        recorded = read_manifest(checkpoint).get("run")
+        diff = {} if recorded is None else _differences(_identity(config), recorded)
+        if diff:
+            raise CheckpointError(
+                f"{str(path)!r} does not match the run's checkpoint: "
+                + "; ".join(f"{k} is {reprlib.repr(now)} but the checkpoint was trained with {reprlib.repr(then)}"
+                            for k, (now, then) in diff.items())
+                + " (config.json was edited? a resumed run keeps its configuration)")
+        run = cls(out, wcfg, tcfg, _config=config)
+        data = _differences(config.get("data"), _json(run.workload.describe()))
+        if "data" in config and data:
+            raise ValueError(f"{str(path)!r} does not match the workload it describes: "
+                             f"{', '.join(f'data.{k}' for k in data)} differ (config.json was edited, or the "
+                             "data changed since the run started; a resumed run needs the same model and data)")
+        state = load_checkpoint(checkpoint)
+        try:
+            run.trainer.restore(state)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            raise CheckpointError(f"the checkpoint in {str(checkpoint)!r} does not fit the model {str(path)!r} "
+                                  f"describes ({lines[-1] if lines else type(exc).__name__})") from None
+        if (out / "summary.json").is_file():
+            run.summary = _read_json(out / "summary.json")
+        return run
 
-    @property
-    def resumed(self) -> bool:
-        return (self.out / "config.json").exists()
+    def reached(self, steps: int) -> bool:
+        """Whether the run already has ``steps`` steps and their summary (:meth:`train` keeps them)."""
+        return self.summary.get("steps") == steps == self.trainer.step
 
     def train(self, steps: int, *, callbacks: Iterable[object] = (),
               on_step: Callable[[dict[str, Any]], None] | None = None,
               stop_on_nonfinite: bool = True) -> dict[str, Any]:
-        """Train until ``steps`` optimizer steps in total; write metrics, checkpoint, summary."""
+        """Train until ``steps`` optimizer steps in total; write metrics, checkpoint, summary.
+
+        A run that already has ``steps`` steps and their summary is left as it is. SIGINT or
+        SIGTERM stops training after the current step: the checkpoint and a summary with outcome
+        ``interrupted`` are saved, then :class:`Interrupted` is raised."""
         if not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps={steps!r} must be an integer >= 0")
         if steps < self.trainer.step:
             raise ValueError(f"steps={steps} is below the {self.trainer.step} steps this run already has")
-        resumed = self.resumed
-        self.out.mkdir(parents=True, exist_ok=True)
+        if self.reached(steps):
+            return self.summary
+        with _stop_requests() as stop:
+            self._write_config(steps)
+            for cb in callbacks:
+                self.trainer.add_callback(cb)
+            metrics, last = self._open_logs()
+            t0 = time.perf_counter()
+            outcome = "completed"
+            eval_every = self.trainer.config.eval_every
+            try:
+                while self.trainer.step < steps and not stop:
+                    last = self.trainer.train_step()
+                    if eval_every and self.trainer.step % eval_every == 0:
+                        last.update({f"eval_{k}": v for k, v in self.trainer.evaluate().items() if k != "step"})
+                    metrics.write(last)
+                    if on_step is not None:
+                        on_step(last)
+                    if not math.isfinite(last["loss"]):
+                        outcome = "crash"
+                        if stop_on_nonfinite:
+                            break
+            finally:
+                metrics.close()
+            interrupted = bool(stop) and self.trainer.step < steps
+            self._finish("interrupted" if interrupted and outcome == "completed" else outcome, last,
+                         time.perf_counter() - t0)
+        if interrupted:
+            raise Interrupted(stop[0], self.summary)
+        return self.summary
+
+    def _write_config(self, steps: int) -> None:
+        """config.json with the target ``steps``; a resumed run appends what changed to ``resumes``."""
+        if self._written is not None:
+            changed = {k: new for k, (_, new) in _differences(self._written, _json(self.config)).items()
+                       if k not in ("steps", "resumes")}
+            self.config["resumes"] = [*self.config.get("resumes", []),
+                                      {"from_step": self.trainer.step, "steps": steps,
+                                       **({"changed": changed} if changed else {})}]
         self.config["steps"] = steps
+        self.out.mkdir(parents=True, exist_ok=True)
         write_json(self.out / "config.json", self.config)
-        for cb in callbacks:
-            self.trainer.add_callback(cb)
-        metrics = JsonlWriter(self.out / "metrics.jsonl")
-        if resumed:
-            metrics.truncate_after("step", self.trainer.step)
-        metrics.touch()
-        for name in ("injections.jsonl", "events.jsonl"):  # part of the contract, even when empty
-            JsonlWriter(self.out / name).touch()
-        t0 = time.perf_counter()
-        outcome, last = "completed", {}
-        eval_every = self.trainer.config.eval_every
-        try:
-            while self.trainer.step < steps:
-                last = self.trainer.train_step()
-                if eval_every and self.trainer.step % eval_every == 0:
-                    last.update({f"eval_{k}": v for k, v in self.trainer.evaluate().items() if k != "step"})
-                metrics.write(last)
-                if on_step is not None:
-                    on_step(last)
-                if not math.isfinite(last["loss"]):
-                    outcome = "crash"
-                    if stop_on_nonfinite:
-                        break
-        finally:
-            metrics.close()
-        wall = time.perf_counter() - t0
+        self._written = _json(self.config)
+
+    def _open_logs(self) -> tuple[JsonlWriter, dict[str, Any]]:
+        """The metrics writer and the last step's metrics; a resumed run drops what it logged
+        after its checkpoint (the steps are trained again)."""
+        for name in ("metrics.jsonl", "injections.jsonl", "events.jsonl"):  # part of the contract, even when empty
+            log = JsonlWriter(self.out / name)
+            log.truncate_after("step", self.trainer.step)
+            log.touch()
+            log.close()
+        rows = read_jsonl(self.out / "metrics.jsonl")
+        return JsonlWriter(self.out / "metrics.jsonl"), (rows[-1] if rows else {})
+
+    def _finish(self, outcome: str, last: dict[str, Any], wall: float) -> None:
         final_eval = self.trainer.evaluate()
-        save_checkpoint(self.trainer.snapshot(), self.out / CHECKPOINT_DIR)
+        save_checkpoint(self.trainer.snapshot(), self.out / CHECKPOINT_DIR, run=_identity(self.config))
         self.summary = {
             "outcome": outcome,
             "final_train_loss": last.get("loss"),
@@ -105,11 +248,9 @@ class Run:
             **{f"final_{k}": v for k, v in final_eval.items() if k not in ("val_loss", "step")},
             "param_sha256": param_sha256(self.trainer.model),
             "steps": self.trainer.step,
-            "wall_seconds": round(wall, 4),
+            "wall_seconds": round(self.summary.get("wall_seconds", 0.0) + wall, 4),
         }
         val_loss = self.summary["final_val_loss"]
         if val_loss is not None and not math.isfinite(val_loss):
             self.summary["outcome"] = "crash"
         write_json(self.out / "summary.json", self.summary)
-        return self.summary
-

@@ -6,10 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdcscope._io import JsonlWriter, dumps, read_jsonl, write_json
+from sdcscope.engine.state import MANIFEST_FILE
 
-__all__ = ["RUN_FILES", "JsonlWriter", "dumps", "read_jsonl", "write_json", "check_new_run_dir"]
+__all__ = ["RUN_FILES", "CHECKPOINT_DIR", "JsonlWriter", "dumps", "read_jsonl", "write_json", "check_new_run_dir",
+           "has_checkpoint"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "injections.jsonl", "events.jsonl", "summary.json")
+CHECKPOINT_DIR = "checkpoint"
+
+
+def has_checkpoint(run_dir: str | Path) -> bool:
+    """Whether the run in ``run_dir`` saved a checkpoint it can be resumed from."""
+    return (Path(run_dir) / CHECKPOINT_DIR / MANIFEST_FILE).is_file()
 
 
 def check_new_run_dir(path: str | Path) -> Path:
@@ -18,7 +26,11 @@ def check_new_run_dir(path: str | Path) -> Path:
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {str(path)!r} is a file, not a folder")
     if path.is_dir() and any(path.iterdir()):
-        what = "another run" if (path / "config.json").exists() else "other files"
-        raise ValueError(f"--out {str(path)!r} already holds {what}; give a new or empty folder "
-                         "(or --resume it to continue that run)")
+        if not (path / "config.json").exists():
+            raise ValueError(f"--out {str(path)!r} already holds other files; give a new or empty folder")
+        if has_checkpoint(path):
+            raise ValueError(f"--out {str(path)!r} already holds another run; give a new or empty folder "
+                             f"(or continue that run: sdcscope train --resume {path} --steps N)")
+        raise ValueError(f"--out {str(path)!r} already holds another run, which saved no checkpoint and cannot "
+                         "be resumed; give a new or empty folder (or delete it)")
     return path

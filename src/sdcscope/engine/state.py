@@ -67,8 +67,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(state: TrainState, directory: str | Path) -> Path:
-    """Write ``state.pt`` and a ``manifest.json`` holding its sha256; atomic per file."""
+def save_checkpoint(state: TrainState, directory: str | Path, *, run: dict[str, Any] | None = None) -> Path:
+    """Write ``state.pt`` and a ``manifest.json`` holding its sha256; atomic per file. ``run``: the
+    configuration the state was trained with (JSON), kept in the manifest to check a resume against."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / CHECKPOINT_FILE
@@ -76,25 +77,31 @@ def save_checkpoint(state: TrainState, directory: str | Path) -> Path:
     torch.save(state.to_dict(), tmp)
     os.replace(tmp, target)
     manifest = {"format": "sdcscope-checkpoint/1", "files": {CHECKPOINT_FILE: _sha256(target)},
-                "step": state.step}
+                "step": state.step, **({} if run is None else {"run": run})}
     tmp = directory / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.write_text(json.dumps(manifest, indent=2, default=str))
     os.replace(tmp, directory / MANIFEST_FILE)
     return directory
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``manifest.json`` (refused when missing or malformed)."""
+    manifest_path = Path(directory) / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise CheckpointError(f"no checkpoint manifest at {str(manifest_path)!r}")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        if not isinstance(manifest["files"], dict):
+            raise TypeError(f"'files' is {manifest['files']!r}, not a mapping")
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"corrupt checkpoint manifest {str(manifest_path)!r}: {exc}") from None
+    return manifest
 
 
 def verify_checkpoint(directory: str | Path) -> None:
     """Refuse a checkpoint whose files are missing or whose sha256 differs from the manifest."""
     directory = Path(directory)
-    manifest_path = directory / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise CheckpointError(f"no checkpoint manifest at {str(manifest_path)!r}")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"corrupt checkpoint manifest {str(manifest_path)!r}: {exc}") from None
-    for name, expected in files.items():
+    for name, expected in read_manifest(directory)["files"].items():
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {str(path)!r} is missing")
