@@ -157,7 +157,7 @@ class Guard:
         """Before the forward pass: remember RNG, batch and buffers; verify the state checksums."""
         self._step, self._batch, self._rng = step, batch, torch.get_rng_state()
         self._clock += 1
-        self._buffers_before = [m._buffers[n].detach().clone() for m, n in self._buffer_slots]
+        self._buffers_before = self._buffer_values()
         self._step_events = 0
         self.rolled_back_to = None
         if len(self.ring) == 0:
@@ -352,10 +352,13 @@ class Guard:
         if self.metrics is not None:
             self._safe(self.metrics.before_optimizer_step, "metrics")
 
+    def _buffer_values(self) -> list[torch.Tensor]:
+        return [m._buffers[n].detach().clone() for m, n in self._buffer_slots]
+
     @torch.no_grad()
-    def _restore_buffers(self) -> None:
-        """Put the persistent buffers back to their values before this step's forward pass."""
-        for (module, name), value in zip(self._buffer_slots, self._buffers_before):
+    def _restore_buffers(self, values: list[torch.Tensor] | None = None) -> None:
+        """Put the persistent buffers back to ``values`` (default: before this step's forward)."""
+        for (module, name), value in zip(self._buffer_slots, self._buffers_before if values is None else values):
             module._buffers[name].copy_(value)
 
     def _update_metrics(self, loss) -> dict:

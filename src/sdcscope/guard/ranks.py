@@ -111,15 +111,21 @@ class GuardRanks:
         local gradient of this step into ``.grad``, without collectives."""
         g = self.guard
         replayed: list[int] = []
+        own_buffers: list = []  # this rank's buffers after its own forward pass of the step
 
         def replay_here(r: int) -> Any:
+            if not replayed:
+                own_buffers.extend(g._buffer_values())
             replayed.append(r)
+            g._restore_buffers()  # each replay starts from the step's buffers, as its rank did
             return replay(r)
 
         events = self.rank_guard.check(step, replay=replay_here if replay is not None and g.config.replay else None,
                                        local_events=local, delegate=True)
-        if replayed and g.abft is not None:  # the replays' GEMM checks are no finding of this step
-            g._safe(lambda: g.abft.check(step), "abft")
+        if replayed:
+            g._restore_buffers(own_buffers)
+            if g.abft is not None:  # the replays' GEMM checks are no finding of this step
+                g._safe(lambda: g.abft.check(step), "abft")
         restored = any(e.action == "rollback" for e in events)
         actions = ["veto"] if self.rank_guard.veto else []
         extra: list[Event] = []
