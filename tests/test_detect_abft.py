@@ -377,6 +377,8 @@ def test_config_validation():
         ABFTConfig(targets=5)
     with pytest.raises(ValueError, match="targets is empty"):
         ABFTConfig(targets=[])
+    with pytest.warns(UserWarning, match="ABFT checks no GEMM of this Conv2d"):
+        assert ABFTDetector(nn.Conv2d(1, 2, 3)).layers == []
 
 
 # ------------------------------------------------------------------ models of every kind

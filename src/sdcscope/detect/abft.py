@@ -73,6 +73,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -233,6 +234,10 @@ class ABFTDetector:
                                       names=_operand_names(mod, 1 if linear else 2)))
         self.skipped_grad_weight = [x.name for x in self.layers if not x.check_dw]
         """Linear layers whose dW is not checked (frozen weight)."""
+        if not self.layers:
+            warnings.warn(f"ABFT checks no GEMM of this {type(model).__name__}: it has no submodule of kinds "
+                          f"{', '.join(cfg.kinds)} (nn.Linear, MatMul-contract modules; convolutions are not "
+                          "covered)", stacklevel=2)
         self._attached = False
         self._active: frozenset[str] = frozenset()
         self._chosen: list[_Layer] = []
