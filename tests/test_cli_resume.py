@@ -230,3 +230,12 @@ def test_report_names_a_missing_directory_and_reports_an_inject_directorys_runs(
     assert _ok("report", tmp_path / "i").count("wrote") == 2
     for run in ("golden", "faulty"):
         assert (tmp_path / "i" / run / "report.md").is_file() and (tmp_path / "i" / run / "report.html").is_file()
+
+
+def test_a_relative_corpus_is_recorded_absolute_and_resumes_from_anywhere(tmp_path, monkeypatch):
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    monkeypatch.chdir(tmp_path)
+    _ok("train", "--corpus", "text.txt", "--steps", 2, "--out", "run")
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["workload"]["corpus"] == str(tmp_path / "text.txt")
+    monkeypatch.chdir(tmp_path.parent)
+    _ok("train", "--resume", tmp_path / "run", "--steps", 3)

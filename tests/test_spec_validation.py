@@ -286,3 +286,22 @@ def test_yaml_errors_name_the_problem_and_its_position(tmp_path):
     with pytest.raises(ValueError, match="f.yaml: expected ',' or ']'.* at line 3, column 1 "
                                          "\\(while parsing a flow sequence at line 2, column 11\\)"):
         load_specs(tmp_path / "f.yaml")
+
+
+def test_a_grad_weight_fault_is_checked_against_the_dtype_the_gemm_computes_in():
+    """Under autocast the dW the fault lands on is bf16 (the call's own node, before the cast
+    back to the fp32 weight): bit 29 does not exist there."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 8)
+
+    def loss(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x).float().sum()
+    probe = probe_model(model, loss)
+    ok = spec("gemm.grad_weight", "2", {"kind": "element", "index": 3}, bits=[14])
+    validate_specs(model, [ok], opt, steps=6, probe=probe)
+    with pytest.raises(FaultSpecError, match="bit 29 is out of range for bf16"):
+        validate_specs(model, [spec("gemm.grad_weight", "2", {"kind": "element", "index": 3}, bits=[29])],
+                       opt, steps=6, probe=probe)

@@ -93,3 +93,12 @@ def test_classify_with_guard():
     assert classify(_m(val_delta=0.3, detected=1), TH, True) == {"effect": "sdc", "sdc_kind": "slow",
                                                                   "outcome": "detected"}
     assert classify(_m(val_delta=0.3, detected=0), TH, True)["outcome"] == "sdc"
+
+
+def test_trials_whose_fault_never_fired_are_no_part_of_pvf():
+    from sdcscope.study.figures import pvf_heatmap
+
+    rows = [{"target": "fc", "bit": 30, "effect": e} for e in ("sdc", "benign", "not_fired", "not_fired")]
+    (row,) = pvf_table(rows, ("target",))
+    assert (row["incorrect"], row["trials"]) == (1, 2)
+    assert pvf_heatmap([r for r in rows if r["effect"] == "not_fired"]) is None  # nothing to draw

@@ -42,7 +42,7 @@ def build_configs(workload: str, preset: str, seed: int, *, corpus: Optional[Pat
     if corpus is not None and not corpus.exists():
         raise FileNotFoundError(f"corpus path {str(corpus)!r} does not exist (give a text file or a folder)")
     wcfg = WorkloadConfig(workload=workload, preset=preset, batch_size=batch_size, lr=lr,
-                          corpus=None if corpus is None else str(corpus))
+                          corpus=None if corpus is None else str(corpus.resolve()))  # resumable from anywhere
     return wcfg, TrainConfig(seed=seed, grad_accum=grad_accum, eval_every=eval_every)
 
 

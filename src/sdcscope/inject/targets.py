@@ -201,8 +201,11 @@ def _views(spec: FaultSpec, t: Target, calls: list[ModuleCall] | None, dtype: to
         if site == "gemm.grad_weight" and any(c.weight_grad is False for c in calls or ()):
             raise ValueError(f"{t.name!r}: the weight's gradient does not come from this call's autograd "
                              "graph (a flattened or wrapped parameter?)")
-        reached = calls is None or any(site == "gemm.forward" or c.weight_grad for c in calls)
-        return [(tuple(module.weight.shape), module.weight.dtype, None)] if reached else []
+        shape = tuple(module.weight.shape)
+        if site == "gemm.forward" or calls is None:
+            return [(shape, module.weight.dtype, None)]
+        # dW as the GEMM computed it: in its compute dtype (bf16 under autocast), the output's
+        return list(dict.fromkeys((shape, c.output.dtype, None) for c in calls if c.weight_grad and c.output))
     if calls is None:
         return [(None, dtype, None)]
     if site in ("activation", "gemm.forward"):

@@ -58,9 +58,12 @@ def outcome_bars(rows: list[dict], by: str, title: str) -> str:
     return _png(fig)
 
 
-def pvf_heatmap(rows: list[dict]) -> str:
-    """PVF per layer × bit, next to the upper end of its Wilson 95% interval."""
+def pvf_heatmap(rows: list[dict]) -> str | None:
+    """PVF per layer × bit, next to the upper end of its Wilson 95% interval (None: no trial
+    with a bit whose fault fired)."""
     table = pvf_table([r for r in rows if r["bit"] is not None], ("target", "bit"))
+    if not table:
+        return None
     layers = sorted({t["target"] for t in table})
     bits = sorted({t["bit"] for t in table})
     grids = {k: [[math.nan] * len(bits) for _ in layers] for k in ("pvf", "hi", "trials")}
