@@ -239,3 +239,29 @@ def test_a_relative_corpus_is_recorded_absolute_and_resumes_from_anywhere(tmp_pa
     assert json.loads((tmp_path / "run" / "config.json").read_text())["workload"]["corpus"] == str(tmp_path / "text.txt")
     monkeypatch.chdir(tmp_path.parent)
     _ok("train", "--resume", tmp_path / "run", "--steps", 3)
+
+
+WEIGHT_FLIP = """\
+- site: weight
+  target: blocks.1.mlp.fc.weight
+  model: {model}
+  bits: [30]
+  pattern: {{kind: element, index: 1234}}
+  schedule: {schedule}
+  seed: 2
+"""
+
+
+def test_a_guard_rollback_repairs_the_run_and_an_unrepairable_fault_stalls_it(tmp_path):
+    """The rolled-back step's non-finite loss is no crash: training goes on to the end. A fault the
+    rollback cannot cure (a stuck bit re-applied after every update) ends the run as stalled
+    instead of rolling back forever."""
+    for name, model, schedule, outcome in (
+            ("transient", "bitflip", "{kind: transient, step: 3}", "completed"),
+            ("permanent", "stuck_at_1", "{kind: permanent, start: 3}", "stalled")):
+        spec = tmp_path / f"{name}.yaml"
+        spec.write_text(WEIGHT_FLIP.format(model=model, schedule=schedule))
+        _ok("train", "--steps", 7, "--seed", 3, "--faults", spec, "--guard", "--out", tmp_path / name)
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["outcome"] == outcome, summary
+        assert (summary["steps"] == 7) == (outcome == "completed"), summary

@@ -28,13 +28,21 @@ def mlp_run(attach, seed, bug=None, steps=12, lr=1e-2):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     tool = attach(model, opt, schedulers=[sched])
+    previous = None
     for step in range(steps):
         tool.step_begin(step)
         if bug != "no_zero_grad":
             opt.zero_grad()
-        x = torch.randn(6, 8)
+        x = previous if bug == "repeated_input" and step == 6 else torch.randn(6, 8)
+        previous = x
         loss = model(x).pow(2).mean()
         (loss * 100 if bug == "scaled_loss" else loss).backward()
+        if bug == "guarded" and step == 5:  # a guard's replay: the same step executed again
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+        if bug == "guarded" and step == 6:  # a guard's veto: no update, the step is discarded
+            tool.abandon_step()
+            continue
         if bug != "clip_late" or step >= 2:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -116,6 +124,13 @@ def test_bugs_are_reported_with_invariant_module_and_evidence(invariants, tmp_pa
     assert set(hits[0]) == EVENT_KEYS and hits[0]["detector"] == "invariant"
     assert hits[0]["evidence"]["description"] == by_id(invariants)[verdict].description
     assert read_jsonl(tmp_path / "events.jsonl") == tool.violations
+
+
+def test_a_guards_replay_and_discarded_step_are_no_violation_a_repeated_input_is(invariants):
+    assert mlp_run(checker(invariants), seed=7, bug="guarded", lr=7e-3).violations == []
+    hits = mlp_run(checker(invariants), seed=7, bug="repeated_input", lr=7e-3).violations
+    assert [(e["verdict"], e["step"], e["evidence"]["first_seen_step"]) for e in hits] == [
+        ("arg.train.forward.input", 6, 5)]
 
 
 def test_missing_zero_grad_breaks_gradient_clearing_from_step_1(invariants):

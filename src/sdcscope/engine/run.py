@@ -176,7 +176,9 @@ class Run:
               stop_on_nonfinite: bool = True) -> dict[str, Any]:
         """Train until ``steps`` optimizer steps in total; write metrics, checkpoint, summary.
 
-        A run that already has ``steps`` steps and their summary is left as it is. SIGINT or
+        A run that already has ``steps`` steps and their summary is left as it is. A non-finite
+        loss of an applied step ends it as ``crash`` (one a guard discarded does not); a guard
+        that keeps rolling back (more than 4 train steps per step to go) ends it as ``stalled``. SIGINT or
         SIGTERM stops training after the current step: the checkpoint and a summary with outcome
         ``interrupted`` are saved, then :class:`Interrupted` is raised."""
         if not isinstance(steps, int) or steps < 0:
@@ -193,15 +195,20 @@ class Run:
             t0 = time.perf_counter()
             outcome = "completed"
             eval_every = self.trainer.config.eval_every
+            budget = 4 * (steps - self.trainer.step) + 4  # a guard's rollbacks re-run steps, but not forever
             try:
                 while self.trainer.step < steps and not stop:
+                    if budget == 0:
+                        outcome = "stalled"
+                        break
+                    budget -= 1
                     last = self.trainer.train_step()
                     if eval_every and self.trainer.step % eval_every == 0:
                         last.update({f"eval_{k}": v for k, v in self.trainer.evaluate().items() if k != "step"})
                     metrics.write(last)
                     if on_step is not None:
                         on_step(last)
-                    if not math.isfinite(last["loss"]):
+                    if not math.isfinite(last["loss"]) and not last.get("skipped"):  # a discarded step is no crash
                         outcome = "crash"
                         if stop_on_nonfinite:
                             break

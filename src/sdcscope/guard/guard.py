@@ -381,7 +381,9 @@ class Guard:
             self.ranks.end(step, verify=self.rolled_back_to is not None)
         if self.state is not None:
             self._safe(self.state.record, "state_checksum")
-        if self.invariants is not None:
+        if self.invariants is not None and not applied:  # the step's effects were discarded
+            self._safe(self.invariants.abandon_step, "invariants")
+        elif self.invariants is not None:
             for record in self._safe(self.invariants.step_end, "invariants"):
                 self._emit(Event(**{k: record.get(k) for k in ("step", "detector", "verdict", "module", "rank")},
                                  evidence=record.get("evidence") or {}, action=record.get("action") or "report"))

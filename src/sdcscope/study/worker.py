@@ -145,9 +145,10 @@ class Worker:
         out = {"losses": [], "crash": False, "error": None, "early": False}
         try:
             while t.step < s + h and len(out["losses"]) < 4 * h:
-                loss = t.train_step()["loss"]
+                row = t.train_step()
+                loss = row["loss"]
                 out["losses"].append(loss)
-                if not math.isfinite(loss):
+                if not math.isfinite(loss) and not row.get("skipped"):  # a step the guard discarded is no crash
                     out["crash"] = True
                     break
                 if t.step in at:

@@ -146,6 +146,10 @@ class InvariantChecker(EngineCallbacks):
     def step_end(self) -> list[dict[str, Any]]:
         return self._report(self.recorder.step_end())
 
+    def abandon_step(self) -> None:
+        """End the step without checking it (its effects were discarded: a vetoed or rolled-back step)."""
+        self.recorder.abandon_step()
+
     def eval_end(self) -> list[dict[str, Any]]:
         return self._report(self.recorder.eval_end())
 

@@ -296,6 +296,16 @@ class TraceRecorder(EngineCallbacks):
         self._done = self._step + 1
         return self._drain()
 
+    def abandon_step(self) -> None:
+        """Close the step without a record: its effects were discarded (a guard vetoed it or
+        rolled the run back), so it is no evidence about the training loop."""
+        if not self._in_step:
+            raise ValueError("abandon_step() without step_begin()")
+        self._pending = []  # all of them belong to this step: step_begin resolved the others
+        self._last_grads = self._grad_snapshot()
+        self._in_step, self._rec = False, None
+        self._done = self._step + 1
+
     def eval_end(self) -> list[dict[str, Any]]:
         """Close the between-steps (evaluation) record, if one is open."""
         self._close_between()

@@ -198,8 +198,8 @@ class _FieldCheck(Check):
             x = as_number(v)
             if x is None or not in_bounds(x, self.bounds):
                 return self.module, self._evidence(value=v, bounds=self.bounds)
-        elif self.mode == "distinct":
-            if v in self.seen:
+        elif self.mode == "distinct":  # the same step again (a replay, steps re-run after a rollback): not a repeat
+            if v in self.seen and self.seen[v] != step:
                 return self.module, self._evidence(value=v, first_seen_step=self.seen[v])
             self.seen[v] = step
         elif self.field in MASK_FIELDS:
