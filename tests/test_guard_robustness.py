@@ -362,3 +362,35 @@ def test_validators_refuse_wrong_types_naming_key_and_value(check, value):
     with pytest.raises(ValueError, match=rf"^knob={value!r} must be"):
         check("knob", value)
     check("knob", True if check is check_bool else 1)  # a right value passes
+
+
+def test_a_checksum_mismatch_that_vanishes_on_replay_is_transient_even_when_masked():
+    """A flip to a huge negative value that ReLU masks leaves loss and gradients unchanged: the
+    replay then differs in nothing but the ABFT finding, which did not recur: a transient fault,
+    recomputed (vetoing the step would make a harmless fault cost an update)."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    fired = []
+
+    def flip(module, args, out):
+        if not fired and guard._step == FAULT:
+            fired.append(True)
+            out = out.clone()
+            out[0, 3] = -4e36
+            return out
+    events = []
+    guard = Guard(model, opt, GuardConfig(), loss_fn=loss_fn, on_event=events.append).attach()
+    model.fc1.register_forward_hook(flip, prepend=True)
+    stepped = []
+    for step in range(FAULT + 2):
+        batch = batch_of(step)
+        opt.zero_grad()
+        with guard.step(step, batch):
+            loss = loss_fn(model, batch)
+            loss.backward()
+        stepped.append(guard.optimizer_step(loss))
+    assert all(stepped) and fired
+    assert [(e["detector"], e["module"], e["gemm"], e["verdict"], e["action"]) for e in events] == [
+        ("abft", "fc1", "forward", "transient", "recompute")]

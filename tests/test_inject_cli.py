@@ -74,3 +74,14 @@ def test_int8_bit_7_is_accepted_by_the_spec():
 
     FaultSpec.from_dict({"site": "weight", "target": "x", "model": "bitflip", "bits": [7],
                          "format": "int8", "schedule": {"kind": "transient", "step": 0}})
+
+
+def test_guard_rolls_back_a_weight_fault_at_the_first_step_to_a_clean_state(tmp_path):
+    """The guard's first snapshot and state checksum are taken before the injector acts, so a
+    memory fault at step 0 is caught and rolled back to clean weights."""
+    spec = ("- {site: weight, target: blocks.0.mlp.fc, model: bitflip, bits: [30], "
+            "pattern: {kind: element, index: 7}, schedule: {kind: transient, step: 0}}\n")
+    result = _inject(tmp_path, spec, "--guard")
+    assert result.exit_code == 0, result.output
+    cmp = json.loads((tmp_path / "exp" / "comparison.json").read_text())
+    assert cmp["guarded"]["outcome"] == "masked", cmp["guarded"]

@@ -149,7 +149,7 @@ class Attached:
             from sdcscope.guard import Guard
 
             self.guard = Guard(t.model, t.optimizer, gcfg, run_dir=run.out)
-            self.callbacks.append(self.guard.callback())
+            self.callbacks.append(self.guard.callback(t))  # primed before any fault
 
     def __enter__(self) -> "Attached":
         if self.injector is not None:

@@ -148,9 +148,14 @@ class Guard:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def callback(self) -> "GuardCallback":
+    def callback(self, trainer=None) -> "GuardCallback":
+        """The engine callback; with ``trainer``, the first rollback target and the reference of
+        the state checksums are taken now, before any other callback (an injector) runs."""
         self.attach()
-        return GuardCallback(self)
+        callback = GuardCallback(self)
+        if trainer is not None:
+            callback.prime(trainer)
+        return callback
 
     # -- the per-step protocol ---------------------------------------------------------------
     def begin(self, step: int, batch: Any = None, *, snapshot: Callable[[], None] | None = None) -> None:
@@ -248,7 +253,8 @@ class Guard:
         replay = {}
         needs_replay = any(e.detector != "state_checksum" for e in events)
         if needs_replay and self.config.replay and rerun is not None:
-            replay, loss = self._replay(step, loss, rerun)
+            recheckable = any(e.detector in ("abft", "nonfinite") for e in events)
+            replay, loss = self._replay(step, loss, rerun, recheckable)
         actions: list[str] = []
         for e in events:
             finding = e.verdict
@@ -303,8 +309,10 @@ class Guard:
             events += self._safe(lambda: self.grad_spike.check(step, grad_v), "spike")
         return events
 
-    def _replay(self, step: int, loss, rerun) -> tuple[dict[str, Any], Any]:
-        """Re-execute the step from the pre-step state (same data, same RNG) and compare."""
+    def _replay(self, step: int, loss, rerun, recheckable: bool = False) -> tuple[dict[str, Any], Any]:
+        """Re-execute the step from the pre-step state (same data, same RNG) and compare.
+        ``recheckable``: a finding the replay checks again (ABFT, non-finite) fired; if it does not
+        fire again the fault was transient, even when its effect was masked (identical results)."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
         first_grads = {n: p.grad.detach().clone() for n, p in named}
         first_loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else (math.nan if loss is None else float(loss))
@@ -330,7 +338,7 @@ class Guard:
         differs = [n for n, p in self.model.named_parameters()
                    if n in first_grads and (p.grad is None or not torch.equal(p.grad, first_grads[n]))]
         loss_differs = not (new_value == first_loss or (math.isnan(new_value) and math.isnan(first_loss)))
-        transient = (differs or loss_differs) and not again
+        transient = (differs or loss_differs or recheckable) and not again
         result = {"verdict": "transient" if transient else "reproducible",
                   "loss_first": first_loss, "loss_replay": new_value,
                   "first_differing_grad": differs[0] if differs else None,
@@ -447,6 +455,14 @@ class GuardCallback:
     def _snapshot(self, trainer) -> Callable[[], None]:
         return lambda: self.guard.ring.take(trainer.model, trainer.optimizer, trainer.step, trainer.data_pos,
                                             trainer.lr_scale, {"skip_data": sorted(trainer.skip_data)})
+
+    def prime(self, trainer) -> None:
+        """Snapshot and checksum the trainer's state as it is (verified by whoever built it)."""
+        g = self.guard
+        if len(g.ring) == 0:
+            self._snapshot(trainer)()
+        if g.state is not None:
+            g._safe(g.state.record, "state_checksum")
 
     def before_step(self, ctx) -> None:
         self.guard.begin(ctx.step, ctx.data_pos, snapshot=self._snapshot(ctx.trainer))

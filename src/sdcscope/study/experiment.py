@@ -142,7 +142,7 @@ class _FaultyRun:
         callbacks = [self.injector.callback(),
                      CheckpointFault(self.specs, self.run.out, self.injections, self.events)]
         if self.guard is not None:
-            callbacks.append(self.guard.callback())
+            callbacks.append(self.guard.callback(self.run.trainer))  # primed before any fault
         try:
             with self.injector:
                 return self.run.train(steps, callbacks=callbacks, on_step=on_step)

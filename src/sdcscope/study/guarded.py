@@ -20,7 +20,7 @@ def make_guard(trainer) -> Any:
         raise ValueError(f"this campaign has guard: true, but sdcscope.guard is not available ({exc}); "
                          "set guard: false") from None
     guard = Guard(trainer.model, trainer.optimizer, GuardConfig(), run_dir=None, loss_fn=trainer.workload.loss)
-    trainer.add_callback(guard.callback())
+    trainer.add_callback(guard.callback(trainer))  # primed now: before the trial's fault
     return guard
 
 
