@@ -24,30 +24,13 @@ def fail(message: str) -> "typer.Exit":
     return typer.Exit(code=2)
 
 
-def one_line(exc: BaseException) -> str:
-    """The message of ``exc`` on one line. A YAML syntax error it wraps whole or by its first line
-    (PyYAML's messages span lines) is replaced by its problem and position, e.g. "expected ',' or
-    ']', but got ':' at line 3, column 8 (while parsing a flow sequence at line 2, column 11)"."""
-    text = str(exc) or type(exc).__name__
-    cause = exc.__cause__ or exc.__context__
-    if getattr(cause, "problem_mark", None) is not None:
-        from sdcscope.faults import describe_yaml_error
-
-        original = str(cause)
-        if original in text:
-            text = text.replace(original, describe_yaml_error(cause))
-        elif text.endswith(original.splitlines()[0]):
-            text = text[:-len(original.splitlines()[0])] + describe_yaml_error(cause)
-    return text.splitlines()[0]
-
-
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """Turn validation errors (ValueError, TypeError, FileNotFoundError) into exit code 2."""
     try:
         yield
     except (ValueError, TypeError, FileNotFoundError, CLIError) as exc:
-        raise fail(one_line(exc)) from None
+        raise fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
 
 def check_file(flag: str, path: Path) -> Path:

@@ -11,6 +11,7 @@ import yaml
 from sdcscope._validate import build_config, check_bool, check_float
 from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
 from sdcscope.detect.state import StateChecksumConfig
+from sdcscope.faults import describe_yaml_error
 from sdcscope.mitigate import LRBackoffConfig, PolicyConfig, RankGuardConfig, SnapshotConfig, ZClipConfig
 from sdcscope.observe import MetricsConfig
 
@@ -86,7 +87,7 @@ class GuardConfig:
         except FileNotFoundError:
             raise FileNotFoundError(f"guard config {str(path)!r} does not exist") from None
         except yaml.YAMLError as exc:
-            raise ValueError(f"malformed YAML in {str(path)!r}: {exc}") from None
+            raise ValueError(f"malformed YAML in {str(path)!r}: {describe_yaml_error(exc)}") from None
         if data is not None and not isinstance(data, dict):
             raise ValueError(f"guard config {str(path)!r} must hold a mapping, got {data!r}")
         try:

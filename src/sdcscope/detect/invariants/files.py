@@ -24,6 +24,7 @@ import yaml
 
 from sdcscope.detect.invariants.relations import validate_invariant
 from sdcscope.detect.invariants.spec import Invariant, Precondition
+from sdcscope.faults import describe_yaml_error
 
 ENTRY_KEYS = ("id", "relation", "params", "precondition", "description", "support")
 
@@ -65,7 +66,7 @@ def load_invariants(path: str | Path) -> list[Invariant]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise ValueError(f"{str(path)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ValueError(f"{str(path)!r} is not valid YAML: {describe_yaml_error(exc)}") from None
     return parse_invariants(data, str(path))
 
 
