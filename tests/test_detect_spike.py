@@ -6,8 +6,11 @@ import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sdcscope.detect import SpikeConfig, SpikeDetector
+from sdcscope.detect.spike import _kth_deviation, _median
 
 
 def noisy_decreasing(n=2000, seed=0, noise=0.03):
@@ -101,3 +104,14 @@ def test_config_validation():
         SpikeConfig(ema_alpha=1)
     with pytest.raises(ValueError, match="window=2"):
         SpikeConfig(window=2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.floats(-1e6, 1e6), st.integers(-3, 3).map(float)), min_size=1, max_size=40),
+       st.data())
+def test_kth_deviation_is_the_kth_smallest_absolute_deviation(values, data):
+    """The O(log n) selection behind the MAD equals sorting the deviations (ties, any center)."""
+    s = sorted(values)
+    center = data.draw(st.one_of(st.sampled_from(s), st.floats(-1e6, 1e6), st.just(_median(s))))
+    devs = sorted(abs(x - center) for x in s)
+    assert [_kth_deviation(s, center, k) for k in range(len(s))] == devs

@@ -89,6 +89,8 @@ from sdcscope.observe._util import is_matmul, match_modules, no_autocast
 CHECKSUMS = ("both", "row", "column")
 KINDS = ("linear", "matmul")
 CHECKSUM_DTYPES = ("auto", "float64", "float32")
+BUDGET_AIM = 0.75
+"""Share of ``budget`` the sampling plan aims at (headroom for timing noise)."""
 
 
 @dataclass(kw_only=True)
@@ -571,7 +573,9 @@ class ABFTDetector:
         alternate (the plan checks at most every other step), so the wall time of an unchecked
         step is the baseline and a checked step's excess over it, per layer, is the whole cost
         of checking — hooks, autograd nodes, memory traffic, the judgement — not just the part a
-        timer around the hooks would see. Layers per checked step = 2·budget·base/cost."""
+        timer around the hooks would see. Layers per checked step = 2·AIM·budget·base/cost: the
+        plan aims below the budget (:data:`BUDGET_AIM`), since step times are noisy estimates and
+        unchecked steps carry a small fixed cost the measurement cannot separate."""
         now = time.perf_counter()
         last, self._last_check = self._last_check, (now, step)
         if last is None or step is None or last[1] is None or step <= last[1]:
@@ -585,7 +589,7 @@ class ABFTDetector:
                                        max(dt - self._base_step, 0.0) / n_checked)
         if self._base_step is None or self._cost_per_layer is None:
             return
-        per_step = self.config.budget * self._base_step / max(self._cost_per_layer, 1e-12)
+        per_step = BUDGET_AIM * self.config.budget * self._base_step / max(self._cost_per_layer, 1e-12)
         n = len(self.layers)
         self._plan = (min(n, max(1, int(2 * per_step))), 2) if 2 * per_step >= 1 else \
             (1, min(10_000, math.ceil(1 / per_step)))

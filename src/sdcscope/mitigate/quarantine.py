@@ -46,7 +46,6 @@ run_dir=...))`` with :class:`~sdcscope.engine.ddp.DDPTrainer`) or in a plain loo
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +60,7 @@ from sdcscope._validate import build_config, check_bool
 from sdcscope.detect.crossrank import CrossRankConfig, CrossRankDetector, ReplicaHashCheck
 from sdcscope.detect.events import Event
 from sdcscope.engine.ddp import bucket_hook
-from sdcscope.engine.state import TrainState, capture
+from sdcscope.engine.state import TrainState, capture, clone_tree
 from sdcscope.localize.ranks import LEDGER_FILE, LedgerConfig, LocalizeConfig, RankLedger, RankLocalizer, device_id
 
 LOCALIZABLE = ("nonfinite", "grad_outlier")
@@ -209,7 +208,7 @@ class RankGuard:
         if self._verified is not None:
             with torch.no_grad():
                 self.model.load_state_dict(self._verified.model)
-            self.optimizer.load_state_dict(copy.deepcopy(self._verified.optimizer))
+            self.optimizer.load_state_dict(clone_tree(self._verified.optimizer))
         for e in events:
             e.action = "rollback" if self._verified is not None else "report"
             e.evidence["restored_step"] = None if self._verified is None else self._verified.step

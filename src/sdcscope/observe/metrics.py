@@ -172,7 +172,9 @@ class Metrics:
         self.detach()
 
     def _record_max(self, key: str, value: torch.Tensor) -> None:
-        value = value.detach().float()
+        value = value.detach()
+        if value.dtype != torch.float32:
+            value = value.float()
         prev = self._max.get(key)
         self._max[key] = value if prev is None else torch.maximum(prev, value)
 
@@ -182,14 +184,17 @@ class Metrics:
         self._mean[key] = (value, 1) if prev is None else (prev[0] + value, prev[1] + 1)
 
     def _score_pre(self, layer: str):
-        def hook(module, args):
+        key = f"attn/max_logit_bound/{layer}"
+
+        def hook(module, args):  # every step: few operations (norms in at least fp32, no casts)
             if not module.training or len(args) < 2:
                 return
-            with torch.no_grad(), no_autocast(args[0].device):
-                a, b = args[0], args[1]
-                qmax = torch.linalg.vector_norm(a.float(), dim=-1).amax(-1)
-                kmax = torch.linalg.vector_norm(b.float(), dim=-2).amax(-1)
-                self._record_max(f"attn/max_logit_bound/{layer}", (qmax * kmax).amax())
+            a, b = args[0], args[1]
+            acc = torch.promote_types(a.dtype, torch.float32)
+            with torch.no_grad():
+                bound = torch.linalg.vector_norm(a, dim=-1, dtype=acc).amax(-1)
+                bound.mul_(torch.linalg.vector_norm(b, dim=-2, dtype=acc).amax(-1))
+                self._record_max(key, bound.amax())
         return hook
 
     def _score_out(self, layer: str):
@@ -311,10 +316,8 @@ class Metrics:
         g_sq = self._stack(list(torch._foreach_norm([r[1] for r in rows])), dev).pow(2)
         if cfg.cosines:
             m_sq = self._stack(list(torch._foreach_norm([r[2] for r in rows])), dev).pow(2)
-            dot = self._stack([torch.dot(r[1].reshape(-1), r[2].reshape(-1).to(r[1].dtype))
-                               for r in rows], dev)
-            self._vec["cos/grad_moment"] = ([], dot.sum() / (g_sq.sum() * m_sq.sum()).sqrt()
-                                            .clamp_min(_TINY))
+            dot = _total_dot([r[1] for r in rows], [r[2] for r in rows])
+            self._vec["cos/grad_moment"] = ([], dot / (g_sq.sum() * m_sq.sum()).sqrt().clamp_min(_TINY))
         keep = [j for j, r in enumerate(rows) if r[3] is not None and r[5] >= 1]
         if cfg.adam_stats and keep:
             if len(keep) < len(rows):
@@ -372,10 +375,8 @@ class Metrics:
             if pairs:
                 g_sq = self._stack(list(torch._foreach_norm([g for g, _ in pairs])), dev).pow(2)
                 dd = self._stack(list(torch._foreach_norm([t for _, t in pairs])), dev).pow(2)
-                dot = self._stack([torch.dot(g.reshape(-1), t.reshape(-1).to(g.dtype))
-                                   for g, t in pairs], dev)
-                self._vec["cos/update_grad"] = ([], dot.sum() / (g_sq.sum() * dd.sum()).sqrt()
-                                                .clamp_min(_TINY))
+                dot = _total_dot([g for g, _ in pairs], [t for _, t in pairs])
+                self._vec["cos/update_grad"] = ([], dot / (g_sq.sum() * dd.sum()).sqrt().clamp_min(_TINY))
 
     def _stable_ranks(self) -> None:
         if not self._sr_params:
@@ -474,6 +475,19 @@ def grad_sq_norms(params: list[torch.Tensor]) -> tuple[list[int], torch.Tensor |
         return idx, None
     grads = [params[i].grad for i in idx]
     return idx, Metrics._stack(list(torch._foreach_norm(grads)), grads[0].device).square()
+
+
+def _total_dot(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
+    """Σᵢ ⟨xᵢ, yᵢ⟩ as a 0-d fp32 tensor on the device of ``xs``: one dot of the concatenations
+    (one copy each) instead of a dot per tensor (dispatch-bound on small models)."""
+    try:
+        x = torch.cat([t.reshape(-1) for t in xs])
+        y = torch.cat([t.reshape(-1) for t in ys]).to(x.dtype)
+        return torch.dot(x, y).float()
+    except RuntimeError:  # tensors on several devices
+        dev = xs[0].device
+        return torch.stack([torch.dot(a.reshape(-1), b.reshape(-1).to(a.dtype)).float().to(dev)
+                            for a, b in zip(xs, ys)]).sum()
 
 
 def _summaries(out: dict[str, float]) -> None:
