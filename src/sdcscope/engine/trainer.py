@@ -64,6 +64,19 @@ class StepContext:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all ``tensors`` together, as ``torch.nn.utils.get_total_norm`` (torch ≥ 2.6)
+    computes it; on older torch the same arithmetic (per-tensor norms in one fused pass, then
+    the norm of those)."""
+    get = getattr(torch.nn.utils, "get_total_norm", None)
+    if get is not None:
+        return get(tensors, foreach=True)
+    if not tensors:
+        return torch.tensor(0.0)
+    dev = tensors[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(dev) for n in torch._foreach_norm(tensors)]))
+
+
 class Trainer:
     def __init__(self, workload: Workload, config: TrainConfig | None = None,
                  callbacks: Iterable[object] = ()) -> None:
@@ -143,7 +156,7 @@ class Trainer:
         if clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
         else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            grad_norm = total_norm([p.grad for p in params])
         if not ctx.skip_update:
             self.optimizer.step()
         loss_v, norm_v = torch.stack([loss, grad_norm.detach().to(loss.dtype)]).tolist()

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from sdcscope._validate import check_float, check_non_negative, check_positive
+from sdcscope.engine.trainer import total_norm
 
 
 @dataclass(kw_only=True)
@@ -65,7 +66,7 @@ class ZClip:
         """Clip gradients in place; returns (norm before, limit used)."""
         grads = [p.grad for p in parameters if p.grad is not None]
         if norm is None:
-            norm = float(torch.nn.utils.get_total_norm(grads, foreach=True))
+            norm = float(total_norm(grads))
         limit = self.limit(norm)
         if math.isfinite(norm) and norm > limit:
             torch._foreach_mul_(grads, limit / (norm + 1e-6))
