@@ -299,3 +299,25 @@ def test_a_shared_finding_takes_its_verdict_and_rank_from_the_replays():
     assert (verdict, rank) == ("reproducible", None) and "not the hardware" in replay["evidence"]
     assert judged(2, None, {})[:2] == ("unverified", 2)
     assert judged(None, [0, 1], {0: "correct_result"})[:2] == ("unverified", None)  # rank 1 never replayed
+
+
+def test_a_finding_on_the_reduced_gradient_is_about_the_world_whoever_reported_it():
+    """A rank that voided its step (its own weights failed their checksum) runs no other detector;
+    the NaN its peers find in the all-reduced gradient is no evidence against them."""
+    from sdcscope.detect.crossrank import merge_findings
+
+    def finding(rank, detector, verdict, what=None, module=None):
+        return {**Event(7, detector, verdict, module=module, rank=rank, evidence=what or {}).to_dict(), "rank": rank}
+
+    grad_nan = {"what": "grad", "count": 3, "of": 20, "params": ["tok_emb.weight"]}
+    gathered = [[finding(0, "nonfinite", "nonfinite", grad_nan, "tok_emb")],
+                [finding(1, "state_checksum", "param_mismatch", {"param": "blocks.0.mlp.fc.weight"})],
+                [finding(2, "nonfinite", "nonfinite", {"what": "loss", "value": float("nan")})]]
+    events = merge_findings(gathered, [0, 1, 2])
+    assert [(e.detector, e.evidence.get("what"), e.rank) for e in events] == [
+        ("nonfinite", "grad", None), ("state_checksum", None, 1), ("nonfinite", "loss", 2)]  # a loss is its rank's
+    assert (events[0].evidence["candidates"], events[0].evidence["ranks"]) == ([0, 1, 2], [0])
+    # the same finding on every healthy rank is about the world; a quarantined rank is left out
+    abft = [[finding(r, "abft", "checksum_mismatch", {}, "fc")] for r in range(3)]
+    assert [(e.rank, e.evidence["candidates"]) for e in merge_findings(abft, [0, 2])] == [(None, [0, 2])]
+    assert [e.rank for e in merge_findings(abft[:1] + [[], []], [0, 1, 2])] == [0]

@@ -399,22 +399,7 @@ class CrossRankDetector:
             return []
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, [{**e.to_dict(), "rank": self.rank} for e in local], group=self.group)
-        healthy = self.healthy()
-        found: dict[tuple, list[dict]] = {}
-        for rank in healthy:
-            for d in gathered[rank]:
-                key = (d["detector"], d["verdict"], d["module"], d["gemm"], str(d["index"]))
-                found.setdefault(key, []).append(d)
-        events = []
-        for same in found.values():
-            ranks = sorted({d["rank"] for d in same})
-            if len(healthy) > 1 and ranks == healthy:
-                # Every healthy rank found it (e.g. in the all-reduced gradient): a finding about
-                # the world, not one rank -- a replay of every rank decides who, if anyone.
-                same = [{**same[0], "rank": None,
-                         "evidence": {**same[0]["evidence"], "ranks": ranks, "candidates": ranks}}]
-            events += [Event(**{**d, "index": None if d["index"] is None else tuple(d["index"])}) for d in same]
-        return events
+        return merge_findings(gathered, self.healthy())
 
     def _nonfinite(self, step: int, rank: int, norm: np.ndarray) -> Event:
         params = [self.names[i] for i in np.flatnonzero(~np.isfinite(norm))]
@@ -483,6 +468,36 @@ class CrossRankDetector:
                       evidence={"reduced_at": post_step, "bucket_params": params[:self.config.max_listed],
                                 "majority": majority, "candidates": list(healthy) if r is None else [r]})
                 for r in odd]
+
+
+def about_reduced_gradient(finding: dict) -> bool:
+    """A finding on the all-reduced gradient, which every rank holds alike: its non-finite values
+    or a spike of its norm (a rank's loss and GEMMs are its own)."""
+    what = finding.get("evidence") or {}
+    return (finding["detector"] == "nonfinite" and what.get("what") == "grad") or \
+        (finding["detector"] == "spike" and what.get("signal") == "grad_norm")
+
+
+def merge_findings(gathered: Sequence[list[dict]], healthy: Sequence[int]) -> list[Event]:
+    """The world's events from every rank's local findings (``gathered[r]``: rank r's, as dicts
+    carrying their rank; quarantined ranks are left out). A finding about the world -- one every
+    healthy rank made alike, or one about the all-reduced gradient (a rank that voided its step on
+    other evidence did not look) -- becomes one event with ``rank`` None and every healthy rank a
+    candidate: a replay of each decides whose it is, if anyone's. Others keep their rank."""
+    healthy = sorted(healthy)
+    found: dict[tuple, list[dict]] = {}
+    for rank in healthy:
+        for d in gathered[rank]:
+            key = (d["detector"], d["verdict"], d["module"], d["gemm"], str(d["index"]))
+            found.setdefault(key, []).append(d)
+    events = []
+    for same in found.values():
+        ranks = sorted({d["rank"] for d in same})
+        if len(healthy) > 1 and (ranks == healthy or about_reduced_gradient(same[0])):
+            same = [{**same[0], "rank": None,
+                     "evidence": {**same[0]["evidence"], "ranks": ranks, "candidates": healthy}}]
+        events += [Event(**{**d, "index": None if d["index"] is None else tuple(d["index"])}) for d in same]
+    return events
 
 
 class ReplicaHashCheck:
