@@ -265,3 +265,15 @@ def test_a_guard_rollback_repairs_the_run_and_an_unrepairable_fault_stalls_it(tm
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert summary["outcome"] == outcome, summary
         assert (summary["steps"] == 7) == (outcome == "completed"), summary
+
+
+def test_a_guard_that_vetoes_every_step_stalls_the_run(tmp_path):
+    """A permanent GEMM fault repeats on every replay, so the guard vetoes every update: the run
+    trains nothing, and its summary says so (stalled, with the discarded steps counted)."""
+    spec = tmp_path / "perm.yaml"
+    spec.write_text("- {site: gemm.forward, target: fc2, model: bitflip, bits: [30], pattern: {kind: element, index: 3},"
+                    " schedule: {kind: permanent, start: 0}, seed: 5}\n")
+    _ok("train", "--workload", "cnn", "--preset", "tiny", "--steps", 4, "--seed", 3, "--faults", spec, "--guard",
+        "--out", tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["outcome"], summary["steps"], summary["discarded_steps"]) == ("stalled", 4, 4), summary

@@ -178,7 +178,8 @@ class Run:
 
         A run that already has ``steps`` steps and their summary is left as it is. A non-finite
         loss of an applied step ends it as ``crash`` (one a guard discarded does not); a guard
-        that keeps rolling back (more than 4 train steps per step to go) ends it as ``stalled``. SIGINT or
+        that keeps rolling back (more than 4 train steps per step to go) or discards more than half
+        of the steps it trains (vetoes) ends it as ``stalled``. SIGINT or
         SIGTERM stops training after the current step: the checkpoint and a summary with outcome
         ``interrupted`` are saved, then :class:`Interrupted` is raised."""
         if not isinstance(steps, int) or steps < 0:
@@ -196,6 +197,7 @@ class Run:
             outcome = "completed"
             eval_every = self.trainer.config.eval_every
             budget = 4 * (steps - self.trainer.step) + 4  # a guard's rollbacks re-run steps, but not forever
+            ran = discarded = 0
             try:
                 while self.trainer.step < steps and not stop:
                     if budget == 0:
@@ -203,6 +205,8 @@ class Run:
                         break
                     budget -= 1
                     last = self.trainer.train_step()
+                    ran += 1
+                    discarded += bool(last.get("skipped"))
                     if eval_every and self.trainer.step % eval_every == 0:
                         last.update({f"eval_{k}": v for k, v in self.trainer.evaluate().items() if k != "step"})
                     metrics.write(last)
@@ -214,9 +218,11 @@ class Run:
                             break
             finally:
                 metrics.close()
+            if outcome == "completed" and 2 * discarded > ran:  # vetoed more often than not: no training
+                outcome = "stalled"
             interrupted = bool(stop) and self.trainer.step < steps
             self._finish("interrupted" if interrupted and outcome == "completed" else outcome, last,
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, discarded)
         if interrupted:
             raise Interrupted(stop[0], self.summary)
         return self.summary
@@ -245,7 +251,8 @@ class Run:
         rows = read_jsonl(self.out / "metrics.jsonl")
         return JsonlWriter(self.out / "metrics.jsonl"), (rows[-1] if rows else {})
 
-    def _finish(self, outcome: str, last: dict[str, Any], wall: float) -> None:
+    def _finish(self, outcome: str, last: dict[str, Any], wall: float, discarded: int = 0) -> None:
+        """``discarded``: steps of this call whose update a guard vetoed or rolled back."""
         final_eval = self.trainer.evaluate()
         save_checkpoint(self.trainer.snapshot(), self.out / CHECKPOINT_DIR, run=_identity(self.config))
         self.summary = {
@@ -255,6 +262,7 @@ class Run:
             **{f"final_{k}": v for k, v in final_eval.items() if k not in ("val_loss", "step")},
             "param_sha256": param_sha256(self.trainer.model),
             "steps": self.trainer.step,
+            "discarded_steps": self.summary.get("discarded_steps", 0) + discarded,
             "wall_seconds": round(self.summary.get("wall_seconds", 0.0) + wall, 4),
         }
         val_loss = self.summary["final_val_loss"]
