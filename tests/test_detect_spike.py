@@ -115,3 +115,21 @@ def test_kth_deviation_is_the_kth_smallest_absolute_deviation(values, data):
     center = data.draw(st.one_of(st.sampled_from(s), st.floats(-1e6, 1e6), st.just(_median(s))))
     devs = sorted(abs(x - center) for x in s)
     assert [_kth_deviation(s, center, k) for k in range(len(s))] == devs
+
+
+@pytest.mark.parametrize("cfg", [SpikeConfig.loss(), SpikeConfig.grad_norm(method="ema"), SpikeConfig.zclip()])
+def test_a_gross_outlier_alarms_during_warmup_and_stays_out_of_the_statistics(cfg):
+    det = SpikeDetector(cfg)
+    values = noisy_decreasing(12)
+    assert all(det.check(i, v) == [] for i, v in enumerate(values[:2]))  # too few values to judge
+    assert all(det.check(i, v) == [] for i, v in enumerate(values[2:10], 2))
+    events = det.check(10, values[10] * 1e4)
+    assert [(e.verdict, e.evidence["warmup"]) for e in events] == [("spike", True)] and det.state.alarm
+    assert det.seen == 10 and det.check(11, values[11]) == [] and det.seen == 11   # the outlier was not absorbed
+    assert SpikeDetector(cfg).check(0, 1e30) == []   # nothing to compare the first value with
+
+
+def test_clean_warmup_with_its_early_excursions_is_quiet():
+    for signal in (noisy_decreasing(60, seed=3, noise=0.3), heavy_tailed_grad_norm(60, seed=4)):
+        det = SpikeDetector(SpikeConfig.grad_norm())
+        assert [e for i, v in enumerate(signal) for e in det.check(i, v)] == []

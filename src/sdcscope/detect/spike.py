@@ -25,7 +25,8 @@ Two thresholds, kept apart on purpose:
 Spiked values are not absorbed: a value beyond ``clip_z`` enters the statistics winsorised at
 baseline ± clip_z·σ (ZClip updates its EMA with the clipped value), so a spike cluster cannot
 raise its own baseline, while a genuine level shift is still followed, slowly. No verdict is
-given during ``warmup`` accepted values. Non-finite or (in log space) non-positive values are
+given during ``warmup`` accepted values, except for gross outliers (``warmup_ratio`` × the median
+of the values so far). Non-finite or (in log space) non-positive values are
 skipped — :class:`~sdcscope.detect.NonFiniteDetector` owns them.
 """
 
@@ -58,6 +59,10 @@ class SpikeConfig:
     clip_z: float = 2.5
     min_ratio: float = 1.5
     """An alarm also needs value ≥ min_ratio × baseline (≤ baseline / min_ratio when two-sided)."""
+    warmup_ratio: float = 1000.0
+    """During warm-up, once 3 values are in, a value ≥ this × their median (≤ median / this when
+    two-sided) alarms at once: a gross outlier needs no statistics (a fault in a run's first
+    steps; clean warm-up excursions stay within ~10×)."""
     ema_alpha: float = 0.97
     log_space: bool = True
     two_sided: bool = False
@@ -72,6 +77,7 @@ class SpikeConfig:
         check_float("alarm_z", self.alarm_z, low=0, low_open=True)
         check_float("clip_z", self.clip_z, low=0, low_open=True)
         check_float("min_ratio", self.min_ratio, low=1.0)
+        check_float("warmup_ratio", self.warmup_ratio, low=1.0)
         check_float("ema_alpha", self.ema_alpha, low=0, high=1, low_open=True, high_open=True)
         check_bool("log_space", self.log_space)
         check_bool("two_sided", self.two_sided)
@@ -166,6 +172,24 @@ class SpikeDetector:
             old = self._win.popleft()
             del self._sorted[bisect.bisect_left(self._sorted, old)]
 
+    def _warmup_check(self, step: int, v: float, x: float) -> list[Event]:
+        """Before the first verdict: only a gross outlier against the median so far alarms (and
+        is not absorbed); every other value joins the statistics."""
+        cfg, st = self.config, self.state
+        seen = self._sorted if cfg.method == "mad" else sorted(self._warm)
+        if len(seen) >= 3:
+            st.baseline = self._from_space(_median(seen))
+            ratio = v / st.baseline if st.baseline else math.inf
+            if ratio >= cfg.warmup_ratio or (cfg.two_sided and ratio * cfg.warmup_ratio <= 1):
+                st.alarm, st.consecutive = True, st.consecutive + 1
+                return [Event(step, self.name, "spike", rank=self.rank, evidence={
+                    "signal": cfg.signal, "value": v, "baseline": st.baseline, "ratio": ratio, "warmup": True,
+                    "warmup_ratio": cfg.warmup_ratio, "seen": self.seen, "method": cfg.method,
+                    "log_space": cfg.log_space, "consecutive": st.consecutive})]
+        self._absorb(x)
+        st.consecutive = 0
+        return []
+
     def check(self, step: int, value: float | torch.Tensor) -> list[Event]:
         cfg = self.config
         v = float(value.item() if isinstance(value, torch.Tensor) else value)
@@ -175,9 +199,7 @@ class SpikeDetector:
             return []
         x = self._to_space(v)
         if self.seen < max(cfg.warmup, 2):
-            self._absorb(x)
-            st.consecutive = 0
-            return []
+            return self._warmup_check(step, v, x)
         center, sigma = self._stats()
         sigma = max(sigma, 1e-12 * max(1.0, abs(center)))
         z = (x - center) / sigma
