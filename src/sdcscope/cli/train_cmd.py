@@ -199,6 +199,7 @@ def train(
             if invariants is not None:
                 raise CLIError("--invariants is not supported in a distributed run yet; drop it or use --nproc 1")
             from sdcscope.engine.ddp import launch
+            from sdcscope.engine.run import Interrupted
 
             argv = ["--out", str(out), "--workload", workload, "--preset", preset, "--steps", str(steps),
                     "--seed", str(seed), "--grad-accum", str(grad_accum), "--eval-every", str(eval_every),
@@ -209,7 +210,13 @@ def train(
                     argv += [flag, str(value)]
             if guard:
                 argv.append("--guard")
-            rc = launch(nproc, argv)  # validates first: ValueError → exit 2, nothing created
+            try:
+                rc = launch(nproc, argv)  # validates first: ValueError → exit 2, nothing created
+            except Interrupted as stop:  # every rank stopped (or was killed); summary.json written
+                err_console.print(f"interrupted at step {stop.summary['steps']} of {steps}: summary saved in "
+                                  f"{out / 'summary.json'} (a distributed run cannot be resumed)",
+                                  highlight=False, soft_wrap=True)
+                raise typer.Exit(code=128 + stop.signum) from None
         if rc != 0:
             raise fail(f"distributed training failed (exit code {rc}); see the rank errors above and "
                        f"{out}/failure.rank*.json")

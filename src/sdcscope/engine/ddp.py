@@ -21,6 +21,11 @@ guard alone (:mod:`sdcscope.mitigate.quarantine`) runs, unless ``--no-crossrank`
   Each rank logs its fired faults to ``injections.rank{r}.jsonl`` as they happen; rank 0 merges
   them into ``injections.jsonl`` at the end. A rank that loses the world writes
   ``failure.rank{r}.json`` and raises :class:`DistributedError`; nothing written is removed.
+- **Signals.** SIGINT or SIGTERM on any rank stops every rank after the same step (the request
+  rides along with the per-step all-reduce of the losses): rank 0 writes a summary with outcome
+  ``interrupted`` (no checkpoint: a distributed run is not resumed) and :class:`Interrupted` is
+  raised; the entry point then exits 0 quietly. :func:`launch` forwards SIGINT, SIGTERM and
+  SIGHUP to the ranks, waits for them (bounded) and raises :class:`Interrupted`.
 """
 
 from __future__ import annotations
@@ -30,11 +35,14 @@ import contextlib
 import copy
 import gc
 import inspect
+import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -49,6 +57,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sdcscope import __version__
+from sdcscope.engine.run import Interrupted, _stop_requests
 from sdcscope.engine.rundir import JsonlWriter, check_new_run_dir, read_jsonl, write_json
 from sdcscope.engine.state import param_sha256, save_checkpoint
 from sdcscope.engine.trainer import TrainConfig, Trainer
@@ -467,12 +476,22 @@ class DDPRun:
             **(extra_config or {}),
         }
         self.summary: dict[str, Any] = {}
+        self._stop_signal = 0
+        """The signal some rank was stopped by, as every rank learnt it in the last step (0: none)."""
         dist.barrier()
 
     def train(self, steps: int, *, callbacks: Iterable[object] = (),
-              on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+              on_step: Callable[[dict[str, Any]], None] | None = None,
+              stop: list[int] | None = None) -> dict[str, Any]:
+        """Train to ``steps`` steps. SIGINT or SIGTERM on any rank (or a signal number in ``stop``,
+        the caller's own list of received signals) stops every rank after the same step: rank 0
+        writes a summary with outcome ``interrupted`` (no checkpoint), then :class:`Interrupted` is
+        raised on every rank."""
         if not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps={steps!r} must be an integer >= 0")
+        if stop is None:
+            with _stop_requests() as received:
+                return self.train(steps, callbacks=callbacks, on_step=on_step, stop=received)
         lead = self.rank == 0
         if lead:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -482,13 +501,14 @@ class DDPRun:
         metrics = JsonlWriter(self.out / "metrics.jsonl")
         if lead:
             metrics.touch()
-        t0, last = time.perf_counter(), {}
+        t0, last, interrupted = time.perf_counter(), {}, False
         try:
-            while self.trainer.step < steps:
-                last = self._step(metrics if lead else None)
+            while self.trainer.step < steps and not self._stop_signal:
+                last = self._step(metrics if lead else None, stop)
                 if on_step is not None:
                     on_step(last)
-            self._finish(last, time.perf_counter() - t0)
+            interrupted = bool(self._stop_signal) and self.trainer.step < steps
+            self._finish(last, time.perf_counter() - t0, interrupted=interrupted)
         except RuntimeError as exc:
             if not _is_comm_error(exc):
                 raise
@@ -497,11 +517,16 @@ class DDPRun:
             metrics.close()
             self._injections.close()
             self.trainer.close()
+        if interrupted:
+            raise Interrupted(self._stop_signal, self.summary or {"outcome": "interrupted", "steps": self.trainer.step})
         return self.summary
 
-    def _step(self, metrics: JsonlWriter | None) -> dict[str, Any]:
+    def _step(self, metrics: JsonlWriter | None, stop: Sequence[int] = ()) -> dict[str, Any]:
         m = self.trainer.train_step()
-        rows = gather_rows(torch.tensor([m["loss"], float(m["skipped"])], dtype=torch.float64))
+        # A stop request rides along with the losses: every rank learns it in the same step.
+        rows = gather_rows(torch.tensor([m["loss"], float(m["skipped"]), float(stop[0] if stop else 0)],
+                                        dtype=torch.float64))
+        self._stop_signal = int(rows[:, 2].max().item())
         if len(set(rows[:, 1].tolist())) != 1:
             raise DistributedError(f"ranks disagree on vetoing step {m['step']}: {rows[:, 1].tolist()}")
         rank_loss = rows[:, 0].tolist()
@@ -514,14 +539,16 @@ class DDPRun:
             metrics.write(m)
         return m
 
-    def _finish(self, last: dict[str, Any], wall: float) -> None:
+    def _finish(self, last: dict[str, Any], wall: float, *, interrupted: bool = False) -> None:
         hashes: list[str | None] = [None] * self.world
         dist.all_gather_object(hashes, param_sha256(self.trainer.model))
         if self.rank == 0:
             final = self.trainer.evaluate()
-            save_checkpoint(self.trainer.snapshot(), self.out / CHECKPOINT_DIR)
+            if not interrupted:  # an interrupted distributed run is not resumed: no checkpoint
+                save_checkpoint(self.trainer.snapshot(), self.out / CHECKPOINT_DIR)
+            finite = math.isfinite(last.get("loss", 0.0))
             self.summary = {
-                "outcome": "completed" if math.isfinite(last.get("loss", 0.0)) else "crash",
+                "outcome": "crash" if not finite else "interrupted" if interrupted else "completed",
                 "final_train_loss": last.get("loss"), "final_val_loss": final.get("val_loss"),
                 **{f"final_{k}": v for k, v in final.items() if k not in ("val_loss", "step")},
                 "param_sha256": hashes[0], "replica_sha256": hashes,
@@ -648,13 +675,13 @@ def check_job(job: Job, world_size: int) -> None:
                    probe=probe_model(model, lambda m: workload.loss(m, batch)))
 
 
-def run_job(job: Job) -> dict[str, Any]:
-    """Run ``job`` on this rank (the process group must be initialized)."""
+def run_job(job: Job, stop: list[int] | None = None) -> dict[str, Any]:
+    """Run ``job`` on this rank (the process group must be initialized); ``stop``: see :meth:`DDPRun.train`."""
     extra = {"crossrank": job.crossrank, "hash_every": job.hash_every,
              "guard": None if job.guard is None else job.guard.to_dict()}
     run = DDPRun(job.out, job.workload, job.train, specs=job.specs, dist_config=job.dist, extra_config=extra)
     if not job.crossrank:
-        return run.train(job.steps)
+        return run.train(job.steps, stop=stop)
     # The entry point is a composition root: it may reach right in the room order.
     if job.guard is not None:
         from sdcscope.guard import Guard
@@ -669,14 +696,22 @@ def run_job(job: Job) -> dict[str, Any]:
         guard = callback = RankGuard(run.trainer.ddp, run.trainer.optimizer, run_dir=job.out, ledger=job.ledger,
                                      config=config)
     try:
-        return run.train(job.steps, callbacks=[callback])
+        return run.train(job.steps, callbacks=[callback], stop=stop)
     finally:
         guard.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m sdcscope.engine.ddp ...`` on every rank; exit code 0, 1 (world) or 2 (usage)."""
+    """``python -m sdcscope.engine.ddp ...`` on every rank; exit code 0, 1 (world) or 2 (usage).
+
+    SIGINT or SIGTERM stops every rank after the same step (summary outcome ``interrupted``); the
+    ranks then exit 0 without a word (the launcher reports it); a second signal acts at once."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    with _stop_requests() as stop:  # from here on, also while the world forms
+        return _main(argv, stop)
+
+
+def _main(argv: list[str], stop: list[int]) -> int:
     try:
         job = parse_job(argv, int(os.environ.get("WORLD_SIZE", "1")))
     except (ValueError, TypeError, FileNotFoundError) as exc:
@@ -687,8 +722,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DistributedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second signal before the world formed
+        return 128 + signal.SIGINT
     try:
-        summary = run_job(job)
+        try:
+            summary = run_job(job, stop)
+        except Interrupted:  # every rank stopped after the same step; rank 0 saved the summary
+            dist.barrier()
+            return 0
         dist.barrier()  # leave together (see _spawned)
         if rank == 0:
             print(f"{summary['outcome']} after {summary['steps']} steps on {summary['world_size']} ranks: "
@@ -701,6 +742,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DistributedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second SIGINT: stop at once, quietly
+        return 128 + signal.SIGINT
     finally:
         leave_world()
 
@@ -775,29 +818,144 @@ def spawn(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout_s: fl
         raise DistributedError("; ".join(failed))
 
 
-def launch(nproc: int, argv: Sequence[str], *, timeout_s: float | None = None) -> int:
+LAUNCHER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals :func:`launch` catches and forwards to the ranks (SIGHUP as SIGTERM)."""
+
+
+@contextlib.contextmanager
+def _held_signals() -> Iterator[list[int] | None]:
+    """Collect :data:`LAUNCHER_SIGNALS` (every one received, in order) instead of dying of them;
+    None where handlers cannot be set (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in LAUNCHER_SIGNALS}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _children(pid: int) -> list[int] | None:
+    """The live child processes of ``pid`` (torchrun's: the ranks), from /proc; None without /proc."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        return None
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signum)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun's children (the ranks), then torchrun, and reap it."""
+    for pid in _children(proc.pid) or ():
+        _signal(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def _stop(proc: subprocess.Popen, stop: list[int], grace_s: float) -> int:
+    """Forward the stop request to the ranks (torchrun itself without /proc), wait up to
+    ``grace_s`` for the job to end, and kill what is left (at once on a second signal)."""
+    forward = stop[0] if stop[0] in (signal.SIGINT, signal.SIGTERM) else signal.SIGTERM
+    deadline, told = time.monotonic() + grace_s, set()
+    while proc.poll() is None:
+        if len(stop) > 1 or time.monotonic() > deadline:
+            _kill(proc)
+            break
+        ranks = _children(proc.pid)
+        for pid in ([proc.pid] if ranks is None else ranks):  # ranks started late are told too
+            if pid not in told:
+                _signal(pid, forward)
+                told.add(pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(0.2)
+    return proc.returncode
+
+
+def _interrupted_summary(out: Path, world: int) -> dict[str, Any]:
+    """Rank 0's summary of an interrupted run; where it wrote none (the ranks were killed, or
+    stopped before training), one from metrics.jsonl, written to ``out`` if it exists."""
+    summary = _read_summary(out)
+    if "steps" in summary:
+        return summary
+    rows = []
+    with contextlib.suppress(OSError, ValueError):
+        rows = read_jsonl(out / "metrics.jsonl")
+    last = rows[-1] if rows else {}
+    summary = {"outcome": "interrupted", "final_train_loss": last.get("loss"), "final_val_loss": None,
+               "steps": last["step"] + 1 if "step" in last else 0, "world_size": world}
+    if out.is_dir():
+        write_json(out / "summary.json", summary)
+    return summary
+
+
+def _read_summary(out: Path) -> dict[str, Any]:
+    """``out/summary.json``, or {} where there is none (or it does not read)."""
+    with contextlib.suppress(OSError, ValueError):
+        summary = json.loads((out / "summary.json").read_text())
+        if isinstance(summary, dict):
+            return summary
+    return {}
+
+
+def launch(nproc: int, argv: Sequence[str], *, timeout_s: float | None = None, grace_s: float = 30.0) -> int:
     """Validate ``argv`` here, then run ``python -m sdcscope.engine.ddp argv`` on ``nproc`` local
     ranks through torchrun; return its exit code (0 when every rank succeeded). Past
     ``timeout_s`` the ranks are terminated (torchrun forwards the signal) and
-    :class:`DistributedError` is raised."""
+    :class:`DistributedError` is raised.
+
+    SIGINT, SIGTERM or SIGHUP (torchrun runs in its own session, so a terminal's Ctrl-C reaches
+    this process only) is forwarded to the ranks, which stop after the same step; past ``grace_s``,
+    or on a second signal, they are killed. Then :class:`Interrupted` is raised with the run's
+    summary (outcome ``interrupted``; written here from metrics.jsonl if rank 0 could not), and so
+    it is when the ranks were stopped by a signal from elsewhere."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r} must be an integer >= 1")
-    check_job(parse_job(argv, nproc), nproc)
+    job = parse_job(argv, nproc)
+    check_job(job, nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
            "--max-restarts=0", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
            "-m", "sdcscope.engine.ddp", *argv]
-    proc = subprocess.Popen(cmd)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise DistributedError(f"the world of {nproc} ranks did not finish within {timeout_s:g} s") from None
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with _held_signals() as stop:
+        proc = subprocess.Popen(cmd, start_new_session=stop is not None)
+        try:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while proc.poll() is None and not stop:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise DistributedError(f"the world of {nproc} ranks did not finish within {timeout_s:g} s")
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(0.2)
+            rc = _stop(proc, stop, grace_s) if stop else proc.returncode
+        finally:
+            if proc.poll() is None:
+                proc.terminate()  # torchrun forwards it to the ranks
+                try:
+                    proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    _kill(proc)
+    if stop or _read_summary(job.out).get("outcome") == "interrupted":
+        summary = _interrupted_summary(job.out, nproc)
+        if summary.get("outcome") == "interrupted":  # not a run that completed before the signal took effect
+            raise Interrupted(stop[0] if stop else signal.SIGTERM, summary)
+    return rc
 
 
 if __name__ == "__main__":
