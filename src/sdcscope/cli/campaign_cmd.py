@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 
 from sdcscope.cli.app import app
-from sdcscope.cli.common import err_console, out_console, user_errors
+from sdcscope.cli.common import CLIError, err_console, out_console, user_errors
 
 campaign_app = typer.Typer(help="Fault-injection campaigns: plan, run and resume, status.",
                            no_args_is_help=True)
@@ -72,8 +72,12 @@ def run(directory: Path = DIR_ARG,
     """Run or resume a campaign: golden run, healthy baselines, then every trial not yet in results.sqlite."""
     with user_errors(), campaign_progress() as progress:
         from sdcscope.study import run_campaign
+        from sdcscope.study.runner import CampaignBusyError
 
-        summary = run_campaign(directory, workers=workers, ray_address=ray_address, progress=progress)
+        try:
+            summary = run_campaign(directory, workers=workers, ray_address=ray_address, progress=progress)
+        except CampaignBusyError as exc:  # a second runner on the directory: a user error, exit code 2
+            raise CLIError(str(exc)) from None
     _print_counts(summary)
     out_console.print(f"results: {directory / 'results.sqlite'}; report: sdcscope report {directory}")
 

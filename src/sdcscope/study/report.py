@@ -359,7 +359,8 @@ def build_run_report(directory: str | Path) -> dict[str, Any]:
     line = (f"{wl.get('workload', '?')}/{wl.get('preset', '?')}, seed {config.get('train', {}).get('seed')}, "
             f"{steps} steps on {world} rank{'s' if world != 1 else ''}"
             + (f", backend {config['backend']}" if config.get("backend") else "")
-            + f", guard {'on' if config.get('guard') or config.get('crossrank') else 'off'}")
+            + f", guard {'on' if config.get('guard') else 'off'}"
+            + (f", cross-rank checks {'on' if config.get('crossrank') else 'off'}" if "crossrank" in config else ""))
     figs = {"per-rank timeline": _timeline_figure(lanes, events, injections, metrics, quarantined, steps, world),
             "loss per rank": _rank_loss_figure(metrics, world)}
     return {"kind": "run", "name": directory.name, "line": line, "tables": tables,

@@ -3,7 +3,9 @@
 Phases: one golden run that saves snapshots at the injection steps; healthy baselines (each
 snapshot continued with other data-order seeds); thresholds from their spread; then the trials.
 Every phase skips what ``results.sqlite`` already holds, so running a killed campaign again
-resumes it; results are a pure function of (spec, trial id), whatever the worker count.
+resumes it; results are a pure function of (spec, trial id), whatever the worker count. One
+run at a time per directory: a run holds an exclusive ``flock`` on ``run.lock`` (released when
+its process ends, ``kill -9`` included); a second one fails at once with :class:`CampaignBusyError`.
 
 Backends: in-process (``workers=0``), local worker processes (default: one per CPU core) or Ray
 (``ray_address``; the campaign directory must be on storage every Ray node sees).
@@ -11,7 +13,10 @@ Backends: in-process (``workers=0``), local worker processes (default: one per C
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import multiprocessing
 import os
 import shutil
@@ -25,16 +30,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from sdcscope.study.plan import Trial, build_plan
-from sdcscope.study.spec import CampaignSpec, load_campaign
+from sdcscope.study.spec import CampaignSpec, load_campaign, read_campaign_data
 from sdcscope.study.stats import RULE, THRESHOLD_MEASURES, prediction_bound
 from sdcscope.study.store import DB_FILE, ResultsDB
 from sdcscope.study.worker import GOLDEN_DIR, Worker
 
-__all__ = ["SPEC_FILE", "init_campaign", "plan_campaign", "run_campaign", "Progress"]
+__all__ = ["SPEC_FILE", "LOCK_FILE", "CampaignBusyError", "init_campaign", "plan_campaign", "run_campaign",
+           "Progress"]
 
 SPEC_FILE = "campaign.yaml"
+LOCK_FILE = "run.lock"
+"""Held (``flock``) by the one ``run_campaign`` working on a directory; it dies with its process."""
 Progress = Callable[[str, int, int], None]
 """``progress(phase, done, total)``; phases: golden, baseline, trials."""
 
@@ -54,14 +63,24 @@ def init_campaign(directory: str | Path, spec_path: str | Path) -> tuple[Campaig
     """Validate ``spec_path`` and its fault space, then create ``directory`` with a copy of the
     spec and an empty results database. Nothing is written when validation fails."""
     directory, spec_path = Path(directory), Path(spec_path)
+    if spec_path.is_dir():
+        raise FileNotFoundError(f"--spec {str(spec_path)!r} is a directory, not a spec file; give a campaign "
+                                "spec (YAML) file")
     if not spec_path.is_file():
         raise FileNotFoundError(f"--spec {str(spec_path)!r} does not exist")
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise ValueError(f"{str(directory)!r} already exists and is not an empty folder; give a new campaign directory")
-    spec = load_campaign(spec_path)
+    spec = load_campaign(spec_path)  # a relative workload.corpus is resolved against the spec's folder
     plan = plan_campaign(spec)
+    data = read_campaign_data(spec_path)[1]
     directory.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(spec_path, directory / SPEC_FILE)
+    if spec.workload.get("corpus") == data["workload"].get("corpus"):
+        shutil.copyfile(spec_path, directory / SPEC_FILE)  # verbatim, comments included
+    else:  # the stored spec names the corpus absolute: the campaign trains on the same data from anywhere
+        data["workload"] = {**data["workload"], "corpus": spec.workload["corpus"]}
+        text = (f"# copied from {spec_path.resolve()} by `sdcscope campaign init`, with workload.corpus "
+                "made absolute\n" + yaml.safe_dump(data, sort_keys=False))
+        (directory / SPEC_FILE).write_text(text, encoding="utf-8")
     ResultsDB(directory / DB_FILE, spec, len(plan)).close()
     return spec, plan
 
@@ -72,15 +91,20 @@ _WORKER: Worker | None = None
 
 
 def _exit_with_parent(parent: int) -> None:
-    """A worker whose runner was killed (``kill -9``) stops instead of finishing orphaned jobs."""
+    """A worker whose runner (pid ``parent``) was killed (``kill -9``) stops instead of finishing
+    orphaned jobs; it also stops at once when the runner was gone before it started."""
     while os.getppid() == parent:
         time.sleep(0.5)
     os._exit(1)
 
 
-def _init_worker(directory: str, spec: dict) -> None:
+def _init_worker(directory: str, spec: dict, parent: int) -> None:
+    """``parent`` is the runner's pid, taken in the runner: the child's own ``os.getppid()`` after
+    its slow spawn start-up may already be 1 (runner dead), and watching pid 1 never ends."""
     global _WORKER
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     _WORKER = Worker(directory, spec)
 
 
@@ -105,7 +129,8 @@ class _InProcess:
 class _Pool:
     def __init__(self, directory: Path, spec: CampaignSpec, workers: int) -> None:
         self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=_init_worker, initargs=(str(directory), spec.to_dict()))
+                                        initializer=_init_worker,
+                                        initargs=(str(directory), spec.to_dict(), os.getpid()))  # the runner's pid
 
     def map(self, jobs: list[dict]) -> Iterator[dict]:
         pending = {self.pool.submit(_run_job, job) for job in jobs}
@@ -209,6 +234,41 @@ def run_campaign(directory: str | Path, *, workers: int | None = None, ray_addre
     if not spec_path.is_file():
         raise FileNotFoundError(f"{str(directory)!r} holds no {SPEC_FILE} (create it, or use "
                                 "`sdcscope campaign init DIR --spec FILE`)")
+    with _run_lock(directory):
+        return _run_locked(directory, spec_path, workers, ray_address, progress)
+
+
+class CampaignBusyError(RuntimeError):
+    """Another ``run_campaign`` holds the campaign directory's lock."""
+
+
+@contextlib.contextmanager
+def _run_lock(directory: Path) -> Iterator[None]:
+    """An exclusive, non-blocking ``flock`` on ``directory/run.lock`` while a run works on the
+    directory; the OS drops it when the process ends, however it ends, so none goes stale."""
+    path = directory / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise CampaignBusyError(f"another `campaign run` is active on {str(directory)!r} (pid {holder}); "
+                                    "wait for it to finish or stop it, then run again to resume") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _run_locked(directory: Path, spec_path: Path, workers: int | None, ray_address: str | None,
+                progress: Progress | None) -> dict[str, Any]:
     spec = load_campaign(spec_path)
     plan = plan_campaign(spec)
     with ResultsDB(directory / DB_FILE, spec, len(plan)) as db:

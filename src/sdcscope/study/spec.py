@@ -4,6 +4,7 @@ Example (every key but ``workload``, ``inject_steps``, ``horizon`` and ``faults`
 
     name: gpt-bits
     workload: {name: gpt, preset: tiny, eval_batches: 2}   # + any WorkloadConfig field
+                                   # (a relative corpus: path is taken from this file's folder)
     seed: 0                        # training seed of the golden run (init and data order)
     inject_steps: [30]             # golden snapshots are saved here; each trial starts from one
     horizon: 50                    # steps trained after the injection step
@@ -17,7 +18,7 @@ Example (every key but ``workload``, ``inject_steps``, ``horizon`` and ``faults`
       schedules: [{kind: transient}]   # transient | permanent | intermittent {p, duration}
       repeats: 1                   # independent draws (fault seeds) per point
       seed: 0
-    sampling: {kind: random, n: 40, seed: 0}   # exhaustive | random | stratified (+ by: [bit])
+    sampling: {kind: random, n: 40, seed: 0}   # exhaustive | random | stratified (+ by: [bit], or by: bit)
     baseline: {seeds: [101, 102, 103], alpha: 0.01}
     guard: false
     analysis: basic                # full: also lock-step (level a) and gradient NSR (level b)
@@ -259,7 +260,17 @@ class Sampling:
             if self.n is None:
                 raise ValueError(f"sampling kind {self.kind!r} needs n (the number of trials, >= 1)")
             _int("sampling n", self.n, 1)
-        by = tuple(_choices("sampling.by", list(self.by), DIMENSIONS)) if self.by else ()
+        by = () if self.by is None else self.by
+        if isinstance(by, str):
+            by = [by]  # `by: bit` is `by: [bit]`
+        elif not isinstance(by, (list, tuple)):
+            raise TypeError(f"sampling.by must be a dimension name or a list of them among {list(DIMENSIONS)}, "
+                            f"got {by!r}")
+        for item in by:
+            if not isinstance(item, str):
+                raise TypeError(f"sampling.by entries must be dimension names (strings) among {list(DIMENSIONS)}, "
+                                f"got {item!r}")
+        by = tuple(_choices("sampling.by", list(by), DIMENSIONS)) if by else ()
         if self.kind == "stratified" and not by:
             raise ValueError(f"sampling kind 'stratified' needs by: a list among {list(DIMENSIONS)}")
         if self.kind == "random" and by:
@@ -314,7 +325,10 @@ class CampaignSpec:
         if "name" not in wl:
             raise ValueError("workload.name is required: gpt or cnn")
         set_("workload", wl)
-        self.workload_config()  # validates names, presets and values
+        try:
+            self.workload_config()  # validates names, presets and values
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"workload: {exc}") from None
         steps = [_int("inject_steps entry", s) for s in _list("inject_steps", self.inject_steps)]
         if len(set(steps)) != len(steps):
             raise ValueError(f"inject_steps must be distinct, got {steps!r}")
@@ -374,9 +388,12 @@ class CampaignSpec:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-def load_campaign(source: str | os.PathLike[str]) -> CampaignSpec:
-    """A campaign spec from a YAML file path (or YAML text); errors name the file."""
+def read_campaign_data(source: str | os.PathLike[str]) -> tuple[str, Mapping]:
+    """``(where, data)``: the raw mapping of a campaign spec file path (or YAML text), before
+    validation; ``where`` names the file (``"<text>"`` for text)."""
     path = os.fspath(source)
+    if "\n" not in path and os.path.isdir(path):
+        raise FileNotFoundError(f"campaign spec {path!r} is a directory, not a spec file")
     if "\n" not in path and os.path.isfile(path):
         where, text = path, open(path, encoding="utf-8").read()
     elif "\n" not in path and path.endswith((".yaml", ".yml", ".json")):
@@ -389,7 +406,34 @@ def load_campaign(source: str | os.PathLike[str]) -> CampaignSpec:
         raise ValueError(f"malformed YAML in {where}: {describe_yaml_error(exc)}") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"{where} must hold a mapping (a campaign spec), got {data!r}")
+    return where, data
+
+
+def _resolve_corpus(data: Mapping, where: str) -> Mapping:
+    """``data`` with a relative ``workload.corpus`` made absolute against the folder of the spec
+    file ``where`` (not the current directory, which changes between ``init`` and ``run``); the
+    corpus must exist."""
+    wl = data.get("workload")
+    corpus = wl.get("corpus") if isinstance(wl, Mapping) else None
+    if not isinstance(corpus, str) or not corpus:
+        return data  # absent, or a bad value the workload's validation names
+    path = os.path.expanduser(corpus)
+    if not os.path.isabs(path):
+        path = os.path.join(os.path.dirname(os.path.abspath(where)), path)
+    path = os.path.realpath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"workload.corpus {corpus!r} does not exist (looked for {path!r}; a relative "
+                                "path is taken from the spec file's folder); give a text file or a folder")
+    return {**data, "workload": {**wl, "corpus": path}}
+
+
+def load_campaign(source: str | os.PathLike[str]) -> CampaignSpec:
+    """A campaign spec from a YAML file path (or YAML text); errors name the file. From a file,
+    a relative ``workload.corpus`` is taken from the file's folder (and stored absolute)."""
+    where, data = read_campaign_data(source)
     try:
+        if where != "<text>":
+            data = _resolve_corpus(data, where)
         return CampaignSpec.from_dict(data)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, FileNotFoundError) as exc:
         raise type(exc)(f"{where}: {exc}") from None

@@ -6,6 +6,7 @@ Everything a run depends on is in the config, so a run is reproducible from ``co
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sdcscope._validate import check_choice, check_non_negative, check_positive
+from sdcscope._validate import check_bool, check_choice, check_float, check_non_negative, check_positive
 from sdcscope.workloads.cnn import CNN_PRESETS, LeNet, cnn_preset
 from sdcscope.workloads.data import ByteCorpus, load_digits_tensors, step_generator
 from sdcscope.workloads.gpt import GPT, GPT_PRESETS, gpt_preset, lm_loss
@@ -51,16 +52,24 @@ class WorkloadConfig:
         check_choice(f"{self.workload} preset", self.preset, WORKLOADS[self.workload])
         b, lr, wd = DEFAULTS[self.workload]
         self.batch_size = b if self.batch_size is None else self.batch_size
-        self.lr = lr if self.lr is None else float(self.lr)
-        self.weight_decay = wd if self.weight_decay is None else float(self.weight_decay)
+        self.lr = lr if self.lr is None else self.lr
+        self.weight_decay = wd if self.weight_decay is None else self.weight_decay
         check_positive("batch_size", self.batch_size)
+        check_float("lr", self.lr, low=0, low_open=True)
+        check_float("weight_decay", self.weight_decay, low=0)
         check_non_negative("warmup", self.warmup)
+        check_float("grad_clip", self.grad_clip, low=0)  # 0: no clipping
         check_positive("eval_batches", self.eval_batches)
         check_positive("max_corpus_bytes", self.max_corpus_bytes)
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr} must be > 0")
-        if self.weight_decay < 0 or self.grad_clip < 0 or self.z_loss < 0:
-            raise ValueError("weight_decay, grad_clip and z_loss must be >= 0")
+        check_bool("qk_norm", self.qk_norm)
+        check_float("z_loss", self.z_loss, low=0)
+        self.lr, self.weight_decay = float(self.lr), float(self.weight_decay)
+        self.grad_clip, self.z_loss = float(self.grad_clip), float(self.z_loss)
+        if isinstance(self.corpus, os.PathLike):
+            self.corpus = os.fspath(self.corpus)
+        if self.corpus is not None and (not isinstance(self.corpus, str) or not self.corpus):
+            raise ValueError(f"corpus={self.corpus!r} must be a path (a text file or a folder) or null "
+                             "(the running Python's standard library)")
         if self.corpus is not None and self.workload != "gpt":
             raise ValueError(f"corpus applies to the gpt workload only, not {self.workload!r}")
 
