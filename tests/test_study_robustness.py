@@ -17,22 +17,10 @@ from sdcscope.study import Sampling, init_campaign, load_campaign, run_campaign
 from sdcscope.study.runner import LOCK_FILE, SPEC_FILE, CampaignBusyError
 from sdcscope.workloads import WorkloadConfig, make_workload
 
+from test_study_cli import SPEC as CLI_SPEC, _err
+
 cli = CliRunner()
-SPEC = """
-name: robust
-workload: {name: gpt, preset: tiny, batch_size: 4, eval_batches: 1}
-inject_steps: [2]
-horizon: 2
-faults: {sites: [gemm.forward], targets: [blocks.0.mlp.fc], bits: [30, 31]}
-baseline: {seeds: [5, 6]}
-"""
-
-
-def _err(result):
-    assert result.exit_code == 2, result.output
-    lines = [x for x in result.output.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    return lines[0]
+SPEC = CLI_SPEC.replace("name: cli", "name: robust")
 
 
 # -- 1. a worker whose runner is gone exits --------------------------------------------------
