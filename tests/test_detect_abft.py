@@ -94,6 +94,31 @@ def corrupt_forward(module, index, bit):
     return module.register_forward_hook(hook)
 
 
+def test_gradient_penalty_skips_the_backward_checks_of_the_calls_it_runs_through():
+    """A create_graph backward (a gradient penalty) feeds more terms into the same autograd nodes:
+    the backward products of those calls are not checked alone (no false positive every step);
+    their forward still is, and a flip there is found."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    det = ABFTDetector(model).attach()
+
+    def penalized(x, y):
+        x = x.clone().requires_grad_(True)
+        loss = F.cross_entropy(model(x), y)
+        g, = torch.autograd.grad(loss, x, create_graph=True)
+        return loss + 0.1 * g.pow(2).sum()
+
+    for step in range(3):
+        penalized(torch.randn(8, 16), torch.randint(0, 4, (8,))).backward()
+        assert det.check(step) == []
+        model.zero_grad()
+    assert det.skipped_higher_order == 3 * 2 and det.checks_run == 3 * 2  # forward checks only
+    corrupt_forward(model[2], (3, 1), 30)
+    det.begin_step(3)  # ABFT's forward hook back behind the new one
+    penalized(torch.randn(8, 16), torch.randint(0, 4, (8,))).backward()
+    assert [(e.module, e.gemm) for e in det.check(3)] == [("2", "forward")]
+
+
 def test_forward_output_bitflip_located():
     model = transformer(3)
     idx = (1, 5, 7)

@@ -58,7 +58,9 @@ module's weight, ``F.scaled_dot_product_attention``: expose them as MatMul-contr
 check them), ``nn.Linear`` subclasses that override ``forward`` (a LoRA layer's output is not
 XWᵀ + b; listed in :attr:`ABFTDetector.skipped`), bias gradients (a reduction, not a GEMM), and
 the ``grad_weight`` of parameters that are not leaves of the call's graph (FSDP's flattened
-parameters).
+parameters), and the backward products of a call a ``create_graph=True`` backward ran through (a
+gradient penalty, a Hessian-vector product: the second backward's terms reach the same nodes; such
+calls are counted in :attr:`ABFTDetector.skipped_higher_order`, their forward is still checked).
 
 Per step::
 
@@ -177,6 +179,7 @@ class _Ctx:
     full: tuple[tuple[int, ...], ...] = ()                 # MatMul: broadcast operand shapes
     dy: torch.Tensor | None = None
     need: set[str] = field(default_factory=set)
+    higher_order: bool = False             # a backward with create_graph ran through this call
     _dy_op: Operand | None = None
 
     def dy_operand(self, cs: torch.dtype) -> Operand:
@@ -254,6 +257,8 @@ class ABFTDetector:
         self._checked_steps = 0
         self.checks_run = 0
         self.unjudged = 0
+        self.skipped_higher_order = 0
+        """Calls whose backward checks were skipped: a create_graph backward ran through them."""
         self.max_ratio: dict[tuple[str, str], float] = {}
         # budget control
         self._last_check: tuple[float, int] | None = None   # (wall time, step) of the last check
@@ -442,15 +447,21 @@ class ABFTDetector:
             return None
         return hook
 
-    @staticmethod
-    def _dy_hook(ctx: _Ctx):
+    def _dy_hook(self, ctx: _Ctx):
         def hook(grad):
             ctx.dy = grad
+            if torch.is_grad_enabled() and not ctx.higher_order:
+                # A backward with create_graph=True (a gradient penalty, a Hessian-vector product):
+                # this call's gradient graph feeds another backward, whose contributions reach the
+                # same autograd nodes (dW sums dYᵀX with the penalty's term): no product of this
+                # call can be checked alone.
+                ctx.higher_order = True
+                self.skipped_higher_order += 1
         return hook
 
     def _grad_operand_hook(self, layer: _Layer, ctx: _Ctx, pos: int):
         def hook(grad):
-            if ctx.dy is None or ctx.a is None:
+            if ctx.dy is None or ctx.a is None or ctx.higher_order:
                 ctx.done(f"op{pos}")
                 return None
             with torch.no_grad():
@@ -477,7 +488,7 @@ class ABFTDetector:
         """Post-hook of the call's node handing dW to the weight: dW = dYᵀ · X of this call."""
         def hook(grad_inputs, grad_outputs):
             g = grad_inputs[index]
-            if g is not None and ctx.dy is not None and ctx.a is not None:
+            if g is not None and ctx.dy is not None and ctx.a is not None and not ctx.higher_order:
                 with torch.no_grad(), no_autocast(g.device):
                     self._record(layer, "grad_weight", ctx.call, None, (),
                                  ctx.dy_operand(self._cs).T, ctx.a, g)

@@ -468,13 +468,15 @@ _SUMMARIES = (  # per-layer family -> (summary key, reducer)
 
 
 def grad_sq_norms(params: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
-    """(indices of the parameters that have a gradient, their squared 2-norms as one fp32 device
-    vector) in one fused pass; ``None`` when no parameter has a gradient."""
+    """(indices of the parameters that have a gradient, their squared 2-norms as one fp64 device
+    vector) in one fused pass; ``None`` when no parameter has a gradient. Squared in fp64: one
+    finite gradient element above ~1.8e19 (an exponent-bit flip) would overflow an fp32 square and
+    hide as an infinite norm of finite gradients."""
     idx = [i for i, p in enumerate(params) if p.grad is not None]
     if not idx:
         return idx, None
     grads = [params[i].grad for i in idx]
-    return idx, Metrics._stack(list(torch._foreach_norm(grads)), grads[0].device).square()
+    return idx, Metrics._stack(list(torch._foreach_norm(grads)), grads[0].device).double().square()
 
 
 def _total_dot(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
