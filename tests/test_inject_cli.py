@@ -85,3 +85,28 @@ def test_guard_rolls_back_a_weight_fault_at_the_first_step_to_a_clean_state(tmp_
     assert result.exit_code == 0, result.output
     cmp = json.loads((tmp_path / "exp" / "comparison.json").read_text())
     assert cmp["guarded"]["outcome"] == "masked", cmp["guarded"]
+
+
+def test_a_guarded_run_that_stalls_is_compared_step_by_step_and_called_stalled(tmp_path):
+    """A stuck bit re-applied after every update: the guard rolls back again and again. Its run is
+    compared with golden over the steps it applied (rows of discarded or re-run steps are no step
+    of their own), and called stalled, not a deviation of a 1-step model from a 6-step one."""
+    result = _inject(tmp_path, "- {site: weight, target: blocks.1.mlp.fc, model: stuck_at_1, bits: [30], "
+                               "pattern: {kind: element, index: 7}, schedule: {kind: permanent, start: 2}}\n",
+                     "--guard")
+    assert result.exit_code == 0, result.output
+    guarded = json.loads((tmp_path / "exp" / "comparison.json").read_text())["guarded"]
+    assert guarded["outcome"] == "stalled"
+    steps = guarded["loss_diff_steps"]
+    assert steps == sorted(set(steps)) and steps[:2] == [0, 1] and set(guarded["loss_diff"]) == {0.0}
+
+
+def test_train_counts_checkpoint_faults_among_those_fired(tmp_path):
+    spec = tmp_path / "ck.yaml"
+    spec.write_text("- {site: checkpoint, target: blocks.0.attn.q_proj, model: bitflip, bits: [30], "
+                    "pattern: {kind: element, index: 0}, schedule: {kind: transient, step: 2}}\n")
+    result = runner.invoke(app, ["train", "--faults", str(spec), "--steps", "3", "--batch-size", "2",
+                                 "--out", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    lines = (tmp_path / "run" / "injections.jsonl").read_text().splitlines()
+    assert lines and f"faults: {len(lines)} fired" in " ".join(result.output.split())  # was: 0 fired

@@ -130,7 +130,7 @@ class Attached:
 
         t = run.trainer
         self.callbacks: list[object] = []
-        self.injector = self.guard = None
+        self.injector = self.guard = self.checkpoint = None
         self.logs = [JsonlWriter(run.out / "injections.jsonl"), JsonlWriter(run.out / "events.jsonl")]
         if specs:
             from sdcscope.inject import Injector, validate_specs
@@ -144,7 +144,8 @@ class Attached:
             if any(s.site == "checkpoint" for s in specs):
                 from sdcscope.study.experiment import CheckpointFault
 
-                self.callbacks.append(CheckpointFault(specs, run.out, *self.logs))
+                self.checkpoint = CheckpointFault(specs, run.out, *self.logs)
+                self.callbacks.append(self.checkpoint)
         if gcfg is not None:
             from sdcscope.guard import Guard
 
@@ -260,7 +261,8 @@ def train(
         raise typer.Exit(code=128 + stop.signum) from None
     print_summary(run.out, summary)
     if tools.injector is not None:
-        out_console.print(f"faults: {len(tools.injector.records)} fired in this session "
+        fired = len(tools.injector.records) + (tools.checkpoint.fired if tools.checkpoint is not None else 0)
+        out_console.print(f"faults: {fired} fired in this session "
                           f"({run.out / 'injections.jsonl'})")
     if tools.guard is not None:
         out_console.print(f"guard: {len(tools.guard.events)} event(s) in {run.out / 'events.jsonl'}")

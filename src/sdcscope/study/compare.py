@@ -1,8 +1,9 @@
 """Compare a faulty run with its golden twin (same seed, same data): the first outcome label.
 
 ``masked``: bitwise-identical final parameters. ``crash``: a non-finite loss or parameter.
-Otherwise ``deviation``, with its size: the relative L2 distance of the final parameters,
-the validation-loss delta and the loss-curve difference.
+``stalled``: a guarded run whose guard kept discarding its steps. Otherwise ``deviation``, with its
+size: the relative L2 distance of the final parameters, the validation-loss delta and the
+loss-curve difference (step by step, over the steps both runs applied).
 """
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ from sdcscope.engine import CHECKPOINT_DIR, load_checkpoint, read_jsonl
 from sdcscope.engine.rundir import write_json
 
 
-def _losses(run: Path) -> list[float]:
-    return [float(r["loss"]) for r in read_jsonl(run / "metrics.jsonl")]
+def _losses(run: Path) -> dict[int, float]:
+    """The loss of each step's applied update, by step: a step a guard discarded (vetoed, rolled
+    back) is left out, and a step trained again after a rollback counts once, as last trained."""
+    losses: dict[int, float] = {}
+    for r in read_jsonl(run / "metrics.jsonl"):
+        if not r.get("skipped"):
+            losses[int(r["step"])] = float(r["loss"])
+    return losses
 
 
 def param_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -39,9 +46,9 @@ def compare_runs(golden: str | Path, faulty: str | Path) -> dict[str, Any]:
     sg = json.loads((golden / "summary.json").read_text())
     sf = json.loads((faulty / "summary.json").read_text())
     lg, lf = _losses(golden), _losses(faulty)
-    n = min(len(lg), len(lf))
-    diff = [lf[i] - lg[i] for i in range(n)]
-    first = next((i for i in range(n) if lf[i] != lg[i] and not (math.isnan(lf[i]) and math.isnan(lg[i]))), None)
+    steps = sorted(set(lg) & set(lf))
+    diff = [lf[s] - lg[s] for s in steps]
+    first = next((s for s in steps if lf[s] != lg[s] and not (math.isnan(lf[s]) and math.isnan(lg[s]))), None)
     finite_diff = [abs(d) for d in diff if math.isfinite(d)]
     pg = load_checkpoint(golden / CHECKPOINT_DIR).model
     pf = load_checkpoint(faulty / CHECKPOINT_DIR).model
@@ -53,6 +60,8 @@ def compare_runs(golden: str | Path, faulty: str | Path) -> dict[str, Any]:
         outcome = "masked"
     elif sf["outcome"] == "crash" or not params_finite or (val_delta is not None and not math.isfinite(val_delta)):
         outcome = "crash"
+    elif sf["outcome"] == "stalled":  # its guard could not repair it: its model is not comparable
+        outcome = "stalled"
     else:
         outcome = "deviation"
     return {
@@ -65,6 +74,7 @@ def compare_runs(golden: str | Path, faulty: str | Path) -> dict[str, Any]:
         "loss_diff_max_abs": max(finite_diff, default=0.0),
         "loss_diff_mean_abs": sum(finite_diff) / len(finite_diff) if finite_diff else 0.0,
         "loss_diff": diff,
+        "loss_diff_steps": steps,
         "steps_golden": sg["steps"],
         "steps_faulty": sf["steps"],
         "injections": len(read_jsonl(faulty / "injections.jsonl")),

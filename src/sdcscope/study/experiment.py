@@ -37,6 +37,8 @@ class CheckpointFault:
                  events: JsonlWriter, rank: int = 0) -> None:
         self.specs = specs  # all of them: a record's spec index is the spec's position
         self.run_dir, self.injections, self.events, self.rank = run_dir, injections, events, rank
+        self.fired = 0
+        """Records written (corrupted checkpoint tensors)."""
 
     def after_step(self, ctx) -> None:
         step, model = ctx.trainer.step, ctx.trainer.model
@@ -47,6 +49,7 @@ class CheckpointFault:
         save_checkpoint(ctx.trainer.snapshot(), directory)
         for record in corrupt_checkpoint_file(directory / "state.pt", self.specs, rank=self.rank):
             self.injections.write(record)
+            self.fired += 1
         try:
             ctx.trainer.restore(load_checkpoint(directory))
             verdict, action = "accepted", "restored from the corrupted checkpoint"
