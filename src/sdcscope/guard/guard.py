@@ -8,7 +8,35 @@ Plain loop::
         with guard.step(step, batch):
             loss = loss_fn(model, batch)
             loss.backward()
-        guard.optimizer_step(loss)        # checks, maybe replays, then steps (or not)
+        guard.optimizer_step(loss, before_step=clip)  # checks, maybe replays, then steps (or not)
+
+``before_step`` (optional, here ``clip = lambda: nn.utils.clip_grad_norm_(model.parameters(), 1.0)``)
+is whatever must happen to the gradients between backward and ``optimizer.step()`` -- gradient
+clipping, unscaling: the guard runs it on the gradients the update will use, after its checks and
+any recompute. Do not clip between the ``with`` block and ``optimizer_step``: the detectors would
+see clipped gradients and a recomputed step would lose the clipping.
+
+Gradient accumulation (several forward/backward passes per optimizer step): give
+``step_fn(model, batch)`` instead of ``loss_fn`` -- it runs every micro-batch of the step's
+``batch`` (forward and backward) and returns the step's loss, detached -- and call it in the loop::
+
+    def step_fn(model, micro_batches):
+        total = 0.0
+        for mb in micro_batches:
+            loss = loss_fn(model, mb) / len(micro_batches)
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    guard = Guard(model, optimizer, GuardConfig(), run_dir="run", step_fn=step_fn).attach()
+    for step, micro_batches in enumerate(steps):
+        optimizer.zero_grad()
+        with guard.step(step, micro_batches):
+            loss = step_fn(model, micro_batches)
+        guard.optimizer_step(loss, before_step=clip)
+
+A replay zeroes the gradients and calls ``step_fn`` (or ``loss_fn`` + backward) with the batch
+given to :meth:`Guard.step`, so that must be all of the step's data.
 
 Engine: ``trainer.add_callback(guard.callback())``.
 
@@ -30,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,21 +79,50 @@ from sdcscope.guard.config import GuardConfig
 PRIORITY = ("rollback", "veto", "recompute", "skip_batch", "lr_backoff", "qk_clip", "report", "none")
 
 
+def _check_loss(loss: Any, what: str = "loss") -> None:
+    """A usage error, raised before the guard changes anything: the loss must be one number."""
+    if loss is None or isinstance(loss, numbers.Real):
+        return
+    if not isinstance(loss, torch.Tensor):
+        try:
+            loss = torch.as_tensor(loss)
+        except Exception:
+            raise TypeError(f"{what} must be a scalar tensor, a number or None, "
+                            f"got {type(loss).__name__}: {loss!r}") from None
+    if loss.numel() != 1:
+        where = "before optimizer_step" if what == "loss" else "in step_fn"
+        raise ValueError(f"{what} must be a scalar (0-d or 1 element), got shape {list(loss.shape)}; "
+                         f"reduce it (e.g. loss.mean()) {where}")
+
+
 class Guard:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: GuardConfig | None = None,
                  *, run_dir: str | Path | None = None,
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+                 step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
                  rank: int | None = None, on_event: Callable[[dict], None] | None = None,
                  ddp: DistributedDataParallel | None = None, ledger: str | Path | None = None,
                  rank_batch: Callable[[int, int], Any] | None = None) -> None:
         """``run_dir``: events go to ``run_dir/events.jsonl``; ``on_event``: also (or instead)
-        to this callable; ``loss_fn(model, batch)``: lets a plain loop's step be replayed.
+        to this callable; ``loss_fn(model, batch)``: lets a plain loop's step be replayed
+        (forward, then the guard runs ``backward()``). ``step_fn(model, batch)``, instead of
+        ``loss_fn``: the whole step's work -- forward and backward of every micro-batch of
+        ``batch`` (gradient accumulation) -- returning the step's loss (detached); a replay zeroes
+        the gradients and calls it. Either one must use the ``model`` it is given.
 
         Data-parallel: ``ddp`` is the DDP wrapper of ``model`` (or pass the wrapper as ``model``);
         build the Guard on every rank before the first backward. ``ledger``: a device ledger shared
         across jobs (default ``run_dir/ledger.json``); ``rank_batch(rank, step)``: that rank's
         batch of ``step``, so a plain loop's suspect rank can be replayed with ``loss_fn`` (the
         engine's DDP trainer replays by itself)."""
+        for name, fn in (("loss_fn", loss_fn), ("step_fn", step_fn), ("rank_batch", rank_batch),
+                         ("on_event", on_event)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"Guard {name} must be a callable or None, got {fn!r}")
+        if loss_fn is not None and step_fn is not None:
+            raise ValueError("Guard takes loss_fn or step_fn, not both: loss_fn(model, batch) returns the loss "
+                             "of one forward pass (the guard runs backward on a replay); step_fn(model, batch) "
+                             "runs the forward and backward of every micro-batch itself and returns the loss")
         if ddp is None and isinstance(model, DistributedDataParallel):
             ddp, model = model, model.module
         if ddp is not None:
@@ -73,7 +131,7 @@ class Guard:
             rank = check_distributed(config or GuardConfig(), model, ddp, rank)
         self.model, self.optimizer = model, optimizer
         self.config = c = config or GuardConfig()
-        self.loss_fn, self.rank = loss_fn, rank
+        self.loss_fn, self.step_fn, self.rank = loss_fn, step_fn, rank
         self.metrics = Metrics(model, optimizer, c.metrics) if c.metrics else None
         self.nonfinite = NonFiniteDetector(model, c.nonfinite, rank=rank) if c.nonfinite else None
         self.loss_spike = SpikeDetector(c.loss_spike, rank=rank) if c.loss_spike else None
@@ -182,15 +240,28 @@ class Guard:
         self.begin(step, batch)
         yield self
 
-    def optimizer_step(self, loss: torch.Tensor | float | None = None) -> bool:
+    def optimizer_step(self, loss: torch.Tensor | float | None = None, *,
+                       before_step: Callable[[], Any] | None = None) -> bool:
         """Check, mitigate, then call ``optimizer.step()`` unless vetoed; True when it stepped.
+
+        ``loss``: the step's loss, a scalar (0-d or one-element tensor, or a number) or None.
+        ``before_step()``: run on the gradients the update will use -- after the checks, after a
+        recompute replaced them, right before ``optimizer.step()`` (not on a veto or rollback);
+        put gradient clipping (``nn.utils.clip_grad_norm_``) or unscaling there, not before
+        this call, so that the detectors and the pre-clip gradient-norm metrics see the
+        gradients as computed and a recomputed step is clipped like any other.
 
         After a rollback the model and optimizer hold the snapshot of step
         :attr:`rolled_back_to`; the caller's loop should continue from there and skip the
         batches in :attr:`skip_batches`.
         """
-        rerun = self._rerun_plain if self.loss_fn is not None and self._batch is not None else None
-        rank_replay = self._rank_replay_plain if self.loss_fn is not None and self.rank_batch is not None else None
+        _check_loss(loss)
+        if before_step is not None and not callable(before_step):
+            raise TypeError(f"optimizer_step before_step must be a callable (e.g. lambda: "
+                            f"nn.utils.clip_grad_norm_(model.parameters(), 1.0)) or None, got {before_step!r}")
+        replays = self.loss_fn is not None or self.step_fn is not None
+        rerun = self._rerun_plain if replays and self._batch is not None else None
+        rank_replay = self._rank_replay_plain if replays and self.rank_batch is not None else None
         actions, loss = self.decide(loss, rerun, rank_replay=rank_replay)
         if "rollback" in actions:
             state = self.ring.restore_latest(self.model, self.optimizer)
@@ -203,6 +274,8 @@ class Guard:
             self._after_update(applied=False)
             return False
         self.before_update()
+        if before_step is not None:  # the user's own code: its errors are the user's, not the guard's
+            before_step()
         groups = self.optimizer.param_groups
         base_lrs = [g["lr"] for g in groups]
         scale = self.backoff.scale(self._clock)
@@ -217,20 +290,28 @@ class Guard:
         self._after_update(applied=True, row=row)
         return True
 
-    def _rerun_plain(self) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model, self._batch)
+    def _run_step(self, batch: Any) -> torch.Tensor:
+        """The step's forward and backward on ``batch`` (``step_fn``, or ``loss_fn`` + backward)."""
+        if self.step_fn is not None:
+            loss = self.step_fn(self.model, batch)
+            _check_loss(loss, "step_fn's return value")
+            if loss is None:
+                raise ValueError("step_fn must return the step's loss (a scalar), got None")
+            return loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        loss = self.loss_fn(self.model, batch)
         loss.backward()
         return loss.detach()
+
+    def _rerun_plain(self) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._run_step(self._batch)
 
     def _rank_replay_plain(self, rank: int) -> torch.Tensor:
         """Rank ``rank``'s local gradient of this step, on the plain module (no all-reduce)."""
         for p in self.model.parameters():
             p.grad = None
         with reexecution():
-            loss = self.loss_fn(self.model, self.rank_batch(rank, self._step))
-            loss.backward()
-        return loss.detach()
+            return self._run_step(self.rank_batch(rank, self._step))
 
     # -- decisions ---------------------------------------------------------------------------
     def decide(self, loss, rerun: Callable[[], torch.Tensor] | None, *,
@@ -238,7 +319,9 @@ class Guard:
         """Run the detectors on the finished backward pass; replay if any fired; return the
         actions of the policy (most decisive first) and the loss to report. Under DDP the
         findings of every rank decide together and ``rank_replay(r)`` (rank r's local gradient of
-        this step, no collectives) replaces ``rerun``."""
+        this step, no collectives) replaces ``rerun``. A non-scalar ``loss`` is refused
+        (ValueError) before anything changes."""
+        _check_loss(loss)
         step = self._step
         events = list(self._pending)
         if events:  # the step ran on corrupted state: its results are void, drain the detectors
@@ -298,11 +381,19 @@ class Guard:
         if sq is not None:
             parts.append(sq.sum().sqrt().reshape(1))
         dev = parts[-1].device
-        values = torch.cat([t.detach().to(dev, torch.float32) for t in parts]).tolist()  # the sync
+        values = torch.cat([t.detach().to(dev, torch.float64) for t in parts]).tolist()  # the sync
         loss_v, grad_v = values[0], (values[1] if len(values) > 1 else None)
         bad_loss = loss is not None and not math.isfinite(loss_v)
-        if self.nonfinite is not None and (bad_loss or (grad_v is not None and not math.isfinite(grad_v))):
-            events += self._safe(lambda: self.nonfinite.check(step, loss), "nonfinite")
+        bad_grad = grad_v is not None and not math.isfinite(grad_v)
+        if self.nonfinite is not None and (bad_loss or bad_grad):
+            found = self._safe(lambda: self.nonfinite.check(step, loss), "nonfinite")
+            if bad_grad and self.ranks is None and not any(e.evidence.get("what") == "grad" for e in found):
+                # every gradient element is finite, but a gradient's norm overflowed its dtype (under
+                # DDP the rank guard's pre-reduction signatures, overflow-safe, name the rank)
+                found.append(Event(step, "nonfinite", "nonfinite", rank=self.rank,
+                                   evidence={"what": "grad_norm", "value": grad_v,
+                                             "note": "finite gradients whose norm overflows"}))
+            events += found
         if self.loss_spike is not None and loss is not None:
             events += self._safe(lambda: self.loss_spike.check(step, loss_v), "spike")
         if self.grad_spike is not None and grad_v is not None:

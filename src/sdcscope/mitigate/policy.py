@@ -2,13 +2,21 @@
 
 Keys are ``"detector:verdict"`` with ``*`` as a wildcard on either side; the most specific
 matching rule wins (``abft:transient`` before ``*:transient`` before ``abft:*``).
+
+The rules a user gives are merged over :data:`DEFAULT_RULES`: ``{"rules": {"abft:transient":
+["veto"]}}`` changes that one answer and keeps every other default (a weight corruption still
+rolls back). To drop a default, give its key another action (``report``); to start from an empty
+table, say so: ``{"defaults": false, "rules": {...}}`` (then whatever no rule matches is only
+reported). Unknown detectors, verdicts and actions are refused, naming the allowed ones
+(:data:`VERDICTS`).
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
-from sdcscope._validate import check_choice
+from sdcscope._validate import check_bool, check_choice
 
 ACTIONS = ("none", "veto", "recompute", "rollback", "skip_batch", "lr_backoff", "qk_clip", "quarantine",
            "report")
@@ -38,24 +46,70 @@ DEFAULT_RULES: dict[str, list[str]] = {
 }
 
 
+VERDICTS: dict[str, tuple[str, ...]] = {
+    # Findings checked after backward: the guard replays the step and the finding takes the
+    # replay's verdict (``Guard.decide``; under DDP the rank replay's, ``sdcscope.guard.ranks``).
+    "abft": ("transient", "reproducible", "unverified"),
+    "nonfinite": ("transient", "reproducible", "unverified"),
+    "spike": ("transient", "reproducible", "unverified"),
+    # Weights / optimizer state that changed between steps: no replay, the verdict stays.
+    "state_checksum": ("corrupt",),
+    "attention_logit": ("high",),
+}
+"""The detectors whose findings the policy decides, and the verdicts they reach it with (the
+detectors' ``name`` and the verdicts the guard gives their findings). The rank guard's own
+detectors (``crossrank``, ``replica_hash``, ``rank_replay``, ``quarantine``) act by themselves
+and never reach the table."""
+_ALL_VERDICTS = tuple(dict.fromkeys(v for vs in VERDICTS.values() for v in vs))
+
+
+def _check_key(key: object) -> str:
+    if not isinstance(key, str) or key.count(":") != 1:
+        raise ValueError(f"policy key {key!r} must look like 'detector:verdict' ('*' allowed); "
+                         f"detectors: {', '.join(VERDICTS)}; verdicts: {', '.join(_ALL_VERDICTS)}")
+    detector, verdict = (part.strip() for part in key.split(":"))
+    if detector != "*" and detector not in VERDICTS:
+        close = difflib.get_close_matches(detector, list(VERDICTS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"policy key {key!r}: unknown detector {detector!r}{hint}; "
+                         f"allowed: {', '.join(VERDICTS)}, *")
+    allowed = _ALL_VERDICTS if detector == "*" else VERDICTS[detector]
+    if verdict != "*" and verdict not in allowed:
+        close = difflib.get_close_matches(verdict, list(allowed), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        whose = "" if detector == "*" else f" for detector {detector!r}"
+        raise ValueError(f"policy key {key!r}: unknown verdict {verdict!r}{whose}{hint}; "
+                         f"allowed: {', '.join(allowed)}, *")
+    return f"{detector}:{verdict}"
+
+
 @dataclass(kw_only=True)
 class PolicyConfig:
-    rules: dict[str, list[str]] = field(default_factory=lambda: {k: list(v) for k, v in DEFAULT_RULES.items()})
+    """``rules``: ``"detector:verdict"`` -> actions, merged over :data:`DEFAULT_RULES` (a given
+    key replaces that default's actions); ``defaults: false``: no default rules, only ``rules``."""
+
+    rules: dict[str, list[str]] = field(default_factory=dict)
+    defaults: bool = True
 
     def __post_init__(self) -> None:
+        check_bool("policy defaults", self.defaults)
         if not isinstance(self.rules, dict):
             raise TypeError(f"policy rules must be a mapping of 'detector:verdict' to actions, got {self.rules!r}")
+        given: dict[str, list[str]] = {}
         for key, actions in self.rules.items():
-            if not isinstance(key, str) or key.count(":") != 1:
-                raise ValueError(f"policy key {key!r} must look like 'detector:verdict' ('*' allowed)")
+            norm = _check_key(key)
             if isinstance(actions, str):
                 actions = [actions]
             if not isinstance(actions, (list, tuple)):
                 raise TypeError(f"policy rule {key!r}: {actions!r} must be an action or a list of actions; "
                                 f"allowed: {', '.join(ACTIONS)}")
-            actions = self.rules[key] = list(actions)
             for action in actions:
-                check_choice("policy action", action, ACTIONS)
+                check_choice(f"policy action in rule {key!r}:", action, ACTIONS)
+            if norm in given and norm != key:
+                raise ValueError(f"policy key {key!r} repeats {norm!r}")
+            given[norm] = list(actions)
+        base = {k: list(v) for k, v in DEFAULT_RULES.items()} if self.defaults else {}
+        self.rules = {**base, **given}
 
     def actions_for(self, detector: str, verdict: str) -> list[str]:
         for key in (f"{detector}:{verdict}", f"*:{verdict}", f"{detector}:*", "*:*"):

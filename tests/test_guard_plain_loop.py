@@ -1,0 +1,265 @@
+"""The Guard in plain training loops: gradient clipping through ``before_step``, gradient
+accumulation through ``step_fn``, policy rules merged over the defaults and validated, and a
+non-scalar loss refused as a usage error."""
+
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sdcscope.detect import ABFTDetector, NonFiniteDetector, SpikeDetector, StateChecksum
+from sdcscope.faults import FaultSpec
+from sdcscope.guard import Guard, GuardConfig
+from sdcscope.inject import Injector
+from sdcscope.mitigate import DEFAULT_RULES, PolicyConfig
+from sdcscope.mitigate.policy import VERDICTS
+
+STEPS, FAULT_STEP, ACC = 6, 3, 3
+
+
+def loss_fn(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def batch_of(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def make(fault: bool, micro_batch: int = 0, site: str = "gemm.forward"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    specs = [FaultSpec(site=site, target="2", model="bitflip", bits=(30,),
+                       pattern={"kind": "element", "index": "random"},
+                       schedule={"kind": "transient", "step": FAULT_STEP, "micro_batch": micro_batch},
+                       seed=1)] if fault else []
+    return model, opt, Injector(model, specs, opt).attach()
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# -- 1. gradient clipping: before_step ------------------------------------------------------------
+def clipped_run(guarded: bool, fault: bool, config: GuardConfig | None = None):
+    model, opt, inj = make(fault)
+    calls = []
+
+    def clip():
+        calls.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+
+    guard = Guard(model, opt, config or GuardConfig(), run_dir=tempfile.mkdtemp(), loss_fn=loss_fn).attach() \
+        if guarded else None
+    for step in range(STEPS):
+        batch = batch_of(step)
+        opt.zero_grad()
+        inj.set_position(step)
+        if guard is None:
+            loss_fn(model, batch).backward()
+            clip()
+            opt.step()
+            continue
+        with guard.step(step, batch):
+            loss = loss_fn(model, batch)
+            loss.backward()
+        guard.optimizer_step(loss, before_step=clip)
+    events = guard.events if guard else []
+    if guard:
+        guard.close()
+    return params(model), events, calls
+
+
+def test_clipping_in_before_step_survives_a_recompute():
+    twin, _, twin_norms = clipped_run(False, False)
+    got, events, norms = clipped_run(True, True)
+    assert [(e["step"], e["detector"], e["verdict"], e["action"]) for e in events] == \
+        [(FAULT_STEP, "abft", "transient", "recompute")]
+    assert same(twin, got)  # the recomputed step was clipped like the clean twin's
+    assert norms == twin_norms  # clip saw the recomputed gradients, once per applied step
+
+
+def test_before_step_is_not_run_on_a_vetoed_step():
+    config = GuardConfig(policy={"rules": {"*:transient": ["veto"]}})
+    _, events, norms = clipped_run(True, True, config)
+    assert events[0]["action"] == "veto"
+    assert len(norms) == STEPS - 1
+
+
+def test_before_step_must_be_callable():
+    model, opt, _ = make(False)
+    guard = Guard(model, opt, GuardConfig(), loss_fn=loss_fn).attach()
+    before = params(model)
+    with guard.step(0, batch_of(0)):
+        loss = loss_fn(model, batch_of(0))
+        loss.backward()
+    with pytest.raises(TypeError, match="before_step must be a callable.*got 1.0"):
+        guard.optimizer_step(loss, before_step=1.0)
+    assert same(before, params(model)) and guard.events == []
+    guard.close()
+
+
+# -- 2. gradient accumulation: step_fn ------------------------------------------------------------
+def accum_run(guarded: bool, fault: bool):
+    model, opt, inj = make(fault, micro_batch=1)
+    at = {"step": 0}
+
+    def step_fn(m, micro_batches):
+        total = 0.0
+        for k, mb in enumerate(micro_batches):
+            inj.set_position(at["step"], k)
+            loss = loss_fn(m, mb) / len(micro_batches)
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    guard = Guard(model, opt, GuardConfig(), run_dir=tempfile.mkdtemp(), step_fn=step_fn).attach() \
+        if guarded else None
+    for step in range(STEPS):
+        at["step"] = step
+        mbs = [batch_of(10 * step + k) for k in range(ACC)]
+        opt.zero_grad()
+        if guard is None:
+            step_fn(model, mbs)
+            opt.step()
+            continue
+        with guard.step(step, mbs):
+            loss = step_fn(model, mbs)
+        assert guard.optimizer_step(loss)
+    events = guard.events if guard else []
+    if guard:
+        guard.close()
+    return params(model), events
+
+
+def test_step_fn_replays_every_micro_batch():
+    twin, _ = accum_run(False, False)
+    got, events = accum_run(True, True)
+    assert [(e["step"], e["detector"], e["verdict"], e["action"]) for e in events] == \
+        [(FAULT_STEP, "abft", "transient", "recompute")]
+    assert same(twin, got)
+
+
+def test_step_fn_and_loss_fn_are_exclusive_and_callable():
+    model, opt, _ = make(False)
+    with pytest.raises(ValueError, match="loss_fn or step_fn, not both"):
+        Guard(model, opt, GuardConfig(), loss_fn=loss_fn, step_fn=lambda m, b: loss_fn(m, b))
+    with pytest.raises(TypeError, match="step_fn must be a callable or None, got 'train'"):
+        Guard(model, opt, GuardConfig(), step_fn="train")
+
+
+# -- 3. policy rules --------------------------------------------------------------------------------
+def test_policy_rules_merge_over_defaults():
+    rules = GuardConfig.from_dict({"policy": {"rules": {"abft:transient": ["veto"]}}}).policy.rules
+    assert rules["abft:transient"] == ["veto"]
+    assert {k: v for k, v in rules.items() if k != "abft:transient"} == DEFAULT_RULES
+    empty = GuardConfig.from_dict({"policy": {"defaults": False, "rules": {"*:*": "veto"}}}).policy
+    assert empty.rules == {"*:*": ["veto"]} and empty.actions_for("state_checksum", "corrupt") == ["veto"]
+    again = GuardConfig.from_dict(GuardConfig(policy={"rules": {"spike:*": ["report"]}}).to_dict()).policy
+    assert again.rules == {**DEFAULT_RULES, "spike:*": ["report"]}
+
+
+def test_one_rule_keeps_the_weight_rollback():
+    config = GuardConfig.from_dict({"policy": {"rules": {"abft:transient": ["veto"]}}})
+    model, opt, inj = make(True, site="weight")
+    guard = Guard(model, opt, config, run_dir=tempfile.mkdtemp(), loss_fn=loss_fn).attach()
+    for step in range(5):
+        batch = batch_of(step)
+        opt.zero_grad()
+        inj.set_position(step)
+        with guard.step(step, batch):
+            loss = loss_fn(model, batch)
+            loss.backward()
+        guard.optimizer_step(loss)
+    guard.close()
+    assert [(e["detector"], e["action"]) for e in guard.events] == [("state_checksum", "rollback")]
+    assert model[2].weight.abs().max().item() < 10
+
+
+@pytest.mark.parametrize("rules, match", [
+    ({"abtf:transient": ["veto"]}, r"unknown detector 'abtf' \(did you mean 'abft'\?\); allowed: abft, "),
+    ({"abft:transiant": ["veto"]}, r"unknown verdict 'transiant' for detector 'abft' \(did you mean 'transient'"),
+    ({"state_checksum:transient": ["veto"]}, r"verdict 'transient' for detector 'state_checksum'.*allowed: corrupt"),
+    ({"*:bogus": ["veto"]}, r"unknown verdict 'bogus'; allowed: transient, reproducible, unverified, corrupt"),
+    ({"abft": ["veto"]}, r"'detector:verdict'"),
+    ({"abft:transient": ["vetoo"]}, r"'vetoo'; allowed: none, veto"),
+    ({"abft:transient": 3}, r"'abft:transient'.*3.*allowed: none, veto"),
+])
+def test_policy_refuses_unknown_names(rules, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        GuardConfig.from_dict({"policy": {"rules": rules}})
+
+
+def test_policy_defaults_flag_is_a_boolean_and_wildcards_stay():
+    with pytest.raises(ValueError, match="policy defaults='no' must be a boolean"):
+        PolicyConfig(defaults="no")
+    policy = PolicyConfig(rules={"*:*": ["report"], "abft:*": ["veto"], "*:corrupt": ["veto"]})
+    assert policy.actions_for("abft", "reproducible") == ["veto"]
+    assert policy.actions_for("abft", "transient") == ["recompute"]  # the default, more specific
+    assert policy.actions_for("spike", "transient") == ["recompute"]
+
+
+def test_policy_detectors_are_the_detectors_names():
+    names = {ABFTDetector.name, NonFiniteDetector.name, SpikeDetector.name, StateChecksum.name}
+    assert names | {"attention_logit"} == set(VERDICTS)
+    for key in DEFAULT_RULES:  # the defaults pass their own validation
+        PolicyConfig(defaults=False, rules={key: ["report"]})
+
+
+# -- 4. a non-scalar loss ---------------------------------------------------------------------------
+def test_vector_loss_is_a_clear_usage_error_before_any_change():
+    model, opt, _ = make(False)
+    guard = Guard(model, opt, GuardConfig(), run_dir=tempfile.mkdtemp(), loss_fn=loss_fn).attach()
+    x, y = batch_of(0)
+    before = params(model)
+    with guard.step(0, (x, y)):
+        per = F.cross_entropy(model(x), y, reduction="none")
+        per.mean().backward()
+    msg = r"loss must be a scalar \(0-d or 1 element\), got shape \[8\]; reduce it"
+    with pytest.raises(ValueError, match=msg):
+        guard.optimizer_step(per)
+    with pytest.raises(ValueError, match=msg):
+        guard.decide(per, None)
+    assert same(before, params(model)) and guard.events == []
+    assert guard.optimizer_step(per.mean().reshape(1))  # one element is fine; the guard still works
+    assert not same(before, params(model)) and guard.events == []
+    guard.close()
+
+
+def test_step_fn_returning_a_vector_fails_the_replay_not_the_run():
+    model, opt, inj = make(True)
+
+    def step_fn(m, batch):  # per-sample losses: a usage error the replay reports
+        per = F.cross_entropy(m(batch[0]), batch[1], reduction="none")
+        per.mean().backward()
+        return per.detach()
+
+    guard = Guard(model, opt, GuardConfig(), run_dir=tempfile.mkdtemp(), step_fn=step_fn).attach()
+    for step in range(FAULT_STEP + 1):
+        opt.zero_grad()
+        inj.set_position(step)
+        with guard.step(step, batch_of(step)):
+            loss = step_fn(model, batch_of(step)).mean()
+        assert guard.optimizer_step(loss) == (step != FAULT_STEP)
+    guard.close()
+    (error,) = [e for e in guard.events if e["detector"] == "guard"]
+    assert "step_fn's return value must be a scalar" in error["evidence"]["error"]
+    assert [(e["detector"], e["verdict"], e["action"]) for e in guard.events if e["detector"] == "abft"] == \
+        [("abft", "unverified", "veto")]
+
+
+@pytest.mark.parametrize("loss, error", [("1.5", TypeError), ([1.0, 2.0], ValueError)])
+def test_loss_that_is_no_number_is_refused(loss, error):
+    model, opt, _ = make(False)
+    guard = Guard(model, opt, GuardConfig()).attach()
+    with guard.step(0, batch_of(0)):
+        loss_fn(model, batch_of(0)).backward()
+    with pytest.raises(error, match="loss must be a scalar"):
+        guard.optimizer_step(loss)
+    guard.close()
