@@ -263,3 +263,16 @@ def test_loss_that_is_no_number_is_refused(loss, error):
     with pytest.raises(error, match="loss must be a scalar"):
         guard.optimizer_step(loss)
     guard.close()
+
+
+def test_events_file_exists_from_attach_on_a_clean_run(tmp_path):
+    model, opt, _ = make(False)
+    guard = Guard(model, opt, GuardConfig(), run_dir=tmp_path, loss_fn=loss_fn).attach()
+    for step in range(3):
+        opt.zero_grad()
+        with guard.step(step, batch_of(step)):
+            loss = loss_fn(model, batch_of(step))
+            loss.backward()
+        guard.optimizer_step(loss)
+    guard.close()
+    assert guard.events == [] and (tmp_path / "events.jsonl").read_text() == ""

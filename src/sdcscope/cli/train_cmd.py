@@ -261,7 +261,8 @@ def train(
         raise typer.Exit(code=128 + stop.signum) from None
     print_summary(run.out, summary)
     if tools.injector is not None:
-        fired = len(tools.injector.records) + (tools.checkpoint.fired if tools.checkpoint is not None else 0)
+        fired = sum(r.get("when") != "eval" for r in tools.injector.records) + \
+            (tools.checkpoint.fired if tools.checkpoint is not None else 0)  # in training, not evaluation
         out_console.print(f"faults: {fired} fired in this session "
                           f"({run.out / 'injections.jsonl'})")
     if tools.guard is not None:

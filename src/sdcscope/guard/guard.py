@@ -176,10 +176,13 @@ class Guard:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def attach(self) -> "Guard":
+        """Start watching; ``run_dir/events.jsonl`` exists from here on (empty on a clean run)."""
         if not self._attached:
             for part in (self.metrics, self.abft, self.invariants):
                 if part is not None:
                     part.attach()
+            if self._writer is not None:
+                self._writer.touch()
             self._attached = True
         return self
 

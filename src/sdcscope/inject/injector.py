@@ -16,24 +16,44 @@ gemm.grad_weight    this GEMM's dW (for ``a @ b``: d b, full backward hook): a h
                     with the weight's other uses and accumulated into ``.grad``
 weight              memory fault on the parameter, applied before the forward of the event;
                     a permanent fault is re-applied after every optimizer update
-param_grad          post-accumulate-grad hook: the accumulated ``.grad`` buffer
+param_grad          post-accumulate-grad hook of the step's last micro-batch: the ``.grad``
+                    buffer summed over all micro-batches, as clipping and the optimizer read it
+                    (the injector learns ``grad_accum`` from the engine callback, or pass it)
 optimizer_state     memory fault on the state tensors (``exp_avg``, …) resident between updates,
                     applied at the start of the step whose update reads them; a permanent fault
                     is re-applied after every update
 ==================  ==========================================================================
 
-Whether a fault fires is :func:`sdcscope.faults.fires` of (spec, step, micro-batch, name, rank),
-so a forward re-run by activation checkpointing gets the same fault (and is logged once).
+Whether a fault fires is :func:`sdcscope.faults.fires` of (spec, step, micro-batch, name, rank).
+A module called several times in one micro-batch (a shared layer) is one site visited several
+times: a transient or intermittent fault is one event in time and corrupts only the *first* call
+of the module at its position (for the backward sites: the first backward call); a permanent
+fault (a broken unit) corrupts every call, each logged with its ``call`` index. A forward re-run
+by activation checkpointing (a forward inside the backward pass) gets the same corruption as the
+call it recomputes and is not logged again.
 A training loop tells the injector where it is with :meth:`Injector.set_position`; the engine
 does it through :meth:`Injector.callback`. A transient or intermittent fault is one event in
 time: a re-execution of its step (a guard's replay, or training again after a rollback) does
 not meet it again; a permanent fault (a broken unit, a stuck bit) acts on every execution.
+
+Records (``injections.jsonl``, :attr:`Injector.records`): one per fault application, with
+``when``: ``"train"`` (an event of a training step), ``"after_update"`` (a permanent ``weight``
+/ ``optimizer_state`` fault re-applied to the values an optimizer update wrote; logged only
+when it changed a value bitwise) or ``"eval"`` (an evaluation pass: permanent faults only,
+memory faults logged only when they changed a value; one record per spec and module per
+evaluation at a step, however many batches it runs); and ``call``: the module call index
+within the micro-batch for the module sites (None for the parameter sites). Evaluation records
+never suppress or replace training ones; count training injections as the records whose
+``when`` is not ``"eval"``. A re-execution (:func:`reexecution`: its permanent faults act
+again) logs nothing; training a step again after a rollback logs only events its first
+execution did not.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdcscope._io import JsonlWriter
-from sdcscope.faults import FaultSpec, apply_spec, fault_generator, fires
+from sdcscope.faults import STEP_SITES, FaultSpec, apply_spec, fault_generator, fires
 from sdcscope.inject.targets import CONV_TYPES, Target, validate_specs, weight_grad_edge
 
 _REEXECUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdcscope_reexecuting", default=False)
@@ -85,6 +105,20 @@ def _replaced(clean: torch.Tensor, faulty: torch.Tensor) -> torch.Tensor:
     return _Replace.apply(clean, faulty) if clean.requires_grad else faulty
 
 
+def _in_backward() -> bool:
+    """Whether this runs inside the autograd engine (a forward here is a checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _changed(result) -> bool:
+    """Whether a fault application changed at least one value, bit for bit."""
+    before, after = result.before.reshape(-1), result.after.reshape(-1)
+    if before.is_floating_point():
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[before.element_size()]
+        before, after = before.view(ints), after.view(ints)
+    return not torch.equal(before, after)
+
+
 class Injector:
     """Holds fault specs for one model (and optimizer) on one rank.
 
@@ -94,18 +128,25 @@ class Injector:
     """
 
     def __init__(self, model: nn.Module, specs: Iterable[FaultSpec], optimizer: torch.optim.Optimizer | None = None,
-                 *, rank: int = 0, world_size: int = 1, log: str | Path | Callable[[dict], None] | None = None) -> None:
+                 *, rank: int = 0, world_size: int = 1, log: str | Path | Callable[[dict], None] | None = None,
+                 grad_accum: int = 1) -> None:
         self.model = model
         self.specs = list(specs)
         self.optimizer = optimizer
         self.rank = rank
         self.targets = validate_specs(model, self.specs, optimizer, world_size)
         self.step, self.micro_batch = 0, 0
+        self.grad_accum = grad_accum
+        """Micro-batches per step: ``param_grad`` fires after the last one (the callback sets it)."""
         self.evaluating = False
         self._begun: set[int] = set()   # steps whose execution has started at least once
         self._repeat = False            # this execution of the step is a re-execution
         self.records: list[dict[str, Any]] = []
+        """Every record, as written to the log (``when``: train, after_update or eval)."""
         self._seen: set[tuple] = set()
+        self._calls: dict[tuple[int, str], int] = {}  # module calls met at this position, per spec/target
+        self._fired_input: dict[tuple[int, str], torch.Tensor] = {}  # input of a once-fault's call
+        self._warned_accum = False
         self._attached = False
         self._optimizer_handles: list[Any] = []
         self._spec_handles: dict[int, list[Any]] = {}  # hooks of the specs live at this step
@@ -157,6 +198,13 @@ class Injector:
             self._begun.add(step)
             moved = True
         self.step, self.micro_batch, self.evaluating = step, micro_batch, evaluating
+        self._calls, self._fired_input = {}, {}
+        if micro_batch >= self.grad_accum and not self._warned_accum and not evaluating \
+                and any(s.site == "param_grad" for s in self.specs):
+            self._warned_accum = True
+            warnings.warn(f"micro-batch {micro_batch} at grad_accum={self.grad_accum}: param_grad faults "
+                          f"fire after micro-batch grad_accum-1 only; pass Injector(grad_accum=...)",
+                          stacklevel=2)
         if moved:
             self._sync_hooks()
         self._apply_memory_faults()
@@ -201,44 +249,80 @@ class Injector:
             return t.param.register_post_accumulate_grad_hook(self._param_grad_hook(i, spec, t))
         return None
 
+    def _event_micro_batch(self, spec: FaultSpec) -> int | None:
+        return None if spec.site in STEP_SITES else self.micro_batch  # once per step: micro-batch 0
+
     def _fires(self, spec: FaultSpec, t: Target) -> bool:
-        return self.armed and self._live(spec) and fires(spec, self.step, self.micro_batch, t.key, self.rank)
+        return self.armed and self._live(spec) and fires(spec, self.step, self._event_micro_batch(spec),
+                                                         t.key, self.rank)
+
+    def _call(self, i: int, spec: FaultSpec, t: Target, x=None) -> int | None:
+        """Whether ``spec`` acts on this call of ``t``'s module: None if not, else the call's index
+        within the micro-batch, or -1 to corrupt without a record (a checkpoint recompute, a
+        re-execution). ``x``: the forward call's input (None for backward hooks)."""
+        if not self._fires(spec, t):
+            return None
+        key, once = (i, t.name), spec.schedule.kind != "permanent"
+        if _REEXECUTING.get():  # only permanent faults are live: they act, already logged
+            return -1
+        if x is not None and _in_backward():  # activation checkpointing re-runs a forward call
+            if not once:
+                return -1
+            if key not in self._fired_input:  # the fault was not met in the forward pass
+                return None
+            ref = self._fired_input[key]
+            same = (self._calls.get(key, 0) == 1 or not isinstance(x, torch.Tensor)
+                    or not isinstance(ref, torch.Tensor)
+                    or (ref.shape == x.shape and ref.dtype == x.dtype and torch.equal(ref, x)))
+            return -1 if same else None
+        k = self._calls.get(key, 0)
+        self._calls[key] = k + 1
+        if once and k > 0:  # one event in time: the first call only
+            return None
+        if once:  # its input tells its recomputation from another call's
+            self._fired_input[key] = x.detach() if isinstance(x, torch.Tensor) else None
+        return k
 
     def _corrupt(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, *,
-                 suffix: str = "", channel_dim=None) -> None:
+                 suffix: str = "", channel_dim=None, call: int | None = None, when: str | None = None) -> None:
         # A mac_cell on an array is one physical cell of the unit that runs every targeted GEMM:
         # its random cell (and value) is drawn once for the unit, not per module.
         unit = spec.pattern.kind == "mac_cell" and spec.pattern.array is not None
-        gen = fault_generator(spec, self.step, self.micro_batch, MAC_ARRAY if unit else t.key + suffix, self.rank)
+        gen = fault_generator(spec, self.step, self._event_micro_batch(spec),
+                              MAC_ARRAY if unit else t.key + suffix, self.rank)
         result = apply_spec(spec, tensor, gen, channel_dim=channel_dim, step=self.step)
-        self._record(i, spec, t.name + suffix, result)
+        if call != -1:
+            self._record(i, spec, t.name + suffix, result, call=call, when=when)
 
     def _output_hook(self, i, spec, t: Target):
         channel_dim = 1 if isinstance(t.module, CONV_TYPES) else -1
 
         def hook(module, args, output):
-            if not isinstance(output, torch.Tensor) or not self._fires(spec, t):
+            if not isinstance(output, torch.Tensor):
+                return None
+            call = self._call(i, spec, t, args[0] if args else None)
+            if call is None:
                 return None
             faulty = output.detach().clone()
-            self._corrupt(i, spec, t, faulty, channel_dim=channel_dim)
+            self._corrupt(i, spec, t, faulty, channel_dim=channel_dim, call=call)
             return _replaced(output, faulty)
         return hook
 
     def _mac_cell_hook(self, i, spec, t: Target):
         """Y' = Y + op(x, W' − W): the GEMM ran with weight[b, a] faulted in the MAC cell."""
         def hook(module, args, output):
-            if not self._fires(spec, t):
+            call = self._call(i, spec, t, args[0])
+            if call is None:
                 return None
             w = module.weight.detach()
             faulty_w = w.clone()
-            self._corrupt(i, spec, t, faulty_w)
+            self._corrupt(i, spec, t, faulty_w, call=call)
             delta = (faulty_w - w).to(output.dtype)
             x = args[0].detach()
             if isinstance(module, nn.Linear):
                 err = F.linear(x, delta)
-            else:
-                conv = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}[type(module)]
-                err = conv(x, delta, None, module.stride, module.padding, module.dilation, module.groups)
+            else:  # the module's own padding (padding_mode 'circular', 'reflect', ... included)
+                err = module._conv_forward(x, delta, None)
             return _replaced(output, output.detach() + err)
         return hook
 
@@ -247,10 +331,10 @@ class Injector:
 
         def hook(module, grad_input, grad_output):
             g = grad_input[position] if position < len(grad_input) else None
-            if g is None or not self._fires(spec, t):
+            if g is None or (call := self._call(i, spec, t)) is None:
                 return None
             faulty = g.clone()
-            self._corrupt(i, spec, t, faulty, channel_dim=channel_dim)
+            self._corrupt(i, spec, t, faulty, channel_dim=channel_dim, call=call)
             return tuple(faulty if k == position else gi for k, gi in enumerate(grad_input))
         return hook
 
@@ -267,10 +351,10 @@ class Injector:
 
             def corrupt(grad_inputs, grad_outputs):
                 g = grad_inputs[index]
-                if g is None or not self._fires(spec, t):
+                if g is None or (call := self._call(i, spec, t)) is None:
                     return None
                 faulty = g.clone()
-                self._corrupt(i, spec, t, faulty)
+                self._corrupt(i, spec, t, faulty, call=call)
                 return tuple(faulty if k == index else gi for k, gi in enumerate(grad_inputs))
             node.register_hook(corrupt)
             return None
@@ -278,7 +362,8 @@ class Injector:
 
     def _param_grad_hook(self, i, spec, t: Target):
         def hook(param):
-            if param.grad is not None and self._fires(spec, t):
+            # once per step, on the sum over all micro-batches: after the last one's backward
+            if param.grad is not None and self.micro_batch == self.grad_accum - 1 and self._fires(spec, t):
                 self._corrupt(i, spec, t, param.grad)
         return hook
 
@@ -288,40 +373,49 @@ class Injector:
             if spec.site == site and self._live(spec):
                 yield i, spec
 
-    def _apply_memory_faults(self, permanent_only: bool = False) -> None:
+    def _apply_memory_faults(self, after_update: bool = False) -> None:
         """Weights and optimizer state are memory: a fault there is applied to the resident
-        tensor (optimizer state once per step, at micro-batch 0)."""
+        tensor (optimizer state once per step, at micro-batch 0). ``after_update``: re-apply
+        the permanent ones to the values the update just wrote."""
+        when = "after_update" if after_update else None
         for site in MEMORY_SITES:
             for i, spec in self._active(site):
-                if permanent_only and spec.schedule.kind != "permanent":
+                if after_update and spec.schedule.kind != "permanent":
                     continue
                 for t in self.targets[i]:
                     if not self._fires(spec, t):
                         continue
                     if site == "weight":
-                        self._corrupt(i, spec, t, t.param.data)
-                    elif self.micro_batch == 0 and self.optimizer is not None:
+                        self._corrupt(i, spec, t, t.param.data, when=when)
+                    elif (after_update or self.micro_batch == 0) and self.optimizer is not None:
                         state = self.optimizer.state.get(t.param, {})
                         for key in [spec.state_key] if spec.state_key else sorted(state):
                             value = state.get(key)
                             if isinstance(value, torch.Tensor) and value.shape == t.param.shape:
-                                self._corrupt(i, spec, t, value, suffix=f":{key}")
+                                self._corrupt(i, spec, t, value, suffix=f":{key}", when=when)
 
     def _optimizer_post(self, optimizer, args, kwargs) -> None:
         """A permanent memory fault survives the update: re-apply it to the new values."""
-        self._apply_memory_faults(permanent_only=True)
+        self._apply_memory_faults(after_update=True)
 
     # -- records -----------------------------------------------------------------------------
-    def _record(self, i: int, spec: FaultSpec, name: str, result) -> None:
+    def _record(self, i: int, spec: FaultSpec, name: str, result, *, call: int | None = None,
+                when: str | None = None) -> None:
         site = spec.site
-        key = (i, name, self.step, self.micro_batch, tuple(result.index[:4].tolist()))
-        if key in self._seen:  # recomputation (activation checkpointing): same fault, logged once
+        if _REEXECUTING.get():  # a replay: the permanent faults acting again were logged
             return
+        when = when or ("eval" if self.evaluating else "train")
+        if when != "train" and site in MEMORY_SITES and not _changed(result):
+            return  # a re-application that found the fault already in place: nothing happened
+        # an evaluation pass runs many batches at one position: one record per spec and module
+        key = (i, name, self.step, self.micro_batch, when, None if when == "eval" else call)
+        if key in self._seen and (when == "eval" or self._repeat):
+            return  # the same event of a re-execution (or of an evaluation): logged once
         self._seen.add(key)
         values = result.to_dict()
         record = {
             "step": self.step, "micro_batch": self.micro_batch, "rank": self.rank, "site": site,
-            "module": name, "spec": i, "model": spec.model,
+            "when": when, "call": call, "module": name, "spec": i, "model": spec.model,
             "bits": list(spec.bits) if spec.bits else None,
             "count": len(values["index"]),
             **{k: vals[:MAX_RECORDED] for k, vals in values.items()},
@@ -340,6 +434,7 @@ class InjectorCallback:
         self.injector = injector
 
     def before_step(self, ctx) -> None:
+        self.injector.grad_accum = ctx.trainer.config.grad_accum
         self.injector.set_position(ctx.step, 0)
 
     def before_evaluate(self, trainer) -> None:

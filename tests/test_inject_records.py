@@ -1,0 +1,203 @@
+"""injections.jsonl records: one per application, labelled (``when``, ``call``), none lost or merged.
+
+Covers a module called twice in one micro-batch, permanent memory faults re-applied after the
+update, evaluation passes, ``param_grad`` under gradient accumulation and ``mac_cell`` on a
+convolution with a non-zero padding mode.
+"""
+
+import struct
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from sdcscope.engine import TrainConfig, Trainer
+from sdcscope.faults import FaultSpec
+from sdcscope.inject import Injector
+from sdcscope.workloads import WorkloadConfig, make_workload
+
+
+def spec(**kw):
+    base = {"model": "bitflip", "bits": [31], "pattern": {"kind": "element", "index": 3},
+            "schedule": {"kind": "transient", "step": 0}}
+    base.update(kw)
+    return FaultSpec.from_dict(base)
+
+
+def bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def f32(b: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", b))[0]
+
+
+def rows(records, *keys):
+    return [tuple(r[k] for k in keys) for r in records]
+
+
+class Twice(nn.Module):
+    """One Linear used twice per forward (weights shared across depth)."""
+
+    def __init__(self, use_checkpoint=False):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.use_checkpoint = use_checkpoint
+
+    def body(self, x):
+        return self.lin(torch.relu(self.lin(x)))
+
+    def forward(self, x):
+        return checkpoint(self.body, x, use_reentrant=False) if self.use_checkpoint else self.body(x)
+
+
+def _twice_run(s, use_checkpoint=False):
+    torch.manual_seed(0)
+    m = Twice(use_checkpoint)
+    x = torch.randn(2, 4)
+    clean = []
+    h = m.lin.register_forward_hook(lambda mod, a, o: clean.append(o.detach().clone()))
+    m(x)
+    h.remove()
+    seen = []
+    m.lin.register_forward_hook(lambda mod, a, o: seen.append(o.detach().clone()))
+    with Injector(m, [s]) as inj:
+        inj.set_position(0)
+        m(x).sum().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+    return clean, seen[:2], inj.records, grads
+
+
+def test_shared_module_transient_fault_hits_the_first_call_once_and_is_logged_once():
+    s = spec(site="gemm.forward", target="lin")
+    clean, seen, records, grads = _twice_run(s)
+    before = clean[0].reshape(-1)[3].item()
+    assert rows(records, "step", "micro_batch", "when", "call", "index", "before", "after") == [
+        (0, 0, "train", 0, [3], [before], [-before])]
+    assert seen[0].reshape(-1)[3].item() == -before  # the first call is corrupted...
+    # ...the second one ran on the corrupted first call's result, not corrupted itself
+    assert seen[1].reshape(-1)[3].item() != -seen[1].reshape(-1)[3].item()
+    # activation checkpointing recomputes both calls: the same (single) corruption, logged once
+    _, seen_ck, records_ck, grads_ck = _twice_run(s, use_checkpoint=True)
+    assert records_ck == records and torch.equal(grads_ck, grads)
+    assert all(torch.equal(a, b) for a, b in zip(seen_ck, seen))
+
+
+def test_shared_module_permanent_fault_hits_every_call_each_logged():
+    s = spec(site="gemm.forward", target="lin", schedule={"kind": "permanent", "start": 0})
+    _, seen, records, grads = _twice_run(s)
+    assert rows(records, "when", "call", "index") == [("train", 0, [3]), ("train", 1, [3])]
+    for rec, out in zip(records, seen):
+        assert rec["after"] == [-rec["before"][0]] and out.reshape(-1)[3].item() == rec["after"][0]
+    _, _, records_ck, grads_ck = _twice_run(s, use_checkpoint=True)
+    assert records_ck == records and torch.equal(grads_ck, grads)
+
+
+def test_permanent_weight_fault_reapplied_after_every_update_is_logged():
+    s = spec(site="weight", target="weight", model="stuck_at_0", bits=[22],
+             pattern={"kind": "element", "index": [1, 2]}, schedule={"kind": "permanent", "start": 0})
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    updated = []  # the value the update wrote, before the injector re-applies the stuck bit
+    opt.register_step_post_hook(lambda o, a, k: updated.append(m.weight.detach()[1, 2].item()))
+    inj = Injector(m, [s], opt).attach()
+    w0 = m.weight.detach()[1, 2].item()
+    for step in range(6):
+        inj.set_position(step)
+        opt.zero_grad()
+        m(torch.randn(8, 4)).pow(2).sum().backward()
+        opt.step()
+    inj.close()
+    stuck = [f32(bits(v) & ~(1 << 22)) for v in updated]
+    expected_updates = [(k, "after_update", [v], [w]) for k, (v, w) in enumerate(zip(updated, stuck))
+                        if bits(v) != bits(w)]
+    assert len(expected_updates) >= 2  # the stuck bit was set again by several updates
+    got = rows(inj.records, "step", "when", "before", "after")
+    assert [r for r in got if r[1] == "after_update"] == expected_updates
+    # one pre-forward record per step (bit already cleared after step 0: before == after)
+    assert [r[0] for r in got if r[1] == "train"] == list(range(6))
+    assert got[0] == (0, "train", [w0], [f32(bits(w0) & ~(1 << 22))])
+    # what the model holds at the end (after the last update) is the stuck value
+    assert m.weight.detach()[1, 2].item() == stuck[-1]
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return make_workload(WorkloadConfig(workload="gpt", preset="tiny", batch_size=2))
+
+
+def test_evaluation_records_never_replace_training_records(gpt):
+    s = spec(site="gemm.forward", target="blocks.0.attn.q_proj",
+             pattern={"kind": "element", "index": 5}, schedule={"kind": "permanent", "start": 0})
+    once = spec(site="gemm.forward", target="blocks.0.mlp.fc", schedule={"kind": "transient", "step": 2})
+
+    def run(eval_every):
+        trainer = Trainer(gpt, TrainConfig(seed=1))
+        inj = Injector(trainer.model, [s, once], trainer.optimizer).attach()
+        trainer.add_callback(inj.callback())
+        for _ in range(3):
+            if eval_every and trainer.step and trainer.step % eval_every == 0:
+                trainer.evaluate()
+            trainer.train_step()
+        trainer.evaluate()
+        inj.close()
+        return inj.records
+
+    plain, evaluated = run(0), run(2)
+    train = [r for r in evaluated if r["when"] == "train"]
+    assert train == plain[:-1] and [r["when"] for r in plain[:-1]] == ["train"] * 4
+    assert rows(train, "step", "spec", "call") == [(0, 0, 0), (1, 0, 0), (2, 0, 0), (2, 1, 0)]
+    # one record per spec and module per evaluation (many batches), permanent faults only
+    assert rows([r for r in evaluated if r["when"] == "eval"], "step", "spec", "call") == [(2, 0, 0), (3, 0, 0)]
+    assert rows(plain[-1:], "step", "when", "spec") == [(3, "eval", 0)]
+
+
+def test_param_grad_fires_once_per_step_on_the_accumulated_gradient(gpt):
+    s = spec(site="param_grad", target="blocks.0.mlp.fc.bias", schedule={"kind": "transient", "step": 1})
+    perm = spec(site="param_grad", target="blocks.0.mlp.proj.bias", schedule={"kind": "permanent", "start": 1})
+
+    def run(specs):
+        trainer = Trainer(gpt, TrainConfig(seed=2, grad_accum=3))
+        inj = Injector(trainer.model, specs, trainer.optimizer).attach() if specs else None
+        if inj is not None:
+            trainer.add_callback(inj.callback())
+        used = {}
+        fc, proj = trainer.model.blocks[0].mlp.fc.bias, trainer.model.blocks[0].mlp.proj.bias
+        class Read:  # the accumulated gradient the update reads (clipping, then the optimizer)
+            def before_optimizer_step(self, ctx):
+                used[ctx.step] = (fc.grad[3].item(), proj.grad[3].item())
+        trainer.add_callback(Read())
+        for _ in range(2):
+            trainer.train_step()
+        return used, (inj.records if inj else None)
+
+    golden, _ = run([])
+    faulty, records = run([s, perm])
+    g = golden[1]
+    assert rows(records, "step", "micro_batch", "spec", "module", "before", "after") == [
+        (1, 2, 1, "blocks.0.mlp.proj.bias", [g[1]], [-g[1]]),
+        (1, 2, 0, "blocks.0.mlp.fc.bias", [g[0]], [-g[0]])]
+    assert faulty[0] == golden[0] and faulty[1] == (-g[0], -g[1])
+
+
+@pytest.mark.parametrize("mode", ["zeros", "circular", "reflect"])
+def test_mac_cell_conv_error_uses_the_modules_padding(mode):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3, padding=1, padding_mode=mode)
+    x = torch.randn(1, 2, 5, 5)
+    s = spec(site="gemm.forward", target="0", pattern={"kind": "mac_cell", "input_channel": 1, "output_channel": 2})
+    model = nn.Sequential(conv)
+    with Injector(model, [s]) as inj, torch.no_grad():
+        inj.set_position(0)
+        y = model(x)
+    (rec,) = inj.records
+    assert rec["index"] == [2 * 18 + 9 + k for k in range(9)]  # weight[2, 1, :, :]
+    ref = nn.Conv2d(2, 3, 3, padding=1, padding_mode=mode)
+    ref.load_state_dict(conv.state_dict())
+    with torch.no_grad():
+        ref.weight.view(-1)[torch.tensor(rec["index"])] = torch.tensor(rec["after"])
+        expected = ref(x)
+        assert not torch.allclose(expected, conv(x))
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
