@@ -1,6 +1,6 @@
 """Cost of the cross-rank signature check on a DDP training step (2 ranks, gloo, CPU).
 
-    python benchmarks/bench_crossrank_overhead.py [--rounds 40] [--nproc 2] [--batch-size 16]
+    python benchmarks/bench_crossrank_overhead.py [--rounds 150] [--nproc 2] [--batch-size 16]
 
 One DDP trainer (the engine's) with a :class:`~sdcscope.mitigate.quarantine.RankGuard`,
 switched on and off between turns: on, it gathers per-parameter pre-reduction signatures every
@@ -9,7 +9,8 @@ one-step-late check of the reduced buckets); off, its hook stage returns at once
 is averaged as by DDP's default hook. The same model, optimizer and buffers serve both sides, so
 the ratio holds the check's cost and not a second model's memory placement (two identical
 trainers differ by several percent on a small CPU). Every rank runs the same interleaved
-schedule (the collectives line up; 5 steps per turn); rank 0 prints the median per-round ratio.
+schedule (the collectives line up; one step per turn, many rounds: the ratio of single steps is
+less noisy than that of 5-step turns); rank 0 prints the median per-round ratio.
 
 Two clocks, read in the same rounds: the process's CPU time (all its threads, gloo's included),
 which counts the work the check adds and is robust to other tenants of a shared machine; and
@@ -26,7 +27,7 @@ import time
 from collections.abc import Callable
 
 
-def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int, inner: int = 5,
+def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int, inner: int = 1,
                 warmup: int = 3) -> dict[str, dict[str, float]]:
     """Run every function ``inner`` times per round, in a rotating order; per function the median
     over rounds of its time divided by the baseline's (``fns['base']``), for CPU and wall time."""
@@ -98,7 +99,7 @@ def _rank(rank: int, world: int, rounds: int, batch_size: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
