@@ -165,3 +165,13 @@ def test_internal_failure_is_an_event_not_a_crash(gpt, monkeypatch):
 def test_bad_guard_configs(data, needle):
     with pytest.raises((ValueError, TypeError), match=needle):
         GuardConfig.from_dict(data)
+
+
+@pytest.mark.parametrize("rules,action", [({}, "qk_clip"), ({"attention_logit:high": ["none"]}, "report")])
+def test_attention_logits_above_qk_clip_follow_the_policy(gpt, rules, action):
+    """Logit bounds above qk_clip are findings; the policy decides whether W_q/W_k are rescaled."""
+    config = GuardConfig.from_dict({"qk_clip": 1e-3, "policy": {"rules": rules}})
+    trainer, g = run(gpt, steps=2, config=config)
+    found = [e for e in g.events if e["detector"] == "attention_logit"]
+    assert found and {e["action"] for e in found} == {action}
+    assert all((e["evidence"]["scale"] < 1.0) == (action == "qk_clip") for e in found)

@@ -276,3 +276,29 @@ def test_events_file_exists_from_attach_on_a_clean_run(tmp_path):
         guard.optimizer_step(loss)
     guard.close()
     assert guard.events == [] and (tmp_path / "events.jsonl").read_text() == ""
+
+
+def test_weight_edits_in_after_step_are_no_corruption(tmp_path):
+    """WGAN-style weight clipping after the update: done in after_step, the state checksums take
+    the clipped weights as the truth; done after optimizer_step, they flag them (as they must:
+    the guard cannot tell an edit of the user's from a memory fault)."""
+    def clip_weights():
+        for p in model.parameters():
+            p.clamp_(-0.05, 0.05)
+
+    for inside in (True, False):
+        model, opt, _ = make(False)
+        guard = Guard(model, opt, GuardConfig(), loss_fn=loss_fn).attach()
+        for step in range(3):
+            opt.zero_grad()
+            with guard.step(step, batch_of(step)):
+                loss = loss_fn(model, batch_of(step))
+                loss.backward()
+            guard.optimizer_step(loss, after_step=clip_weights if inside else None)
+            if not inside:
+                with torch.no_grad():
+                    clip_weights()
+        flagged = {e["detector"] for e in guard.events}
+        assert flagged == (set() if inside else {"state_checksum"}), guard.events
+    with pytest.raises(TypeError, match="after_step must be a callable"):
+        guard.optimizer_step(loss, after_step="clip")

@@ -244,7 +244,8 @@ class Guard:
         yield self
 
     def optimizer_step(self, loss: torch.Tensor | float | None = None, *,
-                       before_step: Callable[[], Any] | None = None) -> bool:
+                       before_step: Callable[[], Any] | None = None,
+                       after_step: Callable[[], Any] | None = None) -> bool:
         """Check, mitigate, then call ``optimizer.step()`` unless vetoed; True when it stepped.
 
         ``loss``: the step's loss, a scalar (0-d or one-element tensor, or a number) or None.
@@ -253,6 +254,10 @@ class Guard:
         put gradient clipping (``nn.utils.clip_grad_norm_``) or unscaling there, not before
         this call, so that the detectors and the pre-clip gradient-norm metrics see the
         gradients as computed and a recomputed step is clipped like any other.
+        ``after_step()``: run right after ``optimizer.step()``, before the guard records the
+        checksums of the new weights: put legitimate edits of the weights there (weight clipping,
+        max-norm constraints, EMA copies written back) -- made after this call, they would look
+        like memory corruption to the state checksums at the next step.
 
         After a rollback the model and optimizer hold the snapshot of step
         :attr:`rolled_back_to`; the caller's loop should continue from there and skip the
@@ -262,6 +267,8 @@ class Guard:
         if before_step is not None and not callable(before_step):
             raise TypeError(f"optimizer_step before_step must be a callable (e.g. lambda: "
                             f"nn.utils.clip_grad_norm_(model.parameters(), 1.0)) or None, got {before_step!r}")
+        if after_step is not None and not callable(after_step):
+            raise TypeError(f"optimizer_step after_step must be a callable or None, got {after_step!r}")
         replays = self.loss_fn is not None or self.step_fn is not None
         rerun = self._rerun_plain if replays and self._batch is not None else None
         rank_replay = self._rank_replay_plain if replays and self.rank_batch is not None else None
@@ -290,6 +297,9 @@ class Guard:
         finally:
             for g, lr in zip(groups, base_lrs):  # the very objects: no rounding drift
                 g["lr"] = lr
+        if after_step is not None:  # the user's own code, like before_step
+            with torch.no_grad():
+                after_step()
         self._after_update(applied=True, row=row)
         return True
 
@@ -494,18 +504,26 @@ class Guard:
         return row
 
     def _qk_clip(self, step: int, row: dict) -> None:
+        """An attention-logit bound above ``qk_clip`` is a finding (``attention_logit:high``);
+        the policy's actions for it apply after the update: ``qk_clip`` (rescale W_q, W_k),
+        ``lr_backoff``; anything else reports it."""
+        threshold = self.config.qk_clip
+        chosen = self.config.policy.actions_for("attention_logit", "high")
         modules = dict(self.model.named_modules())
         for key, value in row.items():
-            if not key.startswith("attn/max_logit_bound/"):
+            if not key.startswith("attn/max_logit_bound/") or not (math.isfinite(value) and value > threshold):
                 continue
             layer = key.split("/", 2)[2]
             q, k = modules.get(f"{layer}.q_proj"), modules.get(f"{layer}.k_proj")
-            if q is not None and k is not None:
-                gamma = qk_clip_(q, k, value, self.config.qk_clip)
-                if gamma < 1.0:
-                    self._emit(Event(step, "attention_logit", "high", module=layer, rank=self.rank,
-                                     evidence={"max_logit_bound": value, "threshold": self.config.qk_clip,
-                                               "scale": gamma}, action="qk_clip"))
+            if q is None or k is None:
+                continue
+            done = [a for a in chosen if a in ("qk_clip", "lr_backoff")]
+            gamma = qk_clip_(q, k, value, threshold) if "qk_clip" in done else 1.0
+            if "lr_backoff" in done:
+                self.backoff.trigger(self._clock)
+            self._emit(Event(step, "attention_logit", "high", module=layer, rank=self.rank,
+                             evidence={"max_logit_bound": value, "threshold": threshold, "scale": gamma},
+                             action=", ".join(done) or "report"))
 
     # -- events and failures -----------------------------------------------------------------
     def _emit(self, event: Event, world: bool = False) -> None:
