@@ -119,6 +119,25 @@ def test_gradient_penalty_skips_the_backward_checks_of_the_calls_it_runs_through
     assert [(e.module, e.gemm) for e in det.check(3)] == [("2", "forward")]
 
 
+@pytest.mark.parametrize("scaled", ["x", "dy"])
+def test_tiny_operands_raise_no_false_mismatch_and_flips_are_still_found(scaled):
+    """Operands below ~1e-19 (a saturated gate's dY): their fp32 squared norms underflow; the
+    norm floor keeps the threshold from collapsing to 0, and an exponent flip is still far above."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 64))
+    det = ABFTDetector(model).attach()
+    for step, sc in enumerate([1e-12, 1e-19, 1e-22, 1e-25]):
+        x = (torch.randn(64, 256) * (sc if scaled == "x" else 1)).requires_grad_(True)
+        y = model(x)
+        (y * torch.randn_like(y) * (sc if scaled == "dy" else 1)).sum().backward()
+        assert det.check(step) == [], sc
+    corrupt_forward(model[0], (5, 7), 30)
+    det.begin_step(4)
+    x = (torch.randn(64, 256) * (1e-25 if scaled == "x" else 1)).requires_grad_(True)
+    model(x).sum().backward()
+    assert [(e.gemm, e.index) for e in det.check(4)][:1] == [("forward", (None, 7))]  # column 7
+
+
 def test_forward_output_bitflip_located():
     model = transformer(3)
     idx = (1, 5, 7)

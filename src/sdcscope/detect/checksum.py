@@ -191,8 +191,23 @@ class Operand:
         base = self._SWAP.get(key, key) if self._flip else key
         got = self._cache.get(base)
         if got is None:
-            got = self._cache[base] = self._compute(base)
+            got = self._compute(base)
+            if base in ("rn", "cn", "fn"):
+                got = got.clamp_min(self._norm_floor(base))
+            self._cache[base] = got
         return got
+
+    def _norm_floor(self, key: str) -> float:
+        """√(n·tiny) for a norm over n elements: a square below the norm dtype's smallest normal
+        is lost (flushed or underflowed), so operands below ~1e-19 (fp32) have computed norms of
+        ~0 and the threshold would collapse; their true norm is at most about this. Floored, a
+        rounding residual of such tiny values is no mismatch, and any flip that matters is still
+        orders of magnitude above."""
+        t = self.t
+        c = t.shape[-1]
+        r = t.numel() // max(c, 1) if self.flat else t.shape[-2]
+        n = {"rn": c, "cn": r, "fn": r * c}[key]
+        return math.sqrt(n * torch.finfo(_norm_dtype(t)).tiny)
 
     def _compute(self, key: str) -> torch.Tensor:
         t, cs = self.t, self.cs
