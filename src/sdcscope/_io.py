@@ -24,6 +24,12 @@ def dumps(obj: Any) -> str:
     return json.dumps(_clean(obj), allow_nan=False, default=str)
 
 
+def as_written(obj: Any) -> Any:
+    """``obj`` as it reads back from a JSON file written here (tuples become lists, non-finite
+    floats strings): the form to compare with what a run directory records."""
+    return json.loads(dumps(obj))
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     """Atomic JSON write (tmp file + rename)."""
     path = Path(path)

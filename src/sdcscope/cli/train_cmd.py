@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -68,12 +67,6 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
-def _as_json(value):
-    from sdcscope.engine.rundir import dumps
-
-    return json.loads(dumps(value))
-
-
 def check_kept_options(ctx: typer.Context, resume: Path, config: dict) -> None:
     """Refuse options given with --resume that differ from what the run's config.json records."""
     conflicts = []
@@ -108,7 +101,9 @@ def resume_run(ctx: typer.Context, resume: Path, faults: Optional[Path], guard: 
         recorded_guard = GuardConfig.from_dict(run.config["guard"]) if run.config.get("guard") else None
     except (TypeError, ValueError, FileNotFoundError) as exc:
         raise type(exc)(f"{str(resume / 'config.json')!r}: {exc}") from None
-    if faults is not None and _as_json([s.to_dict() for s in load_fault_file("--faults", faults)]) != recorded_faults:
+    from sdcscope.engine.rundir import as_written
+
+    if faults is not None and as_written([s.to_dict() for s in load_fault_file("--faults", faults)]) != recorded_faults:
         raise CLIError(f"--faults {str(faults)!r} differs from the faults recorded in {str(resume / 'config.json')!r} "
                        f"({len(recorded_faults)} spec(s)); a resumed run keeps its faults (it re-attaches them): "
                        "drop --faults, or start a new run with --out")

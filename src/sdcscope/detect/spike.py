@@ -182,10 +182,7 @@ class SpikeDetector:
             ratio = v / st.baseline if st.baseline else math.inf
             if ratio >= cfg.warmup_ratio or (cfg.two_sided and ratio * cfg.warmup_ratio <= 1):
                 st.alarm, st.consecutive = True, st.consecutive + 1
-                return [Event(step, self.name, "spike", rank=self.rank, evidence={
-                    "signal": cfg.signal, "value": v, "baseline": st.baseline, "ratio": ratio, "warmup": True,
-                    "warmup_ratio": cfg.warmup_ratio, "seen": self.seen, "method": cfg.method,
-                    "log_space": cfg.log_space, "consecutive": st.consecutive})]
+                return [self._event(step, ratio, warmup=True, warmup_ratio=cfg.warmup_ratio, seen=self.seen)]
         self._absorb(x)
         st.consecutive = 0
         return []
@@ -218,10 +215,14 @@ class SpikeDetector:
             st.consecutive = 0
             return []
         st.consecutive += 1
-        return [Event(step, self.name, "spike", rank=self.rank, evidence={
-            "signal": cfg.signal, "value": v, "baseline": st.baseline, "ratio": ratio,
-            "z": z, "alarm_z": cfg.alarm_z, "min_ratio": cfg.min_ratio, "method": cfg.method,
-            "log_space": cfg.log_space, "consecutive": st.consecutive})]
+        return [self._event(step, ratio, z=z, alarm_z=cfg.alarm_z, min_ratio=cfg.min_ratio)]
+
+    def _event(self, step: int, ratio: float, **detail) -> Event:
+        """The alarm on the value :attr:`state` holds, with the ``detail`` of the test that fired."""
+        cfg, st = self.config, self.state
+        return Event(step, self.name, "spike", rank=self.rank, evidence={
+            "signal": cfg.signal, "value": st.value, "baseline": st.baseline, "ratio": ratio, **detail,
+            "method": cfg.method, "log_space": cfg.log_space, "consecutive": st.consecutive})
 
 
 def _median(s: list[float]) -> float:

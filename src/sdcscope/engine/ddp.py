@@ -35,7 +35,6 @@ import contextlib
 import copy
 import gc
 import inspect
-import json
 import math
 import os
 import signal
@@ -57,7 +56,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sdcscope import __version__
-from sdcscope.engine.run import Interrupted, _stop_requests
+from sdcscope.engine.run import Interrupted, _read_json, _stop_requests
 from sdcscope.engine.rundir import JsonlWriter, check_new_run_dir, read_jsonl, write_json
 from sdcscope.engine.state import param_sha256, save_checkpoint
 from sdcscope.engine.trainer import TrainConfig, Trainer
@@ -910,7 +909,7 @@ def _interrupted_summary(out: Path, world: int) -> dict[str, Any]:
 def _read_summary(out: Path) -> dict[str, Any]:
     """``out/summary.json``, or {} where there is none (or it does not read)."""
     with contextlib.suppress(OSError, ValueError):
-        summary = json.loads((out / "summary.json").read_text())
+        summary = _read_json(out / "summary.json")
         if isinstance(summary, dict):
             return summary
     return {}

@@ -22,7 +22,7 @@ from typing import Any
 from sdcscope import __version__
 from sdcscope._validate import build_config
 from sdcscope.engine.rundir import (
-    CHECKPOINT_DIR, JsonlWriter, check_new_run_dir, dumps, has_checkpoint, read_jsonl, write_json,
+    CHECKPOINT_DIR, JsonlWriter, as_written, check_new_run_dir, has_checkpoint, read_jsonl, write_json,
 )
 from sdcscope.engine.state import CheckpointError, load_checkpoint, param_sha256, read_manifest, save_checkpoint
 from sdcscope.engine.trainer import TrainConfig, Trainer
@@ -69,11 +69,6 @@ def _stop_requests() -> Iterator[list[int]]:
         restore()
 
 
-def _json(value: Any) -> Any:
-    """``value`` as it reads back from JSON (tuples become lists, non-finite floats strings)."""
-    return json.loads(dumps(value))
-
-
 def _differences(a: Any, b: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
     """``{dotted key: (a's value, b's value)}`` wherever two JSON values differ."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -86,7 +81,7 @@ def _identity(config: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint must share with config.json to continue the run: everything that shapes
     the parameters (the evaluation cadence and the guard may change on resume)."""
     train = {k: v for k, v in config["train"].items() if k != "eval_every"}
-    return _json({"workload": config["workload"], "train": train, "faults": config.get("faults") or []})
+    return as_written({"workload": config["workload"], "train": train, "faults": config.get("faults") or []})
 
 
 def _read_json(path: Path) -> Any:
@@ -151,7 +146,7 @@ class Run:
                             for k, (now, then) in diff.items())
                 + " (config.json was edited? a resumed run keeps its configuration)")
         run = cls(out, wcfg, tcfg, _config=config)
-        data = _differences(config.get("data"), _json(run.workload.describe()))
+        data = _differences(config.get("data"), as_written(run.workload.describe()))
         if "data" in config and data:
             raise ValueError(f"{str(path)!r} does not match the workload it describes: "
                              f"{', '.join(f'data.{k}' for k in data)} differ (config.json was edited, or the "
@@ -230,7 +225,7 @@ class Run:
     def _write_config(self, steps: int) -> None:
         """config.json with the target ``steps``; a resumed run appends what changed to ``resumes``."""
         if self._written is not None:
-            changed = {k: new for k, (_, new) in _differences(self._written, _json(self.config)).items()
+            changed = {k: new for k, (_, new) in _differences(self._written, as_written(self.config)).items()
                        if k not in ("steps", "resumes")}
             self.config["resumes"] = [*self.config.get("resumes", []),
                                       {"from_step": self.trainer.step, "steps": steps,
@@ -238,7 +233,7 @@ class Run:
         self.config["steps"] = steps
         self.out.mkdir(parents=True, exist_ok=True)
         write_json(self.out / "config.json", self.config)
-        self._written = _json(self.config)
+        self._written = as_written(self.config)
 
     def _open_logs(self) -> tuple[JsonlWriter, dict[str, Any]]:
         """The metrics writer and the last step's metrics; a resumed run drops what it logged

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sdcscope._io import JsonlWriter, dumps, read_jsonl, write_json
+from sdcscope._io import JsonlWriter, as_written, dumps, read_jsonl, write_json
 from sdcscope.engine.state import MANIFEST_FILE
 
-__all__ = ["RUN_FILES", "CHECKPOINT_DIR", "JsonlWriter", "dumps", "read_jsonl", "write_json", "check_new_run_dir",
+__all__ = ["RUN_FILES", "CHECKPOINT_DIR", "JsonlWriter", "as_written", "dumps", "read_jsonl", "write_json", "check_new_run_dir",
            "has_checkpoint"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "injections.jsonl", "events.jsonl", "summary.json")

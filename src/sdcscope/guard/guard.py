@@ -263,7 +263,6 @@ class Guard:
         :attr:`rolled_back_to`; the caller's loop should continue from there and skip the
         batches in :attr:`skip_batches`.
         """
-        _check_loss(loss)
         if before_step is not None and not callable(before_step):
             raise TypeError(f"optimizer_step before_step must be a callable (e.g. lambda: "
                             f"nn.utils.clip_grad_norm_(model.parameters(), 1.0)) or None, got {before_step!r}")
