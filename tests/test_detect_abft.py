@@ -240,6 +240,60 @@ def test_grad_input_located_when_injector_attached_after_abft():
     assert [(e.module, e.gemm, e.index) for e in events] == [("blocks.1.fc", "grad_input", idx)]
 
 
+def _on_grad_input_at_gemm_node(module, fn):
+    """Apply ``fn(dX) -> dX`` at the call's GEMM node (addmm/mm), where hardware corrupts it: no
+    module backward hook, so ABFT keeps its fast path."""
+    def forward_hook(mod, args, out):
+        node = out.grad_fn
+        while type(node).__name__ in ("ViewBackward0", "UnsafeViewBackward0"):
+            node = node.next_functions[0][0]
+        xi = 1 if type(node).__name__ == "AddmmBackward0" else 0
+        node.register_hook(lambda gi, go: tuple(fn(g) if k == xi else g for k, g in enumerate(gi)))
+    module.register_forward_hook(forward_hook)
+
+
+def test_fast_path_reads_dx_and_dw_at_the_gemm_node_and_finds_their_flips():
+    """After its first call a plain Linear is checked without the operand view (no pre-hook):
+    dY and dX come from one post-hook of the call's GEMM node; flips in dX and dW made at that node
+    are found, named and located as on the view path."""
+    model = transformer(6)
+    det = ABFTDetector(model, BOTH).attach()
+    assert train(model, det, 2) == []
+    layer = next(x for x in det.layers if x.name == "blocks.1.fc")
+    assert layer.fast and layer.pre is None and not layer.module._forward_pre_hooks
+    idx_dx, idx_dw = (1, 2, 4), (5, 7)
+
+    def bump(i):
+        def fn(g):
+            g = g.clone()
+            g[i if g.dim() == 2 and len(i) == 2 else (i[0] * 8 + i[1], i[2])] += 1e3   # seq = 8
+            return g
+        return fn
+    _on_grad_input_at_gemm_node(model.blocks[1].fc, bump(idx_dx))   # dX flattened to (B*T, in)
+    on_grad_weight(model.blocks[0].proj, bump(idx_dw))
+    events = train(model, det, 1, start=2)
+    got = {(e.module, e.gemm, e.index) for e in events}
+    assert got == {("blocks.1.fc", "grad_input", idx_dx), ("blocks.0.proj", "grad_weight", idx_dw)}
+
+
+def test_full_backward_hook_added_later_brings_the_view_path_back():
+    """A full backward hook (an injector's dX fault) edits dX after the GEMM node: once one is
+    registered, the next step checks that layer through the operand view again."""
+    model = transformer(6)
+    det = ABFTDetector(model, BOTH).attach()
+    assert train(model, det, 2) == []
+    idx = (1, 2, 4)
+
+    def hook(mod, grad_input, grad_output):
+        g = grad_input[0].clone()
+        g[idx] += 1e3
+        return (g,)
+    model.blocks[1].fc.register_full_backward_hook(hook)
+    events = train(model, det, 1, start=2)
+    assert [(e.module, e.gemm, e.index) for e in events] == [("blocks.1.fc", "grad_input", idx)]
+    assert next(x for x in det.layers if x.name == "blocks.1.fc").pre is not None
+
+
 def test_grad_weight_bitflip_located_per_call_under_accumulation():
     model = transformer(7)
     idx = (4, 11)

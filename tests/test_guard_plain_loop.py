@@ -302,3 +302,38 @@ def test_weight_edits_in_after_step_are_no_corruption(tmp_path):
         assert flagged == (set() if inside else {"state_checksum"}), guard.events
     with pytest.raises(TypeError, match="after_step must be a callable"):
         guard.optimizer_step(loss, after_step="clip")
+
+
+# -- stall: a fault the guard cannot repair ---------------------------------------------------------
+def test_a_plain_loop_learns_that_its_guard_discards_every_step(tmp_path):
+    """A permanent fault the replay reproduces (a stuck exponent bit in a Linear's output) makes
+    the guard discard every step: after ``stall_after`` of them in a row it reports one
+    ``guard: stalled`` event and :attr:`Guard.stalled` tells the loop; an applied step ends it."""
+    model, opt, _ = make(False)
+    spec = FaultSpec(site="gemm.forward", target="2", model="stuck_at_1", bits=(30,),
+                     pattern={"kind": "element", "index": [0, 0]}, schedule={"kind": "permanent", "start": 0})
+    inj = Injector(model, [spec], opt).attach()
+    guard = Guard(model, opt, GuardConfig(stall_after=3), run_dir=tmp_path, loss_fn=loss_fn).attach()
+    seen = []
+    for step in range(5):
+        batch = batch_of(step)
+        with guard.step(step, batch):
+            loss = loss_fn(model, batch)
+            loss.backward()
+        assert not guard.optimizer_step(loss)
+        seen.append(guard.stalled)
+    assert seen == [False, False, True, True, True] and guard.discarded_steps == 5
+    stalls = [e for e in guard.events if e["verdict"] == "stalled"]
+    assert [(e["detector"], e["step"], e["evidence"]["consecutive_discarded"]) for e in stalls] == [("guard", 2, 3)]
+    inj.detach()
+    batch = batch_of(9)
+    with guard.step(5, batch):
+        loss = loss_fn(model, batch)
+        loss.backward()
+    assert guard.optimizer_step(loss) and not guard.stalled and guard.discarded_steps == 5
+
+
+def test_stall_after_is_validated():
+    with pytest.raises(ValueError, match="stall_after=0 must be a positive integer"):
+        GuardConfig(stall_after=0)
+    assert GuardConfig(stall_after=None).stall_after is None

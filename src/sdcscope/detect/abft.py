@@ -20,10 +20,11 @@ read by several GEMMs are computed once (:class:`~sdcscope.detect.checksum.Opera
 of a step are judged together in one fused pass and one host sync. The column side alone costs
 about one pass over the result and the gradient operand per check; the row side adds two more
 (hence the default ``'column'``). Layers of a tiny model (d = 64) have GEMMs so cheap that these
-passes are a large share of them — and the hooks alone (operand views, gradient captures, no
-checksum work) cost +14 % of a d = 64 step and +5 % at d = 128 on a 2-core CPU
-(``benchmarks/bench_guard_overhead.py --hooks-only``): there, sample (``budget``) rather than
-check everything, or leave the attention products out (``kinds=('linear',)``).
+passes are a large share of them — and the hooks alone (no checksum work) cost +11.5 % of a
+d = 64 step and +3.7 % at d = 128 on a 2-core CPU (``benchmarks/bench_guard_overhead.py
+--hooks-only``; +16.7 % and +4.8 % before the Linear fast path below): there, sample
+(``budget``) rather than check everything, or leave the attention products out
+(``kinds=('linear',)``).
 
 How the hooks see the values actually produced
 ----------------------------------------------
@@ -33,8 +34,16 @@ How the hooks see the values actually produced
   :meth:`ABFTDetector.begin_step` moves ABFT's hook back to the end of each sampled module's
   order, so an injector attached later (but before the step starts) is still seen. A hook added
   in the middle of a step, after ``begin_step``, runs after the check.
-* **dY**: a tensor hook on the module's output (fires before the module's backward runs).
-* **dX / dA / dB**: on sampled steps a forward pre-hook hands the module an identity view of each
+* **dY and dX of a Linear (fast path)**: one post-hook on the call's GEMM node (``addmm`` /
+  ``mm`` behind the reshapes of an N-d input), which receives dY and produces dX (flattened to
+  (tokens, in); a bias gradient there is dY's column sums, reused) — no pre-hook, no view. Used
+  from a layer's second call on, once its graph has that shape, while no full backward
+  (pre-)hook is registered on the module or globally: such a hook (an injector's
+  ``gemm.grad_input`` fault) edits dX *after* the node, so :meth:`ABFTDetector.begin_step`
+  puts the view path below back for that layer. A full backward hook registered in the middle of
+  a step, after ``begin_step``, is not seen by that step's dX check.
+* **dY** (other calls): a tensor hook on the module's output (fires before its backward runs).
+* **dX / dA / dB** (other calls): a forward pre-hook hands the module an identity view of each
   operand and registers a tensor hook on it. The view is consumed only by this module, so its
   gradient is this module's dX — after every full backward hook (an injector's edits included),
   whatever the registration order — and not the sum over the operand's other consumers.
@@ -207,8 +216,10 @@ class _Layer:
     check_dw: bool
     names: tuple[str, ...]                 # forward's parameter names of the operands (keywords)
     calls: int = 0
-    handles: list = field(default_factory=list)   # [forward pre-hook, forward hook]
+    fwd: object = None                     # handle of the forward hook
+    pre: object = None                     # handle of the forward pre-hook (slow path only)
     open_ctx: _Ctx | None = None           # created by the pre-hook, completed by the forward hook
+    fast: bool | None = None               # Linear: its call's GEMM node is reachable (None: not seen yet)
 
 
 class ABFTDetector:
@@ -290,16 +301,29 @@ class ABFTDetector:
         """Register the hooks of the chosen layers, remove those of the others."""
         want = self._active if self._attached else frozenset()
         for layer in self.layers:
-            on = layer.name in want
-            if on and not layer.handles:
-                mod = layer.module
-                layer.handles = [
-                    mod.register_forward_pre_hook(self._pre_hook(layer), prepend=False, with_kwargs=True),
-                    mod.register_forward_hook(self._fwd_hook(layer), prepend=False, with_kwargs=True)]
-            elif not on and layer.handles:
-                for handle in layer.handles:
-                    handle.remove()
-                layer.handles = []
+            if layer.name in want:
+                if layer.fwd is None:
+                    layer.fwd = layer.module.register_forward_hook(self._fwd_hook(layer), prepend=False,
+                                                                   with_kwargs=True)
+                self._sync_pre_hook(layer)
+            else:
+                for handle in (layer.fwd, layer.pre):
+                    if handle is not None:
+                        handle.remove()
+                layer.fwd = layer.pre = None
+
+    def _sync_pre_hook(self, layer: _Layer) -> None:
+        """The forward pre-hook (operand views for dX / dA / dB) is needed unless the layer is a
+        Linear whose dX is read at its GEMM's autograd node (the fast path): possible when the
+        graph has the known shape and no full backward hook (an injector's dX fault) edits dX
+        between that node and the module's input."""
+        slow = not layer.fast or _backward_hooked(layer.module)
+        if slow and layer.pre is None:
+            layer.pre = layer.module.register_forward_pre_hook(self._pre_hook(layer), prepend=False,
+                                                               with_kwargs=True)
+        elif not slow and layer.pre is not None:
+            layer.pre.remove()
+            layer.pre = None
 
     def __enter__(self) -> ABFTDetector:
         return self.attach()
@@ -333,6 +357,7 @@ class ABFTDetector:
             self._sync_hooks()
         for layer in self._chosen:
             _keep_last(layer)
+            self._sync_pre_hook(layer)
 
     @property
     def active_layers(self) -> frozenset[str]:
@@ -403,8 +428,12 @@ class ABFTDetector:
 
         def hook(module, args, kwargs, out):
             ctx, layer.open_ctx = layer.open_ctx, None
-            if ctx is None or not self._on(layer) or not isinstance(out, torch.Tensor):
+            fast = ctx is None and layer.pre is None   # no pre-hook ran: the fast path's call
+            if (ctx is None and not fast) or not self._on(layer) or not isinstance(out, torch.Tensor):
                 return None
+            if fast:
+                layer.calls += 1
+                ctx = _Ctx(call=layer.calls)
             ops = [args[i] if i < len(args) else kwargs.get(k) for i, k in enumerate(layer.names)]
             if not all(isinstance(t, torch.Tensor) for t in ops):
                 ctx.release()
@@ -422,8 +451,21 @@ class ABFTDetector:
                         self._record(layer, "forward", ctx.call, tuple(out.shape[:-1]), (),
                                      a, b.T, out, bias=bias)
                     ctx.a, ctx.b, ctx.a_shape = a, b, tuple(x.shape)
-                    edge = weight_grad_edge(out, module.weight) \
-                        if layer.check_dw and "grad_weight" in gemms and out.requires_grad else None
+                    want_dw = layer.check_dw and "grad_weight" in gemms
+                    nodes = None
+                    if out.requires_grad and (want_dw or "grad_input" in gemms) and (fast or layer.fast is None):
+                        nodes = _linear_nodes(out, module.weight)
+                        layer.fast = nodes is not None   # learnt here; the next step's hooks follow
+                    if fast:
+                        if nodes is not None:   # one hook at the GEMM's node: dY and dX
+                            if "grad_input" in gemms and x.requires_grad:
+                                ctx.need.add("op0")
+                            ctx.need.add("dy")
+                            nodes[0].register_hook(self._gemm_node_hook(layer, ctx, nodes[1]))
+                        # else: an unexpected graph (dX unchecked for this call; the pre-hook returns)
+                    edge = None
+                    if want_dw and out.requires_grad:
+                        edge = nodes[2:] if nodes is not None else weight_grad_edge(out, module.weight)
                     if edge is not None:
                         ctx.need.add("dw")
                         edge[0].register_hook(self._dw_hook(layer, ctx, edge[1]))
@@ -441,7 +483,8 @@ class ABFTDetector:
                     ctx.a, ctx.b = a_e, b_e
                     ctx.full = ((*batch, *a.shape[-2:]), (*batch, *b.shape[-2:]))
                 if ctx.need and out.requires_grad:
-                    out.register_hook(self._dy_hook(ctx))
+                    if "dy" not in ctx.need:
+                        out.register_hook(self._dy_hook(ctx))
                 else:
                     ctx.release()  # no gradient check will come: drop the operands
             return None
@@ -449,14 +492,36 @@ class ABFTDetector:
 
     def _dy_hook(self, ctx: _Ctx):
         def hook(grad):
-            ctx.dy = grad
-            if torch.is_grad_enabled() and not ctx.higher_order:
-                # A backward with create_graph=True (a gradient penalty, a Hessian-vector product):
-                # this call's gradient graph feeds another backward, whose contributions reach the
-                # same autograd nodes (dW sums dYᵀX with the penalty's term): no product of this
-                # call can be checked alone.
-                ctx.higher_order = True
-                self.skipped_higher_order += 1
+            self._set_dy(ctx, grad)
+        return hook
+
+    def _set_dy(self, ctx: _Ctx, dy: torch.Tensor | None) -> None:
+        ctx.dy = dy
+        if torch.is_grad_enabled() and not ctx.higher_order:
+            # A backward with create_graph=True (a gradient penalty, a Hessian-vector product):
+            # this call's gradient graph feeds another backward, whose contributions reach the
+            # same autograd nodes (dW sums dYᵀX with the penalty's term): no product of this
+            # call can be checked alone.
+            ctx.higher_order = True
+            self.skipped_higher_order += 1
+
+    def _gemm_node_hook(self, layer: _Layer, ctx: _Ctx, xi: int):
+        """Fast path of a Linear: post-hook of the call's GEMM node, which sees dY (its gradient
+        output) and dX (its ``xi``-th gradient input, flattened to (tokens, in)) together."""
+        def hook(grad_inputs, grad_outputs):
+            self._set_dy(ctx, grad_outputs[0])
+            db = grad_inputs[0] if xi == 1 else None
+            if db is not None and ctx.dy is not None and ctx.b is not None and db.dtype == self._cs:
+                ctx.dy_operand(self._cs).seed("s0", db)   # autograd's bias gradient: dY's column sums
+            if "op0" in ctx.need:
+                dx = grad_inputs[xi]
+                if dx is not None and ctx.dy is not None and ctx.a is not None and not ctx.higher_order:
+                    with torch.no_grad():
+                        self._record(layer, "grad_input", ctx.call, ctx.a_shape[:-1], (),
+                                     ctx.dy_operand(self._cs), ctx.b, dx)
+                ctx.done("op0")
+            ctx.done("dy")
+            return None
         return hook
 
     def _grad_operand_hook(self, layer: _Layer, ctx: _Ctx, pos: int):
@@ -611,10 +676,42 @@ def _keep_last(layer: _Layer) -> None:
     registered after ``attach()`` (an injector editing the output) still runs before the check.
     Uses the module's ordered hook dict (no public API reorders hooks)."""
     hooks = getattr(layer.module, "_forward_hooks", None)
-    hid = layer.handles[1].id if layer.handles else None
+    hid = layer.fwd.id if layer.fwd is not None else None
     if hooks is None or hid not in hooks or next(reversed(hooks)) == hid:
         return
     hooks.move_to_end(hid)
+
+
+_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+
+
+def _linear_nodes(out: torch.Tensor, weight: torch.Tensor):
+    """``(gemm node, index of X's gradient, dW node, index of dW)`` of the ``F.linear`` call that
+    produced ``out``: ``addmm``/``mm`` (after the reshapes of an N-d input) whose weight operand is
+    ``weight.t()`` (through an autocast copy). ``None`` for any other graph."""
+    node = out.grad_fn
+    while node is not None and type(node).__name__ in _VIEW_NODES:
+        node = node.next_functions[0][0]
+    kind = type(node).__name__
+    xi = 1 if kind == "AddmmBackward0" else 0 if kind == "MmBackward0" else None
+    if xi is None or len(node.next_functions) != xi + 2:
+        return None
+    wt = node.next_functions[xi + 1][0]
+    if wt is None or type(wt).__name__ != "TBackward0":
+        return None
+    leaf = wt.next_functions[0][0]
+    while leaf is not None and type(leaf).__name__ == "ToCopyBackward0":
+        leaf = leaf.next_functions[0][0]
+    if getattr(leaf, "variable", None) is not weight:
+        return None
+    return node, xi, wt, 0
+
+
+def _backward_hooked(module: nn.Module) -> bool:
+    """Full backward (pre-)hooks on ``module`` or on every module: they may edit dX or dY."""
+    g = nn.modules.module
+    return bool(module._backward_hooks or module._backward_pre_hooks
+                or g._global_backward_hooks or g._global_backward_pre_hooks)
 
 
 def _operand_names(module: nn.Module, n: int) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from sdcscope._validate import build_config, check_bool, check_float
+from sdcscope._validate import build_config, check_bool, check_float, check_positive
 from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
 from sdcscope.detect.state import StateChecksumConfig
 from sdcscope.faults import describe_yaml_error
@@ -52,6 +52,10 @@ class GuardConfig:
     """Data-parallel runs (a Guard given ``ddp=``): cross-rank gradient signatures, replica hash
     checks, rank localization by replay, the device ledger and quarantine
     (:mod:`sdcscope.guard.ranks`); ignored in a single process, required under DDP."""
+    stall_after: int | None = 20
+    """Consecutive discarded steps (vetoed or rolled back) after which the guard reports
+    ``guard: stalled`` (a fault it cannot repair: training makes no progress) and
+    :attr:`Guard.stalled` turns true; None: never."""
     strict: bool = False
     """Re-raise the guard's own internal errors instead of reporting them as events."""
 
@@ -73,6 +77,8 @@ class GuardConfig:
             raise FileNotFoundError(f"guard invariants file {str(self.invariants)!r} does not exist")
         for name in ("replay", "strict"):
             check_bool(f"guard {name}", getattr(self, name))
+        if self.stall_after is not None:
+            check_positive("guard stall_after", self.stall_after)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "GuardConfig":

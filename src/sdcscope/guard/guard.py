@@ -165,6 +165,9 @@ class Guard:
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._gsq: tuple[int, Any] | None = None
         self._step_events = 0
+        self.discarded_steps = 0
+        """Steps whose update the guard vetoed or rolled back."""
+        self._discard_streak = 0
         self._attached = False
         self.ranks = None
         if ddp is not None:
@@ -500,7 +503,27 @@ class Guard:
                                  evidence=record.get("evidence") or {}, action=record.get("action") or "report"))
         if applied and self._step_events == 0 and self.ring.due(step + 1):
             (snapshot or (lambda: self.ring.take(self.model, self.optimizer, step + 1, step + 1)))()
+        self._count_discard(applied)
         return row
+
+    @property
+    def stalled(self) -> bool:
+        """The last ``stall_after`` steps were all discarded: a fault the guard cannot repair (a
+        permanent one the replay reproduces) holds training still. A plain loop should stop
+        (or move the job) rather than go on discarding."""
+        n = self.config.stall_after
+        return n is not None and self._discard_streak >= n
+
+    def _count_discard(self, applied: bool) -> None:
+        if applied:
+            self._discard_streak = 0
+            return
+        self.discarded_steps += 1
+        self._discard_streak += 1
+        if self._discard_streak == self.config.stall_after:  # once per streak; every rank alike
+            self._emit(Event(self._step, "guard", "stalled", rank=self.rank, action="report",
+                             evidence={"consecutive_discarded": self._discard_streak,
+                                       "discarded_steps": self.discarded_steps}), world=True)
 
     def _qk_clip(self, step: int, row: dict) -> None:
         """An attention-logit bound above ``qk_clip`` is a finding (``attention_logit:high``);
