@@ -94,7 +94,7 @@ from torch import nn
 from sdcscope._validate import check_bool, check_choice, check_float, check_non_negative, check_positive
 from sdcscope.detect.checksum import SIDES, GemmCheck, Operand, gemm_lines, line_ratios, rounding_model
 from sdcscope.detect.events import GEMMS, Event
-from sdcscope.inject.targets import weight_grad_edge
+from sdcscope.inject.targets import through_casts, weight_grad_edge
 from sdcscope.observe._util import is_matmul, match_modules, no_autocast
 
 CHECKSUMS = ("both", "row", "column")
@@ -699,10 +699,7 @@ def _linear_nodes(out: torch.Tensor, weight: torch.Tensor):
     wt = node.next_functions[xi + 1][0]
     if wt is None or type(wt).__name__ != "TBackward0":
         return None
-    leaf = wt.next_functions[0][0]
-    while leaf is not None and type(leaf).__name__ == "ToCopyBackward0":
-        leaf = leaf.next_functions[0][0]
-    if getattr(leaf, "variable", None) is not weight:
+    if getattr(through_casts(wt.next_functions[0][0]), "variable", None) is not weight:
         return None
     return node, xi, wt, 0
 

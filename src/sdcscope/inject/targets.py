@@ -51,6 +51,14 @@ def is_gemm(module: nn.Module) -> bool:
     return isinstance(module, GEMM_TYPES) or getattr(module, "is_matmul", False)
 
 
+def through_casts(node):
+    """``node``, or the node behind the casts on its way (``ToCopyBackward0``: autocast's copy of
+    a weight, cached and shared by every use of the weight in the region)."""
+    while type(node).__name__ == "ToCopyBackward0" and node.next_functions:
+        node = node.next_functions[0][0]
+    return node
+
+
 def weight_grad_edge(output: torch.Tensor, weight: torch.Tensor, max_depth: int = 4):
     """``(node, index)``: the autograd node of the call that produced ``output`` whose
     ``index``-th gradient is this call's dW, on its way to ``weight.grad`` — the GEMM's own
@@ -72,10 +80,7 @@ def weight_grad_edge(output: torch.Tensor, weight: torch.Tensor, max_depth: int 
                 if child is None or id(child) in seen:
                     continue
                 seen.add(id(child))
-                leaf = child
-                while type(leaf).__name__ == "ToCopyBackward0" and leaf.next_functions:
-                    leaf = leaf.next_functions[0][0]
-                if getattr(leaf, "variable", None) is weight:
+                if getattr(through_casts(child), "variable", None) is weight:
                     return node, i
                 if not hasattr(child, "variable"):
                     nxt.append(child)
