@@ -182,6 +182,35 @@ def test_one_rule_keeps_the_weight_rollback():
     assert model[2].weight.abs().max().item() < 10
 
 
+def test_rollback_restores_the_loops_scheduler_with_the_model():
+    model, opt, inj = make(True, site="weight")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    guard = Guard(model, opt, GuardConfig(), run_dir=tempfile.mkdtemp(), loss_fn=loss_fn,
+                  stateful=[sched]).attach()
+    for step in range(5):
+        batch = batch_of(step)
+        opt.zero_grad()
+        inj.set_position(step)
+        with guard.step(step, batch):
+            loss = loss_fn(model, batch)
+            loss.backward()
+        if guard.optimizer_step(loss):
+            sched.step()
+        elif guard.rolled_back_to is not None:
+            break
+    guard.close()
+    assert [e["action"] for e in guard.events] == ["rollback"] and guard.rolled_back_to == 0
+    assert sched.last_epoch == 0 and sched.get_last_lr() == [0.1] and opt.param_groups[0]["lr"] == 0.1
+    sched.step()   # the schedule goes on from the restored step
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_stateful_items_need_state_dicts():
+    model, opt, _ = make(False)
+    with pytest.raises(TypeError, match=r"stateful items need state_dict\(\) and load_state_dict\(\).*42"):
+        Guard(model, opt, stateful=[42])
+
+
 @pytest.mark.parametrize("rules, match", [
     ({"abtf:transient": ["veto"]}, r"unknown detector 'abtf' \(did you mean 'abft'\?\); allowed: abft, "),
     ({"abft:transiant": ["veto"]}, r"unknown verdict 'transiant' for detector 'abft' \(did you mean 'transient'"),

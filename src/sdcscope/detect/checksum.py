@@ -70,6 +70,7 @@ margin of 4× or more; calibration can tighten c per layer.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -211,8 +212,7 @@ class Operand:
         t = self.t
         c = t.shape[-1]
         r = t.numel() // max(c, 1) if self.flat else t.shape[-2]
-        n = {"rn": c, "cn": r, "fn": r * c}[key]
-        return math.sqrt(n * torch.finfo(_norm_dtype(t)).tiny)
+        return norm_floor({"rn": c, "cn": r, "fn": r * c}[key], t.dtype)
 
     def _compute(self, key: str) -> torch.Tensor:
         t, cs = self.t, self.cs
@@ -352,13 +352,28 @@ def gemm_lines(a: Operand, b: Operand, c: torch.Tensor, *, model: RoundingModel,
         return _gemm_lines(a, b, c, model, bias, which)
 
 
+@functools.lru_cache(maxsize=4096)
+def line_coefs(model: RoundingModel, summed: int, k: int) -> tuple[float, float, float]:
+    """``(a1, a2, beta)`` of a :class:`Line` whose checksums each sum ``summed`` results of
+    length-``k`` dot products (see the module docstring)."""
+    u_base = model.u_in + model.u_acc * math.sqrt(k) + (0.0 if model.narrow else model.u_out)
+    r, u_cs = math.sqrt(summed), model.u_cs
+    return u_base + 2 * u_cs * r, u_base + u_cs * (r + math.sqrt(k)), model.u_out + u_cs * r
+
+
+_NORM_TINY = {torch.float64: torch.finfo(torch.float64).tiny}
+
+
+def norm_floor(count: int, dtype: torch.dtype) -> float:
+    """√(count·tiny) of the norm dtype of ``dtype`` (see :meth:`Operand.norm_floor`)."""
+    return math.sqrt(count * _NORM_TINY.get(dtype, _TINY))
+
+
 def _gemm_lines(a, b, c, model, bias, which) -> list[Line]:
     cs, flat = a.cs, a.flat
     n, k = a.shape
     m = b.shape[1]
     rows = 1 if flat else c.numel() // (n * m)
-    u_base = model.u_in + model.u_acc * math.sqrt(k) + (0.0 if model.narrow else model.u_out)
-    u_cs = model.u_cs
     cc = None
     if model.narrow:  # output rounding reads the output, clamped to the Cauchy-Schwarz bound ×2
         cap = 2 * a.stat("rn").amax(-1) * b.stat("cn").amax(-1)
@@ -384,9 +399,7 @@ def _gemm_lines(a, b, c, model, bias, which) -> list[Line]:
         scale, s1 = scale_op.stat(scale_key), s1_op.stat("fn")
         lines.append(Line(act if flat else act.reshape(-1), exp if flat else exp.reshape(-1),
                           scale if flat else scale.reshape(-1), s1, v if flat else v.reshape(-1),
-                          u_base + 2 * u_cs * math.sqrt(summed),
-                          u_base + u_cs * (math.sqrt(summed) + math.sqrt(k)),
-                          model.u_out + u_cs * math.sqrt(summed), rows, out,
+                          *line_coefs(model, summed, k), rows, out,
                           s1_op.norm_floor("fn"), scale_op.norm_floor(scale_key),
                           None if ext is None else ext.reshape(-1)))
     return lines

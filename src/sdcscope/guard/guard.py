@@ -57,10 +57,11 @@ a persistent fault. The policy table then picks the actions. Every finding is an
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import numbers
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ class Guard:
                  step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
                  rank: int | None = None, on_event: Callable[[dict], None] | None = None,
                  ddp: DistributedDataParallel | None = None, ledger: str | Path | None = None,
-                 rank_batch: Callable[[int, int], Any] | None = None) -> None:
+                 rank_batch: Callable[[int, int], Any] | None = None, stateful: Iterable[Any] = ()) -> None:
         """``run_dir``: events go to ``run_dir/events.jsonl``; ``on_event``: also (or instead)
         to this callable; ``loss_fn(model, batch)``: lets a plain loop's step be replayed
         (forward, then the guard runs ``backward()``). ``step_fn(model, batch)``, instead of
@@ -114,7 +115,12 @@ class Guard:
         build the Guard on every rank before the first backward. ``ledger``: a device ledger shared
         across jobs (default ``run_dir/ledger.json``); ``rank_batch(rank, step)``: that rank's
         batch of ``step``, so a plain loop's suspect rank can be replayed with ``loss_fn`` (the
-        engine's DDP trainer replays by itself)."""
+        engine's DDP trainer replays by itself).
+
+        ``stateful``: the loop's other training state -- an LR scheduler, a ``GradScaler``, any
+        object with ``state_dict()`` and ``load_state_dict()`` -- snapshotted with the model and
+        optimizer and restored with them on a rollback (the engine's trainer needs none: it sets
+        each step's learning rate from the step)."""
         for name, fn in (("loss_fn", loss_fn), ("step_fn", step_fn), ("rank_batch", rank_batch),
                          ("on_event", on_event)):
             if fn is not None and not callable(fn):
@@ -123,6 +129,11 @@ class Guard:
             raise ValueError("Guard takes loss_fn or step_fn, not both: loss_fn(model, batch) returns the loss "
                              "of one forward pass (the guard runs backward on a replay); step_fn(model, batch) "
                              "runs the forward and backward of every micro-batch itself and returns the loss")
+        stateful = list(stateful)
+        for obj in stateful:
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"Guard stateful items need state_dict() and load_state_dict() (an LR scheduler, "
+                                f"a GradScaler), got {obj!r}")
         if ddp is None and isinstance(model, DistributedDataParallel):
             ddp, model = model, model.module
         if ddp is not None:
@@ -132,6 +143,7 @@ class Guard:
         self.model, self.optimizer = model, optimizer
         self.config = c = config or GuardConfig()
         self.loss_fn, self.step_fn, self.rank = loss_fn, step_fn, rank
+        self.stateful = stateful
         self.metrics = Metrics(model, optimizer, c.metrics) if c.metrics else None
         self.nonfinite = NonFiniteDetector(model, c.nonfinite, rank=rank) if c.nonfinite else None
         self.loss_spike = SpikeDetector(c.loss_spike, rank=rank) if c.loss_spike else None
@@ -230,7 +242,7 @@ class Guard:
         self._step_events = 0
         self.rolled_back_to = None
         if len(self.ring) == 0:
-            (snapshot or (lambda: self.ring.take(self.model, self.optimizer, step, step)))()
+            (snapshot or (lambda: self._take_snapshot(step)))()
         self._pending = self._safe(lambda: self.state.verify(step), "state_checksum") \
             if self.state is not None and self.state.due(step) else []
         for part in (self.abft, self.metrics):
@@ -240,6 +252,11 @@ class Guard:
             self._safe(lambda: self.invariants.step_begin(step), "invariants")
         if self.ranks is not None:  # a collective's preparation: never skipped on one rank
             self.ranks.begin(step)
+
+    def _take_snapshot(self, step: int) -> None:
+        """A plain loop's rollback target: model, optimizer and the ``stateful`` objects."""
+        extra = {"stateful": [obj.state_dict() for obj in self.stateful]} if self.stateful else None
+        self.ring.take(self.model, self.optimizer, step, step, extra=extra)   # deep-copies extra
 
     @contextlib.contextmanager
     def step(self, step: int, batch: Any = None) -> Iterator["Guard"]:
@@ -277,6 +294,8 @@ class Guard:
         actions, loss = self.decide(loss, rerun, rank_replay=rank_replay)
         if "rollback" in actions:
             state = self.ring.restore_latest(self.model, self.optimizer)
+            for obj, saved in zip(self.stateful, state.extra.get("stateful", ())):
+                obj.load_state_dict(copy.deepcopy(saved))   # the snapshot stays as taken
             self.rolled_back_to = state.step
             self._after_update(applied=False)
             return False
@@ -502,7 +521,7 @@ class Guard:
                 self._emit(Event(**{k: record.get(k) for k in ("step", "detector", "verdict", "module", "rank")},
                                  evidence=record.get("evidence") or {}, action=record.get("action") or "report"))
         if applied and self._step_events == 0 and self.ring.due(step + 1):
-            (snapshot or (lambda: self.ring.take(self.model, self.optimizer, step + 1, step + 1)))()
+            (snapshot or (lambda: self._take_snapshot(step + 1)))()
         self._count_discard(applied)
         return row
 
