@@ -276,6 +276,49 @@ def test_fast_path_reads_dx_and_dw_at_the_gemm_node_and_finds_their_flips():
     assert got == {("blocks.1.fc", "grad_input", idx_dx), ("blocks.0.proj", "grad_weight", idx_dw)}
 
 
+def test_hot_path_builds_the_lines_the_general_path_builds(monkeypatch):
+    """Column checks of Linears computing in the checksum dtype skip gemm_lines (the hot path):
+    the same ratios on clean steps and the same events (layer, GEMM, column, threshold) for flips
+    in Y, dX and dW as the general path."""
+    import sdcscope.detect.abft as abft_module
+
+    calls = []
+    general = abft_module.gemm_lines
+    monkeypatch.setattr(abft_module, "gemm_lines", lambda *a, **k: calls.append(1) or general(*a, **k))
+
+    def bump(i):
+        def fn(g):
+            g = g.clone()
+            g[i] += 1e3
+            return g
+        return fn
+
+    def run(hot: bool):
+        calls.clear()
+        model = transformer(6)
+        det = ABFTDetector(model, ABFTConfig(kinds=("linear",))).attach()
+        if not hot:
+            monkeypatch.setattr(det, "_lean_ok", lambda *a: False)
+        clean = train(model, det, 2)
+        n_calls, ratios = len(calls), dict(det.max_ratio)
+        model.blocks[1].v_proj.register_forward_hook(lambda m, a, out: out + bump((0, 3, 5))(torch.zeros_like(out)))
+        _on_grad_input_at_gemm_node(model.blocks[1].fc, bump((9, 4)))
+        on_grad_weight(model.blocks[0].proj, bump((5, 7)))
+        events = train(model, det, 1, start=2)
+        return clean, n_calls, ratios, {(e.module, e.gemm, e.index, round(e.evidence["threshold"], 3)) for e in events}
+
+    clean_hot, calls_hot, ratios_hot, events_hot = run(True)
+    clean_gen, calls_gen, ratios_gen, events_gen = run(False)
+    # hot: only the backward checks of each layer's first call (the view path, before the fast one)
+    assert clean_hot == clean_gen == [] and calls_hot == 13 * 2 and calls_gen == 2 * 13 * 3
+    assert ratios_hot.keys() == ratios_gen.keys()
+    assert all(ratios_hot[k] == pytest.approx(ratios_gen[k], rel=1e-5) for k in ratios_gen)
+    assert events_hot == events_gen
+    assert {e[:3] for e in events_hot} == {("blocks.1.v_proj", "forward", (None, None, 5)),   # the column
+                                          ("blocks.1.fc", "grad_input", (None, None, 4)),
+                                          ("blocks.0.proj", "grad_weight", (None, 7))}
+
+
 def test_full_backward_hook_added_later_brings_the_view_path_back():
     """A full backward hook (an injector's dX fault) edits dX after the GEMM node: once one is
     registered, the next step checks that layer through the operand view again."""
