@@ -165,10 +165,8 @@ def test_policy_rules_merge_over_defaults():
     assert again.rules == {**DEFAULT_RULES, "spike:*": ["report"]}
 
 
-def test_one_rule_keeps_the_weight_rollback():
-    config = GuardConfig.from_dict({"policy": {"rules": {"abft:transient": ["veto"]}}})
-    model, opt, inj = make(True, site="weight")
-    guard = Guard(model, opt, config, run_dir=tempfile.mkdtemp(), loss_fn=loss_fn).attach()
+def weight_fault_run(guard: Guard, model, opt, inj, *, stepped=lambda: None, stop_at_rollback=False) -> None:
+    """Five steps of a loop with a weight flip at step 3; ``stepped()`` after each applied update."""
     for step in range(5):
         batch = batch_of(step)
         opt.zero_grad()
@@ -176,8 +174,18 @@ def test_one_rule_keeps_the_weight_rollback():
         with guard.step(step, batch):
             loss = loss_fn(model, batch)
             loss.backward()
-        guard.optimizer_step(loss)
+        if guard.optimizer_step(loss):
+            stepped()
+        elif stop_at_rollback and guard.rolled_back_to is not None:
+            break
     guard.close()
+
+
+def test_one_rule_keeps_the_weight_rollback():
+    config = GuardConfig.from_dict({"policy": {"rules": {"abft:transient": ["veto"]}}})
+    model, opt, inj = make(True, site="weight")
+    guard = Guard(model, opt, config, run_dir=tempfile.mkdtemp(), loss_fn=loss_fn).attach()
+    weight_fault_run(guard, model, opt, inj)
     assert [(e["detector"], e["action"]) for e in guard.events] == [("state_checksum", "rollback")]
     assert model[2].weight.abs().max().item() < 10
 
@@ -187,19 +195,9 @@ def test_rollback_restores_the_loops_scheduler_with_the_model():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     guard = Guard(model, opt, GuardConfig(), run_dir=tempfile.mkdtemp(), loss_fn=loss_fn,
                   stateful=[sched]).attach()
-    for step in range(5):
-        batch = batch_of(step)
-        opt.zero_grad()
-        inj.set_position(step)
-        with guard.step(step, batch):
-            loss = loss_fn(model, batch)
-            loss.backward()
-        if guard.optimizer_step(loss):
-            sched.step()
-        elif guard.rolled_back_to is not None:
-            break
-    guard.close()
-    assert [e["action"] for e in guard.events] == ["rollback"] and guard.rolled_back_to == 0
+    weight_fault_run(guard, model, opt, inj, stepped=sched.step, stop_at_rollback=True)
+    assert [(e["detector"], e["action"]) for e in guard.events] == [("state_checksum", "rollback")]
+    assert guard.rolled_back_to == 0
     assert sched.last_epoch == 0 and sched.get_last_lr() == [0.1] and opt.param_groups[0]["lr"] == 0.1
     sched.step()   # the schedule goes on from the restored step
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
