@@ -96,11 +96,11 @@ import torch
 from torch import nn
 
 from sdcscope._validate import check_bool, check_choice, check_float, check_non_negative, check_positive
-from sdcscope.detect.checksum import (SIDES, GemmCheck, Line, Operand, gemm_lines, line_coefs, line_ratios,
-                                      norm_floor, rounding_model)
+from sdcscope.detect.checksum import (SIDES, GemmCheck, Line, Operand, frobenius, gemm_lines, line_coefs,
+                                      line_ratios, norm_floor, rounding_model)
 from sdcscope.detect.events import GEMMS, Event
 from sdcscope.inject.targets import through_casts, weight_grad_edge
-from sdcscope.observe._util import is_matmul, match_modules, no_autocast
+from sdcscope.observe._util import autocast_on, is_matmul, match_modules, no_autocast
 
 CHECKSUMS = ("both", "row", "column")
 KINDS = ("linear", "matmul")
@@ -411,7 +411,7 @@ class ABFTDetector:
         cs, bias = self._cs, module.bias
         return (self.config.checksums == "column" and out.dtype == cs and x.dtype == cs
                 and module.weight.dtype == cs and (bias is None or bias.dtype == cs) and out.dim() >= 2
-                and not _autocast_on(out.device.type))
+                and not autocast_on(out.device))
 
     def _lean_line(self, layer: _Layer, gemm: str, call: int, c_dims: tuple | None, k: int,
                    act, exp, v, scale, s1, counts: tuple[int, int, int, int], device) -> None:
@@ -521,7 +521,7 @@ class ABFTDetector:
                         edge = nodes[2:] if nodes is not None else weight_grad_edge(out, module.weight)
                     if edge is not None:
                         ctx.need.add("dw")
-                        edge[0].register_hook((self._lean_dw_hook if lean else self._dw_hook)(layer, ctx, edge[1]))
+                        edge[0].register_hook(self._dw_hook(layer, ctx, edge[1], lean))
                 else:
                     a, b = ops
                     if a.dim() < 2 or b.dim() < 2:
@@ -585,10 +585,9 @@ class ABFTDetector:
         is one) for the dX and dW checks; dX = dY·W: 1ᵀdX vs Wᵀ·(1ᵀdY)."""
         dy = ctx.dy
         if dy is not None and ctx.b is not None and not ctx.higher_order:
-            with torch.no_grad():
+            with torch.no_grad(), no_autocast(dy.device):
                 s0 = db if db is not None and db.dtype == dy.dtype else dy.sum(0)
-                fn = torch.dot(dy.view(-1), dy.view(-1)).sqrt().view(1) if dy.is_contiguous() \
-                    else torch.linalg.vector_norm(dy).view(1)
+                fn = frobenius(dy)
                 ctx.lean = (s0, fn)
                 if "op0" in ctx.need and dx is not None:
                     n, m = dy.shape
@@ -597,22 +596,6 @@ class ABFTDetector:
                                     torch.mv(w.t.t(), s0), s0, w.stat("cn"), fn, (n, m, n * m, m), dx.device)
         ctx.done("op0")
         ctx.done("dy")
-
-    def _lean_dw_hook(self, layer: _Layer, ctx: _Ctx, index: int):
-        """Hot path, dW = dYᵀ·X: 1ᵀdW vs (dY·1)ᵀ·X (X's column norms bounded by ‖X‖_F)."""
-        def hook(grad_inputs, grad_outputs):
-            g = grad_inputs[index]
-            if g is not None and ctx.lean is not None and ctx.a is not None and not ctx.higher_order:
-                with torch.no_grad():
-                    dy, (_, fn), a = ctx.dy, ctx.lean, ctx.a
-                    n, m = dy.shape
-                    k = g.shape[1]
-                    r = dy.sum(1)
-                    self._lean_line(layer, "grad_weight", ctx.call, None, n, g.sum(0), torch.mv(a.stat("x").t(), r),
-                                    r, a.stat("fn").expand(k), fn, (m, n, n * m, n * k), g.device)
-            ctx.done("dw")
-            return None
-        return hook
 
     def _grad_operand_hook(self, layer: _Layer, ctx: _Ctx, pos: int):
         def hook(grad):
@@ -639,14 +622,22 @@ class ABFTDetector:
             return None
         return hook
 
-    def _dw_hook(self, layer: _Layer, ctx: _Ctx, index: int):
+    def _dw_hook(self, layer: _Layer, ctx: _Ctx, index: int, lean: bool = False):
         """Post-hook of the call's node handing dW to the weight: dW = dYᵀ · X of this call."""
         def hook(grad_inputs, grad_outputs):
             g = grad_inputs[index]
             if g is not None and ctx.dy is not None and ctx.a is not None and not ctx.higher_order:
                 with torch.no_grad(), no_autocast(g.device):
-                    self._record(layer, "grad_weight", ctx.call, None, (),
-                                 ctx.dy_operand(self._cs).T, ctx.a, g)
+                    if lean:   # hot path: 1ᵀdW vs (dY·1)ᵀ·X (X's column norms bounded by ‖X‖_F)
+                        dy, fn, a = ctx.dy, ctx.lean[1], ctx.a   # ctx.lean: set with ctx.dy at the node
+                        n, m = dy.shape
+                        r = dy.sum(1)
+                        self._lean_line(layer, "grad_weight", ctx.call, None, n, g.sum(0),
+                                        torch.mv(a.stat("xt"), r), r, a.stat("cn"), fn,
+                                        (m, n, n * m, n * g.shape[1]), g.device)
+                    else:
+                        self._record(layer, "grad_weight", ctx.call, None, (),
+                                     ctx.dy_operand(self._cs).T, ctx.a, g)
             ctx.done("dw")
             return None
         return hook
@@ -792,13 +783,6 @@ def _linear_nodes(out: torch.Tensor, weight: torch.Tensor):
     if getattr(through_casts(wt.next_functions[0][0]), "variable", None) is not weight:
         return None
     return node, xi, wt, 0
-
-
-def _autocast_on(kind: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(kind)
-    except RuntimeError:  # a device type autocast does not know
-        return False
 
 
 def _backward_hooked(module: nn.Module) -> bool:

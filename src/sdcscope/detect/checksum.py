@@ -221,10 +221,7 @@ class Operand:
             if done is not None:
                 return torch.linalg.vector_norm(done, dim=-1, keepdim=self.flat)
             if self.flat:
-                if t.dtype == _norm_dtype(t) and t.is_contiguous():   # a BLAS dot: ~2x faster on CPU
-                    f = t.view(-1)
-                    return torch.dot(f, f).sqrt().view(1)
-                return torch.linalg.vector_norm(t, dtype=_norm_dtype(t)).view(1)
+                return frobenius(t)
             # per matrix: first along the dimension that is contiguous in memory (CPU norm kernels
             # are fast there and ~10-50x slower along any other), caching that statistic
             inner = "rn" if t.stride(-1) == 1 else "cn" if t.stride(-2) == 1 else None
@@ -463,6 +460,14 @@ def _vec_norms(x: torch.Tensor, dim: int) -> torch.Tensor:
         return torch.linalg.vector_norm(x, dim=dim, dtype=_norm_dtype(x))
     x = x.to(_norm_dtype(x))
     return (x * x).sum(dim).sqrt()
+
+
+def frobenius(t: torch.Tensor) -> torch.Tensor:
+    """‖t‖_F as a 1-element tensor in fp32 (fp64 for fp64 tensors)."""
+    if t.dtype == _norm_dtype(t) and t.is_contiguous():   # a BLAS dot: ~2x faster on CPU
+        f = t.view(-1)
+        return torch.dot(f, f).sqrt().view(1)
+    return torch.linalg.vector_norm(t, dtype=_norm_dtype(t)).view(1)
 
 
 def _norm_dtype(x: torch.Tensor) -> torch.dtype:

@@ -25,16 +25,22 @@ def is_matmul(module: nn.Module) -> bool:
     return getattr(module, "is_matmul", False) is True
 
 
+def autocast_on(device: torch.device | str) -> bool:
+    """Whether autocast is enabled for ``device``'s type (False for a type autocast does not know)."""
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    try:
+        return torch.is_autocast_enabled(kind)
+    except RuntimeError:  # a device type autocast does not know
+        return False
+
+
 def no_autocast(device: torch.device | str) -> contextlib.AbstractContextManager:
     """Disable autocast for ``device``: hooks run inside the model's autocast region, where an
     fp32 matmul of a monitor or checksum would silently run in bf16."""
-    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
-    try:
-        if not torch.is_autocast_enabled(kind):  # the common case: nothing to switch off
-            return _NULL
-        return torch.autocast(kind, enabled=False)
-    except RuntimeError:  # a device type autocast does not know
+    if not autocast_on(device):  # the common case: nothing to switch off
         return _NULL
+    return torch.autocast(device.type if isinstance(device, torch.device) else torch.device(device).type,
+                          enabled=False)
 
 
 _NULL = contextlib.nullcontext()
