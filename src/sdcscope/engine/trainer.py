@@ -62,6 +62,12 @@ class StepContext:
     restored: bool = False
     """Set by a callback that restored an earlier state (rollback): the step is not counted."""
     metrics: dict[str, Any] = field(default_factory=dict)
+    grad_norms: tuple[list[torch.Tensor], list[int], torch.Tensor] | None = None
+    """A callback that computed the gradients' norms before the update may leave them here:
+    ``(gradients, their ._version values then, their 2-norms stacked as torch._foreach_norm gives
+    them)``. The trainer takes its clipping norm from them when they cover exactly the gradients
+    it clips, unchanged since (same tensors, same versions), and all share one device and dtype
+    (so the norm is bitwise the one ``clip_grad_norm_`` would compute); otherwise it recomputes."""
 
 
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -75,6 +81,18 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.tensor(0.0)
     dev = tensors[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(dev) for n in torch._foreach_norm(tensors)]))
+
+
+def _shared_norm(shared, params: list[nn.Parameter]) -> torch.Tensor | None:
+    """The total gradient norm from a callback's :attr:`StepContext.grad_norms`, if valid for
+    ``params`` as they are (torch ≥ 2.6: ``clip_grads_with_norm_``), else None."""
+    if shared is None or not hasattr(torch.nn.utils, "clip_grads_with_norm_"):
+        return None
+    grads, versions, norms = shared
+    if len(grads) != len(params) or any(p.grad is not g or g._version != v
+                                        for p, g, v in zip(params, grads, versions)):
+        return None
+    return torch.linalg.vector_norm(norms)
 
 
 class Trainer:
@@ -153,10 +171,12 @@ class Trainer:
         loss = ctx.step_loss
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.workload.config.grad_clip
-        if clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-        else:
-            grad_norm = total_norm([p.grad for p in params])
+        grad_norm = _shared_norm(ctx.grad_norms, params)
+        if grad_norm is None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True) if clip > 0 \
+                else total_norm([p.grad for p in params])
+        elif clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm, foreach=True)
         if not ctx.skip_update:
             self.optimizer.step()
         loss_v, norm_v = torch.stack([loss, grad_norm.detach().to(loss.dtype)]).tolist()

@@ -74,7 +74,7 @@ from sdcscope.detect import ABFTDetector, Event, NonFiniteDetector, SpikeDetecto
 from sdcscope.detect.state import StateChecksum
 from sdcscope.inject import reexecution
 from sdcscope.mitigate import LRBackoff, SnapshotRing, ZClip, qk_clip_
-from sdcscope.observe import Metrics, grad_sq_norms
+from sdcscope.observe import Metrics, grad_norms
 from sdcscope.guard.config import GuardConfig
 
 PRIORITY = ("rollback", "veto", "recompute", "skip_batch", "lr_backoff", "qk_clip", "report", "none")
@@ -175,7 +175,7 @@ class Guard:
         self._buffers_before: list[torch.Tensor] = []
         self._pending: list[Event] = []
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._gsq: tuple[int, Any] | None = None
+        self._gsq: tuple | None = None   # (step, (indices, fp64 squared norms), fp32 norms, global norm read)
         self._step_events = 0
         self.discarded_steps = 0
         """Steps whose update the guard vetoed or rolled back."""
@@ -394,12 +394,24 @@ class Guard:
         return sorted(actions, key=PRIORITY.index), loss
 
     def _grad_sq(self) -> tuple[list[int], torch.Tensor | None]:
-        """Squared per-parameter gradient norms of this step, computed once and shared by the
-        non-finite prefilter, the gradient-spike detector and the metrics."""
+        """Squared per-parameter gradient norms of this step (fp64), computed once and shared by
+        the non-finite prefilter, the gradient-spike detector, the metrics and (through
+        :meth:`shared_grad_norms`) the trainer's clipping."""
         if self._gsq is None or self._gsq[0] != self._step:
-            self._gsq = (self._step, self.metrics.grad_sq_norms() if self.metrics is not None
-                         else grad_sq_norms(self._params))
+            idx, norms = grad_norms(self._params)
+            self._gsq = (self._step, (idx, None if norms is None else norms.double().square()), norms, None)
         return self._gsq[1]
+
+    def shared_grad_norms(self) -> tuple[list[torch.Tensor], list[int], torch.Tensor] | None:
+        """This step's per-parameter gradient norms as the trainer's ``StepContext.grad_norms``
+        takes them (gradients, their versions, norms), if computed and all on one device and dtype."""
+        if self._gsq is None or self._gsq[0] != self._step or self._gsq[2] is None:
+            return None
+        grads = [self._params[i].grad for i in self._gsq[1][0]]
+        first = grads[0]
+        if any(g.dtype != first.dtype or g.device != first.device for g in grads):
+            return None
+        return grads, [g._version for g in grads], self._gsq[2]
 
     def _detect(self, step: int, loss) -> list[Event]:
         """One fused pass over the gradients and one host sync decide the cheap detectors: the
@@ -411,12 +423,12 @@ class Guard:
         if self.nonfinite is None and self.loss_spike is None and self.grad_spike is None:
             return events
         _, sq = self._grad_sq()
-        parts = [torch.as_tensor(math.nan if loss is None else loss, dtype=torch.float32).reshape(1)]
-        if sq is not None:
-            parts.append(sq.sum().sqrt().reshape(1))
-        dev = parts[-1].device
-        values = torch.cat([t.detach().to(dev, torch.float64) for t in parts]).tolist()  # the sync
-        loss_v, grad_v = values[0], (values[1] if len(values) > 1 else None)
+        lv = loss.detach().reshape(()) if isinstance(loss, torch.Tensor) else \
+            torch.as_tensor(math.nan if loss is None else loss, dtype=torch.float64).reshape(())
+        parts = [lv.double()] if sq is None else [lv.to(sq.device, torch.float64), sq.sum()]
+        values = torch.stack(parts).tolist()  # the sync
+        loss_v, grad_v = values[0], (math.sqrt(values[1]) if len(values) > 1 else None)
+        self._gsq = (*self._gsq[:3], grad_v)   # the global norm, read: the metrics take it
         bad_loss = loss is not None and not math.isfinite(loss_v)
         bad_grad = grad_v is not None and not math.isfinite(grad_v)
         if self.nonfinite is not None and (bad_loss or bad_grad):
@@ -479,7 +491,7 @@ class Guard:
     def before_update(self) -> None:
         """Metrics that need the gradients the optimizer is about to use; ZClip."""
         if self.metrics is not None:  # gradient norms as computed, before any clipping
-            self._safe(lambda: self.metrics.after_backward(self._grad_sq()), "metrics")
+            self._safe(lambda: self.metrics.after_backward(self._grad_sq(), self._gsq[3]), "metrics")
         if self.zclip is not None:
             self._safe(lambda: self.zclip.clip_(self.model.parameters()), "zclip")
         if self.metrics is not None:
@@ -644,6 +656,7 @@ class GuardCallback:
             g._restore_buffers()
             return
         g.before_update()
+        ctx.grad_norms = g.shared_grad_norms()   # the trainer clips with them if still valid
         scale = g.backoff.scale(g._clock)  # the trainer sets every step's lr afresh: no restore needed
         for group in trainer.optimizer.param_groups:
             group["lr"] *= scale
@@ -656,6 +669,6 @@ class GuardCallback:
         applied = not ctx.skip_update
         row = self.guard._update_metrics(ctx.step_loss) if applied else {}  # the step's lr is still set
         row = self.guard._after_update(applied=applied, row=row, snapshot=self._snapshot(ctx.trainer))
-        for key, value in row.items():
-            ctx.metrics.setdefault(key, value)
+        row.update(ctx.metrics)   # the trainer's own values win
+        ctx.metrics.update(row)
         ctx.metrics["events"] = self.guard._step_events

@@ -7,7 +7,7 @@ that :mod:`sdcscope.detect` also uses.
 
 from sdcscope.observe._util import is_matmul, jsonable, match_modules
 from sdcscope.observe.config import MetricsConfig
-from sdcscope.observe.metrics import Metrics, grad_sq_norms
+from sdcscope.observe.metrics import Metrics, grad_norms, grad_sq_norms
 from sdcscope.observe.sinks import JsonlSink, PrometheusSink, Sink, TensorBoardSink
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "PrometheusSink",
     "Sink",
     "TensorBoardSink",
+    "grad_norms",
     "grad_sq_norms",
     "is_matmul",
     "jsonable",

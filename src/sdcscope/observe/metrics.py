@@ -50,6 +50,7 @@ mean) over micro-batches.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
@@ -129,6 +130,8 @@ class Metrics:
         else:
             self.sinks = [make_sink(cfg.sink, cfg.path)] if cfg.path is not None else []
         self._handles: list = []
+        self._tier_handles: dict[str, list] = {}
+        self._attached = False
         self._step = 0
         self._probe = self._stats = True
         self._reset()
@@ -137,20 +140,16 @@ class Metrics:
     def attach(self, *, optimizer_hooks: bool = False) -> Metrics:
         """Register the forward hooks (and optionally the optimizer step hooks); returns ``self``.
 
-        :meth:`detach` (or leaving a ``with`` block) removes every hook.
+        :meth:`detach` (or leaving a ``with`` block) removes every hook. The hooks of the probe
+        and statistics tiers live only on the steps that record them (:meth:`begin_step`): a
+        module with a forward hook takes ``nn.Module``'s slower call path on every call.
         """
-        if self._handles:
+        if self._attached:
             return self
+        self._attached = True
         h = self._handles
         for layer, mod in self._score.items():
             h.append(mod.register_forward_pre_hook(self._score_pre(layer)))
-            h.append(mod.register_forward_hook(self._score_out(layer)))
-        for layer, mod in self._context.items():
-            h.append(mod.register_forward_pre_hook(self._context_pre(layer)))
-        for mod in self._output.values():
-            h.append(mod.register_forward_hook(self._lse))
-        for name, mod in self._kurtosis.items():
-            h.append(mod.register_forward_hook(self._kurt(name)))
         if optimizer_hooks:
             if self.optimizer is None:
                 raise ValueError("optimizer_hooks=True needs an optimizer")
@@ -158,12 +157,32 @@ class Metrics:
                 lambda opt, args, kwargs: self.before_optimizer_step()))
             h.append(self.optimizer.register_step_post_hook(
                 lambda opt, args, kwargs: self.after_optimizer_step()))
+        self._sync_tiers()
         return self
+
+    def _sync_tiers(self) -> None:
+        """Register the probe-tier and statistics-tier hooks for this step's tiers, remove the others."""
+        for tier, on in (("probe", self._probe), ("stats", self._stats)):
+            have = self._tier_handles.get(tier)
+            if on and self._attached and have is None:
+                self._tier_handles[tier] = self._tier_hooks(tier)
+            elif not (on and self._attached) and have is not None:
+                for handle in self._tier_handles.pop(tier):
+                    handle.remove()
+
+    def _tier_hooks(self, tier: str) -> list:
+        if tier == "stats":
+            return [mod.register_forward_hook(self._lse) for mod in self._output.values()]
+        h = [mod.register_forward_hook(self._score_out(layer)) for layer, mod in self._score.items()]
+        h += [mod.register_forward_pre_hook(self._context_pre(layer)) for layer, mod in self._context.items()]
+        return h + [mod.register_forward_hook(self._kurt(name)) for name, mod in self._kurtosis.items()]
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._attached = False
+        self._sync_tiers()
 
     def __enter__(self) -> Metrics:
         return self.attach()
@@ -189,12 +208,11 @@ class Metrics:
         def hook(module, args):  # every step: few operations (norms in at least fp32, no casts)
             if not module.training or len(args) < 2:
                 return
-            a, b = args[0], args[1]
+            a, b = args[0].detach(), args[1].detach()
             acc = torch.promote_types(a.dtype, torch.float32)
-            with torch.no_grad():
-                bound = torch.linalg.vector_norm(a, dim=-1, dtype=acc).amax(-1)
-                bound.mul_(torch.linalg.vector_norm(b, dim=-2, dtype=acc).amax(-1))
-                self._record_max(key, bound.amax())
+            bound = torch.linalg.vector_norm(a, dim=-1, dtype=acc).amax(-1)
+            bound.mul_(torch.linalg.vector_norm(b, dim=-2, dtype=acc).amax(-1))
+            self._record_max(key, bound.amax())
         return hook
 
     def _score_out(self, layer: str):
@@ -237,25 +255,28 @@ class Metrics:
     # ------------------------------------------------------------- step calls
     def begin_step(self, step: int) -> None:
         """Declare the step the next forward belongs to (``collect`` does it for ``step + 1``)."""
+        if int(step) == self._step:   # collect() already declared it
+            return
         self._step = int(step)
         self._probe = self._step % self.config.probe_every == 0
         self._stats = self._step % self.config.stats_every == 0
+        self._sync_tiers()
 
     def _with_grad(self) -> list[int]:
         return [i for i, p in enumerate(self._params) if p.grad is not None]
 
     def _layer_sums(self, idx: list[int], sq: torch.Tensor) -> tuple[list[str], torch.Tensor]:
         """Per-layer sums of per-parameter values ``sq`` (aligned with ``idx``)."""
-        key = (tuple(idx), sq.device)
+        key = (tuple(idx), sq.device, sq.dtype)
         cached = self._slots.get(key)
-        if cached is None:
+        if cached is None:   # (layer names, their 0/1 membership matrix): one GEMV per call
             slots = sorted({self._layer_of[i] for i in idx})
             pos = {s: j for j, s in enumerate(slots)}
-            index = torch.tensor([pos[self._layer_of[i]] for i in idx], device=sq.device)
-            cached = self._slots[key] = ([self._layers[s] for s in slots], index)
-        names, index = cached
-        out = torch.zeros(len(names), device=sq.device, dtype=sq.dtype).index_add_(0, index, sq)
-        return names, out
+            member = torch.zeros(len(slots), len(idx), device=sq.device, dtype=sq.dtype)
+            member[[pos[self._layer_of[i]] for i in idx], list(range(len(idx)))] = 1
+            cached = self._slots[key] = ([self._layers[s] for s in slots], member)
+        names, member = cached
+        return names, member @ sq
 
     @staticmethod
     def _stack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -267,18 +288,19 @@ class Metrics:
             pass
         return torch.stack([t.to(device=device, dtype=torch.float32) for t in tensors])
 
-    def grad_sq_norms(self) -> tuple[list[int], torch.Tensor | None]:
-        """:func:`grad_sq_norms` of the model's trainable parameters (shareable with detectors:
-        pass the result to ``after_backward(grad_sq=...)``)."""
-        return grad_sq_norms(self._params)
-
-    def after_backward(self, grad_sq: tuple[list[int], torch.Tensor | None] | None = None) -> None:
+    def after_backward(self, grad_sq: tuple[list[int], torch.Tensor | None] | None = None,
+                       grad_norm: float | None = None) -> None:
         """Gradient norms (global and per layer) of the gradients as they are now (pre-clip);
-        ``grad_sq``: :meth:`grad_sq_norms` of these same gradients, if already computed."""
-        idx, sq = grad_sq if grad_sq is not None else self.grad_sq_norms()
+        ``grad_sq``: :func:`grad_sq_norms` of these same gradients (of the model's trainable
+        parameters, in order), and ``grad_norm`` their global norm on the host, if already
+        computed."""
+        idx, sq = grad_sq if grad_sq is not None else grad_sq_norms(self._params)
         if sq is None:
             return
-        self._vec["grad_norm"] = ([], sq.sum().sqrt())
+        if grad_norm is None:
+            self._vec["grad_norm"] = ([], sq.sum().sqrt())
+        else:
+            self._host["grad_norm"] = float(grad_norm)
         if self.config.per_layer:
             names, per = self._layer_sums(idx, sq)
             self._vec["grad_norm/"] = (names, per.sqrt())
@@ -293,8 +315,8 @@ class Metrics:
         if "backward" not in self._done:
             self.after_backward()
         cfg = self.config
-        idx = self._with_grad()
-        if not idx or not self._stats:
+        idx = self._with_grad() if self._stats else None
+        if not idx:
             return
         if self._update_source() == "copy":
             self._prev = (idx, torch._foreach_clone([self._params[i].detach() for i in idx]))
@@ -415,7 +437,7 @@ class Metrics:
             self._stable_ranks()
         keys: list[str] = []
         parts: list[torch.Tensor] = []
-        out: dict[str, float] = {}
+        out: dict[str, float] = dict(self._host)
         if loss is not None:
             if isinstance(loss, torch.Tensor):
                 keys.append("loss")
@@ -423,7 +445,7 @@ class Metrics:
             else:
                 out["loss"] = float(loss)
         for key, (names, t) in self._vec.items():
-            keys.extend([key + n for n in names] if names else [key])
+            keys.extend(_prefixed(key, tuple(names)) if names else [key])
             parts.append(t.reshape(-1))
         for key, t in self._max.items():
             keys.append(key)
@@ -432,8 +454,9 @@ class Metrics:
             keys.append(key)
             parts.append((total / count).reshape(1))
         if parts:
-            dev = parts[0].device
-            values = torch.cat([t.to(device=dev, dtype=torch.float32) for t in parts]).tolist()
+            dev, f32 = parts[0].device, torch.float32
+            values = torch.cat([t if t.dtype == f32 and t.device == dev else t.to(dev, f32)
+                                for t in parts]).tolist()
             out.update(zip(keys, values))
         if self.optimizer is not None and self.optimizer.param_groups:
             out["lr"] = float(self.optimizer.param_groups[0]["lr"])
@@ -445,6 +468,7 @@ class Metrics:
         return out
 
     def _reset(self) -> None:
+        self._host: dict[str, float] = {}
         self._vec: dict[str, tuple[list[str], torch.Tensor]] = {}
         self._max: dict[str, torch.Tensor] = {}
         self._mean: dict[str, tuple[torch.Tensor, int]] = {}
@@ -458,25 +482,32 @@ class Metrics:
             sink.close()
 
 
-_SUMMARIES = (  # per-layer family -> (summary key, reducer)
-    ("attn/max_logit_bound/", "attn/max_logit_bound", max),
-    ("attn/max_logit/", "attn/max_logit", max),
-    ("attn/entropy/", "attn/entropy_min", min),
-    ("act/kurtosis/", "act/kurtosis_max", max),
-    ("stable_rank/", "stable_rank_min", min),
-)
+_SUMMARIES = {  # per-layer family -> (summary key, reducer)
+    "attn/max_logit_bound/": ("attn/max_logit_bound", max),
+    "attn/max_logit/": ("attn/max_logit", max),
+    "attn/entropy/": ("attn/entropy_min", min),
+    "act/kurtosis/": ("act/kurtosis_max", max),
+    "stable_rank/": ("stable_rank_min", min),
+}
 
 
-def grad_sq_norms(params: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
-    """(indices of the parameters that have a gradient, their squared 2-norms as one fp64 device
-    vector) in one fused pass; ``None`` when no parameter has a gradient. Squared in fp64: one
-    finite gradient element above ~1.8e19 (an exponent-bit flip) would overflow an fp32 square and
-    hide as an infinite norm of finite gradients."""
+def grad_norms(params: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+    """(indices of the parameters that have a gradient, their 2-norms as one device vector, as
+    ``torch._foreach_norm`` computes them: what ``clip_grad_norm_`` reduces) in one fused pass;
+    ``None`` when no parameter has a gradient."""
     idx = [i for i, p in enumerate(params) if p.grad is not None]
     if not idx:
         return idx, None
     grads = [params[i].grad for i in idx]
-    return idx, Metrics._stack(list(torch._foreach_norm(grads)), grads[0].device).double().square()
+    return idx, Metrics._stack(list(torch._foreach_norm(grads)), grads[0].device)
+
+
+def grad_sq_norms(params: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+    """:func:`grad_norms` squared in fp64: one finite gradient element above ~1.8e19 (an
+    exponent-bit flip) would overflow an fp32 square and hide as an infinite norm of finite
+    gradients."""
+    idx, norms = grad_norms(params)
+    return idx, None if norms is None else norms.double().square()
 
 
 def _total_dot(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
@@ -493,13 +524,31 @@ def _total_dot(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _summaries(out: dict[str, float]) -> None:
-    for prefix, key, reduce in _SUMMARIES:
-        vals = [v for k, v in out.items() if k.startswith(prefix) and not math.isnan(v)]
-        if vals:
-            out[key] = reduce(vals)
-    ent = [v for k, v in out.items() if k.startswith("attn/entropy/")]
-    if ent:
-        out["attn/entropy"] = sum(ent) / len(ent)
+    for family, keys in _families(tuple(out)):
+        vals = [out[k] for k in keys]
+        summary, reduce = _SUMMARIES[family]
+        kept = [v for v in vals if not math.isnan(v)]
+        if kept:
+            out[summary] = reduce(kept)
+        if family == "attn/entropy/":
+            out["attn/entropy"] = sum(vals) / len(vals)
+
+
+@functools.lru_cache(maxsize=256)
+def _prefixed(key: str, names: tuple[str, ...]) -> list[str]:
+    return [key + n for n in names]
+
+
+@functools.lru_cache(maxsize=64)
+def _families(keys: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The per-layer families among ``keys`` with their keys (a family is a key up to its last
+    '/'; module names have none). Cached: a run's rows have the same few key sets."""
+    found: dict[str, list[str]] = {}
+    for k in keys:
+        family = k[:k.rfind("/") + 1]
+        if family in _SUMMARIES:
+            found.setdefault(family, []).append(k)
+    return tuple((f, tuple(ks)) for f, ks in found.items())
 
 
 def _reconstruct_update(opt: torch.optim.Optimizer,
