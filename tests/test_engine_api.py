@@ -44,6 +44,33 @@ def test_veto_leaves_params_and_optimizer_untouched(gpt):
     assert not t.optimizer.state  # Adam state never created
 
 
+@pytest.mark.skipif(not hasattr(torch.nn.utils, "clip_grads_with_norm_"), reason="torch < 2.6")
+def test_clipping_takes_a_callbacks_gradient_norms_only_while_they_hold(gpt):
+    class Share:
+        """Leaves ``scale`` × the true norms; ``touch``: then edits a gradient in place."""
+
+        def __init__(self, scale, touch=False):
+            self.scale, self.touch = scale, touch
+
+        def before_optimizer_step(self, ctx):
+            grads = [p.grad for p in ctx.trainer.model.parameters() if p.grad is not None]
+            norms = torch.stack(torch._foreach_norm(grads)) * self.scale
+            ctx.grad_norms = (grads, [g._version for g in grads], norms)
+            if self.touch:
+                grads[0].mul_(1.0)
+
+    def run(*callbacks):
+        t = Trainer(gpt, TrainConfig(seed=5), callbacks=list(callbacks))
+        norms = [t.train_step()["grad_norm"] for _ in range(2)]
+        return param_sha256(t.model), norms
+
+    plain = run()
+    assert run(Share(1.0)) == plain                    # bitwise what clip_grad_norm_ does
+    assert run(Share(10.0, touch=True)) == plain      # edited since: recomputed
+    shared, norms = run(Share(10.0))                  # valid by the contract: taken as given
+    assert norms == pytest.approx([10 * n for n in plain[1]], rel=1e-5) and shared != plain[0]
+
+
 def test_snapshot_restore_replays_bitwise(gpt):
     t = Trainer(gpt, TrainConfig(seed=3))
     t.train_step()

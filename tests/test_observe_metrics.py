@@ -133,7 +133,8 @@ def test_attention_logits_entropy_lse_kurtosis_stable_rank():
             opt.zero_grad()
             (q, kt), scores = seen["score"]
             bound = (q.norm(dim=-1).amax(-1) * kt.norm(dim=-2).amax(-1)).amax().item()
-            assert approx(out["attn/max_logit_bound/blocks.0"], bound)
+            assert scores.numel() <= q.numel() + kt.numel()   # short rows: the bound is the exact max
+            assert approx(out["attn/max_logit_bound/blocks.0"], scores.max().item())
             assert out["attn/max_logit_bound"] >= out["attn/max_logit_bound/blocks.0"]
             assert approx(out["loss"], loss.item())
             if step == 0:  # statistics and probe step
@@ -158,6 +159,28 @@ def test_attention_logits_entropy_lse_kurtosis_stable_rank():
                 assert "act/kurtosis/blocks.1" not in out
                 assert "stable_rank/blocks.0.q_proj.weight" not in out
     assert not m._handles  # detached on exit
+
+
+def test_long_rows_bound_the_logit_by_q_and_k_norms_and_tiers_hook_only_their_steps():
+    torch.manual_seed(4)
+    model = TinyTransformer(seq=24)   # 24 > 2 · head dim 8: q and k cost less to read than the logits
+    blk = model.blocks[0]
+    seen = {}
+    blk.score.register_forward_hook(lambda mod, args, out: seen.update(score=(args, out.detach())))
+    with Metrics(model, None, MetricsConfig(stats_every=3, probe_every=2)) as m:
+        for step in range(4):
+            hooked = {name: bool(mod._forward_hooks or mod._forward_pre_hooks) for name, mod in
+                      (("context", blk.context), ("head", model.head), ("block", model.blocks[1]))}
+            assert hooked == {"context": step % 2 == 0, "head": step % 3 == 0, "block": step % 2 == 0}
+            lm_loss(model, lm_batch(step, seq=24)).backward()
+            out = m.collect(step)
+            (q, kt), scores = seen["score"]
+            bound = (q.norm(dim=-1).amax(-1) * kt.norm(dim=-2).amax(-1)).amax().item()
+            assert approx(out["attn/max_logit_bound/blocks.0"], bound)
+            assert scores.max().item() <= bound * (1 + 1e-6)
+            assert ("attn/max_logit/blocks.0" in out) == (step % 2 == 0)
+    assert len(blk.score._forward_hooks) == 1 and not any(   # every hook gone on exit but the spy
+        mod._forward_hooks or mod._forward_pre_hooks for mod in model.modules() if mod is not blk.score)
 
 
 def test_one_host_sync_per_collect(monkeypatch):

@@ -31,7 +31,9 @@ attention logit, entropy and kurtosis. Metric names (``<layer>`` is a module nam
 ``cos/grad_moment``                   cos(g_t, m_{t-1}) with Adam's ``exp_avg`` before the step
 ``adam/g2_over_v[_min|_max]``         Σg² / Σv̂_{t-1} (global; min/max over layers) (§1.9)
 ``attn/max_logit_bound[/<attn>]``     max over (batch, head) of maxᵢ‖qᵢ‖·maxⱼ‖kⱼ‖ (q already
-                                      scaled), from the score MatMul's inputs, every step (§1.6)
+                                      scaled), from the score MatMul's inputs, every step (§1.6);
+                                      where the logits are fewer than q's and k's elements
+                                      (sequence ≤ 2·head dim) their exact max, which costs less
 ``attn/max_logit[/<attn>]``           exact max of the score MatMul output (probe steps; before
                                       masking, so an upper bound of the used logits)
 ``attn/entropy[_min]``, ``/<attn>``   mean −Σ p log p of the probabilities fed to the context
@@ -149,7 +151,7 @@ class Metrics:
         self._attached = True
         h = self._handles
         for layer, mod in self._score.items():
-            h.append(mod.register_forward_pre_hook(self._score_pre(layer)))
+            h.append(mod.register_forward_hook(self._score_hook(layer)))
         if optimizer_hooks:
             if self.optimizer is None:
                 raise ValueError("optimizer_hooks=True needs an optimizer")
@@ -173,8 +175,7 @@ class Metrics:
     def _tier_hooks(self, tier: str) -> list:
         if tier == "stats":
             return [mod.register_forward_hook(self._lse) for mod in self._output.values()]
-        h = [mod.register_forward_hook(self._score_out(layer)) for layer, mod in self._score.items()]
-        h += [mod.register_forward_pre_hook(self._context_pre(layer)) for layer, mod in self._context.items()]
+        h = [mod.register_forward_pre_hook(self._context_pre(layer)) for layer, mod in self._context.items()]
         return h + [mod.register_forward_hook(self._kurt(name)) for name, mod in self._kurtosis.items()]
 
     def detach(self) -> None:
@@ -202,23 +203,24 @@ class Metrics:
         prev = self._mean.get(key)
         self._mean[key] = (value, 1) if prev is None else (prev[0] + value, prev[1] + 1)
 
-    def _score_pre(self, layer: str):
-        key = f"attn/max_logit_bound/{layer}"
+    def _score_hook(self, layer: str):
+        bound_key, exact_key = f"attn/max_logit_bound/{layer}", f"attn/max_logit/{layer}"
 
-        def hook(module, args):  # every step: few operations (norms in at least fp32, no casts)
-            if not module.training or len(args) < 2:
+        def hook(module, args, out):  # every step: one or two reductions, no casts
+            if not module.training or len(args) < 2 or not isinstance(out, torch.Tensor):
                 return
-            a, b = args[0].detach(), args[1].detach()
+            a, b, out = args[0].detach(), args[1].detach(), out.detach()
+            short = out.numel() <= a.numel() + b.numel()   # the logits cost less to read than q and k
+            exact = out.amax() if self._probe or short else None
+            if self._probe:
+                self._record_max(exact_key, exact)
+            if short:
+                self._record_max(bound_key, exact)
+                return
             acc = torch.promote_types(a.dtype, torch.float32)
             bound = torch.linalg.vector_norm(a, dim=-1, dtype=acc).amax(-1)
             bound.mul_(torch.linalg.vector_norm(b, dim=-2, dtype=acc).amax(-1))
-            self._record_max(key, bound.amax())
-        return hook
-
-    def _score_out(self, layer: str):
-        def hook(module, args, out):
-            if module.training and self._probe:
-                self._record_max(f"attn/max_logit/{layer}", out.detach().amax())
+            self._record_max(bound_key, bound.amax())
         return hook
 
     def _context_pre(self, layer: str):
