@@ -10,6 +10,12 @@ default guard (all of the above with ABFT every step, plus the weight/optimizer-
 ``--hooks-only`` (analysis): ABFT's hooks, operand views and gradient captures run but record no
 check — the floor of checking every GEMM through module hooks, whatever the checksum costs.
 
+``--floor`` (analysis): adds a row "reductions only": the reductions and GEMVs that ABFT's column
+checks of every Linear need (1ᵀX, ‖X‖, 1ᵀY, W's row norms and W·1ᵀX; at the GEMM's autograd node
+1ᵀdX, ‖dY‖, W's column norms and Wᵀ·1ᵀdY; at dW's node dY·1, 1ᵀdW and Xᵀ·(dY·1)), one threshold
+comparison per step, and nothing else: no rounding model, no localization, no sampling or
+replay bookkeeping. What eager PyTorch charges for the checks' memory passes on this machine.
+
 Each round times one step of each side, in alternating order (many short rounds: on this VM a
 step timed against itself moved by +-4 % with 11 rounds of 5 steps, by +-1.5 % with 41 rounds of
 one); the first line per preset is that noise floor, the baseline against itself.
@@ -28,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import interleaved_ratio  # noqa: E402
 
+import torch  # noqa: E402
+
 from sdcscope.engine import TrainConfig, Trainer  # noqa: E402
 from sdcscope.guard import Guard, GuardConfig  # noqa: E402
 from sdcscope.workloads import WorkloadConfig, make_workload  # noqa: E402
@@ -42,10 +50,59 @@ CONFIGS = {
 }
 
 
+class _Reductions:
+    """The floor: ABFT's column-check reductions on every Linear of ``model`` (see ``--floor``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.parts: list[tuple[torch.Tensor, ...]] = []
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(self._forward)
+
+    def _forward(self, module, args, out) -> None:
+        w, x, y = module.weight.detach(), args[0].detach(), out.detach()
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        s0 = x2.sum(0)
+        fx = torch.linalg.vector_norm(x2).view(1)
+        exp = torch.mv(w, s0) if module.bias is None else torch.addmv(module.bias.detach(), w, s0, beta=len(x2))
+        self.parts.append((y2.sum(0), exp, torch.linalg.vector_norm(w, dim=1), fx))
+        node = out.grad_fn
+        while type(node).__name__ in ("ViewBackward0", "UnsafeViewBackward0"):
+            node = node.next_functions[0][0]
+        xi = 1 if type(node).__name__ == "AddmmBackward0" else 0
+        seen = {}
+
+        def gemm_node(grad_inputs, grad_outputs):   # dX = dY·W
+            dy, dx = grad_outputs[0], grad_inputs[xi]
+            seen["dy"], seen["norm"] = dy, torch.linalg.vector_norm(dy).view(1)
+            s = grad_inputs[0] if xi == 1 else dy.sum(0)
+            if dx is not None:
+                self.parts.append((dx.sum(0), torch.mv(w.t(), s), torch.linalg.vector_norm(w, dim=0), seen["norm"]))
+
+        def dw_node(grad_inputs, grad_outputs):     # dW = dYᵀ·X
+            r = seen["dy"].sum(1)
+            self.parts.append((grad_inputs[0].sum(0), torch.mv(x2.t(), r), fx.expand(x2.shape[1]), seen["norm"]))
+
+        node.register_hook(gemm_node)
+        node.next_functions[xi + 1][0].register_hook(dw_node)
+
+    def before_optimizer_step(self, ctx) -> None:
+        act, exp, scale, norm = (torch.cat(p) for p in zip(*self.parts))
+        sizes = torch.tensor([p[0].numel() for p in self.parts])
+        tau = scale * norm.repeat_interleave(sizes) * 1e-5 + act.abs() * 1e-6
+        assert float(((act - exp).abs() / tau).amax()) < 1e30
+        self.parts.clear()
+
+
 def trainer(preset: str, guard: dict | None) -> Trainer:
     t = Trainer(make_workload(WorkloadConfig(workload="gpt", preset=preset)), TrainConfig(seed=0))
     if guard is not None:
         t.add_callback(Guard(t.model, t.optimizer, GuardConfig.from_dict(guard)).callback())
+    return t
+
+
+def _with_reductions(t: Trainer) -> Trainer:
+    t.add_callback(_Reductions(t.model))
     return t
 
 
@@ -55,13 +112,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--hooks-only", action="store_true", help="ABFT records no check (analysis)")
+    parser.add_argument("--floor", action="store_true",
+                        help="add a row: ABFT's column-check reductions alone, no bookkeeping (analysis)")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
                         help="subset of: " + "; ".join(CONFIGS).replace("%", "%%"))
     args = parser.parse_args()
     if args.hooks_only:
         from sdcscope.detect.abft import ABFTDetector
 
-        ABFTDetector._record = lambda self, *a, **k: None
+        ABFTDetector._record = ABFTDetector._lean_line = lambda self, *a, **k: None
     summary = []
     for preset in args.presets:
         base = trainer(preset, None)
@@ -69,9 +128,11 @@ def main() -> None:
                                          warmup=2, clock=args.clock)
         print(f"{preset:5s} {'noise floor (baseline vs itself)':30s} baseline {tb * 1e3:7.2f} ms  "
               f"{'':17s}overhead {100 * (noise - 1):+6.2f}%")
-        for name in args.configs:
-            cfg = CONFIGS[name]
-            tool = trainer(preset, cfg)
+        rows = [(name, lambda name=name: trainer(preset, CONFIGS[name])) for name in args.configs]
+        if args.floor:
+            rows.append(("reductions only (floor)", lambda: _with_reductions(trainer(preset, None))))
+        for name, build in rows:
+            tool = build()
             ratio, tb, tt = interleaved_ratio(base.train_step, tool.train_step, rounds=args.rounds,
                                               inner=1, warmup=2, clock=args.clock)
             print(f"{preset:5s} {name:30s} baseline {tb * 1e3:7.2f} ms  guarded {tt * 1e3:7.2f} ms  "
