@@ -62,6 +62,7 @@ import math
 import numbers
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,15 @@ from sdcscope.observe import Metrics, grad_norms
 from sdcscope.guard.config import GuardConfig
 
 PRIORITY = ("rollback", "veto", "recompute", "skip_batch", "lr_backoff", "qk_clip", "report", "none")
+
+
+@dataclass(slots=True)
+class _StepGrads:
+    step: int
+    idx: list[int]                  # the trainable parameters that have a gradient
+    norms: torch.Tensor | None      # their gradients' 2-norms, as torch._foreach_norm gives them
+    sq: torch.Tensor | None         # the norms squared in fp64 (an fp32 square can overflow)
+    total: float | None = None      # the global norm, once read to the host
 
 
 def _check_loss(loss: Any, what: str = "loss") -> None:
@@ -175,7 +185,7 @@ class Guard:
         self._buffers_before: list[torch.Tensor] = []
         self._pending: list[Event] = []
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._gsq: tuple | None = None   # (step, (indices, fp64 squared norms), fp32 norms, global norm read)
+        self._grads: _StepGrads | None = None
         self._step_events = 0
         self.discarded_steps = 0
         """Steps whose update the guard vetoed or rolled back."""
@@ -393,25 +403,28 @@ class Guard:
             self._emit(e)
         return sorted(actions, key=PRIORITY.index), loss
 
-    def _grad_sq(self) -> tuple[list[int], torch.Tensor | None]:
-        """Squared per-parameter gradient norms of this step (fp64), computed once and shared by
-        the non-finite prefilter, the gradient-spike detector, the metrics and (through
-        :meth:`shared_grad_norms`) the trainer's clipping."""
-        if self._gsq is None or self._gsq[0] != self._step:
+    def _step_grads(self) -> _StepGrads:
+        """This step's per-parameter gradient norms, computed once and shared by the non-finite
+        prefilter, the gradient-spike detector, the metrics and (:meth:`shared_grad_norms`) the
+        trainer's clipping."""
+        g = self._grads
+        if g is None or g.step != self._step:
             idx, norms = grad_norms(self._params)
-            self._gsq = (self._step, (idx, None if norms is None else norms.double().square()), norms, None)
-        return self._gsq[1]
+            g = self._grads = _StepGrads(self._step, idx, norms,
+                                         None if norms is None else norms.double().square())
+        return g
 
     def shared_grad_norms(self) -> tuple[list[torch.Tensor], list[int], torch.Tensor] | None:
         """This step's per-parameter gradient norms as the trainer's ``StepContext.grad_norms``
         takes them (gradients, their versions, norms), if computed and all on one device and dtype."""
-        if self._gsq is None or self._gsq[0] != self._step or self._gsq[2] is None:
+        g = self._grads
+        if g is None or g.step != self._step or g.norms is None:
             return None
-        grads = [self._params[i].grad for i in self._gsq[1][0]]
+        grads = [self._params[i].grad for i in g.idx]
         first = grads[0]
-        if any(g.dtype != first.dtype or g.device != first.device for g in grads):
+        if any(x.dtype != first.dtype or x.device != first.device for x in grads):
             return None
-        return grads, [g._version for g in grads], self._gsq[2]
+        return grads, [x._version for x in grads], g.norms
 
     def _detect(self, step: int, loss) -> list[Event]:
         """One fused pass over the gradients and one host sync decide the cheap detectors: the
@@ -422,13 +435,14 @@ class Guard:
             events += self._safe(lambda: self.abft.check(step), "abft")
         if self.nonfinite is None and self.loss_spike is None and self.grad_spike is None:
             return events
-        _, sq = self._grad_sq()
+        g = self._step_grads()
+        sq = g.sq
         lv = loss.detach().reshape(()) if isinstance(loss, torch.Tensor) else \
             torch.as_tensor(math.nan if loss is None else loss, dtype=torch.float64).reshape(())
         parts = [lv.double()] if sq is None else [lv.to(sq.device, torch.float64), sq.sum()]
         values = torch.stack(parts).tolist()  # the sync
         loss_v, grad_v = values[0], (math.sqrt(values[1]) if len(values) > 1 else None)
-        self._gsq = (*self._gsq[:3], grad_v)   # the global norm, read: the metrics take it
+        g.total = grad_v   # read: the metrics take it from here
         bad_loss = loss is not None and not math.isfinite(loss_v)
         bad_grad = grad_v is not None and not math.isfinite(grad_v)
         if self.nonfinite is not None and (bad_loss or bad_grad):
@@ -471,7 +485,7 @@ class Guard:
             self._internal_error("replay", exc)
             return {"verdict": "unverified", "error": repr(exc)}, loss
         new_value = float(new_loss)
-        self._gsq = None  # the gradients are the re-execution's now
+        self._grads = None  # the gradients are the re-execution's now
         differs = [n for n, p in self.model.named_parameters()
                    if n in first_grads and (p.grad is None or not torch.equal(p.grad, first_grads[n]))]
         loss_differs = not (new_value == first_loss or (math.isnan(new_value) and math.isnan(first_loss)))
@@ -491,7 +505,10 @@ class Guard:
     def before_update(self) -> None:
         """Metrics that need the gradients the optimizer is about to use; ZClip."""
         if self.metrics is not None:  # gradient norms as computed, before any clipping
-            self._safe(lambda: self.metrics.after_backward(self._grad_sq(), self._gsq[3]), "metrics")
+            def grad_norms_to_metrics() -> None:
+                g = self._step_grads()
+                self.metrics.after_backward((g.idx, g.sq), g.total)
+            self._safe(grad_norms_to_metrics, "metrics")
         if self.zclip is not None:
             self._safe(lambda: self.zclip.clip_(self.model.parameters()), "zclip")
         if self.metrics is not None:
