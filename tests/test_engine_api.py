@@ -45,7 +45,7 @@ def test_veto_leaves_params_and_optimizer_untouched(gpt):
 
 
 @pytest.mark.skipif(not hasattr(torch.nn.utils, "clip_grads_with_norm_"), reason="torch < 2.6")
-def test_clipping_takes_a_callbacks_gradient_norms_only_while_they_hold(gpt):
+def test_clipping_takes_a_callbacks_gradient_norms_only_while_they_hold(gpt, monkeypatch):
     class Share:
         """Leaves ``scale`` × the true norms; ``touch``: then edits a gradient in place."""
 
@@ -69,6 +69,15 @@ def test_clipping_takes_a_callbacks_gradient_norms_only_while_they_hold(gpt):
     assert run(Share(10.0, touch=True)) == plain      # edited since: recomputed
     shared, norms = run(Share(10.0))                  # valid by the contract: taken as given
     assert norms == pytest.approx([10 * n for n in plain[1]], rel=1e-5) and shared != plain[0]
+    calls = []
+    torch_clip = torch.nn.utils.clip_grad_norm_
+
+    def observed(*args, **kwargs):   # an observer of clip_grad_norm_ (the invariant recorder) sees every call
+        calls.append(1)
+        return torch_clip(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", observed)
+    assert run(Share(10.0)) == plain and len(calls) == 2
 
 
 def test_snapshot_restore_replays_bitwise(gpt):

@@ -83,10 +83,13 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(dev) for n in torch._foreach_norm(tensors)]))
 
 
-def _shared_norm(shared, params: list[nn.Parameter]) -> torch.Tensor | None:
+def _shared_norm(shared, params: list[nn.Parameter], clip: float) -> torch.Tensor | None:
     """The total gradient norm from a callback's :attr:`StepContext.grad_norms`, if valid for
-    ``params`` as they are (torch ≥ 2.6: ``clip_grads_with_norm_``), else None."""
+    ``params`` as they are (torch ≥ 2.6: ``clip_grads_with_norm_``), else None. Never while
+    something observes ``clip_grad_norm_`` (the invariant recorder wraps it): it must see the call."""
     if shared is None or not hasattr(torch.nn.utils, "clip_grads_with_norm_"):
+        return None
+    if clip > 0 and not getattr(torch.nn.utils.clip_grad_norm_, "__module__", "").startswith("torch."):
         return None
     grads, versions, norms = shared
     if len(grads) != len(params) or any(p.grad is not g or g._version != v
@@ -171,7 +174,7 @@ class Trainer:
         loss = ctx.step_loss
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.workload.config.grad_clip
-        grad_norm = _shared_norm(ctx.grad_norms, params)
+        grad_norm = _shared_norm(ctx.grad_norms, params, clip)
         if grad_norm is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True) if clip > 0 \
                 else total_norm([p.grad for p in params])
