@@ -72,8 +72,9 @@ def test_bad_specs_fail_before_training(tmp_path, text, needles):
 def test_int8_bit_7_is_accepted_by_the_spec():
     from sdcscope.faults import FaultSpec
 
-    FaultSpec.from_dict({"site": "weight", "target": "x", "model": "bitflip", "bits": [7],
-                         "format": "int8", "schedule": {"kind": "transient", "step": 0}})
+    spec = FaultSpec.from_dict({"site": "weight", "target": "x", "model": "bitflip", "bits": [7],
+                                "format": "int8", "schedule": {"kind": "transient", "step": 0}})
+    assert list(spec.bits) == [7] and spec.format == "int8"
 
 
 def test_guard_rolls_back_a_weight_fault_at_the_first_step_to_a_clean_state(tmp_path):

@@ -194,7 +194,7 @@ class _Ctx:
     dy: torch.Tensor | None = None
     need: set[str] = field(default_factory=set)
     higher_order: bool = False             # a backward with create_graph ran through this call
-    lean: tuple | None = None              # hot path: (1ᵀdY, ‖dY‖_F) from the GEMM node
+    dy_norm: torch.Tensor | None = None    # hot path: ‖dY‖_F, read at the GEMM node for the dW check
     _dy_op: Operand | None = None
 
     def dy_operand(self, cs: torch.dtype) -> Operand:
@@ -211,7 +211,7 @@ class _Ctx:
 
     def release(self) -> None:
         self.need.clear()
-        self.a = self.b = self.dy = self._dy_op = self.x = self.lean = None
+        self.a = self.b = self.dy = self._dy_op = self.x = self.dy_norm = None
 
 
 @dataclass
@@ -587,8 +587,7 @@ class ABFTDetector:
         if dy is not None and ctx.b is not None and not ctx.higher_order:
             with torch.no_grad(), no_autocast(dy.device):
                 s0 = db if db is not None and db.dtype == dy.dtype else dy.sum(0)
-                fn = frobenius(dy)
-                ctx.lean = (s0, fn)
+                fn = ctx.dy_norm = frobenius(dy)
                 if "op0" in ctx.need and dx is not None:
                     n, m = dy.shape
                     w = ctx.b
@@ -629,7 +628,7 @@ class ABFTDetector:
             if g is not None and ctx.dy is not None and ctx.a is not None and not ctx.higher_order:
                 with torch.no_grad(), no_autocast(g.device):
                     if lean:   # hot path: 1ᵀdW vs (dY·1)ᵀ·X (X's column norms bounded by ‖X‖_F)
-                        dy, fn, a = ctx.dy, ctx.lean[1], ctx.a   # ctx.lean: set with ctx.dy at the node
+                        dy, fn, a = ctx.dy, ctx.dy_norm, ctx.a   # dy_norm: set with ctx.dy at the node
                         n, m = dy.shape
                         r = dy.sum(1)
                         self._lean_line(layer, "grad_weight", ctx.call, None, n, g.sum(0),

@@ -69,18 +69,19 @@ def _check_key(key: object) -> str:
                          f"detectors: {', '.join(VERDICTS)}; verdicts: {', '.join(_ALL_VERDICTS)}")
     detector, verdict = (part.strip() for part in key.split(":"))
     if detector != "*" and detector not in VERDICTS:
-        close = difflib.get_close_matches(detector, list(VERDICTS), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"policy key {key!r}: unknown detector {detector!r}{hint}; "
+        raise ValueError(f"policy key {key!r}: unknown detector {detector!r}{_hint(detector, VERDICTS)}; "
                          f"allowed: {', '.join(VERDICTS)}, *")
     allowed = _ALL_VERDICTS if detector == "*" else VERDICTS[detector]
     if verdict != "*" and verdict not in allowed:
-        close = difflib.get_close_matches(verdict, list(allowed), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
         whose = "" if detector == "*" else f" for detector {detector!r}"
-        raise ValueError(f"policy key {key!r}: unknown verdict {verdict!r}{whose}{hint}; "
+        raise ValueError(f"policy key {key!r}: unknown verdict {verdict!r}{whose}{_hint(verdict, allowed)}; "
                          f"allowed: {', '.join(allowed)}, *")
     return f"{detector}:{verdict}"
+
+
+def _hint(name: str, allowed) -> str:
+    close = difflib.get_close_matches(name, list(allowed), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 @dataclass(kw_only=True)

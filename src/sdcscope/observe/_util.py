@@ -25,11 +25,14 @@ def is_matmul(module: nn.Module) -> bool:
     return getattr(module, "is_matmul", False) is True
 
 
+def _device_type(device: torch.device | str) -> str:
+    return device.type if isinstance(device, torch.device) else torch.device(device).type
+
+
 def autocast_on(device: torch.device | str) -> bool:
     """Whether autocast is enabled for ``device``'s type (False for a type autocast does not know)."""
-    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     try:
-        return torch.is_autocast_enabled(kind)
+        return torch.is_autocast_enabled(_device_type(device))
     except RuntimeError:  # a device type autocast does not know
         return False
 
@@ -39,8 +42,7 @@ def no_autocast(device: torch.device | str) -> contextlib.AbstractContextManager
     fp32 matmul of a monitor or checksum would silently run in bf16."""
     if not autocast_on(device):  # the common case: nothing to switch off
         return _NULL
-    return torch.autocast(device.type if isinstance(device, torch.device) else torch.device(device).type,
-                          enabled=False)
+    return torch.autocast(_device_type(device), enabled=False)
 
 
 _NULL = contextlib.nullcontext()

@@ -52,8 +52,10 @@ class WorkloadConfig:
         check_choice(f"{self.workload} preset", self.preset, WORKLOADS[self.workload])
         b, lr, wd = DEFAULTS[self.workload]
         self.batch_size = b if self.batch_size is None else self.batch_size
-        self.lr = lr if self.lr is None else self.lr
-        self.weight_decay = wd if self.weight_decay is None else self.weight_decay
+        if self.lr is None:
+            self.lr = lr
+        if self.weight_decay is None:
+            self.weight_decay = wd
         check_positive("batch_size", self.batch_size)
         check_float("lr", self.lr, low=0, low_open=True)
         check_float("weight_decay", self.weight_decay, low=0)
