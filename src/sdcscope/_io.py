@@ -1,12 +1,16 @@
-"""JSON and JSON-lines helpers shared by every room (run directories, logs, results)."""
+"""JSON, JSON-lines and YAML helpers shared by every room (run directories, logs, results, specs)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
+import reprlib
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 
 def _clean(value: Any) -> Any:
@@ -30,6 +34,12 @@ def as_written(obj: Any) -> Any:
     return json.loads(dumps(obj))
 
 
+def file_in_the_way(path: str | Path) -> Path | None:
+    """The file among ``path``'s parents that keeps ``path`` from being created, or None."""
+    parent = next((p for p in Path(path).absolute().parents if p.exists()), None)
+    return parent if parent is not None and not parent.is_dir() else None
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     """Atomic JSON write (tmp file + rename)."""
     path = Path(path)
@@ -38,11 +48,51 @@ def write_json(path: str | Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's contents; one that is not UTF-8 raises ValueError naming it."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """A JSON file holding an object (config.json, summary.json, a manifest); anything else raises
+    ValueError naming the file."""
+    try:
+        data = json.loads(read_text(path))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(path)!r} must hold a JSON object, got {reprlib.repr(data)}")
+    return data
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSON-lines file (none when it does not exist), one object per line.
+
+    A last line without its newline that does not parse is dropped: it is what a run killed in
+    the middle of a write leaves (records are written whole, newline last). Any other line that is
+    not a JSON object raises ValueError naming the file and the line number."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = read_text(path)
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # torn by a kill mid-write
+            raise ValueError(f"{str(path)!r} line {number} is not valid JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{str(path)!r} line {number} must be a JSON object, got {reprlib.repr(record)}")
+        records.append(record)
+    return records
 
 
 class JsonlWriter:
@@ -80,3 +130,37 @@ class JsonlWriter:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML loader that also reads ``1e-6`` (no dot) as a float, as YAML 1.2 does."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def describe_yaml_error(exc: yaml.YAMLError) -> str:
+    """One line: what is wrong in a YAML document and where (1-based line and column)."""
+    problem = getattr(exc, "problem", None)
+    if problem is None:
+        return " ".join(str(exc).split())
+
+    def at(mark) -> str:
+        return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    context = getattr(exc, "context", None)
+    text = f"{problem}{at(exc.problem_mark)}"
+    return f"{text} ({context}{at(exc.context_mark)})" if context else text
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """A YAML (or JSON) document read with :class:`_Loader`, the loader of every sdcscope file;
+    malformed YAML raises ValueError naming ``where`` and the position."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"malformed YAML in {where}: {describe_yaml_error(exc)}") from None

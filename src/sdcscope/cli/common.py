@@ -26,10 +26,11 @@ def fail(message: str) -> "typer.Exit":
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn validation errors (ValueError, TypeError, FileNotFoundError) into exit code 2."""
+    """Turn validation errors (ValueError, TypeError) and OS errors (a path that cannot be read or
+    created: the message names it) into one line and exit code 2."""
     try:
         yield
-    except (ValueError, TypeError, FileNotFoundError, CLIError) as exc:
+    except (ValueError, TypeError, OSError, CLIError) as exc:
         raise fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
 

@@ -16,7 +16,9 @@ INVARIANTS_OPT = typer.Option(None, "--invariants", help="Invariants file checke
 
 def guard_config(guard: bool, path: Optional[Path], invariants: Optional[Path] = None, recorded=None):
     """The GuardConfig asked for on the command line, else ``recorded`` (a resumed run's, which
-    ``--guard`` alone keeps and ``--invariants`` extends), or None (raises on a bad file)."""
+    ``--guard`` alone keeps and ``--invariants`` extends), or None (raises on a bad file). Its file
+    paths are made absolute (relative ones are to the working directory), so the run resumes from
+    anywhere."""
     if not guard and path is None and invariants is None:
         return recorded
     from sdcscope.guard import GuardConfig
@@ -24,4 +26,8 @@ def guard_config(guard: bool, path: Optional[Path], invariants: Optional[Path] =
     config = GuardConfig.load(check_file("--guard-config", path)) if path is not None else recorded or GuardConfig()
     if invariants is not None:
         config.invariants = str(check_file("--invariants", invariants))
+    if config.invariants is not None:
+        config.invariants = str(Path(config.invariants).resolve())
+    if config.metrics is not None and config.metrics.path is not None:
+        config.metrics.path = str(Path(config.metrics.path).resolve())
     return config

@@ -11,7 +11,7 @@ import typer
 
 from sdcscope.cli.app import app
 from sdcscope.cli.common import (
-    CLIError, err_console, fail, fmt_loss, load_fault_file, out_console, step_progress, user_errors,
+    CLIError, check_file, err_console, fail, fmt_loss, load_fault_file, out_console, step_progress, user_errors,
 )
 from sdcscope.cli.guard_opts import GUARD_CONFIG_OPT, GUARD_OPT, INVARIANTS_OPT, guard_config
 
@@ -184,9 +184,12 @@ def train(
                                                            "wait before a missing or hung rank fails the run."),
 ) -> None:
     """Train a reference workload deterministically into a run directory."""
+    with user_errors():
+        check_steps(steps)
+        if not timeout > 0:
+            raise CLIError(f"--timeout {timeout:g} must be > 0 (seconds a distributed run may wait)")
     if nproc != 1:
         with user_errors():
-            check_steps(steps)
             if resume is not None:
                 raise CLIError(f"--resume with --nproc {nproc}: resuming a distributed run is not supported "
                                "(the distributed entry point starts new runs only); start a new run with --out")
@@ -194,6 +197,9 @@ def train(
                 raise CLIError("--out DIR is required")
             if invariants is not None:
                 raise CLIError("--invariants is not supported in a distributed run yet; drop it or use --nproc 1")
+            for flag, path in (("--faults", faults), ("--guard-config", guard_config_path)):
+                if path is not None:
+                    check_file(flag, path)
             from sdcscope.engine.ddp import launch
             from sdcscope.engine.run import Interrupted
 
@@ -222,7 +228,6 @@ def train(
             out_console.print(f"guard: {count} event(s) in {events}; per-rank timelines: sdcscope report {out}")
         return
     with user_errors():
-        check_steps(steps)
         from sdcscope.engine import Run
         from sdcscope.engine.run import Interrupted
 

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -56,8 +56,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sdcscope import __version__
-from sdcscope.engine.run import Interrupted, _read_json, _stop_requests
-from sdcscope.engine.rundir import JsonlWriter, check_new_run_dir, read_jsonl, write_json
+from sdcscope.engine.run import Interrupted, _stop_requests
+from sdcscope.engine.rundir import JsonlWriter, check_new_run_dir, read_json, read_jsonl, write_json
 from sdcscope.engine.state import param_sha256, save_checkpoint
 from sdcscope.engine.trainer import TrainConfig, Trainer
 from sdcscope.faults import FaultSpec, load_specs
@@ -662,16 +662,23 @@ def parse_job(argv: Sequence[str], world_size: int) -> Job:
 
 
 def check_job(job: Job, world_size: int) -> None:
-    """Validate the fault specs against the model, as every rank will (without a world)."""
+    """Validate the fault specs and the guard's target patterns (ABFT, metrics) against the model,
+    as every rank will (without a world), so a mistake is refused before any rank starts."""
     workload = make_workload(job.workload)
     torch.manual_seed(job.train.seed)
     model = workload.build_model()
+    optimizer = workload.build_optimizer(model)
     comm = [s for s in job.specs if s.site == "comm"]
     CommInjector(model, comm, world_size=world_size)
     batch = workload.batch(job.train.seed, 0, 0)
-    validate_specs(model, [s for s in job.specs if s.site != "comm"], workload.build_optimizer(model),
+    validate_specs(model, [s for s in job.specs if s.site != "comm"], optimizer,
                    world_size=world_size, steps=job.steps, grad_accum=job.train.grad_accum,
                    probe=probe_model(model, lambda m: workload.loss(m, batch)))
+    if job.guard is not None:  # built, never attached: no hooks; no metrics file (path dropped)
+        from sdcscope.guard import Guard
+
+        metrics = job.guard.metrics and replace(job.guard.metrics, path=None)
+        Guard(model, optimizer, replace(job.guard, metrics=metrics)).close()
 
 
 def run_job(job: Job, stop: list[int] | None = None) -> dict[str, Any]:
@@ -909,9 +916,7 @@ def _interrupted_summary(out: Path, world: int) -> dict[str, Any]:
 def _read_summary(out: Path) -> dict[str, Any]:
     """``out/summary.json``, or {} where there is none (or it does not read)."""
     with contextlib.suppress(OSError, ValueError):
-        summary = _read_json(out / "summary.json")
-        if isinstance(summary, dict):
-            return summary
+        return read_json(out / "summary.json")
     return {}
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import reprlib
 import signal
@@ -22,7 +21,8 @@ from typing import Any
 from sdcscope import __version__
 from sdcscope._validate import build_config
 from sdcscope.engine.rundir import (
-    CHECKPOINT_DIR, JsonlWriter, as_written, check_new_run_dir, has_checkpoint, read_jsonl, write_json,
+    CHECKPOINT_DIR, LOG_FILES, JsonlWriter, as_written, check_new_run_dir, has_checkpoint, read_json, read_jsonl,
+    write_json,
 )
 from sdcscope.engine.state import CheckpointError, load_checkpoint, param_sha256, read_manifest, save_checkpoint
 from sdcscope.engine.trainer import TrainConfig, Trainer
@@ -84,13 +84,6 @@ def _identity(config: dict[str, Any]) -> dict[str, Any]:
     return as_written({"workload": config["workload"], "train": train, "faults": config.get("faults") or []})
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{str(path)!r} is not valid JSON ({exc})") from None
-
-
 class Run:
     """Train a workload into ``out``; ``Run.resume(out)`` continues a run from its checkpoint."""
 
@@ -119,9 +112,7 @@ class Run:
         path = out / "config.json"
         if not path.is_file():
             raise ValueError(f"--resume {str(out)!r} is not a run directory (no config.json)")
-        config = _read_json(path)
-        if not isinstance(config, dict):
-            raise ValueError(f"{str(path)!r} must hold a mapping, got {reprlib.repr(config)}")
+        config = read_json(path)
         world = config.get("world_size", 1)
         if world != 1:
             raise ValueError(f"--resume {str(out)!r}: the run was trained on {world} ranks (world_size in "
@@ -159,7 +150,9 @@ class Run:
             raise CheckpointError(f"the checkpoint in {str(checkpoint)!r} does not fit the model {str(path)!r} "
                                   f"describes ({lines[-1] if lines else type(exc).__name__})") from None
         if (out / "summary.json").is_file():
-            run.summary = _read_json(out / "summary.json")
+            run.summary = read_json(out / "summary.json")
+        for name in LOG_FILES:  # a corrupt log is refused before anything is written
+            read_jsonl(out / name)
         return run
 
     def reached(self, steps: int) -> bool:
@@ -184,10 +177,10 @@ class Run:
         if self.reached(steps):
             return self.summary
         with _stop_requests() as stop:
+            metrics, last = self._open_logs()  # a corrupt log is refused before config.json changes
             self._write_config(steps)
             for cb in callbacks:
                 self.trainer.add_callback(cb)
-            metrics, last = self._open_logs()
             t0 = time.perf_counter()
             outcome = "completed"
             eval_every = self.trainer.config.eval_every
@@ -231,14 +224,14 @@ class Run:
                                       {"from_step": self.trainer.step, "steps": steps,
                                        **({"changed": changed} if changed else {})}]
         self.config["steps"] = steps
-        self.out.mkdir(parents=True, exist_ok=True)
         write_json(self.out / "config.json", self.config)
         self._written = as_written(self.config)
 
     def _open_logs(self) -> tuple[JsonlWriter, dict[str, Any]]:
         """The metrics writer and the last step's metrics; a resumed run drops what it logged
         after its checkpoint (the steps are trained again)."""
-        for name in ("metrics.jsonl", "injections.jsonl", "events.jsonl"):  # part of the contract, even when empty
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name in LOG_FILES:  # part of the contract, even when empty
             log = JsonlWriter(self.out / name)
             log.truncate_after("step", self.trainer.step)
             log.touch()

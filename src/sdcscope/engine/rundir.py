@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sdcscope._io import JsonlWriter, as_written, dumps, read_jsonl, write_json
+from sdcscope._io import JsonlWriter, as_written, dumps, file_in_the_way, read_json, read_jsonl, write_json
 from sdcscope.engine.state import MANIFEST_FILE
 
-__all__ = ["RUN_FILES", "CHECKPOINT_DIR", "JsonlWriter", "as_written", "dumps", "read_jsonl", "write_json", "check_new_run_dir",
-           "has_checkpoint"]
+__all__ = ["RUN_FILES", "LOG_FILES", "CHECKPOINT_DIR", "JsonlWriter", "as_written", "dumps", "read_json", "read_jsonl",
+           "write_json", "check_new_run_dir", "has_checkpoint"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "injections.jsonl", "events.jsonl", "summary.json")
+LOG_FILES = ("metrics.jsonl", "injections.jsonl", "events.jsonl")
 CHECKPOINT_DIR = "checkpoint"
 
 
@@ -25,6 +26,9 @@ def check_new_run_dir(path: str | Path) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {str(path)!r} is a file, not a folder")
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        raise ValueError(f"--out {str(path)!r} cannot be created: {str(blocker)!r} is a file, not a folder")
     if path.is_dir() and any(path.iterdir()):
         if not (path / "config.json").exists():
             raise ValueError(f"--out {str(path)!r} already holds other files; give a new or empty folder")

@@ -6,15 +6,20 @@ import copy
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+import pickle
+import reprlib
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from sdcscope._io import read_json
+
 CHECKPOINT_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
+MANIFEST_KEYS = ("format", "files", "step")
 
 
 class CheckpointError(ValueError):
@@ -100,16 +105,22 @@ def save_checkpoint(state: TrainState, directory: str | Path, *, run: dict[str, 
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
-    """The checkpoint's ``manifest.json`` (refused when missing or malformed)."""
+    """The checkpoint's ``manifest.json``: refused when missing or malformed, or when it lacks a
+    key or the sha256 of ``state.pt``."""
     manifest_path = Path(directory) / MANIFEST_FILE
     if not manifest_path.is_file():
         raise CheckpointError(f"no checkpoint manifest at {str(manifest_path)!r}")
     try:
-        manifest = json.loads(manifest_path.read_text())
-        if not isinstance(manifest["files"], dict):
-            raise TypeError(f"'files' is {manifest['files']!r}, not a mapping")
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"corrupt checkpoint manifest {str(manifest_path)!r}: {exc}") from None
+        manifest = read_json(manifest_path)
+    except ValueError as exc:
+        raise CheckpointError(f"corrupt checkpoint manifest: {exc}") from None
+    missing = [k for k in MANIFEST_KEYS if k not in manifest]
+    files = manifest.get("files")
+    if missing or not isinstance(files, dict) or not isinstance(files.get(CHECKPOINT_FILE), str):
+        problem = (f"it lacks {', '.join(map(repr, missing))}" if missing else
+                   f"its 'files' must map {CHECKPOINT_FILE!r} to its sha256, got {reprlib.repr(files)}")
+        raise CheckpointError(f"corrupt checkpoint manifest {str(manifest_path)!r}: {problem} (keys: "
+                              f"{', '.join(MANIFEST_KEYS)}); refusing a checkpoint that cannot be verified")
     return manifest
 
 
@@ -124,14 +135,25 @@ def verify_checkpoint(directory: str | Path) -> None:
         if actual != expected:
             raise CheckpointError(
                 f"checkpoint file {str(path)!r} does not match its manifest "
-                f"(sha256 {actual[:12]}… != {expected[:12]}…): refusing to load a tampered checkpoint"
+                f"(sha256 {actual[:12]}… != {str(expected)[:12]}…): refusing to load a tampered checkpoint"
             )
 
 
 def load_checkpoint(directory: str | Path) -> TrainState:
     """Verify the manifest, then load with ``weights_only=True``."""
     verify_checkpoint(directory)
-    data = torch.load(Path(directory) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+    path = Path(directory) / CHECKPOINT_FILE
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        raise CheckpointError(f"checkpoint file {str(path)!r} does not load "
+                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    keys = {f.name for f in fields(TrainState)}
+    required = {f.name for f in fields(TrainState) if f.default is MISSING and f.default_factory is MISSING}
+    if not isinstance(data, dict) or not required <= data.keys() <= keys:
+        got = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+        raise CheckpointError(f"checkpoint file {str(path)!r} holds {got}, not a training state (keys: "
+                              f"{', '.join(sorted(required))}; optional: {', '.join(sorted(keys - required))})")
     return TrainState(**data)
 
 

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 from dataclasses import dataclass, field, fields
 from fnmatch import fnmatchcase
 from typing import Any, Mapping
 
-import yaml
+from sdcscope._io import describe_yaml_error, load_yaml, read_text
 
 from .formats import FORMATS, check_bits, get_format
 from .ops import BIT_MODELS, MODELS
@@ -44,6 +43,7 @@ __all__ = [
     "FaultSpecError",
     "load_specs",
     "describe_yaml_error",
+    "load_yaml",
 ]
 
 SITES: tuple[str, ...] = (
@@ -502,31 +502,6 @@ class FaultSpec:
 # ---------------------------------------------------------------------------- loading
 
 
-class _Loader(yaml.SafeLoader):
-    """Safe YAML loader that also reads ``1e-6`` (no dot) as a float, as YAML 1.2 does."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def describe_yaml_error(exc: yaml.YAMLError) -> str:
-    """One line: what is wrong in a YAML document and where (1-based line and column)."""
-    problem = getattr(exc, "problem", None)
-    if problem is None:
-        return " ".join(str(exc).split())
-
-    def at(mark) -> str:
-        return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-
-    context = getattr(exc, "context", None)
-    text = f"{problem}{at(exc.problem_mark)}"
-    return f"{text} ({context}{at(exc.context_mark)})" if context else text
-
-
 def load_specs(source: str | os.PathLike[str]) -> list[FaultSpec]:
     """Fault specs from a YAML/JSON file path or from YAML/JSON text.
 
@@ -536,14 +511,10 @@ def load_specs(source: str | os.PathLike[str]) -> list[FaultSpec]:
     """
     if isinstance(source, os.PathLike) or ("\n" not in source and os.path.isfile(source)):
         where = os.fspath(source)
-        with open(where, encoding="utf-8") as fh:
-            text = fh.read()
+        text = read_text(where)
     else:
         where, text = "<text>", source
-    try:
-        data = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"malformed YAML in {where}: {describe_yaml_error(exc)}") from None
+    data = load_yaml(text, where)
     if data is None:
         return []
     if isinstance(data, Mapping):

@@ -6,14 +6,13 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import yaml
-
+from sdcscope._io import load_yaml, read_text
 from sdcscope._validate import build_config, check_bool, check_float, check_positive
 from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
 from sdcscope.detect.state import StateChecksumConfig
-from sdcscope.faults import describe_yaml_error
 from sdcscope.mitigate import LRBackoffConfig, PolicyConfig, RankGuardConfig, SnapshotConfig, ZClipConfig
 from sdcscope.observe import MetricsConfig
+from sdcscope.observe.sinks import check_sink
 
 _NESTED = {
     "metrics": MetricsConfig, "nonfinite": NonFiniteConfig, "loss_spike": SpikeConfig,
@@ -69,6 +68,8 @@ class GuardConfig:
         for name in ("snapshots", "lr_backoff", "policy"):
             if getattr(self, name) is None:
                 raise ValueError(f"guard {name} cannot be null")
+        if self.metrics is not None and self.metrics.path is not None:
+            check_sink(self.metrics.sink, self.metrics.path)
         if self.qk_clip is not None:
             check_float("guard qk_clip", self.qk_clip, low=0.0, low_open=True)
         if self.invariants is not None and not isinstance(self.invariants, (str, os.PathLike)):
@@ -88,12 +89,9 @@ class GuardConfig:
     def load(cls, path: str | os.PathLike) -> "GuardConfig":
         """From a YAML/JSON file; errors name the file and the bad key or value."""
         try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f)
+            data = load_yaml(read_text(path), repr(str(path)))
         except FileNotFoundError:
             raise FileNotFoundError(f"guard config {str(path)!r} does not exist") from None
-        except yaml.YAMLError as exc:
-            raise ValueError(f"malformed YAML in {str(path)!r}: {describe_yaml_error(exc)}") from None
         if data is not None and not isinstance(data, dict):
             raise ValueError(f"guard config {str(path)!r} must hold a mapping, got {data!r}")
         try:

@@ -99,14 +99,20 @@ class Target:
     param: nn.Parameter | None = None
 
 
-def _no_match(spec: FaultSpec, candidates: list[str], what: str) -> ValueError:
+def _check_patterns(spec: FaultSpec, candidates: list[str], what: str) -> None:
+    """Refuse a spec with a target pattern that matches none of ``candidates`` (a typo in a list
+    would otherwise be ignored), naming it and close names."""
+    dead = [p for p in spec.target if not any(fnmatchcase(n, p) for n in candidates)]
+    if not dead:
+        return
     close: list[str] = []
-    for pattern in spec.target:
+    for pattern in dead:
         close += difflib.get_close_matches(pattern, candidates, n=5, cutoff=0.5)
     hint = f"; close names: {', '.join(dict.fromkeys(close))}" if close else ""
     sample = ", ".join(candidates[:8]) + (" …" if len(candidates) > 8 else "")
-    return ValueError(f"target {list(spec.target)!r} matches no {what} for site {spec.site!r}"
-                      f"{hint} (names look like: {sample})")
+    which = (f"target {list(spec.target)!r} matches" if len(dead) == len(spec.target) else
+             f"target pattern {', '.join(map(repr, dead))} (of {list(spec.target)!r}) matches")
+    raise ValueError(f"{which} no {what} for site {spec.site!r}{hint} (names look like: {sample})")
 
 
 def _matches(spec: FaultSpec, name: str) -> bool:
@@ -114,32 +120,27 @@ def _matches(spec: FaultSpec, name: str) -> bool:
 
 
 def resolve_targets(model: nn.Module, spec: FaultSpec) -> list[Target]:
-    """The modules or parameters ``spec`` hits in ``model`` (never empty: raises instead)."""
+    """The modules or parameters ``spec`` hits in ``model``; raises when a target pattern hits none."""
     if spec.site == "comm":
         raise ValueError("site 'comm' corrupts a DDP gradient bucket: attach it to a "
                          "DistributedDataParallel model with sdcscope.inject.comm")
     if spec.site in MODULE_SITES:
         gemm_only = spec.site.startswith("gemm.")
         candidates = [(n, m) for n, m in model.named_modules() if n and (not gemm_only or is_gemm(m))]
-        found = [Target(n, n, module=m) for n, m in candidates if _matches(spec, n)]
-        if not found:
-            raise _no_match(spec, [n for n, _ in candidates], "GEMM module" if gemm_only else "module")
-        return found
+        _check_patterns(spec, [n for n, _ in candidates], "GEMM module" if gemm_only else "module")
+        return [Target(n, n, module=m) for n, m in candidates if _matches(spec, n)]
     params = dict(model.named_parameters())
+    weighted = [(n, m) for n, m in model.named_modules() if n and isinstance(getattr(m, "weight", None), nn.Parameter)]
+    _check_patterns(spec, list(params) + [n for n, _ in weighted], "parameter")
     found, seen = [], set()
     for name, p in params.items():
         if _matches(spec, name) and id(p) not in seen:
             found.append(Target(name, name, param=p))
             seen.add(id(p))
-    for mname, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if mname and _matches(spec, mname) and isinstance(weight, nn.Parameter) and id(weight) not in seen:
-            found.append(Target(f"{mname}.weight", mname, module=module, param=weight))
-            seen.add(id(weight))
-    if not found:
-        names = list(params) + [n for n, m in model.named_modules()
-                                if n and isinstance(getattr(m, "weight", None), nn.Parameter)]
-        raise _no_match(spec, names, "parameter")
+    for mname, module in weighted:
+        if _matches(spec, mname) and id(module.weight) not in seen:
+            found.append(Target(f"{mname}.weight", mname, module=module, param=module.weight))
+            seen.add(id(module.weight))
     return found
 
 

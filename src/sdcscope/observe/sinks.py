@@ -2,17 +2,23 @@
 
 A sink is anything with ``write(step, metrics)`` and ``close()`` (:class:`Sink`). The optional
 back-ends import their library lazily, on construction, and raise ``ImportError`` naming the
-extra to install when it is missing.
+extra to install when it is missing; :func:`check_sink` refuses such a sink before any work.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from sdcscope._io import file_in_the_way
 from sdcscope.observe._util import jsonable
+
+
+def _missing(what: str, package: str, extra: str) -> str:
+    return f"{what} needs the {package!r} package: pip install 'sdcscope[{extra}]'"
 
 
 @runtime_checkable
@@ -64,9 +70,7 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # tensorboard is an optional dependency
-            raise ImportError(
-                "TensorBoardSink needs the 'tensorboard' package: pip install 'sdcscope[tensorboard]'"
-            ) from exc
+            raise ImportError(_missing("TensorBoardSink", "tensorboard", "tensorboard")) from exc
         self._writer = SummaryWriter(log_dir=str(log_dir), **writer_kwargs)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -94,10 +98,7 @@ class PrometheusSink:
         try:
             import prometheus_client
         except ImportError as exc:
-            raise ImportError(
-                "PrometheusSink needs the 'prometheus_client' package: "
-                "pip install 'sdcscope[prometheus]'"
-            ) from exc
+            raise ImportError(_missing("PrometheusSink", "prometheus_client", "prometheus")) from exc
         self._prom = prometheus_client
         self._registry = registry if registry is not None else prometheus_client.CollectorRegistry()
         self._prefix = prefix
@@ -128,3 +129,17 @@ class PrometheusSink:
 def make_sink(kind: str, path: str | Path) -> Sink:
     """The sink a :class:`~sdcscope.observe.MetricsConfig` names: ``'jsonl'`` or ``'tensorboard'``."""
     return JsonlSink(path) if kind == "jsonl" else TensorBoardSink(path)
+
+
+def check_sink(kind: str, path: str | Path) -> None:
+    """Refuse (ValueError), before any work, the sink :func:`make_sink` could not build: a missing
+    optional package, a JSONL path that is a folder, a path under a file."""
+    if kind == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(_missing("metrics sink 'tensorboard'", "tensorboard", "tensorboard"))
+    if kind == "jsonl" and Path(path).is_dir():
+        raise ValueError(f"metrics path {str(path)!r} is a folder; give a JSONL file")
+    if kind == "tensorboard" and Path(path).is_file():
+        raise ValueError(f"metrics path {str(path)!r} is a file; give a TensorBoard log folder")
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        raise ValueError(f"metrics path {str(path)!r} cannot be created: {str(blocker)!r} is a file, not a folder")

@@ -8,13 +8,13 @@ loss-curve difference (step by step, over the steps both runs applied).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from sdcscope._io import read_json
 from sdcscope.engine import CHECKPOINT_DIR, load_checkpoint, read_jsonl
 from sdcscope.engine.rundir import write_json
 
@@ -43,8 +43,8 @@ def param_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 def compare_runs(golden: str | Path, faulty: str | Path) -> dict[str, Any]:
     golden, faulty = Path(golden), Path(faulty)
-    sg = json.loads((golden / "summary.json").read_text())
-    sf = json.loads((faulty / "summary.json").read_text())
+    sg = read_json(golden / "summary.json")
+    sf = read_json(faulty / "summary.json")
     lg, lf = _losses(golden), _losses(faulty)
     steps = sorted(set(lg) & set(lf))
     diff = [lf[s] - lg[s] for s in steps]

@@ -15,7 +15,6 @@ present vs removed, guard detection (coverage, latency, false positives) and, fo
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import jinja2
 
-from sdcscope._io import read_jsonl
+from sdcscope._io import read_json, read_jsonl
 from sdcscope.study import figures
 from sdcscope.study.runner import SPEC_FILE
 from sdcscope.study.spec import load_campaign
@@ -302,16 +301,15 @@ def _rank_loss_figure(metrics: list[dict], world: int) -> str | None:
 def build_run_report(directory: str | Path) -> dict[str, Any]:
     """The report of one run directory: summary, per-rank timelines, loss per rank, events."""
     directory = Path(directory)
-    config = json.loads((directory / RUN_CONFIG).read_text())
-    summary = json.loads((directory / "summary.json").read_text()) if (directory / "summary.json").is_file() else {}
+    config = read_json(directory / RUN_CONFIG)
+    summary = read_json(directory / "summary.json") if (directory / "summary.json").is_file() else {}
     metrics = read_jsonl(directory / "metrics.jsonl")
     events = _run_events(directory)
     injections = read_jsonl(directory / "injections.jsonl")
-    failures = [json.loads(p.read_text()) for p in sorted(directory.glob("failure.rank*.json"))]
+    failures = [read_json(p) for p in sorted(directory.glob("failure.rank*.json"))]
     world = int(config.get("world_size") or summary.get("world_size") or 1)
     steps = int(summary.get("steps") or (metrics[-1]["step"] + 1 if metrics else config.get("steps") or 0))
-    ledger = json.loads((directory / "ledger.json").read_text()).get("devices", {}) \
-        if (directory / "ledger.json").is_file() else {}
+    ledger = read_json(directory / "ledger.json").get("devices", {}) if (directory / "ledger.json").is_file() else {}
     devices = {d.get("rank"): name for name, d in ledger.items()}
     quarantined = _quarantine_spans(metrics)
     lanes: list[Any] = list(range(world))

@@ -24,7 +24,7 @@ import yaml
 
 from sdcscope.detect.invariants.relations import validate_invariant
 from sdcscope.detect.invariants.spec import Invariant, Precondition
-from sdcscope.faults import describe_yaml_error
+from sdcscope._io import load_yaml, read_text
 
 ENTRY_KEYS = ("id", "relation", "params", "precondition", "description", "support")
 
@@ -63,11 +63,7 @@ def load_invariants(path: str | Path) -> list[Invariant]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"invariants file {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{str(path)!r} is not valid YAML: {describe_yaml_error(exc)}") from None
-    return parse_invariants(data, str(path))
+    return parse_invariants(load_yaml(read_text(path), repr(str(path))), str(path))
 
 
 def save_invariants(invariants: Iterable[Invariant], path: str | Path,
