@@ -26,6 +26,10 @@ from sdcscope.faults import (
 # ------------------------------------------------------------ independent reference
 
 
+def _f64(p: int) -> float:
+    return struct.unpack("<d", struct.pack("<Q", p))[0]
+
+
 def _f32(p: int) -> float:
     return struct.unpack("<f", struct.pack("<I", p))[0]
 
@@ -57,6 +61,7 @@ def _minifloat(p: int, exp_bits: int, man_bits: int, ieee_special: bool) -> floa
 
 # name -> (width, decoder from an unsigned pattern, sign, exponent bits, mantissa bits)
 REFERENCE = {
+    "fp64": (64, _f64, 63, 11, 52),
     "fp32": (32, _f32, 31, 8, 23),
     "fp16": (16, _f16, 15, 5, 10),
     "bf16": (16, _bf16, 15, 8, 7),
@@ -230,7 +235,7 @@ def test_random_value_uses_only_the_generator(name):
     b = random_value(t, torch.Generator().manual_seed(3))
     assert torch.equal(torch.get_rng_state(), state)
     assert _patterns(a) == _patterns(b)
-    ints = a.view(fmt.int_dtype).long() % (1 << fmt.width)
+    ints = a.view(fmt.int_dtype).long()   # sign-extended: (ints >> bit) & 1 is still bit `bit` of the word
     for bit in range(fmt.width):  # every bit of the word is random
         share = ((ints >> bit) & 1).float().mean().item()
         assert 0.4 < share < 0.6
@@ -283,7 +288,7 @@ FIRST = torch.tensor([0])
         (lambda t: apply_fault(t, FIRST, "zero", fmt="int8"), ValueError, ["int8", "fp32"]),
         (lambda t: apply_fault(t, torch.tensor([0.0]), "zero"), TypeError, ["int64"]),
         (lambda t: get_format("float33"), ValueError, ["float33", "fp32", "bf16"]),
-        (lambda t: format_of(torch.float64), ValueError, ["float64", "torch.float32"]),
+        (lambda t: format_of(torch.complex64), ValueError, ["complex64", "torch.float64", "torch.float32"]),
         (lambda t: check_bits([1, 1], "fp16"), ValueError, ["distinct"]),
         (lambda t: check_bits([1.0], "fp16"), TypeError, ["1.0"]),
     ],

@@ -190,17 +190,21 @@ def test_one_rule_keeps_the_weight_rollback():
     assert model[2].weight.abs().max().item() < 10
 
 
-def test_rollback_restores_the_loops_scheduler_with_the_model():
+@pytest.mark.parametrize("every, target", [(100, 0), (2, 2)])
+def test_rollback_restores_the_loops_scheduler_with_the_model(every, target):
+    """The first snapshot and the periodic ones (taken when their step begins, after the loop's
+    ``scheduler.step()`` of the step before) hold the scheduler in step with the model."""
     model, opt, inj = make(True, site="weight")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    guard = Guard(model, opt, GuardConfig(), run_dir=tempfile.mkdtemp(), loss_fn=loss_fn,
-                  stateful=[sched]).attach()
+    guard = Guard(model, opt, GuardConfig(snapshots={"every": every}), run_dir=tempfile.mkdtemp(),
+                  loss_fn=loss_fn, stateful=[sched]).attach()
     weight_fault_run(guard, model, opt, inj, stepped=sched.step, stop_at_rollback=True)
     assert [(e["detector"], e["action"]) for e in guard.events] == [("state_checksum", "rollback")]
-    assert guard.rolled_back_to == 0
-    assert sched.last_epoch == 0 and sched.get_last_lr() == [0.1] and opt.param_groups[0]["lr"] == 0.1
+    assert guard.rolled_back_to == target
+    lr = 0.1 / (1 + target)
+    assert sched.last_epoch == target and sched.get_last_lr() == [lr] and opt.param_groups[0]["lr"] == lr
     sched.step()   # the schedule goes on from the restored step
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 / (2 + target))
 
 
 def test_stateful_items_need_state_dicts():

@@ -68,8 +68,12 @@ step).
 
 Not covered: products computed outside a module's ``forward`` (``F.linear`` on another
 module's weight, ``F.scaled_dot_product_attention``: expose them as MatMul-contract modules to
-check them), ``nn.Linear`` subclasses that override ``forward`` (a LoRA layer's output is not
-XWᵀ + b; listed in :attr:`ABFTDetector.skipped`), bias gradients (a reduction, not a GEMM), and
+check them; a Linear called only that way -- ``nn.MultiheadAttention``'s ``out_proj`` -- is listed
+in :attr:`ABFTDetector.unreached` once a step ran without calling it, and leaves the sampling
+rotation), ``nn.Linear`` subclasses that override ``forward`` (a LoRA layer's output is not
+XWᵀ + b) and parametrized Linears (``spectral_norm``, ``weight_norm``: each read of ``.weight``
+runs the parametrization again -- spectral norm's power iteration advances -- so no hook can read
+the W the forward used), both listed in :attr:`ABFTDetector.skipped`, bias gradients (a reduction, not a GEMM), and
 the ``grad_weight`` of parameters that are not leaves of the call's graph (FSDP's flattened
 parameters), and the backward products of a call a ``create_graph=True`` backward ran through (a
 gradient penalty, a Hessian-vector product: the second backward's terms reach the same nodes; such
@@ -94,6 +98,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from sdcscope._validate import check_bool, check_choice, check_float, check_non_negative, check_positive
 from sdcscope.detect.checksum import (SIDES, GemmCheck, Line, Operand, frobenius, gemm_lines, line_coefs,
@@ -219,9 +224,9 @@ class _Layer:
     name: str
     module: nn.Module
     kind: str                              # 'linear' | 'matmul'
-    check_dw: bool
     names: tuple[str, ...]                 # forward's parameter names of the operands (keywords)
     calls: int = 0
+    hits: int = 0                          # forward calls the hook saw since the last check (any mode)
     fwd: object = None                     # handle of the forward hook
     pre: object = None                     # handle of the forward pre-hook (slow path only)
     open_ctx: _Ctx | None = None           # created by the pre-hook, completed by the forward hook
@@ -245,17 +250,20 @@ class ABFTDetector:
             or ("matmul" in cfg.kinds and is_matmul(m)))
         self.layers: list[_Layer] = []
         self.skipped: list[str] = []
-        """``nn.Linear`` subclasses overriding ``forward``: their output is not XWᵀ + b."""
+        """``nn.Linear`` subclasses overriding ``forward`` (their output is not XWᵀ + b) and
+        parametrized Linears (the W their forward used cannot be read again)."""
         for name, mod in eligible.items():
             linear = isinstance(mod, nn.Linear)
-            if linear and type(mod).forward is not nn.Linear.forward:
+            if linear and (type(mod).forward is not nn.Linear.forward or parametrize.is_parametrized(mod)):
                 self.skipped.append(name)
                 continue
             self.layers.append(_Layer(name, mod, "linear" if linear else "matmul",
-                                      check_dw=not linear or mod.weight.requires_grad,
                                       names=_operand_names(mod, 1 if linear else 2)))
-        self.skipped_grad_weight = [x.name for x in self.layers if not x.check_dw]
-        """Linear layers whose dW is not checked (frozen weight)."""
+        self.unreached: set[str] = set()
+        """Layers whose forward hook never fired on the steps they were sampled for (an attention
+        applying ``out_proj.weight`` with ``F.linear``): unchecked, and out of the sampling rotation."""
+        self._reached: set[str] = set()
+        self._misses: dict[str, int] = {}
         if not self.layers:
             warnings.warn(f"ABFT checks no GEMM of this {type(model).__name__}: it has no submodule of kinds "
                           f"{', '.join(cfg.kinds)} (nn.Linear, MatMul-contract modules; convolutions are not "
@@ -352,13 +360,14 @@ class ABFTDetector:
                 _, chosen, self._rot = again
             else:
                 k, every = self._plan
-                if not self.layers or step % every:
+                pool = [x for x in self.layers if x.name not in self.unreached] or self.layers
+                if step % every:
                     chosen = []
                 else:
-                    n = len(self.layers)
+                    n = len(pool)
                     k = min(k, n)
-                    chosen = [self.layers[(self._rot + i) % n] for i in range(k)]
-                    self._rot = (self._rot + k) % n
+                    chosen = [pool[(self._rot + i) % n] for i in range(k)]
+                    self._rot = (self._rot + k) % max(n, 1)
             self._step, self._chosen_rot = step, self._rot
             self._active = frozenset(layer.name for layer in chosen)
             self._chosen = chosen
@@ -370,6 +379,11 @@ class ABFTDetector:
     @property
     def active_layers(self) -> frozenset[str]:
         return self._active
+
+    @property
+    def skipped_grad_weight(self) -> list[str]:
+        """Linear layers whose dW is not checked now (frozen weight: there is no dW)."""
+        return [x.name for x in self.layers if x.kind == "linear" and not x.module.weight.requires_grad]
 
     def _on(self, layer: _Layer) -> bool:
         return layer.name in self._active and (layer.module.training or self.config.include_eval)
@@ -476,6 +490,7 @@ class ABFTDetector:
 
         def hook(module, args, kwargs, out):
             ctx, layer.open_ctx = layer.open_ctx, None
+            layer.hits += 1
             fast = ctx is None and layer.pre is None   # no pre-hook ran: the fast path's call
             if (ctx is None and not fast) or not self._on(layer) or not isinstance(out, torch.Tensor):
                 return None
@@ -503,7 +518,7 @@ class ABFTDetector:
                             self._record(layer, "forward", ctx.call, tuple(out.shape[:-1]), (),
                                          a, b.T, out, bias=bias)
                     ctx.a, ctx.b, ctx.a_shape = a, b, tuple(x.shape)
-                    want_dw = layer.check_dw and "grad_weight" in gemms
+                    want_dw = module.weight.requires_grad and "grad_weight" in gemms
                     nodes = None
                     if out.requires_grad and (want_dw or "grad_input" in gemms) and (fast or layer.fast is None):
                         nodes = _linear_nodes(out, module.weight)
@@ -675,6 +690,7 @@ class ABFTDetector:
                 for key, worst in self._cal.items():
                     self._c_eff[key] = min(cfg.c, max(cfg.c_min, cfg.calibration_margin * worst))
             self.checks_run += len(records)
+        self._note_reached()
         if cfg.budget is not None:
             self._update_plan(step, n_checked=len({r[0] for r in records}))
         self._drop_pending()
@@ -682,6 +698,25 @@ class ABFTDetector:
             self._last_checked = (step, self._chosen, self._chosen_rot)
             self.begin_step(step + 1)
         return events
+
+    def _note_reached(self) -> None:
+        """A sampled layer whose forward hook did not fire on two checked steps, and never has,
+        is :attr:`unreached` (warned once); one that fires again returns to the rotation."""
+        new = []
+        for x in self._chosen:
+            if x.hits:
+                self._reached.add(x.name)
+                self.unreached.discard(x.name)
+            elif x.name not in self._reached:
+                self._misses[x.name] = self._misses.get(x.name, 0) + 1
+                if self._misses[x.name] == 2:
+                    new.append(x.name)
+            x.hits = 0
+        if new:
+            self.unreached.update(new)
+            warnings.warn(f"ABFT: {', '.join(new)} sampled but never called through their own forward (e.g. "
+                          "nn.MultiheadAttention's out_proj, which the attention applies with F.linear): their "
+                          "GEMMs are not checked, and they leave the sampling rotation", stacklevel=3)
 
     def _judge(self, step: int, rec: tuple, ratio: float, calibrating: bool) -> list[Event]:
         name, gemm, call, c_dims, batch_dims, k, dtype, operand, chk = rec

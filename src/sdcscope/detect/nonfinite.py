@@ -17,6 +17,7 @@ from torch import nn
 
 from sdcscope._validate import check_bool, check_positive
 from sdcscope.detect.events import Event
+from sdcscope.observe._util import dense_values
 
 
 @dataclass(kw_only=True)
@@ -41,14 +42,14 @@ class NonFiniteDetector:
                  rank: int | None = None) -> None:
         self.config = config or NonFiniteConfig()
         self.rank = rank
-        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._named = list(model.named_parameters())   # those with a gradient, frozen at first or not
 
     def _maxabs(self) -> tuple[list[str], torch.Tensor | None]:
         named = [(n, p.grad) for n, p in self._named if p.grad is not None]
         if not named:
             return [], None
         dev = named[0][1].device
-        norms = torch._foreach_norm([g for _, g in named], math.inf)
+        norms = torch._foreach_norm(dense_values([g for _, g in named]), math.inf)
         return [n for n, _ in named], torch.stack([t.to(dev, torch.float32) for t in norms])
 
     def flag(self, loss: torch.Tensor | float | None = None) -> torch.Tensor | None:

@@ -79,6 +79,7 @@ def _float(name: str, dtype: torch.dtype, int_dtype: torch.dtype, exp: int, man:
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
+        _float("fp64", torch.float64, torch.int64, 11, 52),
         _float("fp32", torch.float32, torch.int32, 8, 23),
         _float("fp16", torch.float16, torch.int16, 5, 10),
         _float("bf16", torch.bfloat16, torch.int16, 8, 7),

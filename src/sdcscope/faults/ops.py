@@ -79,8 +79,12 @@ def random_value(values: torch.Tensor, generator: torch.Generator) -> torch.Tens
     draw uses ``generator`` (a CPU generator) only, never torch's global RNG.
     """
     fmt = format_of(values.dtype)
-    half = 1 << (fmt.width - 1)
-    ints = torch.randint(-half, half, values.shape, generator=generator, dtype=torch.int64)
+    if fmt.width == 64:   # randint's bounds are int64 themselves: two 32-bit halves
+        hi = torch.randint(-(1 << 31), 1 << 31, values.shape, generator=generator, dtype=torch.int64)
+        ints = (hi << 32) | torch.randint(0, 1 << 32, values.shape, generator=generator, dtype=torch.int64)
+    else:
+        half = 1 << (fmt.width - 1)
+        ints = torch.randint(-half, half, values.shape, generator=generator, dtype=torch.int64)
     return ints.to(fmt.int_dtype).to(values.device).view(values.dtype)
 
 

@@ -79,6 +79,11 @@ from sdcscope.observe import Metrics, grad_norms
 from sdcscope.guard.config import GuardConfig
 
 PRIORITY = ("rollback", "veto", "recompute", "skip_batch", "lr_backoff", "qk_clip", "report", "none")
+REPLAY_RTOL = 1e-4
+"""A replay on CPU must reproduce the step bit for bit. Elsewhere kernels may reduce in a
+different order on each run (atomics, split-K): there a loss or gradient counts as reproduced
+when ``‖first − replay‖ ≤ REPLAY_RTOL·‖first‖`` (such differences are ~1e-7 relative in fp32; a
+finding a replay re-checks, ABFT's or the non-finite detector's, does not depend on it)."""
 
 
 @dataclass(slots=True)
@@ -88,6 +93,32 @@ class _StepGrads:
     norms: torch.Tensor | None      # their gradients' 2-norms, as torch._foreach_norm gives them
     sq: torch.Tensor | None         # the norms squared in fp64 (an fp32 square can overflow)
     total: float | None = None      # the global norm, once read to the host
+
+
+def _rng_state(cuda: list[int]) -> tuple:
+    """The CPU generator's state and those of the CUDA devices ``cuda``: a replay draws the same
+    dropout masks wherever the model runs."""
+    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in cuda]
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    for d, s in cuda:
+        torch.cuda.set_rng_state(s, d)
+
+
+def _reproduced(first: torch.Tensor, again: torch.Tensor | None) -> bool:
+    """Whether a replay reproduced a gradient (bitwise on CPU, else within :data:`REPLAY_RTOL`)."""
+    if again is None:
+        return False
+    if first.is_sparse:
+        first, again = first.to_dense(), again.to_dense()
+    if torch.equal(first, again):
+        return True
+    if first.device.type == "cpu":
+        return False
+    return float(torch.linalg.vector_norm(first - again)) <= REPLAY_RTOL * float(torch.linalg.vector_norm(first))
 
 
 def _check_loss(loss: Any, what: str = "loss") -> None:
@@ -184,7 +215,9 @@ class Guard:
                               if b is not None and name not in m._non_persistent_buffers_set]
         self._buffers_before: list[torch.Tensor] = []
         self._pending: list[Event] = []
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._params = list(model.parameters())   # those with a gradient are checked, frozen or not
+        self._cuda = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
+        self._snapshot_at: int | None = None   # a plain loop's next snapshot, taken when that step begins
         self._grads: _StepGrads | None = None
         self._step_events = 0
         self.discarded_steps = 0
@@ -246,7 +279,7 @@ class Guard:
     # -- the per-step protocol ---------------------------------------------------------------
     def begin(self, step: int, batch: Any = None, *, snapshot: Callable[[], None] | None = None) -> None:
         """Before the forward pass: remember RNG, batch and buffers; verify the state checksums."""
-        self._step, self._batch, self._rng = step, batch, torch.get_rng_state()
+        self._step, self._batch, self._rng = step, batch, _rng_state(self._cuda)
         self._clock += 1
         self._buffers_before = self._buffer_values()
         self._step_events = 0
@@ -255,6 +288,9 @@ class Guard:
             (snapshot or (lambda: self._take_snapshot(step)))()
         self._pending = self._safe(lambda: self.state.verify(step), "state_checksum") \
             if self.state is not None and self.state.due(step) else []
+        due, self._snapshot_at = self._snapshot_at, None
+        if due == step and not self._pending:   # after the loop's own end-of-step work (scheduler.step())
+            self._take_snapshot(step)
         for part in (self.abft, self.metrics):
             if part is not None:
                 self._safe(lambda p=part: p.begin_step(step), type(part).__name__)
@@ -422,7 +458,7 @@ class Guard:
             return None
         grads = [self._params[i].grad for i in g.idx]
         first = grads[0]
-        if any(x.dtype != first.dtype or x.device != first.device for x in grads):
+        if any(x.dtype != first.dtype or x.device != first.device or x.is_sparse for x in grads):
             return None
         return grads, [x._version for x in grads], g.norms
 
@@ -435,7 +471,9 @@ class Guard:
             events += self._safe(lambda: self.abft.check(step), "abft")
         if self.nonfinite is None and self.loss_spike is None and self.grad_spike is None:
             return events
-        g = self._step_grads()
+        g = self._safe(self._step_grads, "gradient norms", default=False)
+        if g is False:
+            return events
         sq = g.sq
         lv = loss.detach().reshape(()) if isinstance(loss, torch.Tensor) else \
             torch.as_tensor(math.nan if loss is None else loss, dtype=torch.float64).reshape(())
@@ -467,8 +505,8 @@ class Guard:
         named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
         first_grads = {n: p.grad.detach().clone() for n, p in named}
         first_loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else (math.nan if loss is None else float(loss))
-        after_rng = torch.get_rng_state()
-        torch.set_rng_state(self._rng)
+        after_rng = _rng_state(self._cuda)
+        _set_rng_state(self._rng)
         try:
             self._restore_buffers()  # else the step's forward pass would update them twice
             if self.abft is not None:  # the layers this step checked, not the next step's sample
@@ -481,14 +519,15 @@ class Guard:
             if self.abft is not None:
                 again += self.abft.check(step)
         except Exception as exc:  # the replay itself failed: report, decide without it
-            torch.set_rng_state(after_rng)
+            _set_rng_state(after_rng)
             self._internal_error("replay", exc)
             return {"verdict": "unverified", "error": repr(exc)}, loss
         new_value = float(new_loss)
         self._grads = None  # the gradients are the re-execution's now
         differs = [n for n, p in self.model.named_parameters()
-                   if n in first_grads and (p.grad is None or not torch.equal(p.grad, first_grads[n]))]
-        loss_differs = not (new_value == first_loss or (math.isnan(new_value) and math.isnan(first_loss)))
+                   if n in first_grads and not _reproduced(first_grads[n], p.grad)]
+        tol = 0.0 if not self._cuda else REPLAY_RTOL * abs(first_loss)
+        loss_differs = not (abs(new_value - first_loss) <= tol or (math.isnan(new_value) and math.isnan(first_loss)))
         transient = (differs or loss_differs or recheckable) and not again
         result = {"verdict": "transient" if transient else "reproducible",
                   "loss_first": first_loss, "loss_replay": new_value,
@@ -550,7 +589,10 @@ class Guard:
                 self._emit(Event(**{k: record.get(k) for k in ("step", "detector", "verdict", "module", "rank")},
                                  evidence=record.get("evidence") or {}, action=record.get("action") or "report"))
         if applied and self._step_events == 0 and self.ring.due(step + 1):
-            (snapshot or (lambda: self._take_snapshot(step + 1)))()
+            if snapshot is not None:
+                snapshot()
+            else:   # a plain loop may still step its scheduler: snapshot when step + 1 begins
+                self._snapshot_at = step + 1
         self._count_discard(applied)
         return row
 

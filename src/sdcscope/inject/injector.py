@@ -94,7 +94,7 @@ class _Replace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, clean, faulty):  # noqa: D401
-        return faulty
+        return faulty.clone()   # a new tensor, not an input: an in-place op after it (ReLU(inplace=True)) is fine
 
     @staticmethod
     def backward(ctx, grad):

@@ -25,6 +25,12 @@ def is_matmul(module: nn.Module) -> bool:
     return getattr(module, "is_matmul", False) is True
 
 
+def dense_values(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors with the norms and extremes of ``grads``: a sparse gradient (``nn.Embedding(sparse=True)``)
+    as its coalesced values, which the fused ``torch._foreach_*`` reductions accept."""
+    return [g.coalesce().values() if g.is_sparse else g for g in grads]
+
+
 def _device_type(device: torch.device | str) -> str:
     return device.type if isinstance(device, torch.device) else torch.device(device).type
 

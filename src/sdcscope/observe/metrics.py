@@ -60,7 +60,7 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
-from sdcscope.observe._util import is_matmul, match_modules, no_autocast
+from sdcscope.observe._util import dense_values, is_matmul, match_modules, no_autocast
 from sdcscope.observe.config import (
     DEFAULT_ATTN_CONTEXT,
     DEFAULT_ATTN_SCORE,
@@ -94,7 +94,7 @@ class Metrics:
         self.model = model
         self.optimizer = optimizer
         self.config = cfg = config or MetricsConfig()
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = list(model.named_parameters())   # frozen ones too: a loop may unfreeze them later
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         layers = [_parent(n) for n in self._names]
@@ -330,7 +330,7 @@ class Metrics:
             beta2 = group.get("betas", (0.9, 0.999))[1]
             for p in group["params"]:
                 st = opt.state.get(p, {})
-                if p.grad is None or "exp_avg" not in st or id(p) not in self._index_of:
+                if not _dense_grad(p) or "exp_avg" not in st or id(p) not in self._index_of:
                     continue
                 rows.append((self._index_of[id(p)], p.grad, st["exp_avg"], st.get("exp_avg_sq"),
                              float(beta2), float(st.get("step", 0))))
@@ -395,7 +395,7 @@ class Metrics:
             _, pl = self._layer_sums(idx, p_sq[sel])
             self._vec["update_ratio/"] = (names, (dl / pl.clamp_min(_TINY)).sqrt())
         if self.config.cosines:
-            pairs = [(self._params[i].grad, t) for i, t in zip(idx, d) if self._params[i].grad is not None]
+            pairs = [(self._params[i].grad, t) for i, t in zip(idx, d) if _dense_grad(self._params[i])]
             if pairs:
                 g_sq = self._stack(list(torch._foreach_norm([g for g, _ in pairs])), dev).pow(2)
                 dd = self._stack(list(torch._foreach_norm([t for _, t in pairs])), dev).pow(2)
@@ -500,7 +500,7 @@ def grad_norms(params: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | No
     idx = [i for i, p in enumerate(params) if p.grad is not None]
     if not idx:
         return idx, None
-    grads = [params[i].grad for i in idx]
+    grads = dense_values([params[i].grad for i in idx])
     return idx, Metrics._stack(list(torch._foreach_norm(grads)), grads[0].device)
 
 
@@ -571,7 +571,7 @@ def _reconstruct_update(opt: torch.optim.Optimizer,
             lr = float(group["lr"])
             wd = float(group.get("weight_decay", 0.0))
             rows = [(p, opt.state.get(p, {})) for p in group["params"]
-                    if id(p) in index_of and p.grad is not None]
+                    if id(p) in index_of and _dense_grad(p)]
             if adam:
                 rows = [(p, st) for p, st in rows if "exp_avg" in st and float(st.get("step", 0)) >= 1]
             if not rows:
@@ -598,6 +598,12 @@ def _reconstruct_update(opt: torch.optim.Optimizer,
             idx += [index_of[id(p)] for p, _ in rows]
             deltas += list(delta)
     return idx, deltas
+
+
+def _dense_grad(p: torch.Tensor) -> bool:
+    """``p`` has a dense gradient: the metrics pairing gradients with dense tensors (cosines,
+    reconstructed updates) leave sparse ones (``nn.Embedding(sparse=True)``) out."""
+    return p.grad is not None and not p.grad.is_sparse
 
 
 def _sgd_delta(p: torch.Tensor, st: dict, group: dict, lr: float, wd: float) -> torch.Tensor:

@@ -39,15 +39,11 @@ import difflib
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-import yaml
-
-from sdcscope.faults import (
-    BIT_MODELS, FORMATS, MODELS, SITES, SWIZZLE_MODES, Pattern, check_bits, describe_yaml_error, get_format,
-)
+from sdcscope._io import load_yaml, read_text
+from sdcscope.faults import BIT_MODELS, MODELS, SITES, SWIZZLE_MODES, Pattern, check_bits, get_format
 
 __all__ = ["CampaignSpec", "FaultSpace", "Sampling", "Baseline", "load_campaign", "SAMPLING_KINDS",
            "DIMENSIONS", "ANALYSES", "SCHEDULE_TEMPLATES"]
@@ -70,14 +66,6 @@ UNSUPPORTED_SITES = {
 CAMPAIGN_SITES = tuple(s for s in SITES if s not in UNSUPPORTED_SITES)
 WORKLOAD_KEYS = ("name", "preset", "batch_size", "lr", "weight_decay", "warmup", "grad_clip", "corpus",
                  "max_corpus_bytes", "eval_batches", "qk_norm", "z_loss")
-
-
-class _Loader(yaml.SafeLoader):
-    """Safe YAML loader that also reads ``1e-3`` (no dot) as a float, as YAML 1.2 does."""
-
-
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
-                              list("-+0123456789"))
 
 
 def _hint(value: str, allowed) -> str:
@@ -196,9 +184,8 @@ class FaultSpace:
             if self.bits is None:
                 raise ValueError(f"faults.bits is required for models {[m for m in self.models if m in BIT_MODELS]}")
             bits = parse_bits(self.bits)
-            widest = max(FORMATS.values(), key=lambda f: f.width)
-            try:
-                check_bits(bits, self.format or widest)
+            try:   # without a format, the targets' own: fp32 is the widest a workload holds
+                check_bits(bits, self.format or "fp32")
             except ValueError as exc:
                 raise ValueError(f"faults.bits: {exc}") from None
             set_("bits", bits)
@@ -395,15 +382,12 @@ def read_campaign_data(source: str | os.PathLike[str]) -> tuple[str, Mapping]:
     if "\n" not in path and os.path.isdir(path):
         raise FileNotFoundError(f"campaign spec {path!r} is a directory, not a spec file")
     if "\n" not in path and os.path.isfile(path):
-        where, text = path, open(path, encoding="utf-8").read()
+        where, text = path, read_text(path)
     elif "\n" not in path and path.endswith((".yaml", ".yml", ".json")):
         raise FileNotFoundError(f"campaign spec {path!r} does not exist")
     else:
         where, text = "<text>", path
-    try:
-        data = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"malformed YAML in {where}: {describe_yaml_error(exc)}") from None
+    data = load_yaml(text, where)
     if not isinstance(data, Mapping):
         raise ValueError(f"{where} must hold a mapping (a campaign spec), got {data!r}")
     return where, data
