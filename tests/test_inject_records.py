@@ -201,3 +201,83 @@ def test_mac_cell_conv_error_uses_the_modules_padding(mode):
         expected = ref(x)
         assert not torch.allclose(expected, conv(x))
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_permanent_bitflip_in_memory_acts_once_on_each_written_value():
+    """An inverting cell: between two writes (micro-batches, evaluations) the flip stays; each
+    update's new value is flipped once (a second application would undo the first)."""
+    s = spec(site="weight", target="weight", bits=[30], pattern={"kind": "element", "index": [1, 2]},
+             schedule={"kind": "permanent", "start": 0})
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    written = []   # what each update wrote, before the injector acts on it
+    opt.register_step_post_hook(lambda o, a, k: written.append(bits(m.weight.detach()[1, 2].item())))
+    inj = Injector(m, [s], opt).attach()
+    w0 = bits(m.weight.detach()[1, 2].item())
+    seen = []
+    for step in range(4):
+        for micro_batch in range(2):
+            inj.set_position(step, micro_batch)
+            seen.append(bits(m.weight.detach()[1, 2].item()))
+            m(torch.randn(8, 4)).pow(2).sum().backward()
+        inj.set_position(step, evaluating=True)
+        seen.append(bits(m.weight.detach()[1, 2].item()))
+        opt.step()
+        opt.zero_grad()
+    inj.close()
+    held = [w0 ^ (1 << 30)] + [w ^ (1 << 30) for w in written[:-1]]   # the value in memory during each step
+    assert seen == [v for v in held for _ in range(3)]
+    assert bits(m.weight.detach()[1, 2].item()) == written[-1] ^ (1 << 30)
+
+
+def test_fp64_faults_are_recorded_exactly_and_sampled_at_every_bit():
+    t = torch.tensor([0.1, 1e300, -2.5, 3.0], dtype=torch.float64)
+    m = nn.Linear(4, 4).double()
+    with torch.no_grad():
+        m.weight[0] = t
+    s = spec(site="weight", target="weight", bits=[0, 63], pattern={"kind": "element", "index": [0, 1]})
+    inj = Injector(m, [s]).attach()
+    inj.set_position(0)
+    (rec,) = inj.records
+    assert rec["before"] == [1e300] and rec["after"] == [m.weight[0, 1].item()] == [-1.0000000000000002e300]
+    ber = spec(site="weight", target="weight", bits=[62, 63], pattern={"kind": "tensor", "ber": 0.5}, seed=3)
+    inj2 = Injector(m, [ber]).attach()
+    inj2.set_position(0)
+    changed = [(a ^ b) & (2**64 - 1) for a, b in zip(
+        torch.tensor(inj2.records[0]["before"], dtype=torch.float64).view(torch.int64).tolist(),
+        torch.tensor(inj2.records[0]["after"], dtype=torch.float64).view(torch.int64).tolist())]
+    assert changed and set(changed) <= {1 << 62, 1 << 63, 3 << 62}
+
+
+def test_a_tied_tensor_in_a_checkpoint_is_corrupted_once(tmp_path):
+    from sdcscope.inject import corrupt_checkpoint_file
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    torch.manual_seed(0)
+    m = Tied()
+    s = FaultSpec.from_dict({"site": "checkpoint", "target": "*.weight", "model": "bitflip", "bits": [30],
+                             "pattern": {"kind": "element", "index": [2, 1]},
+                             "schedule": {"kind": "transient", "step": 1}})
+    torch.save({"model": m.state_dict(), "step": 1}, tmp_path / "state.pt")
+    (rec,) = corrupt_checkpoint_file(tmp_path / "state.pt", [s])
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)["model"]
+    assert rec["module"] == "emb.weight" and bits(saved["emb.weight"][2, 1].item()) == \
+        bits(m.emb.weight[2, 1].item()) ^ (1 << 30)
+
+
+def test_a_transient_param_grad_fault_acts_once_however_often_backward_runs():
+    s = spec(site="param_grad", target="weight", bits=[30], pattern={"kind": "element", "index": [0, 0]})
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    inj = Injector(m, [s]).attach()
+    inj.set_position(0)
+    x = torch.randn(3, 4)
+    m(x).sum().backward()
+    m(x).pow(2).sum().backward()   # a second loss of the same step
+    assert len(inj.records) == 1

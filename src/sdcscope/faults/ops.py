@@ -109,7 +109,7 @@ class FaultResult:
         """Index, before and after as Python lists (floats for float formats)."""
 
         def values(t: torch.Tensor) -> list:
-            return (t if not t.is_floating_point() else t.float()).tolist()
+            return (t if not t.is_floating_point() else t.double()).tolist()   # exact for fp64 too
 
         return {
             "index": self.index.tolist(),

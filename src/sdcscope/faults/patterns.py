@@ -275,6 +275,7 @@ def sample_bit_errors(
     weight = torch.ones_like(positions) << candidates[positions % candidates.numel()]
     index, inverse = torch.unique_consecutive(element, return_inverse=True)
     masks = torch.zeros(index.numel(), dtype=torch.long).index_add_(0, inverse, weight)
-    sign = 1 << (fmt.width - 1)
-    masks = torch.where(masks >= sign, masks - 2 * sign, masks)
+    if fmt.width < 64:   # as the signed word (int64 masks already wrap)
+        sign = 1 << (fmt.width - 1)
+        masks = torch.where(masks >= sign, masks - 2 * sign, masks)
     return index, masks.to(fmt.int_dtype)

@@ -314,7 +314,10 @@ class Schedule:
       0, so the fault is a single event even with gradient accumulation).
     - ``intermittent``: in every event of steps ``start <= step < stop`` (``stop`` ``None``:
       no end) independently with probability ``p``.
-    - ``permanent``: in every event from step ``start`` on.
+    - ``permanent``: in every event from step ``start`` on. In memory (``weight``,
+      ``optimizer_state``) it acts once on each value written there: a ``bitflip`` is an
+      inverting cell (a value an update computed from the flipped one may read back clean);
+      ``stuck_at`` is a bit that always reads 0 or 1.
 
     An *event* is one (step, micro-batch, module, rank) visit of a site; see
     :func:`.schedule.fires`.

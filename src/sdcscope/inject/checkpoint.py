@@ -49,8 +49,12 @@ def corrupt_checkpoint_file(path: str | Path, specs: list[FaultSpec], *, rank: i
         if spec.site == "checkpoint" and not any(_key(spec, n) for n in tensors):
             raise ValueError(f"fault spec #{i}: target {list(spec.target)!r} matches no tensor in "
                              f"{str(path)!r} (names look like: {', '.join(list(tensors)[:6])} …)")
-    records = []
+    records, hit = [], set()
     for i, name, key in checkpoint_faults(specs, tensors, step, rank):
+        tensor = (i, tensors[name].untyped_storage().data_ptr())
+        if tensor in hit:   # a tied tensor (embedding and output head), saved under each name: once
+            continue
+        hit.add(tensor)
         spec = specs[i]
         result = apply_spec(spec, tensors[name], fault_generator(spec, step, None, key, rank), step=step)
         records.append({"step": step, "micro_batch": 0, "rank": rank, "site": "checkpoint",

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdcscope._io import JsonlWriter
-from sdcscope.faults import STEP_SITES, FaultSpec, apply_spec, fault_generator, fires
+from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, apply_spec, fault_generator, fires
 from sdcscope.inject.targets import CONV_TYPES, Target, validate_specs, weight_grad_edge
 
 _REEXECUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdcscope_reexecuting", default=False)
@@ -144,6 +144,8 @@ class Injector:
         self.records: list[dict[str, Any]] = []
         """Every record, as written to the log (``when``: train, after_update or eval)."""
         self._seen: set[tuple] = set()
+        self._resident: dict[tuple[int, str], tuple] = {}  # permanent memory faults in place: (id, version, index)
+        self._param_grad_fired: set[tuple[int, str, int]] = set()   # (spec, target, step) of once-faults on .grad
         self._calls: dict[tuple[int, str], int] = {}  # module calls met at this position, per spec/target
         self._fired_input: dict[tuple[int, str], torch.Tensor] = {}  # input of a once-fault's call
         self._warned_accum = False
@@ -284,7 +286,7 @@ class Injector:
         return k
 
     def _corrupt(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, *,
-                 suffix: str = "", channel_dim=None, call: int | None = None, when: str | None = None) -> None:
+                 suffix: str = "", channel_dim=None, call: int | None = None, when: str | None = None) -> FaultResult:
         # A mac_cell on an array is one physical cell of the unit that runs every targeted GEMM:
         # its random cell (and value) is drawn once for the unit, not per module.
         unit = spec.pattern.kind == "mac_cell" and spec.pattern.array is not None
@@ -293,6 +295,7 @@ class Injector:
         result = apply_spec(spec, tensor, gen, channel_dim=channel_dim, step=self.step)
         if call != -1:
             self._record(i, spec, t.name + suffix, result, call=call, when=when)
+        return result
 
     def _output_hook(self, i, spec, t: Target):
         channel_dim = 1 if isinstance(t.module, CONV_TYPES) else -1
@@ -362,9 +365,16 @@ class Injector:
 
     def _param_grad_hook(self, i, spec, t: Target):
         def hook(param):
-            # once per step, on the sum over all micro-batches: after the last one's backward
-            if param.grad is not None and self.micro_batch == self.grad_accum - 1 and self._fires(spec, t):
-                self._corrupt(i, spec, t, param.grad)
+            # once per step, on the sum over all micro-batches: after the last one's backward (a
+            # loop calling backward() twice there accumulates twice: a transient fault acts once)
+            if param.grad is None or self.micro_batch != self.grad_accum - 1 or not self._fires(spec, t):
+                return
+            if spec.schedule.kind != "permanent":
+                key = (i, t.name, self.step)
+                if key in self._param_grad_fired:
+                    return
+                self._param_grad_fired.add(key)
+            self._corrupt(i, spec, t, param.grad)
         return hook
 
     def _active(self, site: str):
@@ -380,19 +390,35 @@ class Injector:
         when = "after_update" if after_update else None
         for site in MEMORY_SITES:
             for i, spec in self._active(site):
-                if after_update and spec.schedule.kind != "permanent":
+                permanent = spec.schedule.kind == "permanent"
+                if after_update and not permanent:
                     continue
                 for t in self.targets[i]:
                     if not self._fires(spec, t):
                         continue
-                    if site == "weight":
-                        self._corrupt(i, spec, t, t.param.data, when=when)
+                    if site == "weight":   # .data: the write leaves param._version to the optimizer's
+                        self._corrupt_resident(i, spec, t, t.param.data, t.param, "", when, permanent)
                     elif (after_update or self.micro_batch == 0) and self.optimizer is not None:
                         state = self.optimizer.state.get(t.param, {})
                         for key in [spec.state_key] if spec.state_key else sorted(state):
                             value = state.get(key)
                             if isinstance(value, torch.Tensor) and value.shape == t.param.shape:
-                                self._corrupt(i, spec, t, value, suffix=f":{key}", when=when)
+                                self._corrupt_resident(i, spec, t, value, value, f":{key}", when, permanent)
+
+    def _corrupt_resident(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, owner: torch.Tensor,
+                          suffix: str, when: str | None, permanent: bool) -> None:
+        """Corrupt a tensor held in memory. A permanent fault acts on each value written there
+        (by an update) once: while ``owner``'s version says nothing rewrote it since the fault
+        went in, it is in place -- applying it again would undo a bit flip."""
+        key = (i, t.name + suffix)
+        got = self._resident.get(key)
+        if permanent and got is not None and got[:2] == (id(owner), owner._version):
+            values = tensor.reshape(-1)[got[2]].clone()   # in place: logged as such (before == after)
+            self._record(i, spec, t.name + suffix, FaultResult(got[2], values, values), when=when)
+            return
+        result = self._corrupt(i, spec, t, tensor, suffix=suffix, when=when)
+        if permanent:
+            self._resident[key] = (id(owner), owner._version, result.index)
 
     def _optimizer_post(self, optimizer, args, kwargs) -> None:
         """A permanent memory fault survives the update: re-apply it to the new values."""
