@@ -62,6 +62,19 @@ def test_violations_exit_1_with_a_table_and_idempotent_events(inv_file, tmp_path
     assert events[0]["evidence"]["expected"] == 2.0 and events[0]["evidence"]["observed"] == 1.0
 
 
+def test_the_guards_online_check_sees_the_step_metrics(inv_file, tmp_path):
+    """``train --invariants`` checks through the guard: the metric bounds too, not only calls."""
+    entries = yaml.safe_load(inv_file.read_text())
+    (loss,) = [e for e in entries if e["id"] == "metric.train.loss"]
+    loss["params"]["bounds"] = [100.0, 200.0]
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(yaml.safe_dump(entries))
+    run = tmp_path / "run"
+    r = invoke("train", "--steps", 3, "--batch-size", 4, "--out", run, "--invariants", edited)
+    assert r.exit_code == 0, r.output
+    assert [e["verdict"] for e in read_jsonl(run / "events.jsonl")] == ["metric.train.loss"]
+
+
 @pytest.mark.parametrize("text, message", [
     ("- relation: Invariantz\n  params: {}\n", "unknown relation 'Invariantz'; allowed: Consistent"),
     ("- id: upd\n  relation: EventContain\n  params: {parent: optimizer.step, child: update, "

@@ -198,7 +198,10 @@ class Guard:
         if c.invariants is not None:
             from sdcscope.detect.invariants import InvariantChecker
 
-            self.invariants = InvariantChecker(model, optimizer, c.invariants, rank=rank or 0)
+            self.invariants = InvariantChecker(  # the loop's schedulers and scaler are watched too
+                model, optimizer, c.invariants, rank=rank or 0,
+                schedulers=[s for s in stateful if isinstance(s, torch.optim.lr_scheduler.LRScheduler)],
+                scaler=next((s for s in stateful if isinstance(s, torch.amp.GradScaler)), None))
         self.events: list[dict[str, Any]] = []
         self.skip_batches: set[int] = set()
         self.rolled_back_to: int | None = None
@@ -367,7 +370,7 @@ class Guard:
         if after_step is not None:  # the user's own code, like before_step
             with torch.no_grad():
                 after_step()
-        self._after_update(applied=True, row=row)
+        self._after_update(applied=True, row=row, logged={"loss": loss} if loss is not None else None)
         return True
 
     def _run_step(self, batch: Any) -> torch.Tensor:
@@ -574,8 +577,10 @@ class Guard:
         return row
 
     def _after_update(self, *, applied: bool, row: dict | None = None,
-                      snapshot: Callable[[], None] | None = None) -> dict:
-        """``row``: the applied update's metrics (:meth:`_update_metrics`)."""
+                      snapshot: Callable[[], None] | None = None, logged: dict | None = None) -> dict:
+        """``row``: the applied update's metrics (:meth:`_update_metrics`); ``logged``: the loop's
+        own metrics of the step (the trainer's row: loss, grad_norm, lr), for the invariants'
+        metric bounds, as a trace records them."""
         row = row or {}
         step = self._step
         if self.ranks is not None:  # before the state checksums: a replica rollback restores state
@@ -585,6 +590,8 @@ class Guard:
         if self.invariants is not None and not applied:  # the step's effects were discarded
             self._safe(self.invariants.abandon_step, "invariants")
         elif self.invariants is not None:
+            if logged:
+                self._safe(lambda: self.invariants.log_metrics(logged), "invariants")
             for record in self._safe(self.invariants.step_end, "invariants"):
                 self._emit(Event(**{k: record.get(k) for k in ("step", "detector", "verdict", "module", "rank")},
                                  evidence=record.get("evidence") or {}, action=record.get("action") or "report"))
@@ -727,7 +734,8 @@ class GuardCallback:
             return
         applied = not ctx.skip_update
         row = self.guard._update_metrics(ctx.step_loss) if applied else {}  # the step's lr is still set
-        row = self.guard._after_update(applied=applied, row=row, snapshot=self._snapshot(ctx.trainer))
+        row = self.guard._after_update(applied=applied, row=row, snapshot=self._snapshot(ctx.trainer),
+                                       logged=ctx.metrics)
         row.update(ctx.metrics)   # the trainer's own values win
         ctx.metrics.update(row)
         ctx.metrics["events"] = self.guard._step_events

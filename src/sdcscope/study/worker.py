@@ -143,11 +143,13 @@ class Worker:
         traj = self._trajectory(s)
         at, drift = set(traj["steps"]), {}
         out = {"losses": [], "crash": False, "error": None, "early": False}
+        by_step: dict[int, float] = {}   # a step trained again after a rollback replaces its first try
+        rows = 0
         try:
-            while t.step < s + h and len(out["losses"]) < 4 * h:
+            while t.step < s + h and rows < 4 * h:
                 row = t.train_step()
-                loss = row["loss"]
-                out["losses"].append(loss)
+                rows += 1
+                loss = by_step[row["step"]] = row["loss"]
                 if not math.isfinite(loss) and not row.get("skipped"):  # a step the guard discarded is no crash
                     out["crash"] = True
                     break
@@ -160,6 +162,7 @@ class Worker:
             raise
         except Exception as exc:  # a corrupted value can make an operation raise: the run crashed
             out.update(crash=True, error=f"{type(exc).__name__}: {exc}")
+        out["losses"] = [by_step[k] for k in sorted(by_step)]
         out["drift"] = [drift[k] for k in traj["steps"] if k in drift]
         return out
 
