@@ -68,12 +68,13 @@ step).
 
 Not covered: products computed outside a module's ``forward`` (``F.linear`` on another
 module's weight, ``F.scaled_dot_product_attention``: expose them as MatMul-contract modules to
-check them; a Linear called only that way -- ``nn.MultiheadAttention``'s ``out_proj`` -- is listed
-in :attr:`ABFTDetector.unreached` once a step ran without calling it, and leaves the sampling
-rotation), ``nn.Linear`` subclasses that override ``forward`` (a LoRA layer's output is not
-XWᵀ + b) and parametrized Linears (``spectral_norm``, ``weight_norm``: each read of ``.weight``
-runs the parametrization again -- spectral norm's power iteration advances -- so no hook can read
-the W the forward used), both listed in :attr:`ABFTDetector.skipped`, bias gradients (a reduction, not a GEMM), and
+check them; a Linear used only that way -- ``nn.MultiheadAttention``'s ``out_proj`` -- is listed
+in :attr:`ABFTDetector.unreached` after two sampled steps that did not call it, and leaves the
+sampling rotation), ``nn.Linear`` subclasses that override ``forward`` (a LoRA layer's output is
+not XWᵀ + b) and parametrized Linears (``spectral_norm``, ``weight_norm``: each read of
+``.weight`` runs the parametrization again -- spectral norm's power iteration advances -- so no
+hook can read the W the forward used), both listed in :attr:`ABFTDetector.skipped`, bias
+gradients (a reduction, not a GEMM), and
 the ``grad_weight`` of parameters that are not leaves of the call's graph (FSDP's flattened
 parameters), and the backward products of a call a ``create_graph=True`` backward ran through (a
 gradient penalty, a Hessian-vector product: the second backward's terms reach the same nodes; such
@@ -701,12 +702,11 @@ class ABFTDetector:
 
     def _note_reached(self) -> None:
         """A sampled layer whose forward hook did not fire on two checked steps, and never has,
-        is :attr:`unreached` (warned once); one that fires again returns to the rotation."""
+        is :attr:`unreached` (warned once)."""
         new = []
         for x in self._chosen:
             if x.hits:
                 self._reached.add(x.name)
-                self.unreached.discard(x.name)
             elif x.name not in self._reached:
                 self._misses[x.name] = self._misses.get(x.name, 0) + 1
                 if self._misses[x.name] == 2:

@@ -530,7 +530,8 @@ class Guard:
         differs = [n for n, p in self.model.named_parameters()
                    if n in first_grads and not _reproduced(first_grads[n], p.grad)]
         tol = 0.0 if not self._cuda else REPLAY_RTOL * abs(first_loss)
-        loss_differs = not (abs(new_value - first_loss) <= tol or (math.isnan(new_value) and math.isnan(first_loss)))
+        loss_differs = not (new_value == first_loss or abs(new_value - first_loss) <= tol
+                            or (math.isnan(new_value) and math.isnan(first_loss)))
         transient = (differs or loss_differs or recheckable) and not again
         result = {"verdict": "transient" if transient else "reproducible",
                   "loss_first": first_loss, "loss_replay": new_value,
