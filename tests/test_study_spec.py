@@ -35,6 +35,8 @@ def test_defaults_and_hash_stability():
 BAD = [
     ("horizon: 3", "horizn: 3", ["horizn", "horizon"]),
     ("bits: [\"0-3\", 30]", "bits: [40]", ["bit 40", "0..31"]),
+    ("bits: [\"0-3\", 30]", "bits: [30]\n  patterns: [{kind: element, index: 5}]\n  repeats: 3",
+     ["faults.repeats=3", "identical runs", "'random'"]),
     ("bits: [\"0-3\", 30]", "bits: []", ["faults.bits", "empty"]),
     ("sites: [gemm.forward, gemm.grad_weight]", "sites: [gemm.fwd]", ["gemm.fwd", "gemm.forward"]),
     ("sites: [gemm.forward, gemm.grad_weight]", "sites: []", ["fault space would be empty"]),

@@ -215,6 +215,14 @@ class Pattern:
     swizzle: str | None = None
     swizzle_seed: int | None = None
 
+    @property
+    def draws(self) -> bool:
+        """Whether the pattern draws its elements from the fault generator (so two fault seeds
+        may hit different elements)."""
+        fields_ = (self.index, self.start, self.pe, self.input_channel, self.output_channel)
+        return self.kind == "tensor" or (self.kind == "mac_cell" and self.array is not None) \
+            or any(v == RANDOM for v in fields_)
+
     def __post_init__(self) -> None:
         kind = _check_kind_fields(self, "pattern", PATTERN_KINDS)
         if kind in ("element", "row", "column"):

@@ -202,6 +202,13 @@ class FaultSpace:
         set_("schedules", tuple(_schedule_template(s) for s in _list("faults.schedules", self.schedules)))
         _int("faults.repeats", self.repeats, 1)
         _int("faults.seed", self.seed)
+        random = ("random_value" in self.models or any(s["kind"] == "intermittent" for s in self.schedules)
+                  or any(Pattern.from_dict(p).draws for p in self.patterns))
+        if self.repeats > 1 and not random:
+            raise ValueError(f"faults.repeats={self.repeats}: every point of this fault space is one fixed fault "
+                             "(explicit indices, no random_value model, no intermittent schedule), so its repeats "
+                             "would be identical runs counted as independent trials; use repeats: 1, or 'random' "
+                             "indices")
 
     @classmethod
     def from_dict(cls, data: Any) -> FaultSpace:
