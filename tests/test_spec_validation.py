@@ -8,12 +8,13 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 from typer.testing import CliRunner
 
 from sdcscope.cli import app
 from sdcscope.engine import TrainConfig, Trainer
 from sdcscope.faults import FaultSpec, FaultSpecError, apply_spec, check_spec, load_specs
-from sdcscope.inject import validate_specs
+from sdcscope.inject import Injector, validate_specs
 from sdcscope.inject.checkpoint import checkpoint_faults
 from sdcscope.inject.targets import probe_model
 from sdcscope.study import classify, init_campaign, load_campaign, plan_campaign, run_campaign
@@ -308,3 +309,13 @@ def test_a_grad_weight_fault_is_checked_against_the_dtype_the_gemm_computes_in()
     with pytest.raises(FaultSpecError, match="bit 29 is out of range for bf16"):
         validate_specs(model, [spec("gemm.grad_weight", "2", {"kind": "element", "index": 3}, bits=[29])],
                        opt, steps=6, probe=probe)
+
+
+@pytest.mark.parametrize("site, target", [("param_grad", "0.weight"), ("gemm.grad_weight", "0")])
+def test_a_gradient_fault_on_a_frozen_parameter_is_refused_up_front(site, target):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    spec = FaultSpec.from_dict({"site": site, "target": target, "model": "bitflip", "bits": [30],
+                                "schedule": {"kind": "transient", "step": 0}})
+    with pytest.raises(ValueError, match=r"'0(\.weight)?' is frozen \(requires_grad=False\)"):
+        Injector(model, [spec], torch.optim.SGD(model.parameters(), 0.1))

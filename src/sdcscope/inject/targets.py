@@ -257,6 +257,13 @@ def validate_spec(model: nn.Module, spec: FaultSpec, optimizer: torch.optim.Opti
     _check_schedule(spec, steps, grad_accum)
     if spec.site == "optimizer_state":
         _check_optimizer_spec(spec, optimizer, targets)
+    if spec.site in ("param_grad", "gemm.grad_weight"):
+        for t in targets:
+            p = t.param if spec.site == "param_grad" else getattr(t.module, "weight", None)
+            if isinstance(p, torch.Tensor) and not p.requires_grad:
+                raise ValueError(f"{t.name!r} is frozen (requires_grad=False): it has "
+                                 "no gradient to corrupt; unfreeze it before building the injector, or target a "
+                                 "trainable one")
     if spec.pattern.kind == "mac_cell" and spec.site == "gemm.forward":
         for t in targets:
             if getattr(t.module, "weight", None) is None:
