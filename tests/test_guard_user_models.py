@@ -99,17 +99,19 @@ def test_a_layer_unfrozen_mid_run_is_watched_like_the_others():
     assert guard.abft.max_ratio[("2", "grad_weight")] < 1   # its dW is checked since it has one
 
 
-def test_an_injected_output_fault_before_an_inplace_activation():
-    for site in ("gemm.forward", "activation"):
+def test_an_injected_fault_next_to_an_inplace_activation():
+    for site, gemm in (("gemm.forward", "forward"), ("activation", "forward"), ("gemm.grad_input", "grad_input")):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
-        spec = FaultSpec(site=site, target="0", model="bitflip", bits=(30,), seed=1,
+        model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True),
+                              nn.Linear(16, 4))
+        spec = FaultSpec(site=site, target="2", model="bitflip", bits=(30,), seed=1,
                          pattern={"kind": "element", "index": [2, 3]}, schedule={"kind": "transient", "step": 2})
         inj = Injector(model, [spec]).attach()
         guard = guard_for(model)
         events = run(model, guard, 4, before=inj.set_position)
         assert [(e["step"], e["module"], e["gemm"], e["verdict"]) for e in events if e["detector"] == "abft"] \
-            == [(2, "0", "forward", "transient")]
+            == [(2, "2", gemm, "transient")], site
+        assert [(r["step"], r["index"]) for r in inj.records] == [(2, [2 * 16 + 3])]
 
 
 def test_a_linear_its_parent_applies_with_f_linear_leaves_the_rotation_with_a_warning():

@@ -42,14 +42,15 @@ How the hooks see the values actually produced
   ``mm`` behind the reshapes of an N-d input), which receives dY and produces dX (flattened to
   (tokens, in); a bias gradient there is dY's column sums, reused) — no pre-hook, no view. Used
   from a layer's second call on, once its graph has that shape, while no full backward
-  (pre-)hook is registered on the module or globally: such a hook (an injector's
-  ``gemm.grad_input`` fault) edits dX *after* the node, so :meth:`ABFTDetector.begin_step`
+  (pre-)hook is registered on the module or globally: such a hook may edit dX *after* the node
+  (the injector's ``gemm.grad_input`` faults on a Linear edit it at the node, before ABFT's
+  post-hook, registered later, reads it), so :meth:`ABFTDetector.begin_step`
   puts the view path below back for that layer. A full backward hook registered in the middle of
   a step, after ``begin_step``, is not seen by that step's dX check.
 * **dY** (other calls): a tensor hook on the module's output (fires before its backward runs).
 * **dX / dA / dB** (other calls): a forward pre-hook hands the module an identity view of each
   operand and registers a tensor hook on it. The view is consumed only by this module, so its
-  gradient is this module's dX — after every full backward hook (an injector's edits included),
+  gradient is this module's dX — after every full backward hook (a hook's edits included),
   whatever the registration order — and not the sum over the operand's other consumers.
 * **dW**: a hook on the call's own autograd node that hands dW to the weight
   (:func:`sdcscope.inject.targets.weight_grad_edge`, where the injector's ``gemm.grad_weight``
@@ -105,7 +106,7 @@ from sdcscope._validate import check_bool, check_choice, check_float, check_non_
 from sdcscope.detect.checksum import (SIDES, GemmCheck, Line, Operand, frobenius, gemm_lines, line_coefs,
                                       line_ratios, norm_floor, rounding_model)
 from sdcscope.detect.events import GEMMS, Event
-from sdcscope.inject.targets import through_casts, weight_grad_edge
+from sdcscope.inject.targets import linear_nodes, weight_grad_edge
 from sdcscope.observe._util import autocast_on, is_matmul, match_modules, no_autocast
 
 CHECKSUMS = ("both", "row", "column")
@@ -332,7 +333,7 @@ class ABFTDetector:
     def _sync_pre_hook(self, layer: _Layer) -> None:
         """The forward pre-hook (operand views for dX / dA / dB) is needed unless the layer is a
         Linear whose dX is read at its GEMM's autograd node (the fast path): possible when the
-        graph has the known shape and no full backward hook (an injector's dX fault) edits dX
+        graph has the known shape and no full backward hook (which may edit dX) stands
         between that node and the module's input."""
         slow = not layer.fast or _backward_hooked(layer.module)
         if slow and layer.pre is None:
@@ -522,7 +523,7 @@ class ABFTDetector:
                     want_dw = module.weight.requires_grad and "grad_weight" in gemms
                     nodes = None
                     if out.requires_grad and (want_dw or "grad_input" in gemms) and (fast or layer.fast is None):
-                        nodes = _linear_nodes(out, module.weight)
+                        nodes = linear_nodes(out, module.weight)
                         layer.fast = nodes is not None   # learnt here; the next step's hooks follow
                     lean = lean and fast and nodes is not None   # dY's statistics come from the node
                     if fast:
@@ -795,28 +796,6 @@ def _keep_last(layer: _Layer) -> None:
     if hooks is None or hid not in hooks or next(reversed(hooks)) == hid:
         return
     hooks.move_to_end(hid)
-
-
-_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
-
-
-def _linear_nodes(out: torch.Tensor, weight: torch.Tensor):
-    """``(gemm node, index of X's gradient, dW node, index of dW)`` of the ``F.linear`` call that
-    produced ``out``: ``addmm``/``mm`` (after the reshapes of an N-d input) whose weight operand is
-    ``weight.t()`` (through an autocast copy). ``None`` for any other graph."""
-    node = out.grad_fn
-    while node is not None and type(node).__name__ in _VIEW_NODES:
-        node = node.next_functions[0][0]
-    kind = type(node).__name__
-    xi = 1 if kind == "AddmmBackward0" else 0 if kind == "MmBackward0" else None
-    if xi is None or len(node.next_functions) != xi + 2:
-        return None
-    wt = node.next_functions[xi + 1][0]
-    if wt is None or type(wt).__name__ != "TBackward0":
-        return None
-    if getattr(through_casts(wt.next_functions[0][0]), "variable", None) is not weight:
-        return None
-    return node, xi, wt, 0
 
 
 def _backward_hooked(module: nn.Module) -> bool:

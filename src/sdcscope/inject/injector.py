@@ -10,7 +10,9 @@ gemm.forward        forward hook on a GEMM module (Linear, Conv, ``is_matmul``):
                     with an ``array`` the random cell is the same for every targeted GEMM, and a
                     ``swizzle: per_step`` mapping follows the injector's step (evaluation at step
                     t uses the mapping of step t)
-gemm.grad_input     full backward hook: dX (for ``a @ b`` modules: d a) is replaced
+gemm.grad_input     dX is replaced: for an ``nn.Linear`` by a post-hook on the call's ``addmm``/``mm``
+                    node (an in-place op on the output stays legal), for ``a @ b`` modules (d a)
+                    and others by a full backward hook
 gemm.grad_weight    this GEMM's dW (for ``a @ b``: d b, full backward hook): a hook on the
                     call's own autograd node that hands dW to the weight, before it is summed
                     with the weight's other uses and accumulated into ``.grad``
@@ -64,7 +66,7 @@ from torch import nn
 
 from sdcscope._io import JsonlWriter
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, apply_spec, fault_generator, fires
-from sdcscope.inject.targets import CONV_TYPES, Target, validate_specs, weight_grad_edge
+from sdcscope.inject.targets import CONV_TYPES, Target, linear_nodes, validate_specs, weight_grad_edge
 
 _REEXECUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdcscope_reexecuting", default=False)
 
@@ -242,6 +244,8 @@ class Injector:
         if site == "gemm.forward":
             return t.module.register_forward_hook(self._mac_cell_hook(i, spec, t), prepend=True)
         if site == "gemm.grad_input":
+            if type(t.module).forward is nn.Linear.forward:   # at the GEMM's own autograd node
+                return t.module.register_forward_hook(self._linear_grad_input_hook(i, spec, t), prepend=True)
             return t.module.register_full_backward_hook(self._grad_input_hook(i, spec, t, 0), prepend=True)
         if site == "gemm.grad_weight":
             if getattr(t.module, "is_matmul", False):
@@ -339,6 +343,31 @@ class Injector:
             faulty = g.clone()
             self._corrupt(i, spec, t, faulty, channel_dim=channel_dim, call=call)
             return tuple(faulty if k == position else gi for k, gi in enumerate(grad_input))
+        return hook
+
+    def _linear_grad_input_hook(self, i, spec, t: Target):
+        """Forward hook of an ``nn.Linear``: corrupt this call's dX = dY·W where its GEMM node hands
+        it on (a post-hook on ``addmm``/``mm``). A full backward hook would do the same but makes the
+        module's output a view that an in-place op after it (``ReLU(inplace=True)``) may not modify."""
+        def hook(module, args, output):
+            x = args[0] if args else None
+            if not (isinstance(output, torch.Tensor) and isinstance(x, torch.Tensor) and x.requires_grad):
+                return None
+            nodes = linear_nodes(output, module.weight)
+            if nodes is None:
+                raise RuntimeError(f"gemm.grad_input on {t.name!r}: no addmm/mm node behind this call's output "
+                                   f"(input of shape {list(x.shape)})")
+            (node, xi), shape = nodes[:2], x.shape
+
+            def corrupt(grad_inputs, grad_outputs):
+                g = grad_inputs[xi]
+                if g is None or (call := self._call(i, spec, t)) is None:
+                    return None
+                faulty = g.clone(memory_format=torch.contiguous_format)   # (tokens, in): corrupted as X's shape
+                self._corrupt(i, spec, t, faulty.view(shape), channel_dim=(None, -1), call=call)
+                return tuple(faulty if k == xi else gi for k, gi in enumerate(grad_inputs))
+            node.register_hook(corrupt)
+            return None
         return hook
 
     def _grad_weight_hook(self, i, spec, t: Target):

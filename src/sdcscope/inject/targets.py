@@ -88,6 +88,28 @@ def weight_grad_edge(output: torch.Tensor, weight: torch.Tensor, max_depth: int 
     return None
 
 
+_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+
+
+def linear_nodes(out: torch.Tensor, weight: torch.Tensor):
+    """``(gemm node, index of X's gradient, dW node, index of dW)`` of the ``F.linear`` call that
+    produced ``out``: ``addmm``/``mm`` (after the reshapes of an N-d input) whose weight operand is
+    ``weight.t()`` (through an autocast copy). ``None`` for any other graph."""
+    node = out.grad_fn
+    while node is not None and type(node).__name__ in _VIEW_NODES:
+        node = node.next_functions[0][0]
+    kind = type(node).__name__
+    xi = 1 if kind == "AddmmBackward0" else 0 if kind == "MmBackward0" else None
+    if xi is None or len(node.next_functions) != xi + 2:
+        return None
+    wt = node.next_functions[xi + 1][0]
+    if wt is None or type(wt).__name__ != "TBackward0":
+        return None
+    if getattr(through_casts(wt.next_functions[0][0]), "variable", None) is not weight:
+        return None
+    return node, xi, wt, 0
+
+
 @dataclass(frozen=True)
 class Target:
     """A resolved target. ``key`` is the name the spec's pattern matched (what ``fires`` and the
