@@ -91,11 +91,21 @@ def weight_grad_edge(output: torch.Tensor, weight: torch.Tensor, max_depth: int 
 _VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
 
 
-def linear_nodes(out: torch.Tensor, weight: torch.Tensor):
+def linear_nodes(out: torch.Tensor, weight: torch.Tensor, depth: int = 1):
     """``(gemm node, index of X's gradient, dW node, index of dW)`` of the ``F.linear`` call that
     produced ``out``: ``addmm``/``mm`` (after the reshapes of an N-d input) whose weight operand is
-    ``weight.t()`` (through an autocast copy). ``None`` for any other graph."""
-    node = out.grad_fn
+    ``weight.t()`` (through an autocast copy). ``depth`` > 1: also behind up to ``depth - 1``
+    other nodes (a forward hook that replaced the output). ``None`` for any other graph."""
+    frontier = [out.grad_fn]
+    for _ in range(depth):
+        for node in frontier:
+            if (got := _linear_node(node, weight)) is not None:
+                return got
+        frontier = [f for node in frontier if node is not None for f, _ in node.next_functions if f is not None]
+    return None
+
+
+def _linear_node(node, weight: torch.Tensor):
     while node is not None and type(node).__name__ in _VIEW_NODES:
         node = node.next_functions[0][0]
     kind = type(node).__name__
