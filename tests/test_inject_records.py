@@ -281,3 +281,14 @@ def test_a_transient_param_grad_fault_acts_once_however_often_backward_runs():
     m(x).sum().backward()
     m(x).pow(2).sum().backward()   # a second loss of the same step
     assert len(inj.records) == 1
+
+
+def test_a_layers_dx_fault_lands_behind_another_fault_that_replaced_its_output():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    specs = [spec(site="gemm.grad_input", target="2", bits=[30], pattern={"kind": "element", "index": [1, 2]}),
+             spec(site="gemm.forward", target="2", model="zero", bits=None, pattern={"kind": "mac_cell"})]
+    inj = Injector(m, specs).attach()
+    inj.set_position(0)
+    m(torch.randn(2, 4)).sum().backward()
+    assert sorted(r["site"] for r in inj.records) == ["gemm.forward", "gemm.grad_input"]
