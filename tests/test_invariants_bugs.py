@@ -1,10 +1,21 @@
-"""A CI-sized slice of the silent-bugs benchmark: five bugs over two families, with clean twins."""
+"""A CI-sized slice of the silent-bugs benchmark (five bugs over two families, with clean twins), and
+bugs of a plain loop with gradient accumulation that only call counts, confirmed updates and
+repeats within a step reveal."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 from pathlib import Path
+
+import pytest
+import torch
+
+from sdcscope.detect.invariants.recorder import CONFIRM_EVERY
+from sdcscope.detect.invariants import (
+    Invariant, InvariantChecker, TraceConfig, TraceRecorder, infer_invariants,
+)
+from test_invariants_trace import MLP
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "silent_bugs" / "run.py"
 SUBSET = {  # bug -> the invariant that must catch it first
@@ -45,3 +56,145 @@ def test_subset_is_detected_and_clean_twins_raise_nothing(tmp_path):
     assert by_name["dropout_at_eval"].first["step"] == 8
     assert "missing_zero_grad" in bench.table(results)
     assert (tmp_path / "gpt_loop" / "invariants.yaml").is_file()
+
+
+# -- bugs of a plain loop with gradient accumulation that its clean twin does not show -----------
+ACCUM = 2
+
+
+def accum_run(attach, seed, bug=None, steps=8, lr=1e-2):
+    """Two micro-batches per step, weights and biases in two param groups, a scheduler, an
+    evaluation every 4 steps and a longer one at the end; ``bug`` breaks the loop."""
+    torch.manual_seed(seed)
+    model = MLP()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    opt = torch.optim.AdamW([{"params": weights},
+                             {"params": biases, "lr": 0.0 if bug == "group_lr_zero" else lr}], lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    tool = attach(model, opt, schedulers=[sched])
+    for step in range(steps):
+        tool.step_begin(step)
+        opt.zero_grad()
+        xs = [torch.randn(6, 8) for _ in range(ACCUM)]
+        if bug == "repeat_micro":
+            xs[1] = xs[0]
+        for micro, x in enumerate(xs):
+            if bug == "zero_grad_per_micro" and micro:
+                opt.zero_grad()
+            loss = model(x).pow(2).mean() / ACCUM
+            loss.backward(retain_graph=bug == "double_backward")
+            if bug == "double_backward":
+                loss.backward()
+            if bug == "sched_per_micro":
+                sched.step()
+        if bug == "replay" and step == 3:  # a guard's replay: gradients zeroed, the same batches again
+            opt.zero_grad()
+            for x in xs:
+                (model(x).pow(2).mean() / ACCUM).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if bug == "double_step":
+            opt.step()
+        if bug == "retrain":  # the same batches trained on again: no replay, it comes after the update
+            opt.zero_grad()
+            for x in xs:
+                (model(x).pow(2).mean() / ACCUM).backward()
+            opt.step()
+        if bug != "sched_per_micro":
+            sched.step()
+        tool.step_end()
+        if step % 4 == 3 or step == steps - 1:
+            model.eval()
+            with torch.no_grad():
+                for _ in range(3 if step == steps - 1 else 1):
+                    tool.log_metrics(val=model(torch.randn(6, 8)).pow(2).mean())
+            model.train()
+            tool.eval_end()
+    tool.detach()
+    return tool
+
+
+@pytest.fixture(scope="module")
+def accum_invariants(tmp_path_factory):
+    root = tmp_path_factory.mktemp("accum")
+    for seed, lr in ((1, 1e-2), (2, 5e-3)):
+        accum_run(lambda m, o, **kw: TraceRecorder(m, o, out=root / str(seed), **kw).attach(), seed, lr=lr)
+    return infer_invariants([root / "1", root / "2"])
+
+
+def accum_check(invariants, bug=None):
+    return accum_run(lambda m, o, **kw: InvariantChecker(m, o, invariants, every_step=True, **kw).attach(),
+                     seed=7, bug=bug, lr=7e-3).violations
+
+
+def test_call_counts_are_learned_per_phase_with_the_set_seen_where_they_vary(accum_invariants):
+    counts = {i.id: i.params["counts"] for i in accum_invariants if i.relation == "APICount"}
+    assert counts == {"count.train.forward": [2], "count.train.zero_grad": [1], "count.train.backward": [2],
+                      "count.train.clip_grad_norm_": [1], "count.train.optimizer.step": [1],
+                      "count.train.lr_scheduler.step": [1], "count.eval.forward": [1, 3]}
+    inv = next(i for i in accum_invariants if i.id == "count.train.optimizer.step")
+    assert inv.precondition.when == ("optimizer.step",)  # a step the scaler skipped is not judged
+
+
+@pytest.mark.parametrize("bug", [None, "replay"])
+def test_clean_twin_and_a_replayed_step_raise_nothing(accum_invariants, bug):
+    assert accum_check(accum_invariants, bug) == []
+
+
+@pytest.mark.parametrize("bug, api, expected, observed", [
+    ("double_step", "optimizer.step", 1, 2),
+    ("double_backward", "backward", 2, 4),
+    ("zero_grad_per_micro", "zero_grad", 1, 2),
+    ("sched_per_micro", "lr_scheduler.step", 1, 2),
+    ("retrain", "optimizer.step", 1, 2),
+])
+def test_an_api_called_more_often_than_in_the_references_is_reported(accum_invariants, bug, api, expected,
+                                                                     observed):
+    hits = [e for e in accum_check(accum_invariants, bug) if e["verdict"] == f"count.train.{api}"]
+    assert [e["step"] for e in hits] == list(range(8))
+    assert hits[0]["module"] == api
+    assert (hits[0]["evidence"]["expected"], hits[0]["evidence"]["observed"]) == ([expected], observed)
+
+
+@pytest.mark.parametrize("bug", ["repeat_micro", "retrain"])
+def test_a_micro_batch_reused_within_a_step_is_a_repeat(accum_invariants, bug):
+    hits = [e for e in accum_check(accum_invariants, bug) if e["verdict"] == "arg.train.forward.input"]
+    assert [(e["step"], e["evidence"]["first_seen_step"]) for e in hits] == [(s, s) for s in range(8)]
+
+
+def test_a_param_group_with_learning_rate_0_is_not_updated(accum_invariants):
+    hits = [e for e in accum_check(accum_invariants, "group_lr_zero")
+            if e["verdict"] == "contain.optimizer.step.update"]
+    assert [e["step"] for e in hits] == list(range(0, 8, CONFIRM_EVERY))   # the confirmed steps
+    assert hits[0]["module"] == "fc1.bias" and hits[0]["evidence"]["missing"] == ["fc1.bias", "fc2.bias"]
+    lrs = [i.id for i in accum_invariants if i.id.startswith("arg.train.optimizer.step.")]
+    assert lrs == ["arg.train.optimizer.step.group1.lr", "arg.train.optimizer.step.lr"]
+
+
+@pytest.mark.parametrize("confirm, updated", [(True, "0x5"), (False, "0xf")])
+def test_an_update_is_confirmed_by_the_parameters_bits_only_when_configured(confirm, updated):
+    model = MLP()
+    opt = torch.optim.SGD([{"params": [model.fc1.weight, model.fc2.weight]},
+                           {"params": [model.fc1.bias, model.fc2.bias], "lr": 0.0}], lr=0.1)
+    rec = TraceRecorder(model, opt, config=TraceConfig(confirm_updates=confirm)).attach()
+    for step in range(CONFIRM_EVERY + 1):
+        rec.step_begin(step)
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        (r,) = rec.step_end()
+        assert r["effects"]["update"] == (updated if step % CONFIRM_EVERY == 0 else "0xf")
+    rec.detach()
+    assert dict(r["calls"])["optimizer.step"] == {"lr": 0.1, "group1.lr": 0.0}
+
+
+def test_the_checker_reads_parameter_bits_only_for_an_update_invariant():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    count = Invariant(id="c", relation="APICount", params={"api": "optimizer.step", "counts": [1]})
+    update = Invariant(id="u", relation="EventContain",
+                       params={"parent": "optimizer.step", "child": "update", "tensors": ["*"]})
+    config = InvariantChecker(model, opt, [count]).recorder.config
+    assert (config.confirm_updates, config.input_fingerprint) == (False, True)
+    assert InvariantChecker(model, opt, [update]).recorder.config.confirm_updates

@@ -1,9 +1,10 @@
 """Checking: online, step by step, inside the training process; offline, over a recorded trace.
 
 Online, :class:`InvariantChecker` records only what its invariants need (e.g. checksums only of
-the tensors named by ``Consistent`` invariants, batch checksums only if a ``distinct`` invariant
-exists) and evaluates each record when the step ends, in the same process, on a few scalars and
-bit masks.  Offline, :func:`check_trace` evaluates the same checks over ``trace.jsonl``.
+the tensors named by ``Consistent`` invariants, batch checksums only if an invariant uses them,
+bit sums of updated parameters only if an ``update`` containment is checked) and evaluates each
+record when the step ends, in the same process, on a few scalars and bit masks.  Offline,
+:func:`check_trace` evaluates the same checks over ``trace.jsonl``.
 
 A violation is an event in the run-directory contract (``events.jsonl``)::
 
@@ -104,13 +105,15 @@ class InvariantChecker(EngineCallbacks):
                  every_step: bool = False) -> None:
         invs = load_invariants(invariants) if isinstance(invariants, (str, Path)) else list(invariants)
         full = TraceRecorder(model, optimizer, config=TraceConfig(rank=rank)).header()
-        needs: dict[str, Any] = {"checksums": set(), "input_fingerprint": False}
+        checksums: set[str] = set()
+        flags = {"input_fingerprint": False, "confirm_updates": False}
         for check in bind_invariants(invs, full):
             need = check.needs()
-            needs["checksums"].update(need.get("checksums", ()))
-            needs["input_fingerprint"] |= need.get("input_fingerprint", False)
-        config = TraceConfig(checksums=tuple(n for n in full["watched"] if n in needs["checksums"]),
-                             input_fingerprint=needs["input_fingerprint"], rank=rank)
+            checksums.update(need.get("checksums", ()))
+            for key in flags:
+                flags[key] |= need.get(key, False)
+        config = TraceConfig(checksums=tuple(n for n in full["watched"] if n in checksums),
+                             rank=rank, **flags)
         self.invariants = invs
         self.recorder = TraceRecorder(model, optimizer, schedulers=schedulers, scaler=scaler,
                                       config=config)

@@ -16,12 +16,15 @@ Per step it records one compact dict (written to ``trace.jsonl`` when ``out`` is
 
 - ``calls``: ``[api, fields]`` in call order (the API vocabulary is ``spec.APIS``), with cheap
   arguments and outputs (``training`` flags at forward, ``max_norm`` and the clipped parameter
-  set at ``clip_grad_norm_``, the loss a backward starts from, the learning rate at step);
+  set at ``clip_grad_norm_``, the loss a backward starts from, the learning rate of each param
+  group at step: ``lr``, ``group1.lr``, ...);
 - ``effects``: bit masks over the parameters: got a gradient in backward (gradient identity and
   version counter before vs after each ``backward``: two C-level sweeps instead of one Python
-  hook call per parameter), changed by ``optimizer.step`` (version counters, no data read),
-  gradient cleared before the first backward (``None`` grad or a grad written since the last
-  step);
+  hook call per parameter), changed by ``optimizer.step`` (its version counter moved and, with
+  ``confirm_updates``, its values differ from a copy taken before the step: rewriting the same
+  values in place, as a learning rate of 0 does, is no update), gradient cleared before the first
+  backward (``None``
+  grad or a grad written since the last step);
 - ``checksums``: exact full-tensor checksums of the watched tensors (for ``Consistent``);
 - ``metrics``: whatever the loop logs.
 
@@ -37,7 +40,7 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import attrgetter, is_not, ne
+from operator import attrgetter, is_not, ne, not_
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +99,12 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     return total + (per_row * (torch.arange(rows, device=flat.device) * 2 + 3)).sum()
 
 
+CONFIRM_EVERY = 4
+"""With ``TraceConfig.confirm_updates``, updates are confirmed on every this-many-th step (the
+others count a moved version counter): a parameter that stops changing is reported within that
+many steps, at a quarter of the cost of copying and comparing every parameter each step."""
+
+
 @dataclass(kw_only=True)
 class TraceConfig:
     """What the recorder collects beyond the cheap always-on facts."""
@@ -104,7 +113,13 @@ class TraceConfig:
     """Full-tensor checksums after each step: ``True`` every parameter and buffer (what
     inferring ``Consistent`` needs), a tuple of name patterns only those, ``False`` none."""
     input_fingerprint: bool = True
-    """Checksum the model's first input at each forward (for "no batch repeats")."""
+    """Checksum the model's first input at each forward (for "no batch repeats", and to tell a
+    replay of the step from extra calls)."""
+    confirm_updates: bool = True
+    """Count a parameter as updated by ``optimizer.step`` only if its values changed (a copy of
+    the parameters before the step, compared after it: three fused passes, no per-parameter
+    Python), on steps ``step % CONFIRM_EVERY == 0``; elsewhere and with ``False`` a moved version
+    counter is enough (no data read)."""
     rank: int = 0
 
     def __post_init__(self) -> None:
@@ -178,6 +193,9 @@ class TraceRecorder(EngineCallbacks):
         self._grad_mask = self._updated = 0
         self._cleared: int | None = None
         self._versions: list[int] = []
+        self._detached = [p.detach() for p in self._params]   # same storage: they see every update
+        self._copies: list[torch.Tensor] | None = None          # the parameters before this optimizer.step
+        self._moved: list[list] = []  # per optimizer.step: [bits of moved params, bit sums equal?]
         self._last_grads: tuple[list, list[int]] | None = None
         self._fwd: dict[str, Any] | None = None
         self._before: tuple[list, list[int] | None] | None = None
@@ -278,6 +296,7 @@ class TraceRecorder(EngineCallbacks):
         self._rec = {"step": self._step, "phase": "train", "calls": [], "metrics": {}}
         self._in_step = True
         self._grad_mask = self._updated = 0
+        self._moved = []
         self._cleared = None
 
     def step_end(self) -> list[dict[str, Any]]:
@@ -285,11 +304,15 @@ class TraceRecorder(EngineCallbacks):
         if not self._in_step:
             raise ValueError("step_end() without step_begin()")
         rec = self._rec
-        rec["effects"] = {"grad": to_hex(self._grad_mask), "update": to_hex(self._updated),
-                          "cleared": None if self._cleared is None else to_hex(self._cleared)}
         if self._watched:
             self._pend(torch.stack([checksum(t) for t in self._watched]), rec, "checksums",
                        integer=True, vector=True)
+        self._flush()
+        updated = self._updated
+        for bits, same in self._moved:
+            updated |= sum(compress(bits, map(not_, same)))
+        rec["effects"] = {"grad": to_hex(self._grad_mask), "update": to_hex(updated),
+                          "cleared": None if self._cleared is None else to_hex(self._cleared)}
         self._finish(rec)
         self._last_grads = self._grad_snapshot()
         self._in_step, self._rec = False, None
@@ -402,19 +425,35 @@ class TraceRecorder(EngineCallbacks):
 
     def _pre_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self._versions = list(map(_VERSION, self._params))
-        lr = opt.param_groups[0]["lr"]
+        if self.config.confirm_updates and self._step % CONFIRM_EVERY == 0:
+            self._copies = torch._foreach_clone(self._detached)
         fields: dict[str, Any] = {}
-        if isinstance(lr, torch.Tensor):
-            self._pend(lr, fields, "lr")
-        else:
-            fields["lr"] = float(lr)
+        for i, group in enumerate(opt.param_groups):
+            key, lr = "lr" if i == 0 else f"group{i}.lr", group["lr"]
+            if isinstance(lr, torch.Tensor):
+                self._pend(lr, fields, key)
+            else:
+                fields[key] = float(lr)
         self._call("optimizer.step", fields)
 
     def _post_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        self._updated |= sum(compress(self._bits, map(ne, map(_VERSION, self._params), self._versions)))
+        moved = list(map(ne, map(_VERSION, self._params), self._versions))
+        if self._copies is None:
+            self._updated |= sum(compress(self._bits, moved))
+        elif any(moved):  # written: changed? resolved with the record
+            diff = torch._foreach_sub(list(compress(self._detached, moved)), list(compress(self._copies, moved)))
+            norms = torch._foreach_norm(diff)   # 0 where every value is the same (the 2-norm is the fast
+            try:                                # one; only changes below ~1e-22 would underflow)
+                same = torch.stack(norms) == 0
+            except RuntimeError:   # parameters on several devices
+                same = torch.stack([(n == 0).cpu() for n in norms])
+            entry = [list(compress(self._bits, moved)), None]
+            self._pend(same, entry, 1, integer=True, vector=True)
+            self._moved.append(entry)
+        self._copies = None
 
     # -- finishing records -------------------------------------------------------------------
-    def _pend(self, t: torch.Tensor, target: dict, key: str, integer: bool = False,
+    def _pend(self, t: torch.Tensor, target: dict | list, key: str | int, integer: bool = False,
               vector: bool = False) -> None:
         self._pending.append((t.detach(), target, key, integer, vector))
 
@@ -423,10 +462,13 @@ class TraceRecorder(EngineCallbacks):
             self._finish(self._rec)
             self._rec = None
 
-    def _finish(self, rec: dict[str, Any]) -> None:
+    def _flush(self) -> None:
         if self._pending:
             self._resolve(self._pending)
             self._pending = []
+
+    def _finish(self, rec: dict[str, Any]) -> None:
+        self._flush()
         self._finished.append(rec)
         if self._writer is not None:
             self._writer.write(rec)

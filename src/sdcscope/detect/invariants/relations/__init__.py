@@ -1,6 +1,8 @@
 """The relation registry: importing this package registers every relation by name."""
 
-from sdcscope.detect.invariants.relations import consistent, contain, fields, metrics, sequence  # noqa: F401
+from sdcscope.detect.invariants.relations import (  # noqa: F401
+    consistent, contain, count, fields, metrics, sequence,
+)
 from sdcscope.detect.invariants.relations.base import (
     RELATIONS, Check, InferConfig, Relation, View, register, validate_invariant,
 )

@@ -15,6 +15,7 @@ checker before ``check`` is called, so relations only state the relation itself.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -56,9 +57,10 @@ class InferConfig:
 
 
 class View:
-    """A record indexed once for all checks: each API's first position and its calls' fields."""
+    """A record indexed once for all checks: each API's first position and its calls' fields;
+    on demand, the replays of the step in it and how many times each API ran."""
 
-    __slots__ = ("rec", "first", "fields", "step", "phase")
+    __slots__ = ("rec", "first", "fields", "step", "phase", "_replays", "_counts")
 
     def __init__(self, rec: dict[str, Any]) -> None:
         self.rec, self.step, self.phase = rec, rec["step"], rec["phase"]
@@ -71,6 +73,41 @@ class View:
             else:
                 fields[api].append(f)
         self.first, self.fields = first, fields
+        self._replays: tuple[set[int], set[int]] | None = None
+        self._counts: Counter[str] | None = None
+
+    def replays(self) -> tuple[set[int], set[int]]:
+        """Call indices of the forwards that replay the step, and of the calls they supersede.
+
+        A re-execution of the step (a guard's replay) always zeroes the gradients first, then
+        runs a forward on an input the step already saw (inputs are known when fingerprinted),
+        before the update; it supersedes the calls from that input's earlier forward up to that
+        ``zero_grad``.  After an ``optimizer.step``, the same input again is training on it twice.
+        """
+        if self._replays is None:
+            seen: dict[int, int] = {}
+            zeroed = -1
+            replaying: set[int] = set()
+            superseded: set[int] = set()
+            for i, (api, f) in enumerate(self.rec["calls"]):
+                if api == "zero_grad":
+                    zeroed = i
+                elif api == "optimizer.step":
+                    seen.clear()
+                elif api == "forward" and (x := f.get("input")) is not None:
+                    if seen.get(x, zeroed) < zeroed:
+                        replaying.add(i)
+                        superseded.update(range(seen[x], zeroed + 1))
+                    seen[x] = i
+            self._replays = replaying, superseded
+        return self._replays
+
+    def counts(self) -> Counter[str]:
+        """How many times each API ran, not counting the calls a replay superseded."""
+        if self._counts is None:
+            superseded = self.replays()[1]
+            self._counts = Counter(c[0] for i, c in enumerate(self.rec["calls"]) if i not in superseded)
+        return self._counts
 
 
 class Check:

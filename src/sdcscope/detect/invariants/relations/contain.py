@@ -2,9 +2,10 @@
 
 Three (parent, child) pairs carry the semantics of a training step:
 
-- ``optimizer.step`` contains ``update``: the step changes every parameter it should.  Breaks
-  when a layer is frozen, a parameter was never registered with the optimizer, or the optimizer
-  holds stale copies of the parameters.
+- ``optimizer.step`` contains ``update``: the step changes every parameter it should (its
+  bits, not just its version counter).  Breaks when a layer is frozen, a parameter was never
+  registered with the optimizer, the optimizer holds stale copies of the parameters, or a param
+  group's learning rate is 0.
 - ``backward`` contains ``grad``: backward produces a gradient for every such parameter.
   Breaks when a layer is frozen or cut from the graph (a stray ``.detach()``).
 - ``step`` contains ``cleared``: each gradient is cleared within the step before the first
@@ -95,6 +96,9 @@ class _ContainCheck(Check):
         self.child = inv.params["child"]
         chosen = resolve(inv.params["tensors"], names, f"invariant {inv.id!r}: tensor")
         self.target = mask_of(chosen, names)
+
+    def needs(self):
+        return {"confirm_updates": True} if self.child == "update" else {}
 
     def check(self, view: View):
         effect = view.rec["effects"][self.child]

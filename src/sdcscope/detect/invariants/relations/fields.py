@@ -184,24 +184,38 @@ class _FieldCheck(Check):
         return {"input_fingerprint": True} if self.field in FINGERPRINT_FIELDS else {}
 
     def check(self, view: View):
+        if self.mode == "distinct":
+            return self._repeat(view)
         for fields in view.fields.get(self.api, ()):
             v = fields.get(self.field)
             if v is None:
                 continue
-            bad = self._judge(v, view.step)
+            bad = self._judge(v)
             if bad is not None:
                 return [bad]
         return []
 
-    def _judge(self, v: Any, step: int) -> tuple[str, dict[str, Any]] | None:
+    def _repeat(self, view: View) -> list[tuple[str, dict[str, Any]]]:
+        """A value seen in an earlier step, or earlier in this one.  Not a repeat: a replay of
+        the step (gradients zeroed in between, see ``View.replays``) or the same step run again
+        after a restart (a rollback: the same step number in a later record)."""
+        replaying, here = view.replays()[0], set()
+        for i, (api, fields) in enumerate(view.rec["calls"]):
+            v = fields.get(self.field) if api == self.api and i not in replaying else None
+            if v is None:
+                continue
+            first = self.seen.get(v, view.step)
+            if v in here or first != view.step:
+                return [(self.module, self._evidence(value=v, first_seen_step=first))]
+            here.add(v)
+            self.seen[v] = view.step
+        return []
+
+    def _judge(self, v: Any) -> tuple[str, dict[str, Any]] | None:
         if self.mode == "range":
             x = as_number(v)
             if x is None or not in_bounds(x, self.bounds):
                 return self.module, self._evidence(value=v, bounds=self.bounds)
-        elif self.mode == "distinct":  # the same step again (a replay, steps re-run after a rollback): not a repeat
-            if v in self.seen and self.seen[v] != step:
-                return self.module, self._evidence(value=v, first_seen_step=self.seen[v])
-            self.seen[v] = step
         elif self.field in MASK_FIELDS:
             got = from_hex(v)
             if got != self.mask:
