@@ -48,3 +48,17 @@ def test_guarded_campaign_records_detection(tmp_path):
         if r["detected"]:
             assert r["outcome"] in ("detected", "recovered") and r["latency"] == r["detect_step"] - 3 >= 0
     assert "## Guard" in write_report(tmp_path / "c")[1].read_text()
+
+
+def test_a_rollback_keeps_the_trials_loss_curve_aligned_with_the_golden_run(tmp_path):
+    """The guard rolls a weight fault back and trains the steps again: the trial's curve keeps one
+    loss per step (the last try), so a run that ends bitwise equal to golden has no loss excess."""
+    if not _guard_available():
+        pytest.skip("sdcscope.guard is not available")
+    (tmp_path / "spec.yaml").write_text(SPEC.replace("sites: [gemm.forward, gemm.grad_weight]", "sites: [weight]"))
+    init_campaign(tmp_path / "c", tmp_path / "spec.yaml")
+    run_campaign(tmp_path / "c", workers=0)
+    with ResultsDB(tmp_path / "c" / "results.sqlite", load_campaign(tmp_path / "c" / "campaign.yaml")) as db:
+        (row,) = db.trials()
+    assert row["guard_events"] and row["steps"] == 4
+    assert row["masked"] == 1 and row["loss_excess"] == 0.0 and row["first_diff_step"] is None
