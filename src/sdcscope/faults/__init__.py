@@ -19,7 +19,6 @@ from .spec import (
     FaultSpecError,
     Pattern,
     Schedule,
-    describe_yaml_error,
     load_specs,
 )
 
@@ -43,7 +42,6 @@ __all__ = [
     "bitflip",
     "check_bits",
     "check_spec",
-    "describe_yaml_error",
     "fault_format",
     "fault_generator",
     "fires",

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields
 from fnmatch import fnmatchcase
 from typing import Any, Mapping
 
-from sdcscope._io import describe_yaml_error, load_yaml, read_text
+from sdcscope._io import load_yaml, read_text
 
 from .formats import FORMATS, check_bits, get_format
 from .ops import BIT_MODELS, MODELS
@@ -42,8 +42,6 @@ __all__ = [
     "FaultSpec",
     "FaultSpecError",
     "load_specs",
-    "describe_yaml_error",
-    "load_yaml",
 ]
 
 SITES: tuple[str, ...] = (

@@ -12,7 +12,6 @@ from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
 from sdcscope.detect.state import StateChecksumConfig
 from sdcscope.mitigate import LRBackoffConfig, PolicyConfig, RankGuardConfig, SnapshotConfig, ZClipConfig
 from sdcscope.observe import MetricsConfig
-from sdcscope.observe.sinks import check_sink
 
 _NESTED = {
     "metrics": MetricsConfig, "nonfinite": NonFiniteConfig, "loss_spike": SpikeConfig,
@@ -68,8 +67,6 @@ class GuardConfig:
         for name in ("snapshots", "lr_backoff", "policy"):
             if getattr(self, name) is None:
                 raise ValueError(f"guard {name} cannot be null")
-        if self.metrics is not None and self.metrics.path is not None:
-            check_sink(self.metrics.sink, self.metrics.path)
         if self.qk_clip is not None:
             check_float("guard qk_clip", self.qk_clip, low=0.0, low_open=True)
         if self.invariants is not None and not isinstance(self.invariants, (str, os.PathLike)):

@@ -147,7 +147,7 @@ class Injector:
         """Every record, as written to the log (``when``: train, after_update or eval)."""
         self._seen: set[tuple] = set()
         self._resident: dict[tuple[int, str], tuple] = {}  # permanent memory faults in place: (id, version, index)
-        self._param_grad_fired: set[tuple[int, str, int]] = set()   # (spec, target, step) of once-faults on .grad
+        self._param_grad_fired: dict[tuple[int, str], int] = {}   # (spec, target) -> step a once-fault hit .grad
         self._calls: dict[tuple[int, str], int] = {}  # module calls met at this position, per spec/target
         self._fired_input: dict[tuple[int, str], torch.Tensor] = {}  # input of a once-fault's call
         self._warned_accum = False
@@ -399,10 +399,9 @@ class Injector:
             if param.grad is None or self.micro_batch != self.grad_accum - 1 or not self._fires(spec, t):
                 return
             if spec.schedule.kind != "permanent":
-                key = (i, t.name, self.step)
-                if key in self._param_grad_fired:
+                if self._param_grad_fired.get((i, t.name)) == self.step:
                     return
-                self._param_grad_fired.add(key)
+                self._param_grad_fired[(i, t.name)] = self.step
             self._corrupt(i, spec, t, param.grad)
         return hook
 

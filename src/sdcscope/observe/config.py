@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from sdcscope._validate import check_bool, check_choice, check_positive
+from sdcscope.observe.sinks import check_sink
 
 UPDATE_RATIO_SOURCES = ("auto", "optimizer", "copy", "off")
 SINKS = ("jsonl", "tensorboard")
@@ -81,6 +82,8 @@ class MetricsConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name}={value!r} must be a non-empty string or None")
+        if self.path is not None:
+            check_sink(self.sink, self.path)
         for name in ("kurtosis_modules", "stable_rank_params"):
             value = getattr(self, name)
             if value is None:
