@@ -677,3 +677,93 @@ def test_batched_statistics_match_a_dense_reference(layout):
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(op.stat("fn"), dense.reshape(6, -1).norm(dim=-1).float())
     torch.testing.assert_close(op.T.stat("fn"), op.stat("fn"))
+
+
+# ------------------------------------------------------------------ models that skip, freeze or break layers
+class _Dropped(nn.Module):
+    """A stack whose middle layer is skipped on the steps in ``skip`` (LayerDrop, an idle expert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.skip = False
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if not self.skip:
+            h = h + torch.tanh(self.mid(h))
+        return self.out(h)
+
+
+def _steps(model, det, steps, *, skip=(), fault=None, grad=True):
+    torch.manual_seed(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    events = []
+    for step in range(steps):
+        model.skip = step in skip
+        det.begin_step(step)
+        x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+        with torch.set_grad_enabled(grad):
+            F.cross_entropy(model(x), y).backward()
+        events += det.check(step)
+        opt.step()
+        opt.zero_grad()
+    return events
+
+
+def test_layer_not_called_on_its_first_sampled_steps_stays_checked():
+    """A layer skipped on the first steps (a dropped block) is not 'unreached' -- only a weight
+    used without the module's forward is -- so a later fault in it is found."""
+    torch.manual_seed(0)
+    model = _Dropped()
+    model.mid.register_forward_hook(lambda m, a, out: flip_bit(out, (3, 5), 29) if not model.skip and m.hit else None)
+    model.mid.hit = False
+    det = ABFTDetector(model).attach()
+    assert _steps(model, det, 4, skip={0, 1, 2}) == [] and det.unreached == set()
+    model.mid.hit = True
+    events = _steps(model, det, 1)
+    assert [(e.module, e.gemm, e.index) for e in events] == [("mid", "forward", (None, 5))]
+    assert det.unreached == set()
+
+
+def test_weight_used_outside_the_module_forward_is_unreached():
+    torch.manual_seed(0)
+    model = _Dropped()
+    model.forward = lambda x: model.out(torch.tanh(F.linear(torch.tanh(model.inp(x)), model.mid.weight)))
+    det = ABFTDetector(model, ABFTConfig(targets=["mid", "out"])).attach()
+    with pytest.warns(UserWarning, match="ABFT: mid sampled but never called"):
+        _steps(model, det, 3)
+    assert det.unreached == {"mid"}
+
+
+def test_model_trained_in_eval_mode_is_checked_but_not_evaluation_under_no_grad():
+    torch.manual_seed(0)
+    model = _Dropped().eval()
+    det = ABFTDetector(model).attach()
+    _steps(model, det, 2)
+    assert det.checks_run == 2 * (3 + 3 + 2)   # per step: 3 Y, 3 dW, 2 dX (inp's input needs no grad)
+    before = det.checks_run
+    det.begin_step(2)
+    with torch.no_grad():
+        model(torch.randn(4, 8))
+    det.check(2)
+    assert det.checks_run == before
+
+
+def test_complex_linear_is_skipped_and_a_failing_hook_never_breaks_training(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, dtype=torch.cfloat), nn.Linear(4, 2, dtype=torch.cfloat))
+    with pytest.warns(UserWarning, match="no checkable submodule .* skipped 0, 1"):
+        det = ABFTDetector(model)
+    assert det.skipped == ["0", "1"]
+    model = _Dropped()
+    det = ABFTDetector(model).attach()
+    monkeypatch.setattr(det, "_lean_forward", lambda *a, **k: 1 / 0)
+    det.begin_step(0)
+    loss = F.cross_entropy(model(torch.randn(8, 8)), torch.zeros(8, dtype=torch.long))
+    loss.backward()   # the hooks raised inside forward: training went on
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(RuntimeError, match="ABFT hook failed on step 0.*ZeroDivisionError"):
+        det.check(0)
+    monkeypatch.undo()
+    assert _steps(model, det, 2) == [] and det.checks_run > 0   # the next steps are checked again

@@ -249,6 +249,9 @@ def test_config_validation_and_module_errors():
         MetricsConfig(probe_every=0)
     with pytest.raises(ValueError, match="sink.*allowed"):
         MetricsConfig(sink="csv")
+    with pytest.raises(ValueError, match="kurtosis_modules=3 must be a pattern or a list"):
+        MetricsConfig(kurtosis_modules=3)
+    assert MetricsConfig(kurtosis_modules="blocks.*").kurtosis_modules == ("blocks.*",)
     with pytest.raises(ValueError, match=r"output_module pattern 'haed'.*closest: head"):
         Metrics(TinyTransformer(), config=MetricsConfig(output_module="haed"))
     with pytest.raises(ValueError, match="attn_score pattern"):

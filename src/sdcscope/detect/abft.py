@@ -149,7 +149,8 @@ class ABFTConfig:
     """Floor of a calibrated threshold: the model std is an upper bound, but a short calibration
     sees only part of the tail (a clean bf16 ratio of 0.78 after 20 calibrated steps at 0.15)."""
     include_eval: bool = False
-    """Also check forward passes in eval mode."""
+    """Also check forward passes that autograd does not record in eval mode (evaluation under
+    ``torch.no_grad()``). A model trained in eval mode is checked anyway."""
 
     def __post_init__(self) -> None:
         if self.targets is not None:
@@ -233,6 +234,8 @@ class _Layer:
     pre: object = None                     # handle of the forward pre-hook (slow path only)
     open_ctx: _Ctx | None = None           # created by the pre-hook, completed by the forward hook
     fast: bool | None = None               # Linear: its call's GEMM node is reachable (None: not seen yet)
+    probe: object = None                   # handle of the weight hook (until the forward hook fires once)
+    grad_seen: bool = False                # the weight got a gradient since the last check
 
 
 class ABFTDetector:
@@ -252,11 +255,13 @@ class ABFTDetector:
             or ("matmul" in cfg.kinds and is_matmul(m)))
         self.layers: list[_Layer] = []
         self.skipped: list[str] = []
-        """``nn.Linear`` subclasses overriding ``forward`` (their output is not XWᵀ + b) and
-        parametrized Linears (the W their forward used cannot be read again)."""
+        """``nn.Linear`` subclasses overriding ``forward`` (their output is not XWᵀ + b),
+        parametrized Linears (the W their forward used cannot be read again) and Linears whose
+        weight is not a real floating-point tensor (complex, quantized: no rounding model)."""
         for name, mod in eligible.items():
             linear = isinstance(mod, nn.Linear)
-            if linear and (type(mod).forward is not nn.Linear.forward or parametrize.is_parametrized(mod)):
+            if linear and (type(mod).forward is not nn.Linear.forward or parametrize.is_parametrized(mod)
+                           or not mod.weight.is_floating_point()):
                 self.skipped.append(name)
                 continue
             self.layers.append(_Layer(name, mod, "linear" if linear else "matmul",
@@ -267,9 +272,10 @@ class ABFTDetector:
         self._reached: set[str] = set()
         self._misses: dict[str, int] = {}
         if not self.layers:
-            warnings.warn(f"ABFT checks no GEMM of this {type(model).__name__}: it has no submodule of kinds "
-                          f"{', '.join(cfg.kinds)} (nn.Linear, MatMul-contract modules; convolutions are not "
-                          "covered)", stacklevel=2)
+            why = f"skipped {', '.join(self.skipped)} (see ABFTDetector.skipped)" if self.skipped else \
+                "convolutions are not covered"
+            warnings.warn(f"ABFT checks no GEMM of this {type(model).__name__}: it has no checkable submodule of "
+                          f"kinds {', '.join(cfg.kinds)} (nn.Linear, MatMul-contract modules; {why})", stacklevel=2)
         self._attached = False
         self._active: frozenset[str] = frozenset()
         self._chosen: list[_Layer] = []
@@ -277,6 +283,7 @@ class ABFTDetector:
         self._rot = self._chosen_rot = 0
         self._last_checked: tuple[int, list[_Layer], int] | None = None   # (step, its layers, rotation)
         self._records: list[tuple] = []
+        self._error: Exception | None = None     # raised by a hook this step (see _shielded)
         self._operands: weakref.WeakValueDictionary[tuple, Operand] = weakref.WeakValueDictionary()
         self._models: dict[tuple, object] = {}   # rounding models of this step (torch settings)
         self._consts: dict[tuple, tuple] = {}    # hot path: line constants per (model, sizes)
@@ -314,6 +321,7 @@ class ABFTDetector:
         self._attached = False
         self._sync_hooks()
         self._drop_pending()
+        self._error = None
 
     def _sync_hooks(self) -> None:
         """Register the hooks of the chosen layers, remove those of the others."""
@@ -329,6 +337,20 @@ class ABFTDetector:
                     if handle is not None:
                         handle.remove()
                 layer.fwd = layer.pre = None
+            self._sync_probe(layer, layer.name in want)
+
+    def _sync_probe(self, layer: _Layer, on: bool) -> None:
+        """Until its forward hook has fired once, a sampled Linear's weight carries a hook: a step
+        whose backward reached the weight without the module's forward (``F.linear`` on it) is
+        evidence that the layer is :attr:`unreached`; a step that did not use it (a dropped
+        block, an idle expert) is not."""
+        w = layer.module.weight if layer.kind == "linear" else None
+        want = on and w is not None and w.requires_grad and layer.name not in self._reached
+        if want and layer.probe is None:
+            layer.probe = w.register_hook(lambda grad, layer=layer: setattr(layer, "grad_seen", True))
+        elif not want and layer.probe is not None:
+            layer.probe.remove()
+            layer.probe = None
 
     def _sync_pre_hook(self, layer: _Layer) -> None:
         """The forward pre-hook (operand views for dX / dA / dB) is needed unless the layer is a
@@ -388,9 +410,25 @@ class ABFTDetector:
         return [x.name for x in self.layers if x.kind == "linear" and not x.module.weight.requires_grad]
 
     def _on(self, layer: _Layer) -> bool:
-        return layer.name in self._active and (layer.module.training or self.config.include_eval)
+        """A sampled layer's call is checked in training mode, or whenever autograd records it (a
+        model trained in eval mode: frozen dropout and batch norm), or with ``include_eval``."""
+        return layer.name in self._active and (layer.module.training or torch.is_grad_enabled()
+                                               or self.config.include_eval)
 
     # ------------------------------------------------------------------ hooks
+    def _shielded(self, hook):
+        """``hook`` run inside the user's forward or backward pass: an error in it must not crash
+        training. The first one is kept, its step's checks are dropped, and :meth:`check` raises
+        it (the guard reports it as an ``internal_error`` event, or re-raises in strict mode)."""
+        def shielded(*args):
+            try:
+                return hook(*args)
+            except Exception as exc:
+                if self._error is None:
+                    self._error = exc
+                return None
+        return shielded
+
     def _operand(self, t: torch.Tensor, cd: torch.dtype, *, bound: bool = True) -> Operand:
         """The step's :class:`Operand` of ``t`` as the GEMM consumed it (cast to ``cd``): a tensor
         several GEMMs read (q/k/v's input; X in forward and dW) gets its statistics once."""
@@ -485,7 +523,7 @@ class ABFTDetector:
                 else:
                     new_kw[key] = view
             return tuple(new), new_kw
-        return hook
+        return self._shielded(hook)
 
     def _fwd_hook(self, layer: _Layer):
         gemms = set(self.config.gemms)
@@ -558,12 +596,12 @@ class ABFTDetector:
                 else:
                     ctx.release()  # no gradient check will come: drop the operands
             return None
-        return hook
+        return self._shielded(hook)
 
     def _dy_hook(self, ctx: _Ctx):
         def hook(grad):
             self._set_dy(ctx, grad)
-        return hook
+        return self._shielded(hook)
 
     def _set_dy(self, ctx: _Ctx, dy: torch.Tensor | None) -> None:
         ctx.dy = dy
@@ -595,7 +633,7 @@ class ABFTDetector:
                 ctx.done("op0")
             ctx.done("dy")
             return None
-        return hook
+        return self._shielded(hook)
 
     def _lean_backward(self, layer: _Layer, ctx: _Ctx, db, dx) -> None:
         """Hot path at the GEMM node: dY's statistics (1ᵀdY: autograd's bias gradient when there
@@ -636,7 +674,7 @@ class ABFTDetector:
                                          ctx.a.T, dc, grad, operand="b")
             ctx.done(f"op{pos}")
             return None
-        return hook
+        return self._shielded(hook)
 
     def _dw_hook(self, layer: _Layer, ctx: _Ctx, index: int, lean: bool = False):
         """Post-hook of the call's node handing dW to the weight: dW = dYᵀ · X of this call."""
@@ -656,7 +694,7 @@ class ABFTDetector:
                                      ctx.dy_operand(self._cs).T, ctx.a, g)
             ctx.done("dw")
             return None
-        return hook
+        return self._shielded(hook)
 
     # ------------------------------------------------------------------ check
     def _drop_pending(self) -> None:
@@ -679,6 +717,9 @@ class ABFTDetector:
         cfg = self.config
         step = self._step if step is None else int(step)
         records, self._records = self._records, []
+        error, self._error = self._error, None
+        if error is not None:   # a check may have been left half-recorded: judge none of this step's
+            records = []
         events: list[Event] = []
         if records:
             lines = [ln for r in records for ln in r[-1].lines.values()]
@@ -699,20 +740,23 @@ class ABFTDetector:
         if step is not None:
             self._last_checked = (step, self._chosen, self._chosen_rot)
             self.begin_step(step + 1)
+        if error is not None:
+            raise RuntimeError(f"ABFT hook failed on step {step}; its checks were dropped: {error!r}") from error
         return events
 
     def _note_reached(self) -> None:
-        """A sampled layer whose forward hook did not fire on two checked steps, and never has,
-        is :attr:`unreached` (warned once)."""
+        """A sampled layer whose forward hook never fired, on two checked steps whose backward
+        reached its weight (see :meth:`_sync_probe`; a layer without that probe -- a MatMul, a
+        frozen weight -- on any two checked steps), is :attr:`unreached` (warned once)."""
         new = []
         for x in self._chosen:
             if x.hits:
                 self._reached.add(x.name)
-            elif x.name not in self._reached:
+            elif x.name not in self._reached and (x.grad_seen or x.probe is None):
                 self._misses[x.name] = self._misses.get(x.name, 0) + 1
                 if self._misses[x.name] == 2:
                     new.append(x.name)
-            x.hits = 0
+            x.hits, x.grad_seen = 0, False
         if new:
             self.unreached.update(new)
             warnings.warn(f"ABFT: {', '.join(new)} sampled but never called through their own forward (e.g. "

@@ -90,10 +90,9 @@ class MetricsConfig:
                 continue
             if isinstance(value, str):
                 value = (value,)
-            value = tuple(value)
-            if not all(isinstance(v, str) and v for v in value):
-                raise ValueError(f"{name}={value!r} must be a tuple of non-empty pattern strings")
-            setattr(self, name, value)
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"{name}={value!r} must be a pattern or a list of non-empty pattern strings")
+            setattr(self, name, tuple(value))
 
     def to_dict(self) -> dict:
         return asdict(self)
