@@ -129,12 +129,14 @@ class Attached:
         self.logs = [JsonlWriter(run.out / "injections.jsonl"), JsonlWriter(run.out / "events.jsonl")]
         if specs:
             from sdcscope.inject import Injector, validate_specs
-            from sdcscope.inject.targets import probe_model
+            from sdcscope.inject.targets import evaluated, probe_model
 
             batch = run.workload.batch(t.config.seed, 0, 0)
             validate_specs(t.model, specs, t.optimizer, steps=steps, grad_accum=t.config.grad_accum,
-                           probe=probe_model(t.model, lambda model: run.workload.loss(model, batch)))
-            self.injector = Injector(t.model, specs, t.optimizer, log=self.logs[0].write)
+                           probe=probe_model(t.model, lambda model: run.workload.loss(model, batch),
+                                             evaluate=run.workload.evaluate if evaluated(specs) else None))
+            # a resumed run restored its weights and optimizer state with its permanent faults in them
+            self.injector = Injector(t.model, specs, t.optimizer, log=self.logs[0].write, resumed_at=t.step)
             self.callbacks.append(self.injector.callback())
             if any(s.site == "checkpoint" for s in specs):
                 from sdcscope.study.experiment import CheckpointFault

@@ -62,8 +62,8 @@ from sdcscope.engine.state import param_sha256, save_checkpoint
 from sdcscope.engine.trainer import TrainConfig, Trainer
 from sdcscope.faults import FaultSpec, load_specs
 from sdcscope.inject import Injector, reexecution, validate_specs
-from sdcscope.inject.comm import CommInjector
-from sdcscope.inject.targets import probe_model
+from sdcscope.inject.comm import CommInjector, check_comm_specs
+from sdcscope.inject.targets import evaluated, probe_model
 from sdcscope.workloads import Workload, WorkloadConfig, make_workload
 
 BACKENDS = ("gloo", "nccl")
@@ -668,12 +668,14 @@ def check_job(job: Job, world_size: int) -> None:
     torch.manual_seed(job.train.seed)
     model = workload.build_model()
     optimizer = workload.build_optimizer(model)
-    comm = [s for s in job.specs if s.site == "comm"]
-    CommInjector(model, comm, world_size=world_size)
+    comm = [(i, s) for i, s in enumerate(job.specs) if s.site == "comm"]
+    check_comm_specs(model, [s for _, s in comm], world_size=world_size, steps=job.steps,
+                     grad_accum=job.train.grad_accum, spec_ids=[i for i, _ in comm])
+    other = [s for s in job.specs if s.site != "comm"]
     batch = workload.batch(job.train.seed, 0, 0)
-    validate_specs(model, [s for s in job.specs if s.site != "comm"], optimizer,
-                   world_size=world_size, steps=job.steps, grad_accum=job.train.grad_accum,
-                   probe=probe_model(model, lambda m: workload.loss(m, batch)))
+    validate_specs(model, other, optimizer, world_size=world_size, steps=job.steps, grad_accum=job.train.grad_accum,
+                   probe=probe_model(model, lambda m: workload.loss(m, batch),
+                                     evaluate=workload.evaluate if evaluated(other) else None))
     if job.guard is not None:  # built, never attached: no hooks; no metrics file (path dropped)
         from sdcscope.guard import Guard
 

@@ -58,7 +58,7 @@ def corrupt_checkpoint_file(path: str | Path, specs: list[FaultSpec], *, rank: i
         spec = specs[i]
         result = apply_spec(spec, tensors[name], fault_generator(spec, step, None, key, rank), step=step)
         records.append({"step": step, "micro_batch": 0, "rank": rank, "site": "checkpoint",
-                        "module": name, "spec": i, "model": spec.model,
+                        "when": "train", "call": None, "module": name, "spec": i, "model": spec.model,
                         "bits": list(spec.bits) if spec.bits else None,
                         "count": result.index.numel(), **result.to_dict()})
     if records:

@@ -16,6 +16,10 @@ parameter names (the fault lands in that parameter's slice of the bucket) and ``
 (the whole flat bucket ``i``; DDP may re-order buckets after the first step, so prefer
 parameter names). Whether a fault fires is :func:`sdcscope.faults.fires` of (spec, step, no
 micro-batch, name, rank): the hook runs once per step, on the last micro-batch.
+
+:func:`check_comm_specs` refuses, before any rank starts, a spec that cannot be applied: targets,
+rank, a schedule that never fires in the run, and bits, format or pattern that do not fit the
+gradients it lands on.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from sdcscope._io import JsonlWriter
-from sdcscope.faults import FaultSpec, apply_spec, fault_generator, fires
+from sdcscope.faults import FaultSpec, FaultSpecError, apply_spec, check_spec, fault_generator, fires
+from sdcscope.inject.targets import check_schedule
 
 PHASES = ("before", "after")
 MAX_RECORDED = 64
@@ -69,6 +75,59 @@ def _check_targets(spec: FaultSpec, names: list[str]) -> None:
         raise ValueError(f"comm target {pattern!r} matches no parameter and no 'bucket.<i>'{hint}")
 
 
+def _check_fit(spec: FaultSpec, params: dict[str, nn.Parameter]) -> None:
+    """Refuse ``spec`` when its bits, format or pattern do not fit a gradient it lands on: a
+    parameter's slice of its bucket (the parameter's shape and dtype), or a whole flat bucket --
+    its size is DDP's choice, known only in the run, but never more than all the gradients of
+    its dtype together."""
+    for name, p in params.items():
+        if not spec.matches(name):
+            continue
+        if not p.requires_grad:
+            raise ValueError(f"{name!r} is frozen (requires_grad=False): DDP reduces no gradient for it")
+        try:
+            check_spec(spec, p.dtype, tuple(p.shape))
+        except FaultSpecError as exc:
+            raise FaultSpecError(f"{name!r}: {exc}") from None
+    if any(t.startswith("bucket.") for t in spec.target):
+        sizes: dict[torch.dtype, int] = {}
+        for p in params.values():
+            if p.requires_grad:
+                sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+        for dtype, size in sizes.items():
+            try:
+                check_spec(spec, dtype, (size,))
+            except FaultSpecError as exc:
+                raise FaultSpecError(f"a gradient bucket (flat, {dtype}, at most {size} elements): {exc}") from None
+
+
+def check_comm_specs(model: nn.Module, specs: Sequence[FaultSpec], *, world_size: int = 1,
+                     steps: int | None = None, grad_accum: int | None = None,
+                     spec_ids: Sequence[int] | None = None) -> list[tuple[int, FaultSpec, str]]:
+    """Check ``comm`` specs against ``model`` (the module DDP wraps) before any rank starts;
+    return ``(spec id, spec with plain targets, phase)`` of each. ``steps`` and ``grad_accum``,
+    when given, refuse a schedule that never fires in the run (as
+    :func:`sdcscope.inject.validate_specs` does). Errors name the spec by its id (``spec_ids``:
+    its index in the world's spec list; default 0..n-1)."""
+    params = dict(model.named_parameters())
+    ids = list(range(len(specs))) if spec_ids is None else list(spec_ids)
+    checked = []
+    for i, spec in zip(ids, specs):
+        try:
+            if spec.site != "comm":
+                raise ValueError(f"site {spec.site!r} is not 'comm'; use sdcscope.inject.Injector")
+            if spec.rank is not None and spec.rank >= world_size:
+                raise ValueError(f"rank {spec.rank} does not exist; allowed: 0..{world_size - 1}")
+            plain, phase = comm_phase(spec)
+            _check_targets(plain, list(params))
+            check_schedule(plain, steps, grad_accum)
+            _check_fit(plain, params)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"fault spec #{i} (comm on {', '.join(spec.target)}): {exc}") from None
+        checked.append((i, plain, phase))
+    return checked
+
+
 class CommInjector:
     """Comm-site faults of one rank, as a bucket-hook stage; logs every fired fault.
 
@@ -78,23 +137,11 @@ class CommInjector:
     def __init__(self, model: nn.Module, specs: Iterable[FaultSpec], *, rank: int = 0, world_size: int = 1,
                  log: str | Path | Callable[[dict], None] | None = None,
                  spec_ids: Sequence[int] | None = None) -> None:
-        names = [n for n, _ in model.named_parameters()]
         self.rank = rank
-        self.specs: list[tuple[int, FaultSpec, str]] = []
-        specs = list(specs)
-        ids = list(range(len(specs))) if spec_ids is None else list(spec_ids)
-        for i, spec in zip(ids, specs):
-            try:
-                if spec.site != "comm":
-                    raise ValueError(f"site {spec.site!r} is not 'comm'; use sdcscope.inject.Injector")
-                if spec.rank is not None and spec.rank >= world_size:
-                    raise ValueError(f"rank {spec.rank} does not exist; allowed: 0..{world_size - 1}")
-                plain, phase = comm_phase(spec)
-                _check_targets(plain, names)
-            except (ValueError, TypeError) as exc:
-                raise type(exc)(f"fault spec #{i} (comm on {', '.join(spec.target)}): {exc}") from None
-            if spec.rank is None or spec.rank == rank:
-                self.specs.append((i, plain, phase))
+        self.specs: list[tuple[int, FaultSpec, str]] = [
+            (i, plain, phase) for i, plain, phase in check_comm_specs(model, list(specs), world_size=world_size,
+                                                                      spec_ids=spec_ids)
+            if plain.rank is None or plain.rank == rank]
         self.step = 0
         self._begun: set[int] = set()
         self._repeat = False
@@ -134,7 +181,7 @@ class CommInjector:
     def _record(self, i: int, spec: FaultSpec, name: str, phase: str, result) -> None:
         values = result.to_dict()
         record = {"step": self.step, "micro_batch": None, "rank": self.rank, "site": "comm", "phase": phase,
-                  "module": name, "spec": i, "model": spec.model,
+                  "when": "train", "call": None, "module": name, "spec": i, "model": spec.model,
                   "bits": list(spec.bits) if spec.bits else None, "count": len(values["index"]),
                   **{k: v[:MAX_RECORDED] for k, v in values.items()}}
         self.records.append(record)

@@ -10,20 +10,29 @@ gemm.forward        forward hook on a GEMM module (Linear, Conv, ``is_matmul``):
                     with an ``array`` the random cell is the same for every targeted GEMM, and a
                     ``swizzle: per_step`` mapping follows the injector's step (evaluation at step
                     t uses the mapping of step t)
-gemm.grad_input     dX is replaced: for an ``nn.Linear`` by a post-hook on the call's ``addmm``/``mm``
-                    node (an in-place op on the output stays legal), for ``a @ b`` modules (d a)
-                    and others by a full backward hook
-gemm.grad_weight    this GEMM's dW (for ``a @ b``: d b, full backward hook): a hook on the
-                    call's own autograd node that hands dW to the weight, before it is summed
-                    with the weight's other uses and accumulated into ``.grad``
+gemm.grad_input     dX (for ``a @ b``: d a) is replaced by a post-hook on the call's autograd node
+                    that hands it on (:func:`~sdcscope.inject.targets.operand_grad_edge`: the
+                    ``addmm``/``mm`` of an ``nn.Linear``, a Conv's ``Convolution``, ...), in the
+                    GEMM's compute dtype (bf16 under autocast), before any observer of the
+                    operand sees it; the output is left alone, so an in-place op after the
+                    module (``ReLU(inplace=True)``) stays legal. A call autograd does not
+                    record (``torch.no_grad()``, a reentrant checkpoint's first pass) has no dX;
+                    a checkpoint's recompute gets the fault
+gemm.grad_weight    this GEMM's dW: a hook on the call's own autograd node that hands dW to the
+                    weight, before it is summed with the weight's other uses and accumulated
+                    into ``.grad``; for ``a @ b``: d b, as dX above
 weight              memory fault on the parameter, applied before the forward of the event;
                     a permanent fault is re-applied after every optimizer update
 param_grad          post-accumulate-grad hook of the step's last micro-batch: the ``.grad``
                     buffer summed over all micro-batches, as clipping and the optimizer read it
-                    (the injector learns ``grad_accum`` from the engine callback, or pass it)
-optimizer_state     memory fault on the state tensors (``exp_avg``, …) resident between updates,
-                    applied at the start of the step whose update reads them; a permanent fault
-                    is re-applied after every update
+                    (the injector learns ``grad_accum`` from the engine callback, or pass it);
+                    a sparse ``.grad`` (``nn.Embedding(sparse=True)``) is the rows it stores:
+                    the pattern is resolved on its coalesced values, recorded at the
+                    parameter's flat indices
+optimizer_state     memory fault on the state tensors with a value per element (``exp_avg``, …;
+                    never the ``step`` counter) resident between updates, applied at the start
+                    of the step whose update reads them; a permanent fault is re-applied after
+                    every update
 ==================  ==========================================================================
 
 Whether a fault fires is :func:`sdcscope.faults.fires` of (spec, step, micro-batch, name, rank).
@@ -37,6 +46,9 @@ A training loop tells the injector where it is with :meth:`Injector.set_position
 does it through :meth:`Injector.callback`. A transient or intermittent fault is one event in
 time: a re-execution of its step (a guard's replay, or training again after a rollback) does
 not meet it again; a permanent fault (a broken unit, a stuck bit) acts on every execution.
+A run resumed from its checkpoint (``resumed_at``) restored its weights and optimizer state
+with its permanent memory faults in place: they are known as such, not applied again (a bit
+flip applied twice would undo itself).
 
 Records (``injections.jsonl``, :attr:`Injector.records`): one per fault application, with
 ``when``: ``"train"`` (an event of a training step), ``"after_update"`` (a permanent ``weight``
@@ -55,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -66,7 +79,8 @@ from torch import nn
 
 from sdcscope._io import JsonlWriter
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, apply_spec, fault_generator, fires
-from sdcscope.inject.targets import CONV_TYPES, Target, linear_nodes, validate_specs, weight_grad_edge
+from sdcscope.inject.targets import (CONV_TYPES, Target, element_state, operand_channel_dims, operand_grad_edge,
+                                     validate_specs, weight_grad_edge)
 
 _REEXECUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdcscope_reexecuting", default=False)
 
@@ -127,11 +141,16 @@ class Injector:
     Use as a context manager (``with Injector(model, specs, optimizer) as inj:``) or call
     :meth:`attach` / :meth:`detach`. On exit every hook is gone; values already corrupted
     (a weight, an optimizer state) stay corrupted, as they would on the hardware.
+
+    ``resumed_at``: the step a run resumed from a checkpoint that its own training, with these
+    specs, wrote after step ``resumed_at - 1`` (0: a new run). The permanent memory faults that
+    started before it are in the restored values already: they are marked in place, not applied
+    again, so the resumed run goes on bitwise as the uninterrupted one.
     """
 
     def __init__(self, model: nn.Module, specs: Iterable[FaultSpec], optimizer: torch.optim.Optimizer | None = None,
                  *, rank: int = 0, world_size: int = 1, log: str | Path | Callable[[dict], None] | None = None,
-                 grad_accum: int = 1) -> None:
+                 grad_accum: int = 1, resumed_at: int = 0) -> None:
         self.model = model
         self.specs = list(specs)
         self.optimizer = optimizer
@@ -140,6 +159,7 @@ class Injector:
         self.step, self.micro_batch = 0, 0
         self.grad_accum = grad_accum
         """Micro-batches per step: ``param_grad`` fires after the last one (the callback sets it)."""
+        self.resumed_at = resumed_at
         self.evaluating = False
         self._begun: set[int] = set()   # steps whose execution has started at least once
         self._repeat = False            # this execution of the step is a re-execution
@@ -243,13 +263,10 @@ class Injector:
             return t.module.register_forward_hook(self._output_hook(i, spec, t), prepend=True)
         if site == "gemm.forward":
             return t.module.register_forward_hook(self._mac_cell_hook(i, spec, t), prepend=True)
-        if site == "gemm.grad_input":
-            if type(t.module).forward is nn.Linear.forward:   # at the GEMM's own autograd node
-                return t.module.register_forward_hook(self._linear_grad_input_hook(i, spec, t), prepend=True)
-            return t.module.register_full_backward_hook(self._grad_input_hook(i, spec, t, 0), prepend=True)
+        if site == "gemm.grad_input" or (site == "gemm.grad_weight" and getattr(t.module, "is_matmul", False)):
+            position = 1 if site == "gemm.grad_weight" else 0   # d b of a @ b
+            return t.module.register_forward_hook(self._operand_grad_hook(i, spec, t, position), prepend=True)
         if site == "gemm.grad_weight":
-            if getattr(t.module, "is_matmul", False):
-                return t.module.register_full_backward_hook(self._grad_input_hook(i, spec, t, 1), prepend=True)
             return t.module.register_forward_hook(self._grad_weight_hook(i, spec, t), prepend=True)
         if site == "param_grad":
             return t.param.register_post_accumulate_grad_hook(self._param_grad_hook(i, spec, t))
@@ -289,14 +306,20 @@ class Injector:
             self._fired_input[key] = x.detach() if isinstance(x, torch.Tensor) else None
         return k
 
-    def _corrupt(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, *,
-                 suffix: str = "", channel_dim=None, call: int | None = None, when: str | None = None) -> FaultResult:
+    def _apply(self, spec: FaultSpec, t: Target, tensor: torch.Tensor, *, suffix: str = "", channel_dim=None,
+               step: int | None = None) -> FaultResult:
+        """Apply this event's fault of ``spec`` to ``tensor`` in place (``step``: the one whose
+        channel swizzle a ``mac_cell`` follows; default the current one)."""
         # A mac_cell on an array is one physical cell of the unit that runs every targeted GEMM:
         # its random cell (and value) is drawn once for the unit, not per module.
         unit = spec.pattern.kind == "mac_cell" and spec.pattern.array is not None
         gen = fault_generator(spec, self.step, self._event_micro_batch(spec),
                               MAC_ARRAY if unit else t.key + suffix, self.rank)
-        result = apply_spec(spec, tensor, gen, channel_dim=channel_dim, step=self.step)
+        return apply_spec(spec, tensor, gen, channel_dim=channel_dim, step=self.step if step is None else step)
+
+    def _corrupt(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, *,
+                 suffix: str = "", channel_dim=None, call: int | None = None, when: str | None = None) -> FaultResult:
+        result = self._apply(spec, t, tensor, suffix=suffix, channel_dim=channel_dim)
         if call != -1:
             self._record(i, spec, t.name + suffix, result, call=call, when=when)
         return result
@@ -333,40 +356,29 @@ class Injector:
             return _replaced(output, output.detach() + err)
         return hook
 
-    def _grad_input_hook(self, i, spec, t: Target, position: int):
-        channel_dim = ((None, 1) if isinstance(t.module, CONV_TYPES) else (None, -1)) if position == 0 else None
+    def _operand_grad_hook(self, i, spec, t: Target, position: int):
+        """Forward hook: corrupt the gradient this call hands on to its operand ``position`` (dX;
+        d b of ``a @ b``) where its autograd node produces it (:func:`operand_grad_edge`). A full
+        backward hook would reach it too, but makes the module's output a view that an in-place op
+        after it (``ReLU(inplace=True)``) may not modify."""
+        channel_dim = operand_channel_dims(t.module, position)
 
-        def hook(module, grad_input, grad_output):
-            g = grad_input[position] if position < len(grad_input) else None
-            if g is None or (call := self._call(i, spec, t)) is None:
-                return None
-            faulty = g.clone()
-            self._corrupt(i, spec, t, faulty, channel_dim=channel_dim, call=call)
-            return tuple(faulty if k == position else gi for k, gi in enumerate(grad_input))
-        return hook
-
-    def _linear_grad_input_hook(self, i, spec, t: Target):
-        """Forward hook of an ``nn.Linear``: corrupt this call's dX = dY·W where its GEMM node hands
-        it on (a post-hook on ``addmm``/``mm``). A full backward hook would do the same but makes the
-        module's output a view that an in-place op after it (``ReLU(inplace=True)``) may not modify."""
         def hook(module, args, output):
-            x = args[0] if args else None
-            if not (isinstance(output, torch.Tensor) and isinstance(x, torch.Tensor) and x.requires_grad):
+            try:
+                edge = operand_grad_edge(module, output, args, position)
+            except ValueError as exc:
+                raise RuntimeError(f"{spec.site} on {t.name!r}: {exc}") from None
+            if edge is None:   # no gradient flows to the operand in this call
                 return None
-            nodes = linear_nodes(output, module.weight, depth=4)   # another fault may have replaced Y
-            if nodes is None:
-                raise RuntimeError(f"gemm.grad_input on {t.name!r}: no addmm/mm node behind this call's output "
-                                   f"(input of shape {list(x.shape)})")
-            (node, xi), shape = nodes[:2], x.shape
 
             def corrupt(grad_inputs, grad_outputs):
-                g = grad_inputs[xi]
+                g = grad_inputs[edge.index]
                 if g is None or (call := self._call(i, spec, t)) is None:
                     return None
-                faulty = g.clone(memory_format=torch.contiguous_format)   # (tokens, in): corrupted as X's shape
-                self._corrupt(i, spec, t, faulty.view(shape), channel_dim=(None, -1), call=call)
-                return tuple(faulty if k == xi else gi for k, gi in enumerate(grad_inputs))
-            node.register_hook(corrupt)
+                faulty = g.clone(memory_format=torch.contiguous_format)   # a Linear's (tokens, in): as X
+                self._corrupt(i, spec, t, faulty.view(edge.shape), channel_dim=channel_dim, call=call)
+                return tuple(faulty if k == edge.index else gi for k, gi in enumerate(grad_inputs))
+            edge.node.register_hook(corrupt)
             return None
         return hook
 
@@ -402,8 +414,26 @@ class Injector:
                 if self._param_grad_fired.get((i, t.name)) == self.step:
                     return
                 self._param_grad_fired[(i, t.name)] = self.step
-            self._corrupt(i, spec, t, param.grad)
+            if param.grad.is_sparse:
+                self._corrupt_sparse_grad(i, spec, t, param)
+            else:
+                self._corrupt(i, spec, t, param.grad)
         return hook
+
+    def _corrupt_sparse_grad(self, i: int, spec: FaultSpec, t: Target, param: torch.Tensor) -> None:
+        """A sparse gradient is in memory as the values of the rows it holds: the fault lands on
+        its coalesced values (``[rows, *dense dims]``, the pattern resolved on them), written back
+        as ``.grad``; the record gives the elements' flat indices in the parameter."""
+        grad = param.grad.coalesce()
+        values = grad.values()
+        result = self._apply(spec, t, values)
+        row = math.prod(values.shape[1:])
+        sparse_shape = grad.shape[:grad.sparse_dim()]
+        strides = torch.tensor([math.prod(sparse_shape[d + 1:]) for d in range(len(sparse_shape))])
+        rows = (grad.indices().cpu() * strides.unsqueeze(1)).sum(0)   # flat index of each stored row
+        index = rows[result.index // row] * row + result.index % row
+        param.grad = grad
+        self._record(i, spec, t.name, FaultResult(index, result.before, result.after))
 
     def _active(self, site: str):
         """(index, spec) of the specs for ``site`` that can fire at the current position."""
@@ -428,18 +458,22 @@ class Injector:
                         self._corrupt_resident(i, spec, t, t.param.data, t.param, "", when, permanent)
                     elif (after_update or self.micro_batch == 0) and self.optimizer is not None:
                         state = self.optimizer.state.get(t.param, {})
-                        for key in [spec.state_key] if spec.state_key else sorted(state):
-                            value = state.get(key)
-                            if isinstance(value, torch.Tensor) and value.shape == t.param.shape:
-                                self._corrupt_resident(i, spec, t, value, value, f":{key}", when, permanent)
+                        for key in element_state(state, t.param):
+                            if spec.state_key in (None, key):
+                                self._corrupt_resident(i, spec, t, state[key], state[key], f":{key}", when, permanent)
 
     def _corrupt_resident(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, owner: torch.Tensor,
                           suffix: str, when: str | None, permanent: bool) -> None:
         """Corrupt a tensor held in memory. A permanent fault acts on each value written there
         (by an update) once: while ``owner``'s version says nothing rewrote it since the fault
-        went in, it is in place -- applying it again would undo a bit flip."""
+        went in, it is in place -- applying it again would undo a bit flip. A resumed run meets
+        the faults that started before it in place (see ``resumed_at``): where they lie is where
+        their last application, at step ``resumed_at - 1``, put them."""
         key = (i, t.name + suffix)
         got = self._resident.get(key)
+        if permanent and got is None and spec.schedule.start < self.resumed_at:
+            index = self._apply(spec, t, tensor.clone(), suffix=suffix, step=self.resumed_at - 1).index
+            got = self._resident[key] = (id(owner), owner._version, index)
         if permanent and got is not None and got[:2] == (id(owner), owner._version):
             values = tensor.reshape(-1)[got[2]].clone()   # in place: logged as such (before == after)
             self._record(i, spec, t.name + suffix, FaultResult(got[2], values, values), when=when)

@@ -10,7 +10,8 @@ ranks, a schedule that never fires in the run, optimizer state the optimizer nev
 a pattern, bits or format that do not fit a tensor the fault lands on
 (:func:`sdcscope.faults.check_spec`). Parameters and the weight operand of a GEMM have known
 shapes and dtypes; the output or input gradient of a module is known only once the module ran:
-:func:`probe_model` records them from one forward pass on a throwaway copy of the model.
+:func:`probe_model` records them from one forward pass on a throwaway copy of the model (and from
+an evaluation pass, whose batches may be shaped otherwise, for the faults that act there).
 """
 
 from __future__ import annotations
@@ -70,16 +71,20 @@ def weight_grad_edge(output: torch.Tensor, weight: torch.Tensor, max_depth: int 
     nodes deep: TBackward0 of ``F.linear``, ConvolutionBackward0) is found before any use
     further up the input's graph. A cast on the way (``ToCopyBackward0`` under autocast,
     cached and shared by every use of the weight in the region) is looked through: the node
-    before it is the call's own."""
+    before it is the call's own.
+
+    The nodes met are kept referenced (``seen``): a node's Python object lives only while it is
+    referenced, so an ``id`` alone could be reused by another node met later, which would then be
+    skipped (seen on CUDA under autocast: the weight's edge was missed now and then)."""
     frontier = [output.grad_fn] if output.grad_fn is not None else []
-    seen: set[int] = set()
+    seen: dict[int, object] = {}
     for _ in range(max_depth):
         nxt = []
         for node in frontier:
             for i, (child, _) in enumerate(node.next_functions):
                 if child is None or id(child) in seen:
                     continue
-                seen.add(id(child))
+                seen[id(child)] = child
                 if getattr(through_casts(child), "variable", None) is weight:
                     return node, i
                 if not hasattr(child, "variable"):
@@ -89,23 +94,45 @@ def weight_grad_edge(output: torch.Tensor, weight: torch.Tensor, max_depth: int 
 
 
 _VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+_CASTS = frozenset({"ToCopyBackward0"})
 
 
-def linear_nodes(out: torch.Tensor, weight: torch.Tensor, depth: int = 1):
+def _is_grad_of(edge, x: torch.Tensor) -> bool:
+    """Whether the autograd edge ``(node, input_nr)`` delivers ``x``'s gradient: to the node that
+    produced ``x`` (its output ``x.output_nr``), or to the accumulator of a leaf ``x``."""
+    node, nr = edge
+    if x.grad_fn is not None:
+        return node is x.grad_fn and nr == x.output_nr
+    return getattr(node, "variable", None) is x
+
+
+def _follow(edge, x: torch.Tensor, kinds: frozenset[str]):
+    """``(edge, crossed)``: ``edge`` followed through nodes of ``kinds`` until it delivers ``x``'s
+    gradient or meets another node; ``crossed``: whether it went through one."""
+    crossed = False
+    while edge[0] is not None and type(edge[0]).__name__ in kinds and not _is_grad_of(edge, x):
+        edge, crossed = edge[0].next_functions[0], True
+    return edge, crossed
+
+
+def linear_nodes(out: torch.Tensor, weight: torch.Tensor, depth: int = 1, x: torch.Tensor | None = None):
     """``(gemm node, index of X's gradient, dW node, index of dW)`` of the ``F.linear`` call that
     produced ``out``: ``addmm``/``mm`` (after the reshapes of an N-d input) whose weight operand is
     ``weight.t()`` (through an autocast copy). ``depth`` > 1: also behind up to ``depth - 1``
-    other nodes (a forward hook that replaced the output). ``None`` for any other graph."""
+    other nodes (a forward hook that replaced the output). A frozen ``weight`` hands on no
+    gradient, so the call is known by its input instead: given ``x``, a node whose X operand
+    comes from ``x`` (through reshapes and casts) with no weight edge; its dW node is ``None``.
+    ``None`` for any other graph."""
     frontier = [out.grad_fn]
     for _ in range(depth):
         for node in frontier:
-            if (got := _linear_node(node, weight)) is not None:
+            if (got := _linear_node(node, weight, x)) is not None:
                 return got
         frontier = [f for node in frontier if node is not None for f, _ in node.next_functions if f is not None]
     return None
 
 
-def _linear_node(node, weight: torch.Tensor):
+def _linear_node(node, weight: torch.Tensor, x: torch.Tensor | None):
     while node is not None and type(node).__name__ in _VIEW_NODES:
         node = node.next_functions[0][0]
     kind = type(node).__name__
@@ -113,11 +140,104 @@ def _linear_node(node, weight: torch.Tensor):
     if xi is None or len(node.next_functions) != xi + 2:
         return None
     wt = node.next_functions[xi + 1][0]
-    if wt is None or type(wt).__name__ != "TBackward0":
+    if wt is None:
+        frozen = x is not None and not weight.requires_grad
+        if frozen and _is_grad_of(_follow(node.next_functions[xi], x, _VIEW_NODES | _CASTS)[0], x):
+            return node, xi, None, 0
+        return None
+    if type(wt).__name__ != "TBackward0":
         return None
     if getattr(through_casts(wt.next_functions[0][0]), "variable", None) is not weight:
         return None
     return node, xi, wt, 0
+
+
+class GradEdge(NamedTuple):
+    """Where one call of a GEMM hands on the gradient of one of its operands: ``node``'s
+    ``index``-th gradient, viewed as ``shape`` (the operand's), in ``dtype``."""
+
+    node: Any
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def operand_grad_edge(module: nn.Module, output: Any, args: tuple, position: int,
+                      max_depth: int = 32) -> GradEdge | None:
+    """Where this call of the GEMM ``module`` (``args`` and ``output`` as a forward hook sees
+    them) hands on the gradient of operand ``position`` (0: X of a Linear or Conv, ``a`` of
+    ``a @ b``; 1: ``b``) -- what ``gemm.grad_input`` (``gemm.grad_weight`` of ``a @ b``) corrupts,
+    with a post-hook on that node, before anything downstream (an observer's hook on the
+    operand, the casts back to its dtype) sees it.
+
+    - an ``nn.Linear``: its ``addmm``/``mm`` node (:func:`linear_nodes`), dX (tokens, in)
+      viewed as X, in the GEMM's compute dtype (bf16 under autocast);
+    - other GEMMs: the node of the call whose edge delivers the operand's gradient, through the
+      casts on the way (so in the compute dtype under autocast): the ``Convolution`` node, the
+      pad of a padded convolution, the reshape, expansion (broadcast batch, summed) or product
+      node of a matmul. A node sums what reaches it before it runs, so its gradient is exactly
+      the operand's, of this call alone, when it is the only one handing it on.
+
+    ``None`` when no gradient flows there: the operand needs none, or autograd did not record
+    the call (``torch.no_grad()``, the first pass of a reentrant activation checkpoint; its
+    recompute is recorded). Raises :class:`ValueError` when no single node hands it on (or the
+    call's graph is more than ``max_depth`` nodes deep: it cannot be told).
+    """
+    x = args[position] if position < len(args) else None
+    if not (isinstance(output, torch.Tensor) and output.grad_fn is not None
+            and isinstance(x, torch.Tensor) and x.requires_grad):
+        return None
+    if isinstance(module, nn.Linear):
+        nodes = linear_nodes(output, module.weight, depth=4, x=x)   # another fault may have replaced Y
+        if nodes is None:
+            raise ValueError("no addmm/mm node of its weight behind this call's output (a wrapped or "
+                             "flattened weight?)")
+        return GradEdge(nodes[0], nodes[1], tuple(x.shape), output.dtype)
+    found = _operand_edges(output, args, x, max_depth)
+    if found is None:
+        raise ValueError(f"the autograd graph of this call is more than {max_depth} nodes deep: no single "
+                         f"node handing on the gradient of its operand {position} can be found")
+    if len(found) > 1:
+        raise ValueError(f"no single node of this call hands on the gradient of its operand {position}: "
+                         f"{len(found)} do, it is the sum of several uses (e.g. the same tensor as both "
+                         "operands of a @ b, or a forward that uses its input twice)")
+    if not found:   # the call does not use the operand
+        return None
+    node, index, cast = found[0]
+    return GradEdge(node, index, tuple(x.shape), output.dtype if cast else x.dtype)
+
+
+def _operand_edges(output: torch.Tensor, args: tuple, x: torch.Tensor, max_depth: int) -> list | None:
+    """``(node, index, cast)`` of every edge of the call that produced ``output`` delivering
+    ``x``'s gradient (``cast``: through a cast); ``None`` when the call's graph is not exhausted
+    within ``max_depth`` nodes. Breadth-first from ``output.grad_fn``; the nodes of the call's
+    operands bound the search (what lies behind them is not this call's)."""
+    bound_nodes = [a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None]
+    bounds = {id(n) for n in bound_nodes}   # the nodes stay referenced: ids stay theirs (weight_grad_edge)
+    found, seen, frontier = [], {}, [output.grad_fn]
+    for _ in range(max_depth):
+        if not frontier:
+            return found
+        nxt = []
+        for node in frontier:
+            for index, edge in enumerate(node.next_functions):
+                edge, cast = _follow(edge, x, _CASTS)
+                if _is_grad_of(edge, x):
+                    found.append((node, index, cast))
+                elif edge[0] is not None and id(edge[0]) not in bounds and id(edge[0]) not in seen:
+                    seen[id(edge[0])] = edge[0]
+                    nxt.append(edge[0])
+        frontier = nxt
+    return None if frontier else found
+
+
+def operand_channel_dims(module: nn.Module, position: int) -> ChannelDim:
+    """``(output-channel dim, input-channel dim)`` of a GEMM operand's gradient, for a
+    ``mac_cell`` pattern: dX [..., in] of a Linear and ``a`` [..., M, K] of ``a @ b`` (None, -1);
+    dX [N, C_in, ...] of a Conv (None, 1); ``b`` [..., K (in), N (out)] of ``a @ b`` (-1, -2)."""
+    if position == 1:
+        return (-1, -2)
+    return (None, 1) if isinstance(module, CONV_TYPES) else (None, -1)
 
 
 @dataclass(frozen=True)
@@ -188,38 +308,76 @@ def _info(x: Any) -> TensorInfo | None:
 
 @dataclass(frozen=True)
 class ModuleCall:
-    """One call of a module in a probe forward pass: its output and positional inputs (``None``
-    where not a tensor) and, for a Linear/Conv, whether its dW is reachable through the call's
-    own autograd node (:func:`weight_grad_edge`; ``None`` when no gradient flows)."""
+    """One call of a module in a probe pass: its output and positional inputs (``None`` where
+    not a tensor); for a Linear/Conv, whether its dW is reachable through the call's own
+    autograd node (:func:`weight_grad_edge`; ``None`` when no gradient flows); for a GEMM, the
+    gradient of each operand (X; ``a`` and ``b`` of ``a @ b``) as :func:`operand_grad_edge`
+    hands it on -- ``None`` where none flows, a str saying why when no single node hands it on;
+    ``evaluating``: a call of the evaluation pass."""
 
     output: TensorInfo | None
     inputs: tuple[TensorInfo | None, ...]
     weight_grad: bool | None
+    operand_grads: tuple[TensorInfo | str | None, ...] = ()
+    evaluating: bool = False
 
 
-def probe_model(model: nn.Module, forward: Callable[[nn.Module], Any]) -> dict[str, list[ModuleCall]]:
+def _operand_grad(module: nn.Module, output: Any, args: tuple, position: int) -> TensorInfo | str | None:
+    try:
+        edge = operand_grad_edge(module, output, args, position)
+    except ValueError as exc:
+        return str(exc)
+    return None if edge is None else TensorInfo(edge.shape, edge.dtype, True)
+
+
+def probe_model(model: nn.Module, forward: Callable[[nn.Module], Any],
+                evaluate: Callable[[nn.Module], Any] | None = None) -> dict[str, list[ModuleCall]]:
     """Every call of every named module while ``forward(copy)`` runs on a throwaway deep copy of
     ``model`` -- e.g. ``lambda m: loss_fn(m, sample_batch)``, under the autocast the training
-    uses, if any. The model, its gradients and buffers and the global RNG are left as they were;
-    hooks already on the model run on the copy too, so probe before attaching any."""
+    uses, if any -- then, given ``evaluate``, while ``evaluate(copy)`` runs in eval mode without
+    autograd, as the engine evaluates (``workload.evaluate``: its batches may be shaped unlike the
+    training ones; those calls are marked ``evaluating``). The model, its gradients and buffers
+    and the global RNG are left as they were; hooks already on the model run on the copy too, so
+    probe before attaching any."""
     twin = copy.deepcopy(model)
     calls: dict[str, list[ModuleCall]] = defaultdict(list)
+    evaluating = False
 
     def record(name: str):
         def hook(module, args, output):
-            grad = None
-            if isinstance(module, GEMM_TYPES) and isinstance(output, torch.Tensor) and output.requires_grad:
-                grad = weight_grad_edge(output, module.weight) is not None
-            calls[name].append(ModuleCall(_info(output), tuple(_info(a) for a in args), grad))
+            grad, operands = None, ()
+            if is_gemm(module):
+                if isinstance(module, GEMM_TYPES) and isinstance(output, torch.Tensor) and output.requires_grad:
+                    grad = weight_grad_edge(output, module.weight) is not None
+                n = 2 if getattr(module, "is_matmul", False) else 1
+                operands = tuple(_operand_grad(module, output, args, k) for k in range(n))
+            calls[name].append(ModuleCall(_info(output), tuple(_info(a) for a in args), grad, operands, evaluating))
         return hook
 
     for name, module in twin.named_modules():
         if name:
             module.register_forward_hook(record(name))
     devices = sorted({p.device.index for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
-        forward(twin)
+    with torch.random.fork_rng(devices=devices):
+        with torch.enable_grad():
+            forward(twin)
+        if evaluate is not None:
+            evaluating = True
+            twin.eval()
+            with torch.no_grad():
+                evaluate(twin)
     return dict(calls)
+
+
+EVAL_SITES = ("activation", "gemm.forward")
+"""Module sites that act in an evaluation pass (a forward without autograd), by a permanent fault."""
+
+
+def evaluated(specs: list[FaultSpec]) -> bool:
+    """Whether a fault of ``specs`` acts in evaluation on a tensor only a probe knows the shape of (a
+    permanent fault on a module output): then probe the evaluation too (:func:`probe_model`'s
+    ``evaluate``)."""
+    return any(s.site in EVAL_SITES and s.schedule.kind == "permanent" for s in specs)
 
 
 View = tuple[tuple[int, ...] | None, torch.dtype, ChannelDim]
@@ -229,12 +387,15 @@ known), dtype and ``channel_dim``."""
 
 def _views(spec: FaultSpec, t: Target, calls: list[ModuleCall] | None, dtype: torch.dtype) -> list[View]:
     """The distinct tensors ``spec``'s fault lands on at ``t``; ``calls``: the module's calls in a
-    probe (``None``: no probe, ``dtype`` is then the guess for a module site). Empty when the
-    probe never reached the site."""
+    probe (``None``: no probe, ``dtype`` is then the guess for a module site), those of the
+    evaluation pass only for a fault that acts there (a permanent one). Empty when the probe
+    never reached the site."""
     if t.param is not None:
         return [(tuple(t.param.shape), t.param.dtype, None)]
     site, module = spec.site, t.module
-    conv, matmul = isinstance(module, CONV_TYPES), getattr(module, "is_matmul", False)
+    matmul = getattr(module, "is_matmul", False)
+    if calls is not None and spec.schedule.kind != "permanent":
+        calls = [c for c in calls if not c.evaluating]
     if (site == "gemm.forward" and spec.pattern.kind == "mac_cell") or (site == "gemm.grad_weight" and not matmul):
         if site == "gemm.grad_weight" and any(c.weight_grad is False for c in calls or ()):
             raise ValueError(f"{t.name!r}: the weight's gradient does not come from this call's autograd "
@@ -246,13 +407,14 @@ def _views(spec: FaultSpec, t: Target, calls: list[ModuleCall] | None, dtype: to
         return list(dict.fromkeys((shape, c.output.dtype, None) for c in calls if c.weight_grad and c.output))
     if calls is None:
         return [(None, dtype, None)]
-    if site in ("activation", "gemm.forward"):
-        infos, channel_dim = [c.output for c in calls], (1 if conv else -1)
-    else:  # gemm.grad_input: dX; gemm.grad_weight of a @ b: d b
+    if site in EVAL_SITES:
+        infos, channel_dim = [c.output for c in calls], (1 if isinstance(module, CONV_TYPES) else -1)
+    else:  # gemm.grad_input: dX; gemm.grad_weight of a @ b: d b -- as the call's node hands it on
         k = 1 if site == "gemm.grad_weight" else 0
-        infos = [c.inputs[k] for c in calls
-                 if k < len(c.inputs) and c.inputs[k] is not None and c.inputs[k].requires_grad]
-        channel_dim = None if k else ((None, 1) if conv else (None, -1))
+        infos = [c.operand_grads[k] for c in calls if k < len(c.operand_grads)]
+        if problem := next((i for i in infos if isinstance(i, str)), None):
+            raise ValueError(f"{t.name!r}: {problem}")
+        channel_dim = operand_channel_dims(module, k)
     return list(dict.fromkeys((i.shape, i.dtype, channel_dim) for i in infos if i is not None))
 
 
@@ -286,7 +448,7 @@ def validate_spec(model: nn.Module, spec: FaultSpec, optimizer: torch.optim.Opti
     targets = resolve_targets(model, spec)
     if spec.rank is not None and spec.rank >= world_size:
         raise ValueError(f"rank {spec.rank} does not exist; allowed: 0..{world_size - 1}")
-    _check_schedule(spec, steps, grad_accum)
+    check_schedule(spec, steps, grad_accum)
     if spec.site == "optimizer_state":
         _check_optimizer_spec(spec, optimizer, targets)
     if spec.site in ("param_grad", "gemm.grad_weight"):
@@ -315,7 +477,7 @@ def validate_spec(model: nn.Module, spec: FaultSpec, optimizer: torch.optim.Opti
     return targets
 
 
-def _check_schedule(spec: FaultSpec, steps: int | None, grad_accum: int | None) -> None:
+def check_schedule(spec: FaultSpec, steps: int | None, grad_accum: int | None) -> None:
     """Refuse a schedule that never fires in a run of ``steps`` optimizer steps of ``grad_accum``
     micro-batches each (``None``: not known)."""
     sched = spec.schedule
@@ -336,8 +498,8 @@ def _check_schedule(spec: FaultSpec, steps: int | None, grad_accum: int | None) 
 
 
 def _state_keys(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> tuple[str, ...] | None:
-    """The state tensors shaped like ``param`` that ``optimizer`` keeps for it (what an
-    ``optimizer_state`` fault can corrupt): seen after one dry step of a twin optimizer, with the
+    """The state tensors an ``optimizer_state`` fault on ``param`` can corrupt
+    (:func:`element_state`): seen after one dry step of a twin optimizer, with the
     same hyperparameters, on a zero copy of the parameter. ``None`` when the optimizer cannot be
     re-created like this (another constructor signature, a step that needs a closure)."""
     group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), None)
@@ -350,7 +512,21 @@ def _state_keys(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> tuple[
         dry.step()
     except (TypeError, ValueError, RuntimeError):
         return None
-    return tuple(k for k, v in dry.state[twin].items() if isinstance(v, torch.Tensor) and v.shape == param.shape)
+    return element_state(dry.state[twin], param)
+
+
+COUNTERS = frozenset({"step", "mu_product", "eta", "mu"})
+"""Optimizer state entries that hold one number per parameter, not per element: the update counter
+(``step``), NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``."""
+
+
+def element_state(state: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
+    """The keys of ``state`` (an optimizer's state for ``param``) an ``optimizer_state`` fault
+    lands on, sorted: floating tensors with a value per element of ``param`` (``exp_avg``,
+    ``momentum_buffer``, ...). Never a counter (:data:`COUNTERS`), though a 0-d parameter's is
+    shaped like it: corrupting Adam's ``step`` is no fault in the moments."""
+    return tuple(sorted(k for k, v in state.items() if k not in COUNTERS and isinstance(v, torch.Tensor)
+                        and v.is_floating_point() and v.shape == param.shape))
 
 
 def _check_optimizer_spec(spec: FaultSpec, optimizer: torch.optim.Optimizer | None, targets: list[Target]) -> None:

@@ -2,8 +2,9 @@
 written as two run directories plus ``comparison.json``.
 
 The specs are validated before anything is written, against a probe forward pass too (the shapes
-a module site's fault lands on). A faulty run in which no fault fired has the outcome
-``not_fired`` (and ``fired: false``), never ``masked``: it says nothing about masking.
+a module site's fault lands on; and an evaluation pass, for the permanent faults that act there).
+A faulty run in which no fault fired has the outcome ``not_fired`` (and ``fired: false``), never
+``masked``: it says nothing about masking.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from sdcscope.faults import FaultSpec
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.inject import Injector, corrupt_checkpoint_file, validate_specs
 from sdcscope.inject.checkpoint import checkpoint_faults
-from sdcscope.inject.targets import probe_model
+from sdcscope.inject.targets import evaluated, probe_model
 from sdcscope.study.compare import compare_runs, write_comparison
 from sdcscope.workloads import WorkloadConfig
 
@@ -82,7 +83,8 @@ class Experiment:
         self.faulty = _FaultyRun(self.out / "faulty", self.workload, self.train, self.specs)
         run = self.faulty.run
         batch = run.workload.batch(self.train.seed, 0, 0)
-        self._validate(self.steps, probe_model(run.trainer.model, lambda model: run.workload.loss(model, batch)))
+        self._validate(self.steps, probe_model(run.trainer.model, lambda model: run.workload.loss(model, batch),
+                                               evaluate=run.workload.evaluate if evaluated(self.specs) else None))
         self.guarded = None
         if self.guard is not None:
             self.guarded = _FaultyRun(self.out / "guarded", self.workload, self.train, self.specs,
