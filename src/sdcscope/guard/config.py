@@ -51,9 +51,10 @@ class GuardConfig:
     checks, rank localization by replay, the device ledger and quarantine
     (:mod:`sdcscope.guard.ranks`); ignored in a single process, required under DDP."""
     stall_after: int | None = 20
-    """Consecutive discarded steps (vetoed or rolled back) after which the guard reports
-    ``guard: stalled`` (a fault it cannot repair: training makes no progress) and
-    :attr:`Guard.stalled` turns true; None: never."""
+    """Steps without progress in a row -- vetoed, rolled back, skipped for a GradScaler overflow,
+    or re-run after a rollback only to be rolled back again before getting any further -- after
+    which the guard reports ``guard: stalled`` (a fault it cannot repair: training makes no
+    progress) and :attr:`Guard.stalled` turns true; None: never."""
     strict: bool = False
     """Re-raise the guard's own internal errors instead of reporting them as events."""
 

@@ -12,8 +12,9 @@ Plain loop::
 
 ``before_step`` (optional, here ``clip = lambda: nn.utils.clip_grad_norm_(model.parameters(), 1.0)``)
 is whatever must happen to the gradients between backward and ``optimizer.step()`` -- gradient
-clipping, unscaling: the guard runs it on the gradients the update will use, after its checks and
-any recompute. Do not clip between the ``with`` block and ``optimizer_step``: the detectors would
+clipping, say: the guard runs it on the gradients the update will use, after its checks and any
+recompute. A ``GradScaler`` is given to the guard (``scaler=``), which unscales, steps and
+updates it itself. Do not clip between the ``with`` block and ``optimizer_step``: the detectors would
 see clipped gradients and a recomputed step would lose the clipping.
 
 Gradient accumulation (several forward/backward passes per optimizer step): give
@@ -79,6 +80,9 @@ from sdcscope.observe import Metrics, grad_norms
 from sdcscope.guard.config import GuardConfig
 
 PRIORITY = ("rollback", "veto", "recompute", "skip_batch", "lr_backoff", "qk_clip", "report", "none")
+"""Every policy action but ``quarantine``, which only a data-parallel run takes as such
+(:mod:`sdcscope.guard.ranks`); a single process vetoes the step instead (:data:`SOLO_QUARANTINE`)."""
+SOLO_QUARANTINE = "no rank to quarantine outside a data-parallel run: the step is vetoed instead"
 REPLAY_RTOL = 1e-4
 """A replay on CPU must reproduce the step bit for bit. Elsewhere kernels may reduce in a
 different order on each run (atomics, split-K): there a loss or gradient counts as reproduced
@@ -144,7 +148,8 @@ class Guard:
                  step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
                  rank: int | None = None, on_event: Callable[[dict], None] | None = None,
                  ddp: DistributedDataParallel | None = None, ledger: str | Path | None = None,
-                 rank_batch: Callable[[int, int], Any] | None = None, stateful: Iterable[Any] = ()) -> None:
+                 rank_batch: Callable[[int, int], Any] | None = None, stateful: Iterable[Any] = (),
+                 scaler: torch.amp.GradScaler | None = None) -> None:
         """``run_dir``: events go to ``run_dir/events.jsonl``; ``on_event``: also (or instead)
         to this callable; ``loss_fn(model, batch)``: lets a plain loop's step be replayed
         (forward, then the guard runs ``backward()``). ``step_fn(model, batch)``, instead of
@@ -158,10 +163,18 @@ class Guard:
         batch of ``step``, so a plain loop's suspect rank can be replayed with ``loss_fn`` (the
         engine's DDP trainer replays by itself).
 
-        ``stateful``: the loop's other training state -- an LR scheduler, a ``GradScaler``, any
-        object with ``state_dict()`` and ``load_state_dict()`` -- snapshotted with the model and
-        optimizer and restored with them on a rollback (the engine's trainer needs none: it sets
-        each step's learning rate from the step)."""
+        ``stateful``: the loop's other training state -- an LR scheduler, any object with
+        ``state_dict()`` and ``load_state_dict()`` (a ``GradScaler`` goes to ``scaler``) --
+        snapshotted with the model and optimizer and restored with them on a rollback (the
+        engine's trainer needs none: it sets each step's learning rate from the step).
+
+        ``scaler``: the plain loop's ``torch.amp.GradScaler`` (mixed precision in fp16). The loop
+        runs ``scaler.scale(loss).backward()`` and passes the unscaled ``loss``; the guard does the
+        rest in :meth:`optimizer_step`: it unscales the gradients before its checks, treats the
+        scaler's overflow (inf/NaN gradients) as the scaler does -- a skipped step, no finding --
+        scales the loss of a replay alike, steps through ``scaler.step`` and calls
+        ``scaler.update()``; the scaler rolls back with the model. Without it the guard would
+        judge every overflow a fault, and a veto would never let the scaler back off."""
         for name, fn in (("loss_fn", loss_fn), ("step_fn", step_fn), ("rank_batch", rank_batch),
                          ("on_event", on_event)):
             if fn is not None and not callable(fn):
@@ -171,6 +184,13 @@ class Guard:
                              "of one forward pass (the guard runs backward on a replay); step_fn(model, batch) "
                              "runs the forward and backward of every micro-batch itself and returns the loss")
         stateful = list(stateful)
+        if scaler is not None:
+            if not isinstance(scaler, torch.amp.GradScaler):
+                raise TypeError(f"Guard scaler must be a torch.amp.GradScaler or None, got {scaler!r}")
+            if ddp is not None or isinstance(model, DistributedDataParallel):
+                raise ValueError("Guard scaler= is not supported in data-parallel runs yet: the rank guard "
+                                 "compares gradients before the scaler unscales them")
+            stateful += [] if any(obj is scaler for obj in stateful) else [scaler]
         for obj in stateful:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"Guard stateful items need state_dict() and load_state_dict() (an LR scheduler, "
@@ -184,7 +204,7 @@ class Guard:
         self.model, self.optimizer = model, optimizer
         self.config = c = config or GuardConfig()
         self.loss_fn, self.step_fn, self.rank = loss_fn, step_fn, rank
-        self.stateful = stateful
+        self.stateful, self.scaler = stateful, scaler
         self.metrics = Metrics(model, optimizer, c.metrics) if c.metrics else None
         self.nonfinite = NonFiniteDetector(model, c.nonfinite, rank=rank) if c.nonfinite else None
         self.loss_spike = SpikeDetector(c.loss_spike, rank=rank) if c.loss_spike else None
@@ -220,12 +240,16 @@ class Guard:
         self._pending: list[Event] = []
         self._params = list(model.parameters())   # those with a gradient are checked, frozen or not
         self._cuda = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
-        self._snapshot_at: int | None = None   # a plain loop's next snapshot, taken when that step begins
+        self._snapshot_due = False   # a plain loop's next snapshot: taken when its next step begins
+        self._since_snapshot = 0     # updates applied since the training state was the latest snapshot's
+        self._furthest = 0           # the most of those reached since that snapshot was taken
+        self._rerun = 0              # applied steps since a rollback that have not got further yet
         self._grads: _StepGrads | None = None
         self._step_events = 0
+        self._step_findings = 0      # the step's events about training, not about the guard's own failures
         self.discarded_steps = 0
         """Steps whose update the guard vetoed or rolled back."""
-        self._discard_streak = 0
+        self._idle = 0               # steps in a row without progress (:attr:`stalled`)
         self._attached = False
         self.ranks = None
         if ddp is not None:
@@ -273,6 +297,9 @@ class Guard:
     def callback(self, trainer=None) -> "GuardCallback":
         """The engine callback; with ``trainer``, the first rollback target and the reference of
         the state checksums are taken now, before any other callback (an injector) runs."""
+        if self.scaler is not None:
+            raise ValueError("Guard scaler= is for a plain loop's optimizer_step; the engine's trainer "
+                             "trains without a GradScaler")
         self.attach()
         callback = GuardCallback(self)
         if trainer is not None:
@@ -285,15 +312,18 @@ class Guard:
         self._step, self._batch, self._rng = step, batch, _rng_state(self._cuda)
         self._clock += 1
         self._buffers_before = self._buffer_values()
-        self._step_events = 0
+        self._step_events = self._step_findings = 0
         self.rolled_back_to = None
+        take = snapshot or (lambda: self._take_snapshot(step))
         if len(self.ring) == 0:
-            (snapshot or (lambda: self._take_snapshot(step)))()
+            take()
         self._pending = self._safe(lambda: self.state.verify(step), "state_checksum") \
             if self.state is not None and self.state.due(step) else []
-        due, self._snapshot_at = self._snapshot_at, None
-        if due == step and not self._pending:   # after the loop's own end-of-step work (scheduler.step())
-            self._take_snapshot(step)
+        due, self._snapshot_due = self._snapshot_due, False
+        # due: after the loop's own end-of-step work (scheduler.step()), whatever this step's number;
+        # new parameter groups (optimizer.add_param_group): the older snapshots no longer fit the optimizer
+        if (due or self.ring.groups_changed(self.optimizer)) and not self._pending:
+            take()
         for part in (self.abft, self.metrics):
             if part is not None:
                 self._safe(lambda p=part: p.begin_step(step), type(part).__name__)
@@ -303,9 +333,29 @@ class Guard:
             self.ranks.begin(step)
 
     def _take_snapshot(self, step: int) -> None:
-        """A plain loop's rollback target: model, optimizer and the ``stateful`` objects."""
-        extra = {"stateful": [obj.state_dict() for obj in self.stateful]} if self.stateful else None
+        """A plain loop's rollback target: model, optimizer, the ``stateful`` objects and the
+        guard's own training state (:meth:`_own_state`)."""
+        extra = {"guard": self._own_state(), "stateful": [obj.state_dict() for obj in self.stateful]}
         self.ring.take(self.model, self.optimizer, step, step, extra=extra)   # deep-copies extra
+        self._took_snapshot()
+
+    def _took_snapshot(self) -> None:
+        """The training state is the latest snapshot's: progress is counted from here."""
+        self._since_snapshot = self._furthest = self._rerun = 0
+
+    def _own_state(self) -> dict[str, Any]:
+        """The guard's state that shapes later training and decisions, snapshotted with the model:
+        ZClip's running statistics (they scale the gradients) and the spike detectors' windows.
+        After a rollback the steps since the snapshot run again; without these the statistics
+        would count them twice and training would part from a run that never met the fault."""
+        return {"zclip": self.zclip, "loss_spike": self.loss_spike, "grad_spike": self.grad_spike}
+
+    def _rolled_back(self, state) -> None:
+        """After the model and optimizer were restored to ``state``: the guard's own state too."""
+        for name, saved in state.extra.get("guard", {}).items():
+            setattr(self, name, copy.deepcopy(saved))   # the snapshot stays as taken
+        self.rolled_back_to = state.step
+        self._since_snapshot = 0
 
     @contextlib.contextmanager
     def step(self, step: int, batch: Any = None) -> Iterator["Guard"]:
@@ -320,8 +370,8 @@ class Guard:
         ``loss``: the step's loss, a scalar (0-d or one-element tensor, or a number) or None.
         ``before_step()``: run on the gradients the update will use -- after the checks, after a
         recompute replaced them, right before ``optimizer.step()`` (not on a veto or rollback);
-        put gradient clipping (``nn.utils.clip_grad_norm_``) or unscaling there, not before
-        this call, so that the detectors and the pre-clip gradient-norm metrics see the
+        put gradient clipping (``nn.utils.clip_grad_norm_``) there (with ``scaler`` the
+        gradients are unscaled by then), not before this call, so that the detectors and the pre-clip gradient-norm metrics see the
         gradients as computed and a recomputed step is clipped like any other.
         ``after_step()``: run right after ``optimizer.step()``, before the guard records the
         checksums of the new weights: put legitimate edits of the weights there (weight clipping,
@@ -337,21 +387,30 @@ class Guard:
                             f"nn.utils.clip_grad_norm_(model.parameters(), 1.0)) or None, got {before_step!r}")
         if after_step is not None and not callable(after_step):
             raise TypeError(f"optimizer_step after_step must be a callable or None, got {after_step!r}")
+        _check_loss(loss)
         replays = self.loss_fn is not None or self.step_fn is not None
         rerun = self._rerun_plain if replays and self._batch is not None else None
         rank_replay = self._rank_replay_plain if replays and self.rank_batch is not None else None
-        actions, loss = self.decide(loss, rerun, rank_replay=rank_replay)
-        if "rollback" in actions:
-            state = self.ring.restore_latest(self.model, self.optimizer)
-            for obj, saved in zip(self.stateful, state.extra.get("stateful", ())):
-                obj.load_state_dict(copy.deepcopy(saved))   # the snapshot stays as taken
-            self.rolled_back_to = state.step
-            self._after_update(applied=False)
-            return False
-        if "veto" in actions:
-            self.optimizer.zero_grad(set_to_none=True)
+        overflow = self.scaler is not None and self._unscale()
+        if overflow and not self._pending:  # the scaler's own overflow (its scale ran too high): no finding
+            actions = []
+            if self.abft is not None:  # the step's GEMM checks go with it
+                self._safe(lambda: self.abft.check(self._step), "abft")
+        else:
+            actions, loss = self.decide(loss, rerun, rank_replay=rank_replay)
+        if "rollback" in actions or "veto" in actions:
+            if self.scaler is not None:  # before a rollback restores the scaler's own state
+                self.scaler.update()
+            if "rollback" in actions and self._safe(self._rollback, "rollback", default=False):
+                self._after_update(applied=False)
+                return False
+            self.optimizer.zero_grad(set_to_none=True)  # a veto (or a rollback that failed, reported)
             self._restore_buffers()
             self._after_update(applied=False)
+            return False
+        if overflow:  # scaler.step would skip it: the scaler backs its scale off, as without the guard
+            self.scaler.update()
+            self._after_update(applied=False, discarded=False)
             return False
         self.before_update()
         if before_step is not None:  # the user's own code: its errors are the user's, not the guard's
@@ -362,7 +421,11 @@ class Guard:
         for g, lr in zip(groups, base_lrs):
             g["lr"] = lr * scale
         try:
-            self.optimizer.step()
+            if self.scaler is None:
+                self.optimizer.step()
+            else:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
             row = self._update_metrics(loss)  # under the learning rate the step used
         finally:
             for g, lr in zip(groups, base_lrs):  # the very objects: no rounding drift
@@ -373,8 +436,26 @@ class Guard:
         self._after_update(applied=True, row=row, logged={"loss": loss} if loss is not None else None)
         return True
 
+    def _rollback(self) -> bool:
+        """Restore the latest snapshot: model, optimizer, the ``stateful`` objects and the guard's
+        own state. A snapshot that no longer fits the model or optimizer is refused before
+        anything changes (the caller reports it and vetoes)."""
+        state = self.ring.restore_latest(self.model, self.optimizer)
+        for obj, saved in zip(self.stateful, state.extra.get("stateful", ())):
+            obj.load_state_dict(copy.deepcopy(saved))   # the snapshot stays as taken
+        self._rolled_back(state)
+        return True
+
+    def _unscale(self) -> bool:
+        """Unscale the guard optimizer's gradients (``scaler.unscale_``), so the checks, the
+        metrics and ZClip see them as the update will; True when the scaler found inf/NaN in them
+        (an overflow: ``scaler.step`` would skip the step)."""
+        self.scaler.unscale_(self.optimizer)
+        return any(bool(found) for found in self.scaler._found_inf_per_device(self.optimizer).values())
+
     def _run_step(self, batch: Any) -> torch.Tensor:
-        """The step's forward and backward on ``batch`` (``step_fn``, or ``loss_fn`` + backward)."""
+        """The step's forward and backward on ``batch`` (``step_fn``, or ``loss_fn`` + backward,
+        scaled by the ``scaler`` as the loop scales it)."""
         if self.step_fn is not None:
             loss = self.step_fn(self.model, batch)
             _check_loss(loss, "step_fn's return value")
@@ -382,17 +463,29 @@ class Guard:
                 raise ValueError("step_fn must return the step's loss (a scalar), got None")
             return loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         loss = self.loss_fn(self.model, batch)
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         return loss.detach()
 
-    def _rerun_plain(self) -> torch.Tensor:
+    def _clear_grads(self) -> None:
+        """Clear every gradient a re-execution computes: the guard optimizer's, and those of any
+        parameter of the model outside it (a second optimizer's, a backbone the optimizer leaves
+        alone); else backward would add the replay to them."""
         self.optimizer.zero_grad(set_to_none=True)
-        return self._run_step(self._batch)
+        for p in self._params:
+            p.grad = None
+
+    def _rerun_plain(self) -> torch.Tensor:
+        self._clear_grads()
+        loss = self._run_step(self._batch)
+        if self.scaler is not None:  # unscale the replay's gradients as the first ones were, and let
+            # scaler.step judge the replay's: its record of this step's unscale_ is dropped first
+            self.scaler._per_optimizer_states.pop(id(self.optimizer), None)
+            self.scaler.unscale_(self.optimizer)
+        return loss
 
     def _rank_replay_plain(self, rank: int) -> torch.Tensor:
         """Rank ``rank``'s local gradient of this step, on the plain module (no all-reduce)."""
-        for p in self.model.parameters():
-            p.grad = None
+        self._clear_grads()
         with reexecution():
             return self._run_step(self.rank_batch(rank, self._step))
 
@@ -429,6 +522,9 @@ class Guard:
                 e.evidence = {**e.evidence, "finding": finding,
                               **({"replay": replay} if replay else {})}
             chosen = self.config.policy.actions_for(e.detector, e.verdict)
+            if "quarantine" in chosen:  # no other rank to carry on: the step is void, as under DDP
+                chosen = list(dict.fromkeys("veto" if a == "quarantine" else a for a in chosen))
+                e.evidence = {**e.evidence, "quarantine": SOLO_QUARANTINE}
             e.action = ", ".join(chosen)
             actions += [a for a in chosen if a not in actions]
         if "rollback" in actions and self.ring.latest() is None:
@@ -507,7 +603,7 @@ class Guard:
         fire again the fault was transient, even when its effect was masked (identical results)."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
         first_grads = {n: p.grad.detach().clone() for n, p in named}
-        first_loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else (math.nan if loss is None else float(loss))
+        first_loss = None if loss is None else float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         after_rng = _rng_state(self._cuda)
         _set_rng_state(self._rng)
         try:
@@ -529,9 +625,10 @@ class Guard:
         self._grads = None  # the gradients are the re-execution's now
         differs = [n for n, p in self.model.named_parameters()
                    if n in first_grads and not _reproduced(first_grads[n], p.grad)]
-        tol = 0.0 if not self._cuda else REPLAY_RTOL * abs(first_loss)
-        loss_differs = not (new_value == first_loss or abs(new_value - first_loss) <= tol
-                            or (math.isnan(new_value) and math.isnan(first_loss)))
+        tol = 0.0 if not self._cuda or first_loss is None else REPLAY_RTOL * abs(first_loss)
+        loss_differs = first_loss is not None and not (  # without the loop's loss, the gradients decide
+            new_value == first_loss or abs(new_value - first_loss) <= tol
+            or (math.isnan(new_value) and math.isnan(first_loss)))
         transient = (differs or loss_differs or recheckable) and not again
         result = {"verdict": "transient" if transient else "reproducible",
                   "loss_first": first_loss, "loss_replay": new_value,
@@ -578,10 +675,12 @@ class Guard:
         return row
 
     def _after_update(self, *, applied: bool, row: dict | None = None,
-                      snapshot: Callable[[], None] | None = None, logged: dict | None = None) -> dict:
+                      snapshot: Callable[[], None] | None = None, logged: dict | None = None,
+                      discarded: bool = True) -> dict:
         """``row``: the applied update's metrics (:meth:`_update_metrics`); ``logged``: the loop's
         own metrics of the step (the trainer's row: loss, grad_norm, lr), for the invariants'
-        metric bounds, as a trace records them."""
+        metric bounds, as a trace records them; ``discarded``: a step not applied was the guard's
+        doing (not a GradScaler's overflow)."""
         row = row or {}
         step = self._step
         if self.ranks is not None:  # before the state checksums: a replica rollback restores state
@@ -596,32 +695,50 @@ class Guard:
             for record in self._safe(self.invariants.step_end, "invariants"):
                 self._emit(Event(**{k: record.get(k) for k in ("step", "detector", "verdict", "module", "rank")},
                                  evidence=record.get("evidence") or {}, action=record.get("action") or "report"))
-        if applied and self._step_events == 0 and self.ring.due(step + 1):
-            if snapshot is not None:
-                snapshot()
-            else:   # a plain loop may still step its scheduler: snapshot when step + 1 begins
-                self._snapshot_at = step + 1
-        self._count_discard(applied)
+        self._count_progress(applied, discarded)
+        if applied and self._step_findings == 0:
+            if snapshot is not None:   # the engine: its step numbers count its optimizer steps
+                if self.ring.due(step + 1):
+                    snapshot()
+            elif self._since_snapshot >= self.ring.config.every:
+                # a plain loop may still step its scheduler, and its step numbers may skip or
+                # restart: snapshot when its next step begins, whatever that step's number
+                self._snapshot_due = True
         return row
 
     @property
     def stalled(self) -> bool:
-        """The last ``stall_after`` steps were all discarded: a fault the guard cannot repair (a
-        permanent one the replay reproduces) holds training still. A plain loop should stop
-        (or move the job) rather than go on discarding."""
+        """The last ``stall_after`` steps made no progress: a fault the guard cannot repair (a
+        permanent one the replay reproduces, or one that corrupts the weights again after every
+        rollback) holds training still. A plain loop should stop (or move the job) rather than
+        go on discarding."""
         n = self.config.stall_after
-        return n is not None and self._discard_streak >= n
+        return n is not None and self._idle >= n
 
-    def _count_discard(self, applied: bool) -> None:
+    def _count_progress(self, applied: bool, discarded: bool) -> None:
+        """Steps without progress in a row: vetoed, rolled back or skipped for a GradScaler
+        overflow, and the steps a rollback re-ran in vain. After a rollback the loop re-runs the
+        steps since the snapshot: they count only if the next rollback comes before training got
+        any further than it had (a fault that strikes again, where the engine's step budget
+        would stop the run); an applied step beyond the furthest point ends the streak."""
+        before = self._idle
         if applied:
-            self._discard_streak = 0
+            self._since_snapshot += 1
+            if self._since_snapshot > self._furthest:
+                self._furthest, self._idle, self._rerun = self._since_snapshot, 0, 0
+            else:
+                self._rerun += 1
             return
-        self.discarded_steps += 1
-        self._discard_streak += 1
-        if self._discard_streak == self.config.stall_after:  # once per streak; every rank alike
+        self.discarded_steps += discarded
+        self._idle += 1
+        if self.rolled_back_to is not None:  # the steps re-run since the last rollback were in vain
+            self._idle += self._rerun
+            self._rerun = 0
+        n = self.config.stall_after
+        if n is not None and before < n <= self._idle:  # once per streak; every rank alike
             self._emit(Event(self._step, "guard", "stalled", rank=self.rank, action="report",
-                             evidence={"consecutive_discarded": self._discard_streak,
-                                       "discarded_steps": self.discarded_steps}), world=True)
+                             evidence={"consecutive_discarded": self._idle,
+                                       "discarded_steps": self.discarded_steps}), world=True, finding=False)
 
     def _qk_clip(self, step: int, row: dict) -> None:
         """An attention-logit bound above ``qk_clip`` is a finding (``attention_logit:high``);
@@ -646,13 +763,16 @@ class Guard:
                              action=", ".join(done) or "report"))
 
     # -- events and failures -----------------------------------------------------------------
-    def _emit(self, event: Event, world: bool = False) -> None:
+    def _emit(self, event: Event, world: bool = False, finding: bool = True) -> None:
         """``world``: a verdict every rank holds alike (under DDP rank 0 writes it, and only these
-        count toward the snapshot decision, which must be the same on every rank)."""
+        count toward the snapshot decision, which must be the same on every rank); ``finding``:
+        False for the guard's reports about itself (its internal errors, a stall), which say
+        nothing against the training state and so do not hold its next snapshot back."""
         record = event.to_dict()
         self.events.append(record)
         if self.ranks is None or world:
             self._step_events += 1
+            self._step_findings += finding
         writer = self._writer
         if self.ranks is not None and not world and self.rank != 0 and self._run_dir is not None:
             if self._rank_writer is None:  # this rank's own report, outside the world verdict
@@ -668,7 +788,7 @@ class Guard:
             raise exc
         self._emit(Event(self._step, "guard", "internal_error", rank=self.rank,
                          evidence={"where": where, "error": repr(exc),
-                                   "trace": traceback.format_exc(limit=3)}, action="report"))
+                                   "trace": traceback.format_exc(limit=3)}, action="report"), finding=False)
 
     def _safe(self, fn: Callable[[], Any], where: str, default: Any = None):
         try:
@@ -685,8 +805,13 @@ class GuardCallback:
         self.guard = guard
 
     def _snapshot(self, trainer) -> Callable[[], None]:
-        return lambda: self.guard.ring.take(trainer.model, trainer.optimizer, trainer.step, trainer.data_pos,
-                                            trainer.lr_scale, {"skip_data": sorted(trainer.skip_data)})
+        g = self.guard
+
+        def take() -> None:
+            g.ring.take(trainer.model, trainer.optimizer, trainer.step, trainer.data_pos, trainer.lr_scale,
+                        {"skip_data": sorted(trainer.skip_data), "guard": g._own_state()})
+            g._took_snapshot()
+        return take
 
     def prime(self, trainer) -> None:
         """Snapshot and checksum the trainer's state as it is (verified by whoever built it)."""
@@ -711,10 +836,10 @@ class GuardCallback:
         if "skip_batch" in actions:
             trainer.skip_data.add(ctx.data_pos)
         if "rollback" in actions:
-            skip = set(trainer.skip_data)
-            trainer.restore(g.ring.latest())
+            skip, state = set(trainer.skip_data), g.ring.latest()
+            trainer.restore(state)
             trainer.skip_data |= skip
-            g.rolled_back_to = trainer.step
+            g._rolled_back(state)
             ctx.restored = True
             g._after_update(applied=False)
             return

@@ -10,6 +10,7 @@ from torch import nn
 
 from sdcscope._validate import check_float, check_non_negative, check_positive
 from sdcscope.engine.trainer import total_norm
+from sdcscope.observe._util import dense_values
 
 
 @dataclass(kw_only=True)
@@ -63,13 +64,20 @@ class ZClip:
 
     @torch.no_grad()
     def clip_(self, parameters, norm: float | None = None) -> tuple[float, float]:
-        """Clip gradients in place; returns (norm before, limit used)."""
+        """Clip gradients in place; returns (norm before, limit used). A sparse gradient
+        (``nn.Embedding(sparse=True)``) is measured by its coalesced values and scaled as it is."""
         grads = [p.grad for p in parameters if p.grad is not None]
         if norm is None:
-            norm = float(total_norm(grads))
+            norm = float(total_norm(dense_values(grads)))
         limit = self.limit(norm)
         if math.isfinite(norm) and norm > limit:
-            torch._foreach_mul_(grads, limit / (norm + 1e-6))
+            factor = limit / (norm + 1e-6)
+            dense = [g for g in grads if not g.is_sparse]
+            if dense:
+                torch._foreach_mul_(dense, factor)
+            for g in grads:
+                if g.is_sparse:
+                    g.mul_(factor)
         return norm, limit
 
 

@@ -24,7 +24,8 @@ ACTIONS = ("none", "veto", "recompute", "rollback", "skip_batch", "lr_backoff", 
 verified re-execution of the step; rollback: restore the last verified in-memory snapshot;
 skip_batch: never train on this batch again; lr_backoff: scale the LR down, recovering linearly;
 qk_clip: rescale W_q/W_k of a layer whose attention logits explode; quarantine: exclude a rank's
-gradients from the all-reduce (distributed runs); report: event only."""
+gradients from the all-reduce from the next step and veto this one (distributed runs; a single
+process has no other rank to carry on and vetoes the step); report: event only."""
 
 DEFAULT_RULES: dict[str, list[str]] = {
     # Replay showed the result was not reproducible: a transient hardware fault. The clean

@@ -43,11 +43,37 @@ class SnapshotRing:
     def latest(self) -> TrainState | None:
         return self._ring[-1] if self._ring else None
 
+    def groups_changed(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s parameter groups differ from the latest snapshot's
+        (``add_param_group`` since): that snapshot no longer fits it."""
+        latest = self.latest()
+        return latest is not None and _group_sizes(latest.optimizer["param_groups"]) != \
+            _group_sizes(optimizer.param_groups)
+
     def restore_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState | None:
+        """Load the latest snapshot into ``model`` and ``optimizer``; one that no longer fits them
+        is refused (ValueError) before anything changes: a half-restored state would be worse
+        than none."""
         state = self.latest()
         if state is not None:
+            _check_fits(state, model, optimizer)
             apply(state, model, optimizer)
         return state
 
     def __len__(self) -> int:
         return len(self._ring)
+
+
+def _group_sizes(groups: list[dict]) -> list[int]:
+    return [len(g["params"]) for g in groups]
+
+
+def _check_fits(state: TrainState, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    then, now = _group_sizes(state.optimizer["param_groups"]), _group_sizes(optimizer.param_groups)
+    if then != now:
+        raise ValueError(f"the snapshot of step {state.step} does not fit the optimizer: its parameter groups "
+                         f"held {then} parameters, the optimizer's hold {now} (add_param_group since?)")
+    current = model.state_dict()
+    if current.keys() != state.model.keys() or any(current[k].shape != v.shape for k, v in state.model.items()):
+        raise ValueError(f"the snapshot of step {state.step} does not fit the model: its parameters or "
+                         "buffers changed since")
