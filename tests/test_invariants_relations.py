@@ -6,8 +6,10 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 from torch import nn
+from torch.nn.utils import clip_grad_norm_ as imported_clip_grad_norm_  # bound before any recorder
 
 from sdcscope.detect.invariants import (
     InferConfig, Invariant, InvariantChecker, Trace, TraceRecorder, check_trace, infer_invariants,
@@ -19,24 +21,48 @@ from test_invariants_trace import MLP
 EVENT_KEYS = {"step", "detector", "verdict", "module", "rank", "evidence", "action"}
 
 
-def mlp_run(attach, seed, bug=None, steps=12, lr=1e-2):
-    """A plain loop with a scheduler, clipping and evaluation every 4 steps; ``bug`` breaks it."""
+STYLES = {  # correct loops that differ from the references: how they clear, backward and clip
+    "zero_grad_last": "optimizer.zero_grad() at the end of the step, after the scheduler",
+    "grads_none_by_hand": "p.grad = None for every parameter instead of zero_grad()",
+    "keep_tensors": "optimizer.zero_grad(set_to_none=False)",
+    "model_zero_grad": "model.zero_grad() instead of optimizer.zero_grad()",
+    "autograd_backward": "torch.autograd.backward(loss) instead of loss.backward()",
+    "imported_clip": "a clip_grad_norm_ imported before the recorder attached",
+}
+
+
+def mlp_run(attach, seed, bug=None, steps=12, lr=1e-2, style=None):
+    """A plain loop with a scheduler, clipping and evaluation every 4 steps; ``bug`` breaks it,
+    ``style`` (see STYLES) changes it without breaking it."""
     torch.manual_seed(seed)
     model = MLP()
     if bug == "frozen":
         model.fc1.requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    if bug == "stale_scheduler":  # the optimizer rebuilt after the scheduler was made
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
     tool = attach(model, opt, schedulers=[sched])
+    clip = imported_clip_grad_norm_ if style == "imported_clip" else torch.nn.utils.clip_grad_norm_
     previous = None
     for step in range(steps):
         tool.step_begin(step)
-        if bug != "no_zero_grad":
+        if style == "keep_tensors":
+            opt.zero_grad(set_to_none=False)
+        elif style == "model_zero_grad":
+            model.zero_grad()
+        elif style == "grads_none_by_hand":
+            for p in model.parameters():
+                p.grad = None
+        elif bug not in ("no_zero_grad", "zero_grad_before_step") and style != "zero_grad_last":
             opt.zero_grad()
         x = previous if bug == "repeated_input" and step == 6 else torch.randn(6, 8)
         previous = x
         loss = model(x).pow(2).mean()
-        (loss * 100 if bug == "scaled_loss" else loss).backward()
+        if style == "autograd_backward":
+            torch.autograd.backward(loss)
+        else:
+            (loss * 100 if bug == "scaled_loss" else loss).backward()
         if bug == "guarded" and step == 5:  # a guard's replay: the same step executed again
             opt.zero_grad()
             model(x).pow(2).mean().backward()
@@ -44,9 +70,17 @@ def mlp_run(attach, seed, bug=None, steps=12, lr=1e-2):
             tool.abandon_step()
             continue
         if bug != "clip_late" or step >= 2:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            clip(model.parameters(), 1.0)
+        if bug == "zero_grad_before_step":
+            opt.zero_grad()
         opt.step()
+        if bug == "decay_by_hand":  # weight decay applied by hand as well as by AdamW
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1 - 1e-2 * lr)
         sched.step()
+        if style == "zero_grad_last":
+            opt.zero_grad()
         tool.step_end()
         if step % 4 == 3:
             if bug != "no_eval_mode":
@@ -110,7 +144,10 @@ def test_clean_run_of_another_seed_passes_online_and_offline(invariants, tmp_pat
 
 
 @pytest.mark.parametrize("bug, verdict, step, module", [
-    ("no_zero_grad", "sequence.train", 0, "zero_grad"),
+    ("no_zero_grad", "sequence.train", 1, "zero_grad"),  # step 0 looks like clearing by hand
+    ("zero_grad_before_step", "sequence.train", 0, "zero_grad"),
+    ("decay_by_hand", "exclusive.optimizer.step.write", 0, "fc1.weight"),
+    ("stale_scheduler", "arg.train.lr_scheduler.step.drives_optimizer", 0, "lr_scheduler.step"),
     ("frozen", "contain.optimizer.step.update", 0, "fc1.weight"),
     ("scaled_loss", "arg.train.backward.loss", 0, "backward"),
     ("clip_late", "sequence.train", 0, "clip_grad_norm_"),
@@ -124,6 +161,18 @@ def test_bugs_are_reported_with_invariant_module_and_evidence(invariants, tmp_pa
     assert set(hits[0]) == EVENT_KEYS and hits[0]["detector"] == "invariant"
     assert hits[0]["evidence"]["description"] == by_id(invariants)[verdict].description
     assert read_jsonl(tmp_path / "events.jsonl") == tool.violations
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_a_loop_that_clears_backs_up_or_clips_its_own_way_is_no_violation(invariants, style):
+    assert mlp_run(checker(invariants), seed=7, lr=7e-3, style=style).violations == []
+
+
+def test_how_zero_grad_is_called_is_not_learned(invariants):
+    inv = by_id(invariants)
+    assert not [i for i in inv if i.startswith("arg.train.zero_grad.")]
+    assert inv["exclusive.optimizer.step.write"].params["tensors"] == ["*"]
+    assert inv["arg.train.lr_scheduler.step.drives_optimizer"].params["value"] is True
 
 
 def test_a_guards_replay_and_discarded_step_are_no_violation_a_repeated_input_is(invariants):
@@ -241,6 +290,66 @@ def test_consistent_pairs_replicas_by_name_and_catches_one_flipped_bit(tmp_path)
     (event,) = pair_run(checker(consistent), seed=5, flip_at=3).violations
     assert event["step"] == 3 and event["module"] == "replicas.1.fc1.weight"
     assert event["evidence"]["differing"] == [["replicas.0.fc1.weight", "replicas.1.fc1.weight"]]
+
+
+def lm_windows(g, vocab, shift=1, n=8, length=16):
+    """Token windows of a sequence that mostly follows t -> 3t+1 (mod vocab): inputs, and the
+    targets ``shift`` tokens ahead (1: next-token prediction)."""
+    seq = torch.randint(0, vocab, (n, 1), generator=g)
+    for _ in range(length + 2):
+        noise = torch.rand(n, 1, generator=g) < 0.1
+        nxt = torch.where(noise, torch.randint(0, vocab, (n, 1), generator=g), (seq[:, -1:] * 3 + 1) % vocab)
+        seq = torch.cat([seq, nxt], 1)
+    return seq[:, :length], seq[:, shift:length + shift]
+
+
+def lm_run(attach, seed, bug=None, steps=12, lr=2e-2, vocab=16):
+    """A bigram language model, evaluated every 3 steps on fixed held-out windows; ``bug``
+    breaks it: targets equal to the inputs, targets two tokens ahead, gradient ascent."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(vocab, 16), nn.Linear(16, vocab))
+    opt = torch.optim.Adam(model.parameters(), lr=lr, maximize=bug == "ascent")
+    tool = attach(model, opt)
+    g, val = torch.Generator().manual_seed(seed), lm_windows(torch.Generator().manual_seed(99), vocab)
+
+    def loss(x, y):
+        return F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+
+    for step in range(steps):
+        tool.step_begin(step)
+        opt.zero_grad()
+        x, y = lm_windows(g, vocab, shift=2 if bug == "shift_2" else 1)
+        loss(x, x if bug == "targets_equal_inputs" else y).backward()
+        opt.step()
+        tool.step_end()
+        if step % 3 == 2:
+            model.eval()
+            with torch.no_grad():
+                tool.log_metrics(val_loss=loss(*val))
+            model.train()
+    tool.detach()
+    return tool
+
+
+@pytest.fixture(scope="module")
+def lm_invariants(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm")
+    for seed, lr in ((1, 2e-2), (2, 1e-2)):
+        lm_run(recorder(root / str(seed)), seed, lr=lr)
+    return by_id(infer_invariants([root / "1", root / "2"]))
+
+
+def test_targets_shifted_wrongly_and_gradient_ascent_are_reported(lm_invariants):
+    assert lm_invariants["arg.train.forward.target_shift"].params["value"] == 1
+    assert lm_invariants["trend.eval.val_loss"].params["direction"] == "down"
+    invariants = list(lm_invariants.values())
+    assert lm_run(checker(invariants), seed=7, lr=1.5e-2).violations == []
+    for bug, shift in (("targets_equal_inputs", 0), ("shift_2", 2)):
+        (e, *_) = lm_run(checker(invariants), seed=7, bug=bug, lr=1.5e-2).violations
+        assert (e["verdict"], e["step"], e["evidence"]["observed"]) == ("arg.train.forward.target_shift", 0, shift)
+    hits = [e for e in lm_run(checker(invariants), seed=7, bug="ascent", lr=1.5e-2).violations
+            if e["verdict"] == "trend.eval.val_loss"]
+    assert hits[0]["step"] == 6 and hits[0]["evidence"]["value"] > hits[0]["evidence"]["first_value"]
 
 
 def test_metric_counters_are_not_bounded_and_nonfinite_values_violate():

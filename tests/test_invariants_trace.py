@@ -9,6 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn.utils import clip_grad_norm_ as imported_clip_grad_norm_  # bound before any recorder
+from torch.utils.checkpoint import checkpoint
 
 from sdcscope.detect.invariants import TraceConfig, TraceRecorder, checksum, load_trace
 from sdcscope.detect.invariants.names import compress, from_hex, names_of, pair_up, resolve
@@ -68,7 +70,7 @@ def test_records_calls_effects_and_metrics_of_a_plain_loop(tmp_path):
     assert fields["forward"]["out.dtype"] == "float32" and isinstance(fields["forward"]["input"], int)
     assert fields["clip_grad_norm_"]["params"] == "0xf" and fields["clip_grad_norm_"]["max_norm"] == 1.0
     assert isinstance(fields["backward"]["loss"], float) and fields["backward"]["loss"] == r["metrics"]["loss"]
-    assert r["effects"] == {"grad": "0xf", "update": "0xf", "cleared": "0xf"}
+    assert r["effects"] == {"grad": "0xf", "update": "0xf", "cleared": "0xf", "outside": "0x0"}
     assert len(r["checksums"]) == 4
     assert ev[0]["metrics"] == {"val_loss": 1.5}
     assert dict(ev[0]["calls"])["forward"]["Dropout.training"] is False
@@ -76,15 +78,75 @@ def test_records_calls_effects_and_metrics_of_a_plain_loop(tmp_path):
 
 def test_detach_restores_torch_and_the_users_objects():
     model, opt = setup()
-    clip, backward = torch.nn.utils.clip_grad_norm_, torch.Tensor.backward
+    clip, backward = torch.nn.utils.clip_grad_norm_, torch.autograd.backward
+    scale = torch.nn.utils.clip_grad._clip_grads_with_norm_
     rec = TraceRecorder(model, opt).attach()
     assert torch.nn.utils.clip_grad_norm_ is not clip and "zero_grad" in vars(opt)
+    assert torch.autograd.backward is not backward and torch.nn.utils.clip_grad._clip_grads_with_norm_ is not scale
     rec.detach()
     assert torch.nn.utils.clip_grad_norm_ is clip and torch.nn.utils.clip_grad.clip_grad_norm_ is clip
-    assert torch.Tensor.backward is backward
+    assert torch.autograd.backward is backward and torch.nn.utils.clip_grad._clip_grads_with_norm_ is scale
     assert "zero_grad" not in vars(opt) and "zero_grad" not in vars(model)
     assert not model._forward_pre_hooks and not model._forward_hooks
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_backward_and_clipping_are_recorded_once_however_they_are_called():
+    model, opt = setup()
+    rec = TraceRecorder(model, opt).attach()
+    rec.step_begin(0)
+    x = torch.randn(4, 8)
+    model(x).pow(2).mean().backward()
+    torch.autograd.backward(model(x).pow(2).mean())
+    torch.autograd.backward([model(x).sum(), model(x).sum()])  # two roots: no one loss
+    # reentrant checkpointing runs a backward inside this one: part of it, not recorded again
+    checkpoint(model.fc2, torch.relu(model.fc1(x)), use_reentrant=True).pow(2).mean().backward()
+    imported_clip_grad_norm_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, norm_type=1.0)
+    (r,) = rec.step_end()
+    rec.detach()
+    assert [c[0] for c in r["calls"]] == ["forward", "backward", "forward", "backward", "forward", "forward",
+                                          "backward", "backward", "clip_grad_norm_", "clip_grad_norm_"]
+    backward = [f for api, f in r["calls"] if api == "backward"]
+    assert ["loss" in f for f in backward] == [True, True, False, True]
+    imported, public = [f for api, f in r["calls"] if api == "clip_grad_norm_"]
+    assert "norm_type" not in imported and (imported["max_norm"], imported["params"]) == (1.0, "0xf")
+    assert (public["max_norm"], public["norm_type"]) == (0.5, 1.0) and public["out"] > 0
+
+
+def test_parameters_written_outside_optimizer_step_show_in_the_effects():
+    model, opt = setup()
+    rec = TraceRecorder(model, opt).attach()
+    records = []
+    for step in range(3):
+        rec.step_begin(step)
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        with torch.no_grad():
+            if step == 1:
+                model.fc1.bias.add_(1.0)     # before the update
+            opt.step()
+            if step == 2:
+                model.fc2.weight.mul_(0.5)   # after it
+        records += rec.step_end()
+    rec.detach()
+    names = rec.param_names
+    assert [names_of(from_hex(r["effects"]["outside"]), names) for r in records] == [[], ["fc1.bias"],
+                                                                                     ["fc2.weight"]]
+
+
+def test_a_scheduler_step_records_whether_it_drives_the_optimizer():
+    model, opt = setup()
+    other = torch.optim.SGD(model.parameters(), lr=0.1)   # e.g. the optimizer before a rebuild
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, 1) for o in (opt, other)]
+    rec = TraceRecorder(model, opt, schedulers=schedulers).attach()
+    rec.step_begin(0)
+    for o, s in zip((opt, other), schedulers):
+        o.step()
+        s.step()
+    (r,) = rec.step_end()
+    rec.detach()
+    assert [f["drives_optimizer"] for api, f in r["calls"] if api == "lr_scheduler.step"] == [True, False]
 
 
 def test_stale_grads_frozen_and_unregistered_parameters_show_in_the_effects():

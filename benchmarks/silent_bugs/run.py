@@ -4,8 +4,10 @@ For each family of training scripts (see ``scenarios.py``), two clean reference 
 traced (seeds 1 and 2, two learning rates) and invariants are inferred from them.  Every bug is
 then run online under an ``InvariantChecker`` with a seed and learning rate the references did
 not use (seed 100+i, lr 2.5e-3), and so is its clean twin (same script, seed and config, bug
-off).  A bug is detected when its run raises at least one violation; a clean twin with any
-violation is a false positive.
+off).  So is every clean variant (seed 200+i): a correct loop that differs from the references
+in a setting (where gradients are cleared, gradient accumulation, ...).  A bug is detected when
+its run raises at least one violation; a clean twin or variant with any violation is a false
+positive.
 
     python benchmarks/silent_bugs/run.py [--bugs a,b,...] [--out DIR]
 
@@ -18,13 +20,14 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scenarios import BUGS, FAMILIES, Bug  # noqa: E402
+from scenarios import BUGS, FAMILIES, VARIANTS, Bug, Variant  # noqa: E402
 
 from sdcscope.detect.invariants import (  # noqa: E402
     InvariantChecker, Invariant, TraceRecorder, infer_invariants, save_invariants,
@@ -44,6 +47,12 @@ class Result:
     @property
     def first(self) -> dict[str, Any] | None:
         return min(self.violations, key=lambda e: e["step"]) if self.violations else None
+
+
+@dataclass
+class VariantResult:
+    variant: Variant
+    violations: list[dict[str, Any]]
 
 
 def recorder(out: Path):
@@ -71,61 +80,76 @@ def infer_family(name: str, out: Path) -> list[Invariant]:
     return invariants
 
 
-def run_benchmark(bugs: list[Bug], out: Path, log=print) -> list[Result]:
+def run_benchmark(bugs: list[Bug], out: Path, log=print,
+                  variants: Sequence[Variant] = ()) -> tuple[list[Result], list[VariantResult]]:
     invariants = {}
-    for fam in dict.fromkeys(b.family for b in bugs):
+    for fam in dict.fromkeys(x.family for x in [*bugs, *variants]):
         invariants[fam] = infer_family(fam, out)
         n_refs = len(FAMILIES[fam].references)
         log(f"  {fam}: {len(invariants[fam])} invariants from {n_refs} clean references")
+
+    def check(family: str, name: str, seed: int, bug: str | None, config: dict[str, Any]):
+        run_dir = out / family / name
+        return FAMILIES[family].script(seed=seed, bug=bug, attach=checker(invariants[family], run_dir),
+                                       **FAMILIES[family].checked, **config).violations
+
     results = []
-    for i, bug in enumerate(bugs):
-        family = FAMILIES[bug.family]
+    for bug in bugs:
         seed = 100 + BUGS.index(bug)
-        found = []
-        for which in (bug.name, None):
-            run_dir = out / bug.family / f"{bug.name}_{'bug' if which else 'clean'}"
-            tool = family.script(seed=seed, bug=which, attach=checker(invariants[bug.family], run_dir),
-                                 **family.checked)
-            found.append(tool.violations)
-        results.append(Result(bug, *found))
-    return results
+        results.append(Result(bug, *(check(bug.family, f"{bug.name}_{'bug' if which else 'clean'}", seed,
+                                           which, bug.config) for which in (bug.name, None))))
+    variant_results = [VariantResult(v, check(v.family, f"variant_{v.name}", 200 + VARIANTS.index(v), None,
+                                              v.config)) for v in variants]
+    return results, variant_results
 
 
-def table(results: list[Result]) -> str:
+def _alarms(violations: list[dict[str, Any]]) -> str:
+    return "ok" if not violations else f"{len(violations)} FALSE ALARM(S)"
+
+
+def table(results: list[Result], variant_results: Sequence[VariantResult] = ()) -> str:
     rows = [("bug", "family", "detected", "first step", "first violated invariant", "#inv", "clean twin")]
     for r in results:
         f = r.first
         rows.append((r.bug.name, r.bug.family, "yes" if r.detected else "NO",
                      str(f["step"]) if f else "-", f"{f['verdict']} @ {f['module']}" if f else "-",
-                     str(len({e["verdict"] for e in r.violations})),
-                     "ok" if not r.clean_violations else f"{len(r.clean_violations)} FALSE ALARM(S)"))
+                     str(len({e["verdict"] for e in r.violations})), _alarms(r.clean_violations)))
+    if variant_results:
+        rows.append(("clean variant", "family", "", "", "what", "", "violations"))
+        rows += [(v.variant.name, v.variant.family, "", "", v.variant.what, "", _alarms(v.violations))
+                 for v in variant_results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bugs", default="", help="comma-separated subset (default: all)")
+    ap.add_argument("--bugs", default="", help="comma-separated subset of bugs and clean variants "
+                                               "(default: all)")
     ap.add_argument("--out", type=Path, default=None, help="keep run directories here")
     args = ap.parse_args()
     names = [n for n in args.bugs.split(",") if n]
-    unknown = sorted(set(names) - {b.name for b in BUGS})
+    known = [x.name for x in [*BUGS, *VARIANTS]]
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        sys.exit(f"unknown bug(s) {unknown}; known: {', '.join(b.name for b in BUGS)}")
+        sys.exit(f"unknown bug(s) or variant(s) {unknown}; known: {', '.join(known)}")
     bugs = [b for b in BUGS if not names or b.name in names]
+    variants = [v for v in VARIANTS if not names or v.name in names]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
-        print(f"silent-bugs benchmark: {len(bugs)} bugs, runs in {out}")
-        results = run_benchmark(bugs, out)
-    print(table(results))
-    for r in results:
-        for e in r.clean_violations:
-            print(f"  false alarm in {r.bug.name} twin: step {e['step']} {e['verdict']} {e['evidence']}")
+        print(f"silent-bugs benchmark: {len(bugs)} bugs, {len(variants)} clean variants, runs in {out}")
+        results, variant_results = run_benchmark(bugs, out, variants=variants)
+    print(table(results, variant_results))
+    clean = [(f"{r.bug.name} twin", r.clean_violations) for r in results]
+    clean += [(f"variant {v.variant.name}", v.violations) for v in variant_results]
+    for name, violations in clean:
+        for e in violations:
+            print(f"  false alarm in {name}: step {e['step']} {e['verdict']} {e['evidence']}")
     detected = sum(r.detected for r in results)
-    false_pos = sum(bool(r.clean_violations) for r in results)
+    false_pos = sum(bool(violations) for _, violations in clean)
     print(f"({time.perf_counter() - t0:.0f} s)")
-    print(f"detected {detected}/{len(results)} bugs, false positives {false_pos}/{len(results)} clean runs")
+    print(f"detected {detected}/{len(results)} bugs, false positives {false_pos}/{len(clean)} clean runs")
 
 
 if __name__ == "__main__":

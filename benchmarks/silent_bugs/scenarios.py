@@ -15,7 +15,13 @@ Families (the reference training scripts):
 - ``cnn_epochs``: the digits CNN trained in epochs, reshuffling the data every epoch;
 - ``engine``: sdcscope's own ``Trainer``, the recorder attached as an engine callback;
 - ``replicas``: two data-parallel replicas of the GPT in one process, gradients averaged
-  (all-reduce) every step, as DDP does.
+  (all-reduce) every step, as DDP does;
+- ``gpt_groups``: a nanoGPT-style loop: AdamW with a decay and a no-decay param group,
+  optional gradient accumulation, and settings that a correct loop may choose differently
+  (where and how gradients are cleared, how backward and clipping are called).
+
+Clean variants (``VARIANTS``) are correct loops that differ from their family's references in
+such a setting; checked against the references' invariants, they must raise nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import clip_grad_norm_ as imported_clip_grad_norm_  # bound before any tool attaches
 
 from sdcscope.engine import TrainConfig, Trainer
 from sdcscope.workloads import GPT, GPTConfig, LeNet, WorkloadConfig, lm_loss, make_workload
@@ -225,6 +232,80 @@ def replicas(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, st
     return tool
 
 
+def _groups(model: nn.Module, lr: float, weight_decay: float, bug: str | None) -> list[dict[str, Any]]:
+    """nanoGPT's param groups: matrices decay, vectors (biases, LayerNorm weights) do not."""
+    params = list(model.parameters())
+    no_decay = {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}
+    if bug == "group_lr_10x":  # a per-group learning rate meant for another base rate
+        no_decay["lr"] = lr * 10
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay}, no_decay]
+
+
+def gpt_groups(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 24,
+               eval_every: int = 8, accum: int = 1, clear: str = "first", backward: str = "tensor",
+               clip: str = "module"):
+    """``accum`` micro-batches per step; ``clear``: where and how the gradients are cleared
+    (``first``: optimizer.zero_grad() before the forward, ``after_step``: at the end of the step,
+    ``keep_tensors``: zero_grad(set_to_none=False), ``model``: model.zero_grad(), ``by_hand``:
+    ``p.grad = None``); ``backward``: ``tensor`` (loss.backward()) or ``autograd``
+    (torch.autograd.backward(loss)); ``clip``: ``module`` (torch.nn.utils.clip_grad_norm_) or
+    ``imported`` (a clip_grad_norm_ imported before the tool attached)."""
+    torch.manual_seed(seed)
+    data = _gpt_data()
+    model = _gpt(dropout=0.1)
+    wd, warm = 0.1, 5
+    opt = torch.optim.AdamW(_groups(model, lr, wd, bug), lr=lr, maximize=bug == "gradient_ascent")
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    if bug == "scheduler_stale_optimizer":  # the optimizer rebuilt after the scheduler (resume code)
+        opt = torch.optim.AdamW(_groups(model, lr, wd, None), lr=lr)
+    tool = attach(model, opt, schedulers=[sched])
+    clip_grad_norm_ = imported_clip_grad_norm_ if clip == "imported" else torch.nn.utils.clip_grad_norm_
+    for step in range(steps):
+        tool.step_begin(step)
+        if clear == "first":
+            opt.zero_grad()
+        elif clear == "keep_tensors":
+            opt.zero_grad(set_to_none=False)
+        elif clear == "model":
+            model.zero_grad()
+        elif clear == "by_hand":
+            for p in model.parameters():
+                p.grad = None
+        for micro in range(accum):
+            if bug == "zero_grad_in_accum":
+                opt.zero_grad()
+            x, y = data.batch(seed, step, micro_batch=micro)
+            if bug == "targets_equal_inputs":
+                y = x
+            elif bug == "labels_shifted_by_2":  # an off-by-one in slicing the windows
+                x, y = x[:, :-1], y[:, 1:]
+            loss = lm_loss(model(x), y) / accum
+            if backward == "autograd":
+                torch.autograd.backward(loss)
+            else:
+                loss.backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if bug == "weight_decay_twice":  # decoupled decay applied by hand as well (ported SGD code)
+            with torch.no_grad():
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        p.mul_(1 - group["lr"] * group["weight_decay"])
+        sched.step()
+        if clear == "after_step":
+            opt.zero_grad()
+        tool.step_end()
+        if (step + 1) % eval_every == 0:
+            model.eval()
+            with torch.no_grad():
+                val = [lm_loss(model(vx), vy).item() for vx, vy in _val_batches()]
+            tool.log_metrics(val_loss=sum(val) / len(val))
+            model.train()
+    tool.detach()
+    return tool
+
+
 @dataclass(frozen=True)
 class Family:
     script: Callable[..., Any]
@@ -239,6 +320,7 @@ FAMILIES = {
     "cnn_epochs": Family(cnn_epochs),
     "engine": Family(engine),
     "replicas": Family(replicas),
+    "gpt_groups": Family(gpt_groups),
 }
 
 
@@ -247,6 +329,8 @@ class Bug:
     name: str
     family: str
     what: str
+    config: dict[str, Any] = field(default_factory=dict, hash=False)
+    """Settings of the script for the bug and its clean twin, beyond the family's ``checked``."""
 
 
 BUGS = [
@@ -263,4 +347,40 @@ BUGS = [
     Bug("frozen_layer", "engine", "first transformer block left frozen"),
     Bug("param_not_in_optimizer", "engine", "no-decay parameters never given to the optimizer"),
     Bug("replica_diverges", "replicas", "gradient all-reduce lost from step 6: replicas diverge"),
+    Bug("weight_decay_twice", "gpt_groups", "weight decay applied by hand after AdamW's own"),
+    Bug("scheduler_stale_optimizer", "gpt_groups",
+        "optimizer rebuilt after the scheduler: the learning rate never follows the schedule"),
+    Bug("group_lr_10x", "gpt_groups", "the no-decay group's learning rate set 10x the base rate"),
+    Bug("zero_grad_in_accum", "gpt_groups", "zero_grad() inside the accumulation loop: only the last "
+        "micro-batch counts", config={"accum": 2}),
+    Bug("targets_equal_inputs", "gpt_groups", "the targets are the inputs: the model learns to copy"),
+    Bug("labels_shifted_by_2", "gpt_groups", "targets two tokens ahead of the inputs instead of one"),
+    Bug("gradient_ascent", "gpt_groups", "AdamW(maximize=True): the loss is climbed, not descended"),
+]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A correct loop that differs from its family's references in a setting."""
+
+    name: str
+    family: str
+    what: str
+    config: dict[str, Any] = field(default_factory=dict, hash=False)
+
+
+VARIANTS = [
+    Variant("zero_grad_after_step", "gpt_groups", "gradients cleared at the end of the step",
+            {"clear": "after_step"}),
+    Variant("grads_none_by_hand", "gpt_groups", "p.grad = None for every parameter instead of zero_grad()",
+            {"clear": "by_hand"}),
+    Variant("zero_grad_keep_tensors", "gpt_groups", "zero_grad(set_to_none=False)", {"clear": "keep_tensors"}),
+    Variant("model_zero_grad", "gpt_groups", "model.zero_grad() instead of optimizer.zero_grad()",
+            {"clear": "model"}),
+    Variant("autograd_backward", "gpt_groups", "torch.autograd.backward(loss)", {"backward": "autograd"}),
+    Variant("imported_clip", "gpt_groups", "clip_grad_norm_ imported under its own name before attaching",
+            {"clip": "imported"}),
+    Variant("accum_2", "gpt_groups", "2 micro-batches per step (references: 1)", {"accum": 2}),
+    Variant("accum_3_cleared_after_step", "gpt_groups", "3 micro-batches, gradients cleared after the step",
+            {"accum": 3, "clear": "after_step"}),
 ]

@@ -2,11 +2,13 @@
 
 The TrainCheck idea (OSDI '25), native to sdcscope:
 
-1. **Trace** clean runs with :class:`TraceRecorder` (hooks on the model, the optimizer, and two
-   wrapped torch functions; one host sync per step) into ``RUN_DIR/trace.jsonl``.
+1. **Trace** clean runs with :class:`TraceRecorder` (hooks on the model, the optimizer, and
+   wrapped torch functions for backward, clipping and the loss; one host sync per step) into
+   ``RUN_DIR/trace.jsonl``.
 2. **Infer** with :func:`infer_invariants` the relations that hold in all of them
-   (``Consistent``, ``EventContain``, ``APISequence``, ``APICount``, ``APIArg``, ``APIOutput``,
-   ``MetricBound``), with learned preconditions; save them as editable YAML.
+   (``Consistent``, ``EventContain``, ``ExclusiveWrite``, ``APISequence``, ``APICount``,
+   ``APICountRatio``, ``APIArg``, ``APIArgRatio``, ``APIOutput``, ``MetricBound``), with learned
+   preconditions; save them as editable YAML.
 3. **Check** a run online with :class:`InvariantChecker` (in-process, records only what the
    invariants need) or offline with :func:`check_trace`; violations are ``events.jsonl`` events
    naming the invariant, the tensor or module, and the evidence.

@@ -106,7 +106,7 @@ class InvariantChecker(EngineCallbacks):
         invs = load_invariants(invariants) if isinstance(invariants, (str, Path)) else list(invariants)
         full = TraceRecorder(model, optimizer, config=TraceConfig(rank=rank)).header()
         checksums: set[str] = set()
-        flags = {"input_fingerprint": False, "confirm_updates": False}
+        flags = {"input_fingerprint": False, "confirm_updates": False, "target_shift": False}
         for check in bind_invariants(invs, full):
             need = check.needs()
             checksums.update(need.get("checksums", ()))

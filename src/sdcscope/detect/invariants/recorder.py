@@ -17,27 +17,31 @@ Per step it records one compact dict (written to ``trace.jsonl`` when ``out`` is
 - ``calls``: ``[api, fields]`` in call order (the API vocabulary is ``spec.APIS``), with cheap
   arguments and outputs (``training`` flags at forward, ``max_norm`` and the clipped parameter
   set at ``clip_grad_norm_``, the loss a backward starts from, the learning rate of each param
-  group at step: ``lr``, ``group1.lr``, ...);
+  group at step: ``lr``, ``group1.lr``, ..., whether a scheduler's step sets this optimizer's
+  learning rates: ``drives_optimizer``, and at forward, how the targets of the loss computed
+  on its output relate to its input: ``target_shift``, see ``TraceConfig``);
 - ``effects``: bit masks over the parameters: got a gradient in backward (gradient identity and
   version counter before vs after each ``backward``: two C-level sweeps instead of one Python
   hook call per parameter), changed by ``optimizer.step`` (its version counter moved and, with
   ``confirm_updates``, its values differ from a copy taken before the step: rewriting the same
   values in place, as a learning rate of 0 does, is no update), gradient cleared before the first
-  backward (``None``
-  grad or a grad written since the last step);
+  backward (``None`` grad or a grad written since the last step), written within the step but
+  outside ``optimizer.step`` (``outside``: its version counter moved before the step, or after
+  it: a weight decay applied by hand as well, a weight edited by mistake);
 - ``checksums``: exact full-tensor checksums of the watched tensors (for ``Consistent``);
 - ``metrics``: whatever the loop logs.
 
 Tensor-valued facts are kept on the device and fetched together at the end of the record, so a
 step costs one device-to-host copy however many values it records.  Forwards and metrics seen
-between steps form an ``eval`` record.  A backward started through ``torch.autograd.backward``
-rather than ``Tensor.backward`` is not observed (see ``apis``).
+between steps form an ``eval`` record.  Backward and clipping are observed however they are
+called (``torch.autograd.backward``, a ``clip_grad_norm_`` imported under a name of its own: see
+``apis``).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import attrgetter, is_not, ne, not_
@@ -99,6 +103,8 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     return total + (per_row * (torch.arange(rows, device=flat.device) * 2 + 3)).sum()
 
 
+MAX_SHIFT = 3
+"""The largest target shift looked for (see ``TraceConfig.target_shift``)."""
 CONFIRM_EVERY = 4
 """With ``TraceConfig.confirm_updates``, updates are confirmed on every this-many-th step (the
 others count a moved version counter): a parameter that stops changing is reported within that
@@ -115,6 +121,11 @@ class TraceConfig:
     input_fingerprint: bool = True
     """Checksum the model's first input at each forward (for "no batch repeats", and to tell a
     replay of the step from extra calls)."""
+    target_shift: bool = True
+    """For a forward on token ids, the shift k (0..``MAX_SHIFT``) at which the targets of the
+    cross-entropy computed next equal the input (``target[..., :-k] == input[..., k:]``; 1 for
+    next-token prediction, -1 for none): targets equal to the inputs (0) or shifted too far (2)
+    train a model that learns nothing useful, at a normal-looking loss."""
     confirm_updates: bool = True
     """Count a parameter as updated by ``optimizer.step`` only if its values changed (a copy of
     the parameters before the step, compared after it: three fused passes, no per-parameter
@@ -130,6 +141,16 @@ class TraceConfig:
             self.checksums = tuple(self.checksums)
         if not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"rank={self.rank!r} must be an integer >= 0")
+
+
+def _no_fields(*args, **kwargs) -> dict[str, Any]:
+    return {}
+
+
+def _zero_grad_fields(on: str) -> Callable[..., dict]:
+    def fields(set_to_none: bool = True) -> dict[str, Any]:
+        return {"on": on, "set_to_none": bool(set_to_none)}
+    return fields
 
 
 class EngineCallbacks:
@@ -192,12 +213,15 @@ class TraceRecorder(EngineCallbacks):
         self._step, self._done = -1, 0
         self._grad_mask = self._updated = 0
         self._cleared: int | None = None
-        self._versions: list[int] = []
+        self._versions: list[int] = []   # the parameters' version counters when optimizer.step began
+        self._expect: list[int] = []     # ... when the step began or optimizer.step last returned
+        self._outside = 0                # parameters written in this step outside optimizer.step
         self._detached = [p.detach() for p in self._params]   # same storage: they see every update
         self._copies: list[torch.Tensor] | None = None          # the parameters before this optimizer.step
         self._moved: list[list] = []  # per optimizer.step: [bits of moved params, bit sums equal?]
         self._last_grads: tuple[list, list[int]] | None = None
         self._fwd: dict[str, Any] | None = None
+        self._tokens: tuple[torch.Tensor, dict[str, Any]] | None = None  # last token input, its fields
         self._before: tuple[list, list[int] | None] | None = None
 
     # -- header ------------------------------------------------------------------------------
@@ -234,10 +258,10 @@ class TraceRecorder(EngineCallbacks):
                           m.register_forward_hook(self._post_forward),
                           opt.register_step_pre_hook(self._pre_step),
                           opt.register_step_post_hook(self._post_step)]
-        self._wrap(opt, "zero_grad", "zero_grad", on="optimizer")
-        self._wrap(m, "zero_grad", "zero_grad", on="model")
+        self._wrap(opt, "zero_grad", "zero_grad", _zero_grad_fields("optimizer"))
+        self._wrap(m, "zero_grad", "zero_grad", _zero_grad_fields("model"))
         for s in self.schedulers:
-            self._wrap(s, "step", "lr_scheduler.step")
+            self._wrap(s, "step", "lr_scheduler.step", self._drives(s))
         if self.scaler is not None:
             for name in ("scale", "unscale_", "step", "update"):
                 self._wrap(self.scaler, name, f"scaler.{name}")
@@ -272,20 +296,27 @@ class TraceRecorder(EngineCallbacks):
     def __exit__(self, *exc) -> None:
         self.detach()
 
-    def _wrap(self, obj: Any, name: str, api: str, **static: Any) -> None:
-        """Shadow one method of the user's object (not of its class) with a recording wrapper."""
+    def _wrap(self, obj: Any, name: str, api: str, fields: Callable[..., dict] = _no_fields) -> None:
+        """Shadow one method of the user's object (not of its class) with a recording wrapper;
+        ``fields(*args, **kwargs)`` gives the call's fields."""
         had = name in vars(obj)
         orig = getattr(obj, name)
 
         def wrapper(*args, **kwargs):
-            fields = dict(static)
-            if api == "zero_grad":
-                fields["set_to_none"] = bool(kwargs.get("set_to_none", args[0] if args else True))
-            self._call(api, fields)
+            self._call(api, fields(*args, **kwargs))
             return orig(*args, **kwargs)
 
         self._restore.append((obj, name, had, vars(obj).get(name)))
         setattr(obj, name, wrapper)
+
+    def _drives(self, scheduler: Any) -> Callable[..., dict]:
+        """Fields of a scheduler's step: whether it sets the learning rates of the optimizer
+        being trained (its optimizer's param groups are this one's: true through an optimizer
+        wrapper too; false when the optimizer was rebuilt after the scheduler was made)."""
+        def fields(*args, **kwargs) -> dict[str, Any]:
+            groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None)
+            return {"drives_optimizer": None if groups is None else groups is self.optimizer.param_groups}
+        return fields
 
     # -- step boundaries ---------------------------------------------------------------------
     def step_begin(self, step: int | None = None) -> None:
@@ -298,6 +329,7 @@ class TraceRecorder(EngineCallbacks):
         self._grad_mask = self._updated = 0
         self._moved = []
         self._cleared = None
+        self._expect, self._outside = list(map(_VERSION, self._params)), 0
 
     def step_end(self) -> list[dict[str, Any]]:
         """Close the step; return the records finished since the last call (eval, then step)."""
@@ -311,8 +343,10 @@ class TraceRecorder(EngineCallbacks):
         updated = self._updated
         for bits, same in self._moved:
             updated |= sum(compress(bits, map(not_, same)))
+        self._outside |= self._written_since(self._expect)
         rec["effects"] = {"grad": to_hex(self._grad_mask), "update": to_hex(updated),
-                          "cleared": None if self._cleared is None else to_hex(self._cleared)}
+                          "cleared": None if self._cleared is None else to_hex(self._cleared),
+                          "outside": to_hex(self._outside)}
         self._finish(rec)
         self._last_grads = self._grad_snapshot()
         self._in_step, self._rec = False, None
@@ -359,8 +393,12 @@ class TraceRecorder(EngineCallbacks):
         for key, mods in self._mode_groups.items():
             flags = set(map(_TRAINING, mods))
             fields[key] = flags.pop() if len(flags) == 1 else "mixed"
-        if self.config.input_fingerprint and args and isinstance(args[0], torch.Tensor):
-            self._pend(checksum(args[0]), fields, "input", integer=True)
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if self.config.input_fingerprint and x is not None:
+            self._pend(checksum(x), fields, "input", integer=True)
+        if self.config.target_shift:
+            tokens = x is not None and x.ndim > 0 and x.shape[-1] > MAX_SHIFT and not x.is_floating_point()
+            self._tokens = (x, fields) if tokens else None
         self._fwd = fields
         self._call("forward", fields)
 
@@ -369,11 +407,24 @@ class TraceRecorder(EngineCallbacks):
             self._fwd["out.dtype"] = str(output.dtype).removeprefix("torch.")
         self._fwd = None
 
-    def on_backward_begin(self, root: torch.Tensor) -> None:
+    def on_targets(self, target: Any) -> None:
+        """The targets of a cross-entropy, against the last forward's token input (once)."""
+        if self._tokens is None:
+            return
+        (x, fields), self._tokens = self._tokens, None
+        if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.numel() != x.numel():
+            return
+        n = x.shape[-1]
+        x, y = x.reshape(-1, n), target.reshape(-1, n).to(x.device)
+        windows = x.unfold(-1, n - MAX_SHIFT, 1)   # windows[:, k] = x[:, k:k + n - MAX_SHIFT], a view
+        match = (windows == y[:, None, :n - MAX_SHIFT]).all(-1).all(0)
+        self._pend(torch.where(match.any(), match.int().argmax(), -1), fields, "target_shift", integer=True)
+
+    def on_backward_begin(self, root: torch.Tensor | None) -> None:
         if not self._in_step:
             return
         fields: dict[str, Any] = {}
-        if root.numel() == 1:
+        if root is not None and root.numel() == 1:
             self._pend(root, fields, "loss")
         grads = list(map(_GRAD, self._params))
         none = not any(map(is_not, grads, repeat(None)))
@@ -412,18 +463,26 @@ class TraceRecorder(EngineCallbacks):
         return sum(bit for g, bit, ref, v in zip(grads, self._bits, refs, versions)
                    if g is None or ref is None or ref() is not g or g._version != v)
 
-    def on_clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
+    def on_clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float | None,
                 total: torch.Tensor) -> None:
         if not self._in_step:
             return
         mask = sum(set(map(self._bit.get, map(id, params), repeat(0))))  # a set: listed twice counts once
         if not mask:
             return  # another model's parameters
-        fields = {"max_norm": max_norm, "norm_type": norm_type, "params": to_hex(mask)}
+        fields = {"max_norm": max_norm, "params": to_hex(mask)}
+        if norm_type is not None:   # None: an aliased clip_grad_norm_, whose norm type is not seen
+            fields["norm_type"] = norm_type
         self._pend(total, fields, "out")
         self._call("clip_grad_norm_", fields)
 
+    def _written_since(self, versions: list[int]) -> int:
+        """The parameters whose version counter moved since ``versions`` were taken."""
+        return sum(compress(self._bits, map(ne, map(_VERSION, self._params), versions)))
+
     def _pre_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._in_step:
+            self._outside |= self._written_since(self._expect)
         self._versions = list(map(_VERSION, self._params))
         if self.config.confirm_updates and self._step % CONFIRM_EVERY == 0:
             self._copies = torch._foreach_clone(self._detached)
@@ -437,7 +496,8 @@ class TraceRecorder(EngineCallbacks):
         self._call("optimizer.step", fields)
 
     def _post_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        moved = list(map(ne, map(_VERSION, self._params), self._versions))
+        self._expect = list(map(_VERSION, self._params))
+        moved = list(map(ne, self._expect, self._versions))
         if self._copies is None:
             self._updated |= sum(compress(self._bits, moved))
         elif any(moved):  # written: changed? resolved with the record

@@ -6,7 +6,8 @@ relations (which reason about them) must agree on it:
 - **APIs** are the calls the recorder observes, in the order they happen within a step.
 - **Effects** are per-tensor state changes observed *within* a parent event: a parameter changed
   by ``optimizer.step`` (``update``), a gradient produced by ``backward`` (``grad``), a gradient
-  cleared within the step before the first backward (``cleared``).
+  cleared within the step before the first backward (``cleared``); and one observed *outside*
+  it: a parameter written within the step but not by ``optimizer.step`` (``outside``).
 - **Phases**: ``train`` records lie between ``step_begin``/``step_end``; everything observed
   between steps (evaluation forwards, evaluation metrics) forms an ``eval`` record.
 """
@@ -30,6 +31,13 @@ MASK_FIELDS = frozenset({"params"})
 """Call fields holding a set of the model's parameters (a bit mask in the trace)."""
 FINGERPRINT_FIELDS = frozenset({"input"})
 """Call fields holding an exact integer checksum of a tensor argument."""
+MICRO_BATCH_APIS = ("forward", "backward", "scaler.scale")
+"""APIs that run once per micro-batch: how often they run in a step (or an evaluation) is the
+number of micro-batches, a setting of the run, not a property of the loop."""
+STYLE_FIELDS = frozenset({("zero_grad", "on"), ("zero_grad", "set_to_none")})
+"""(API, field)s recorded for the reader but not learned: ``model.zero_grad()`` and
+``zero_grad(set_to_none=False)`` clear the gradients as well as ``optimizer.zero_grad()`` does;
+whether the gradients were cleared is the ``cleared`` effect's business."""
 
 
 @dataclass(kw_only=True)

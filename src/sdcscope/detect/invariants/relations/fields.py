@@ -4,18 +4,27 @@ Both learn from the fields of recorded calls, separately for training steps and 
 
 - ``constant``: the same value in every call of every reference: the set of parameters
   ``clip_grad_norm_`` clips, its ``max_norm``, the train/eval flag of the dropout modules at
-  forward, the dtype a forward returns;
+  forward, the dtype a forward returns, the shift between a forward's token input and the
+  targets of its loss (1: next-token prediction), whether a scheduler drives the optimizer;
 - ``distinct``: never the same value twice within a run: the checksum of each training batch
   (a repeat means the data order repeats, e.g. the same shuffle every epoch);
 - ``range``: finite and within learned bounds: the loss a backward starts from, the gradient
   norm ``clip_grad_norm_`` returns, the learning rate at ``optimizer.step``.
 
 A float is a constant only if it never varied in the references (a learning rate that settles
-after warm-up is a range, so that another configuration's rate does not raise alarms).
+after warm-up is a range, so that another configuration's rate does not raise alarms).  Fields
+that record a style (``spec.STYLE_FIELDS``: how ``zero_grad`` was called) are not learned.
+
+``APIArgRatio`` relates two arguments of one call instead: each param group's learning rate
+(``group1.lr``, ...) keeps a constant ratio to the first group's (``lr``).  A schedule scales
+every group alike, so the ratio is exact where the rates themselves vary over the run and
+between configurations; a range on each rate has to admit a 10x error, the ratio does not.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections import defaultdict
 from typing import Any, ClassVar
 
@@ -28,10 +37,15 @@ from sdcscope.detect.invariants.relations.base import (
     widen,
 )
 from sdcscope.detect.invariants.spec import (
-    APIS, FINGERPRINT_FIELDS, MASK_FIELDS, PHASES, Invariant, Precondition,
+    APIS, FINGERPRINT_FIELDS, MASK_FIELDS, PHASES, STYLE_FIELDS, Invariant, Precondition,
 )
 
 WHERE = {"train": "in training steps", "eval": "in evaluation"}
+GROUP_FIELD = re.compile(r"group\d+\.(.+)\Z")
+"""A per-param-group field (``group1.lr``) and, in the group, the first group's field (``lr``)."""
+RATIO_TOL = 1e-3
+"""Relative tolerance of a learned ratio: rates computed as base rate x one factor round
+differently per group (float32 rates on a device: ~1e-7); a misconfigured group is off by 2x+."""
 
 
 class _CallField(Relation):
@@ -78,7 +92,7 @@ class _CallField(Relation):
                 for r in t.phase(phase):
                     for api, fields in r["calls"]:
                         for field, v in fields.items():
-                            if v is None or not cls._owns(field):
+                            if v is None or not cls._owns(field) or (api, field) in STYLE_FIELDS:
                                 continue
                             if field in MASK_FIELDS:
                                 v = tuple(names_of(from_hex(v), params))
@@ -181,7 +195,9 @@ class _FieldCheck(Check):
         self.seen: dict[Any, int] = {}
 
     def needs(self):
-        return {"input_fingerprint": True} if self.field in FINGERPRINT_FIELDS else {}
+        if self.field in FINGERPRINT_FIELDS:
+            return {"input_fingerprint": True}
+        return {"target_shift": True} if self.field == "target_shift" else {}
 
     def check(self, view: View):
         if self.mode == "distinct":
@@ -230,3 +246,70 @@ class _FieldCheck(Check):
 
     def _evidence(self, **facts: Any) -> dict[str, Any]:
         return {"api": self.api, "field": self.field, **facts}
+
+
+def _ratio(fields: dict[str, Any], arg: str, base: str) -> float | None:
+    """fields[arg] / fields[base] where both are finite numbers and the base is not 0."""
+    x, y = as_number(fields.get(arg)), as_number(fields.get(base))
+    if x is None or not y or not math.isfinite(x) or not math.isfinite(y):
+        return None
+    return x / y
+
+
+@register
+class APIArgRatio(Relation):
+    name = "APIArgRatio"
+    required = {"api": str, "arg": str, "base": str, "ratio": (int, float)}
+
+    @classmethod
+    def validate(cls, params):
+        super().validate(params)
+        check_choice("APIArgRatio api", params["api"], APIS)
+        if params["arg"] == params["base"] or as_number(params["ratio"]) is None:
+            raise ValueError(f"APIArgRatio: arg and base must differ and ratio be a number, not {params!r}")
+
+    @classmethod
+    def infer(cls, traces, config: InferConfig) -> list[Invariant]:
+        out = []
+        for phase in PHASES:
+            table: dict[tuple[str, str, str], list[list[float]]] = defaultdict(lambda: [[] for _ in traces])
+            for ti, t in enumerate(traces):
+                for r in t.phase(phase):
+                    for api, fields in r["calls"]:
+                        for field in fields:
+                            m = GROUP_FIELD.match(field)
+                            if m and (ratio := _ratio(fields, field, m.group(1))) is not None:
+                                table[(api, field, m.group(1))][ti].append(ratio)
+            for (api, arg, base), per in sorted(table.items()):
+                values = [v for p in per for v in p]
+                lo, hi = min(values), max(values)
+                if not all(per) or len(values) < config.min_support or not math.isclose(lo, hi, rel_tol=RATIO_TOL):
+                    continue
+                ratio = (lo + hi) / 2
+                out.append(Invariant(
+                    id=f"arg.{phase}.{api}.{arg}.per.{base}", relation=cls.name,
+                    params={"api": api, "arg": arg, "base": base, "ratio": ratio},
+                    precondition=Precondition(phase=phase),
+                    description=f"{WHERE[phase]}, {api} is called with {arg} = {ratio:.6g} x {base}",
+                    support=len(values)))
+        return out
+
+    @classmethod
+    def bind(cls, inv, header):
+        return _RatioCheck(inv)
+
+
+class _RatioCheck(Check):
+    def __init__(self, inv: Invariant) -> None:
+        super().__init__(inv)
+        p = inv.params
+        self.api, self.arg, self.base, self.ratio = p["api"], p["arg"], p["base"], p["ratio"]
+
+    def check(self, view: View):
+        for fields in view.fields.get(self.api, ()):
+            ratio = _ratio(fields, self.arg, self.base)
+            if ratio is not None and not math.isclose(ratio, self.ratio, rel_tol=RATIO_TOL):
+                return [(self.api, {"api": self.api, "field": self.arg, "base": self.base,
+                                    "expected_ratio": self.ratio, "observed_ratio": ratio,
+                                    "observed": {self.arg: fields[self.arg], self.base: fields[self.base]}})]
+        return []
