@@ -160,7 +160,16 @@ def test_a_multi_rank_run_is_not_resumed_on_one_process(run3):
     _fails(["train", "--resume", run3, "--steps", 5, "--nproc", 2], "--nproc 2", "not supported")
 
 
-def test_sigint_stops_at_a_step_and_the_resumed_run_is_bitwise(tmp_path):
+@pytest.fixture
+def sigint_default():
+    """SIGINT as Python sets it by default: a shell starting the tests in the background makes
+    them inherit it ignored, and the run leaves an ignored signal alone (as it should)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_sigint_stops_at_a_step_and_the_resumed_run_is_bitwise(tmp_path, sigint_default):
     from sdcscope.engine import Run, TrainConfig
     from sdcscope.engine.run import Interrupted
     from sdcscope.workloads import WorkloadConfig
@@ -184,7 +193,8 @@ def test_an_interrupted_cli_run_can_be_resumed(tmp_path):
     out = tmp_path / "k"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([SDCSCOPE, "train", "--steps", "100000", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # see sigint_default
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 60
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
