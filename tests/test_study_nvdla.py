@@ -78,3 +78,31 @@ def test_the_old_swizzle_dimension_points_to_the_pattern_option():
     text = CAMPAIGN.replace("  schedules:", "  swizzle: [false, true]\n  schedules:")
     with pytest.raises(ValueError, match=r"faults.swizzle \[False, True\] is a pattern option now.*per_step"):
         load_campaign(text)
+
+
+PERMANENT_ROW = """
+name: eval-rows
+workload: {name: cnn, preset: tiny, batch_size: 512}
+inject_steps: [0]
+horizon: 1
+faults:
+  sites: [gemm.forward]
+  targets: [fc3]
+  models: [bitflip]
+  bits: [30]
+  patterns: [{kind: row, index: 400}]
+  schedules: [SCHEDULE]
+"""
+
+
+def test_planning_checks_permanent_module_faults_against_the_evaluation_batches(tmp_path):
+    """A trial evaluates with a permanent fault present, on validation batches of fewer rows than a
+    training batch of 512: a row they lack is refused when the campaign is planned, before any
+    trial runs -- a transient fault acts in training only and is fine."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(PERMANENT_ROW.replace("SCHEDULE", "{kind: permanent}"))
+    with pytest.raises(ValueError, match="pattern row index 400 is out of range"):
+        init_campaign(tmp_path / "perm", spec)
+    assert not (tmp_path / "perm").exists()
+    spec.write_text(PERMANENT_ROW.replace("SCHEDULE", "{kind: transient}"))
+    init_campaign(tmp_path / "once", spec)

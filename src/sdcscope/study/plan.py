@@ -24,7 +24,7 @@ from torch import nn
 
 from sdcscope.faults import BIT_MODELS, FaultSpec
 from sdcscope.inject import resolve_targets
-from sdcscope.inject.targets import probe_model, validate_spec
+from sdcscope.inject.targets import evaluated, probe_model, validate_spec
 from sdcscope.study.spec import CampaignSpec
 from sdcscope.workloads import make_workload, mix_seed
 
@@ -147,15 +147,17 @@ def _points(spec: CampaignSpec, model: nn.Module, optimizer) -> list[dict]:
                                                        schedule=json.dumps(schedule, sort_keys=True),
                                                        repeat=repeat, fault_seed=seed))
     # One FaultSpec per distinct (site, target, model, pattern, schedule) checks against the model, and
-    # against the tensors of one forward pass: a trial's trainer runs from inject_step to + horizon.
+    # against the tensors of one forward pass (and of the evaluation, which a permanent fault on a
+    # module output acts in too): a trial's trainer runs from inject_step to + horizon.
     seen: dict[tuple, dict] = {}
     for p in points:
         seen.setdefault((p["site"], p["target"], p["model"], p["pattern"], p["schedule"], p["inject_step"]), p)
     workload = make_workload(spec.workload_config())
     batch = workload.batch(spec.seed, spec.inject_steps[0], 0)
-    probe = probe_model(model, lambda m: workload.loss(m, batch))
-    for p in seen.values():
-        spec_ = Trial(trial_id=-1, **p).fault_spec(space.format)
+    specs = [(p, Trial(trial_id=-1, **p).fault_spec(space.format)) for p in seen.values()]
+    probe = probe_model(model, lambda m: workload.loss(m, batch),
+                        evaluate=workload.evaluate if evaluated([s for _, s in specs]) else None)
+    for p, spec_ in specs:
         try:
             validate_spec(model, spec_, optimizer, steps=p["inject_step"] + spec.horizon,
                           grad_accum=spec.grad_accum, probe=probe)
