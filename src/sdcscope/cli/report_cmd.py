@@ -23,13 +23,32 @@ def report_dirs(directory: Path) -> list[Path]:
                                 "(sdcscope campaign init) or a run directory (sdcscope train/inject --out)")
     if not directory.is_dir():
         raise ValueError(f"{str(directory)!r} is a file; give a campaign directory or a run directory")
-    if any((directory / name).exists() for name in MARKERS):
+    if any((directory / name).exists() for name in MARKERS[:2]):
         return [directory]
-    runs = sorted(p.parent for p in directory.glob("*/config.json"))
+    if (directory / "config.json").exists():
+        if _foreign(directory / "config.json"):
+            raise ValueError(f"{str(directory / 'config.json')!r} is not an sdcscope run's (it has no 'workload'): "
+                             f"{str(directory)!r} is no run directory; give a campaign directory or a run directory "
+                             "(sdcscope train/inject --out)")
+        return [directory]
+    runs = sorted(p.parent for p in directory.glob("*/config.json") if not _foreign(p))
     if not runs:
         raise ValueError(f"{str(directory)!r} is neither a campaign directory ({', '.join(MARKERS[:2])}) nor a "
                          "run directory (config.json), nor a folder of runs (DIR/*/config.json)")
     return runs
+
+
+def _foreign(config: Path) -> bool:
+    """Whether ``config`` is another tool's ``config.json`` (a JSON object without an sdcscope run's
+    ``workload``): such a folder is no run, and no report is written into it. A file that does not
+    read as JSON is left to the report, which names the problem."""
+    import json
+
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "workload" not in data
 
 
 @app.command()

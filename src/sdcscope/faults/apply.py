@@ -32,11 +32,14 @@ def _locate(spec: FaultSpec, dtype: torch.dtype, shape: Sequence[int] | None, ge
 
 
 def check_spec(spec: FaultSpec, dtype: torch.dtype, shape: Sequence[int] | None = None, *,
-               channel_dim: ChannelDim = None) -> None:
+               channel_dim: ChannelDim = None) -> int | None:
     """Raise :class:`FaultSpecError` when ``spec`` cannot be applied to a tensor of ``dtype``
     (and ``shape``, when known): the checks :func:`apply_spec` makes, without a tensor. The
-    pattern's fixed locations are checked against ``shape``; ``"random"`` ones always fit."""
-    _locate(spec, dtype, shape, torch.Generator(), channel_dim, step=0)
+    pattern's fixed locations are checked against ``shape``; ``"random"`` ones always fit.
+    Returns how many elements the pattern selects in ``shape`` (for ``"random"`` fields: in one
+    draw), ``None`` when not known (no ``shape``, or the ``tensor`` pattern)."""
+    _, index = _locate(spec, dtype, shape, torch.Generator(), channel_dim, step=0)
+    return None if index is None else int(index.numel())
 
 
 def apply_spec(

@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdcscope._io import JsonlWriter
-from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, apply_spec, fault_generator, fires
+from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, FaultSpecError, apply_spec, fault_generator, fires
 from sdcscope.inject.targets import (CONV_TYPES, Target, element_state, operand_channel_dims, operand_grad_edge,
                                      validate_specs, weight_grad_edge)
 
@@ -146,16 +146,24 @@ class Injector:
     specs, wrote after step ``resumed_at - 1`` (0: a new run). The permanent memory faults that
     started before it are in the restored values already: they are marked in place, not applied
     again, so the resumed run goes on bitwise as the uninterrupted one.
+
+    ``probe``: :func:`~sdcscope.inject.targets.probe_model` of the training's forward (under its
+    autocast, if any), so a spec that does not fit a module's output or input gradient is refused
+    here, as the CLI does; without it those are known only when the fault fires, and raise
+    :class:`~sdcscope.faults.FaultSpecError` naming the spec, module, dtype and step then.
+    Parameters, optimizer state and a GEMM's weight operand are checked here and again at
+    :meth:`attach`.
     """
 
     def __init__(self, model: nn.Module, specs: Iterable[FaultSpec], optimizer: torch.optim.Optimizer | None = None,
                  *, rank: int = 0, world_size: int = 1, log: str | Path | Callable[[dict], None] | None = None,
-                 grad_accum: int = 1, resumed_at: int = 0) -> None:
+                 grad_accum: int = 1, resumed_at: int = 0, probe: dict[str, list[Any]] | None = None) -> None:
         self.model = model
         self.specs = list(specs)
         self.optimizer = optimizer
         self.rank = rank
-        self.targets = validate_specs(model, self.specs, optimizer, world_size)
+        self.world_size = world_size
+        self.targets = validate_specs(model, self.specs, optimizer, world_size, probe=probe)
         self.step, self.micro_batch = 0, 0
         self.grad_accum = grad_accum
         """Micro-batches per step: ``param_grad`` fires after the last one (the callback sets it)."""
@@ -184,6 +192,10 @@ class Injector:
         fire at the current step, so an injector waiting for a later step costs nothing."""
         if self._attached:
             return self
+        # what is known without running the model (parameters, optimizer state, a GEMM's weight
+        # operand) is checked again against the tensors as they are now: a model cast or moved
+        # since the injector was built (model.to(torch.bfloat16)) fails here, not mid-training
+        validate_specs(self.model, self.specs, self.optimizer, self.world_size)
         self._attached = True
         if self.optimizer is not None and any(s.site in MEMORY_SITES and s.schedule.kind == "permanent"
                                               for s in self.specs):
@@ -315,7 +327,14 @@ class Injector:
         unit = spec.pattern.kind == "mac_cell" and spec.pattern.array is not None
         gen = fault_generator(spec, self.step, self._event_micro_batch(spec),
                               MAC_ARRAY if unit else t.key + suffix, self.rank)
-        return apply_spec(spec, tensor, gen, channel_dim=channel_dim, step=self.step if step is None else step)
+        try:
+            return apply_spec(spec, tensor, gen, channel_dim=channel_dim, step=self.step if step is None else step)
+        except FaultSpecError as exc:  # a tensor only known when it runs (a module output, dX, dW under autocast)
+            i = next(k for k, s in enumerate(self.specs) if s is spec)
+            raise FaultSpecError(
+                f"fault spec #{i} ({spec.site} on {t.name + suffix!r}) does not fit the {str(tensor.dtype)[6:]} "
+                f"tensor of shape {list(tensor.shape)} it landed on at step {self.step}: {exc} (check it before "
+                "training: Injector(..., probe=sdcscope.inject.targets.probe_model(model, forward)))") from None
 
     def _corrupt(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, *,
                  suffix: str = "", channel_dim=None, call: int | None = None, when: str | None = None) -> FaultResult:

@@ -17,6 +17,7 @@ an evaluation pass, whose batches may be shaped otherwise, for the faults that a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import math
 import warnings
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from sdcscope.faults import FaultSpec, FaultSpecError, check_spec
+from sdcscope.faults.spec import RANDOM
 from sdcscope.faults.patterns import ChannelDim
 
 MODULE_SITES = ("activation", "gemm.forward", "gemm.grad_input", "gemm.grad_weight")
@@ -464,6 +466,8 @@ def validate_spec(model: nn.Module, spec: FaultSpec, optimizer: torch.optim.Opti
                 raise ValueError(f"pattern mac_cell on gemm.forward needs a weight operand; "
                                  f"{t.name!r} has none (use Linear or Conv layers)")
     default_dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    always = _always_hit(spec)
+    selected: dict[tuple[int, ...] | None, int | None] = {}  # per tensor shape: elements `always` selects
     for t in targets:
         views = _views(spec, t, None if probe is None else probe.get(t.name, []), default_dtype)
         if not views:
@@ -474,7 +478,43 @@ def validate_spec(model: nn.Module, spec: FaultSpec, optimizer: torch.optim.Opti
                 check_spec(spec, dtype, shape, channel_dim=channel_dim)
             except FaultSpecError as exc:
                 raise FaultSpecError(f"{t.name!r}: {exc}") from None
+            if always is not None:
+                selected[shape] = check_spec(always, dtype, shape, channel_dim=channel_dim)
+    _check_idle(spec, selected)
     return targets
+
+
+def _always_hit(spec: FaultSpec) -> FaultSpec | None:
+    """For a ``pe`` or an arrayed ``mac_cell`` pattern, which may select no element of a tensor (an
+    idle PE or cell): ``spec`` with its ``"random"`` positions put at 0, a PE or cell every tensor
+    reaches, so it selects nothing only where its fixed positions are idle whatever is drawn."""
+    p = spec.pattern
+    if p.kind == "pe":
+        return dataclasses.replace(spec, pattern=dataclasses.replace(p, pe=(0, 0) if p.pe == RANDOM else p.pe))
+    if p.kind == "mac_cell" and p.array is not None:
+        fixed = {k: 0 if getattr(p, k) == RANDOM else getattr(p, k) for k in ("input_channel", "output_channel")}
+        return dataclasses.replace(spec, pattern=dataclasses.replace(p, **fixed))
+    return None
+
+
+def _check_idle(spec: FaultSpec, selected: dict[tuple[int, ...] | None, int | None]) -> None:
+    """Refuse a PE or MAC cell whose fixed position is idle on every tensor the fault lands on
+    (``selected``: elements it selects per shape, :func:`_always_hit`): it would fire without
+    changing a value, and a run "masked" by it would count as evidence of masking."""
+    if not selected or any(n is None or n > 0 for n in selected.values()):
+        return
+    p, shapes = spec.pattern, ", ".join(str(list(s)) for s in selected)
+    if p.kind == "pe":
+        rows = max(math.prod(s[:-1]) for s in selected)
+        cols = max(s[-1] if s else 1 for s in selected)
+        what = f"pe {list(p.pe) if p.pe != RANDOM else p.pe} of array {list(p.array)}"
+        allowed = (f"a pe inside the tensor's [rows, columns] view: rows 0..{min(rows, p.array[0]) - 1}, "
+                   f"columns 0..{min(cols, p.array[1]) - 1}")
+    else:
+        what = f"mac_cell input_channel {p.input_channel!r}, output_channel {p.output_channel!r} of array {list(p.array)}"
+        allowed = "channels the tensor has (below its channel counts), or 'random'"
+    raise FaultSpecError(f"pattern {what} selects no element of the tensor(s) it lands on (shape {shapes}): the "
+                         f"PE or cell is idle there, so the fault would never change a value; allowed: {allowed}")
 
 
 def check_schedule(spec: FaultSpec, steps: int | None, grad_accum: int | None) -> None:
