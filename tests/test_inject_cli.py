@@ -54,6 +54,8 @@ BAD = [
     (GOOD.replace("{{kind: transient, step: {step}}}", "{{kind: intermittent, p: 1.5}}").format(bit=3),
      ["p", "1.5", "[0, 1]"]),
     ("- site: weight\n  target: [unbalanced\n", ["malformed YAML"]),
+    (GOOD.replace("bits: [{bit}]", "bits: [{bit}]\n  bits: [30]").format(bit=3, step=2),  # which one?
+     ["malformed YAML", "duplicate key 'bits'"]),
     (GOOD.format(bit=3, step=99), ["99", "0..5"]),  # a fault that could never fire
 ]
 

@@ -133,7 +133,25 @@ class JsonlWriter:
 
 
 class _Loader(yaml.SafeLoader):
-    """Safe YAML loader that also reads ``1e-6`` (no dot) as a float, as YAML 1.2 does."""
+    """Safe YAML loader that also reads ``1e-6`` (no dot) as a float, as YAML 1.2 does, and refuses
+    a key given twice in one mapping (PyYAML keeps the last silently: a typo'd copy of a section
+    would override the intended one without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:   # its own keys: one may override a merged (<<) one
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) or key is None:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            "while constructing a mapping", node.start_mark,
+                            f"found duplicate key {key!r} (first at line {seen[key].line + 1})",
+                            key_node.start_mark)
+                    seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
