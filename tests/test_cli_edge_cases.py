@@ -71,13 +71,16 @@ def _reseal(run):
     (lambda m: m["files"].update({"state.pt": 1}), "must map 'state.pt' to its sha256"),
     (lambda m: m.pop("files"), "lacks 'files'"),
     (lambda m: m.pop("format"), "lacks 'format'"),
+    (lambda m: m.update(step=str(m["step"])), "'step' must be a non-negative integer, got '"),
+    (lambda m: m.update(step=-1), "'step' must be a non-negative integer, got -1"),
+    (lambda m: m.update(step=m["step"] + 1), "its manifest says step"),
 ])
 def test_a_manifest_that_cannot_verify_the_checkpoint_is_refused(run, edit, needle):
     manifest = run / "checkpoint" / "manifest.json"
     data = json.loads(manifest.read_text())
     edit(data)
     manifest.write_text(json.dumps(data))
-    _resume_fails(run, "corrupt checkpoint manifest", needle)
+    _resume_fails(run, "corrupt checkpoint manifest" if "says" not in needle else "does not match", needle)
 
 
 def test_a_checkpoint_that_does_not_load_or_holds_no_state_is_refused(run):

@@ -115,9 +115,11 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     except ValueError as exc:
         raise CheckpointError(f"corrupt checkpoint manifest: {exc}") from None
     missing = [k for k in MANIFEST_KEYS if k not in manifest]
-    files = manifest.get("files")
-    if missing or not isinstance(files, dict) or not isinstance(files.get(CHECKPOINT_FILE), str):
+    files, step = manifest.get("files"), manifest.get("step")
+    bad_step = not isinstance(step, int) or isinstance(step, bool) or step < 0
+    if missing or not isinstance(files, dict) or not isinstance(files.get(CHECKPOINT_FILE), str) or bad_step:
         problem = (f"it lacks {', '.join(map(repr, missing))}" if missing else
+                   f"its 'step' must be a non-negative integer, got {step!r}" if bad_step else
                    f"its 'files' must map {CHECKPOINT_FILE!r} to its sha256, got {reprlib.repr(files)}")
         raise CheckpointError(f"corrupt checkpoint manifest {str(manifest_path)!r}: {problem} (keys: "
                               f"{', '.join(MANIFEST_KEYS)}); refusing a checkpoint that cannot be verified")
@@ -154,7 +156,12 @@ def load_checkpoint(directory: str | Path) -> TrainState:
         got = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
         raise CheckpointError(f"checkpoint file {str(path)!r} holds {got}, not a training state (keys: "
                               f"{', '.join(sorted(required))}; optional: {', '.join(sorted(keys - required))})")
-    return TrainState(**data)
+    state = TrainState(**data)
+    recorded = read_manifest(directory)["step"]
+    if state.step != recorded:
+        raise CheckpointError(f"checkpoint file {str(path)!r} holds step {state.step}, its manifest says step "
+                              f"{recorded}: refusing a checkpoint that does not match its manifest")
+    return state
 
 
 def param_sha256(model: nn.Module) -> str:
