@@ -18,7 +18,12 @@ Families (the reference training scripts):
   (all-reduce) every step, as DDP does;
 - ``gpt_groups``: a nanoGPT-style loop: AdamW with a decay and a no-decay param group,
   optional gradient accumulation, and settings that a correct loop may choose differently
-  (where and how gradients are cleared, how backward and clipping are called).
+  (where and how gradients are cleared, how backward, clipping, the step and the loss are
+  called).
+
+The last ten bugs and three clean variants were written after the invariants that the first
+ones exercise, as bugs the mechanism had not seen; two of them (a detached residual stream, an
+attention mask of ones) no invariant catches: in a short run their training looks normal.
 
 Clean variants (``VARIANTS``) are correct loops that differ from their family's references in
 such a setting; checked against the references' invariants, they must raise nothing.
@@ -83,14 +88,19 @@ def gpt_loop(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, st
         if bug not in ("missing_zero_grad", "zero_grad_after_backward"):
             opt.zero_grad()
         logits = model(x)
+        if bug == "softmax_before_loss":  # probabilities given to a loss that expects logits
+            logits = logits.softmax(-1)
         reduction = "sum" if bug == "wrong_loss_reduction" else "mean"
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction=reduction)
+        if bug == "step_before_backward":
+            opt.step()
         loss.backward()
         if bug == "zero_grad_after_backward":
             opt.zero_grad()
         if bug != "clip_after_step":
             torch.nn.utils.clip_grad_norm_(clipped(), 1.0)
-        opt.step()
+        if bug != "step_before_backward":
+            opt.step()
         if bug == "clip_after_step":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if bug != "lr_schedule_not_stepped":
@@ -149,13 +159,16 @@ def cnn_epochs(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, 
         if bug == "same_shuffle_every_epoch":  # generator re-seeded inside the epoch loop
             g = torch.Generator().manual_seed(seed)
         perm = torch.randperm(len(x_train), generator=g)
+        if bug == "labels_misaligned":  # inputs and labels shuffled by separate permutations
+            label_perm = torch.randperm(len(y_train), generator=g)
         for b in range(per_epoch):
             if step == steps:
                 break
             idx = perm[b * batch:(b + 1) * batch]
+            labels = y_train[label_perm[b * batch:(b + 1) * batch]] if bug == "labels_misaligned" else y_train[idx]
             tool.step_begin(step)
             opt.zero_grad()
-            F.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+            F.cross_entropy(model(x_train[idx]), labels).backward()
             opt.step()
             tool.step_end()
             step += 1
@@ -236,6 +249,10 @@ def _groups(model: nn.Module, lr: float, weight_decay: float, bug: str | None) -
     """nanoGPT's param groups: matrices decay, vectors (biases, LayerNorm weights) do not."""
     params = list(model.parameters())
     no_decay = {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}
+    if bug == "decay_on_norms":  # a name filter meant to exclude biases and LayerNorms only excludes biases
+        named = list(model.named_parameters())
+        return [{"params": [p for n, p in named if not n.endswith(".bias")], "weight_decay": weight_decay},
+                {"params": [p for n, p in named if n.endswith(".bias")], "weight_decay": 0.0}]
     if bug == "group_lr_10x":  # a per-group learning rate meant for another base rate
         no_decay["lr"] = lr * 10
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay}, no_decay]
@@ -243,16 +260,26 @@ def _groups(model: nn.Module, lr: float, weight_decay: float, bug: str | None) -
 
 def gpt_groups(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 24,
                eval_every: int = 8, accum: int = 1, clear: str = "first", backward: str = "tensor",
-               clip: str = "module"):
+               clip: str = "module", step_style: str = "plain", loss_style: str = "functional"):
     """``accum`` micro-batches per step; ``clear``: where and how the gradients are cleared
     (``first``: optimizer.zero_grad() before the forward, ``after_step``: at the end of the step,
     ``keep_tensors``: zero_grad(set_to_none=False), ``model``: model.zero_grad(), ``by_hand``:
     ``p.grad = None``); ``backward``: ``tensor`` (loss.backward()) or ``autograd``
-    (torch.autograd.backward(loss)); ``clip``: ``module`` (torch.nn.utils.clip_grad_norm_) or
-    ``imported`` (a clip_grad_norm_ imported before the tool attached)."""
+    (torch.autograd.backward(loss)) or ``once`` (one backward over the summed micro-batch
+    losses); ``clip``: ``module`` (torch.nn.utils.clip_grad_norm_) or ``imported`` (a
+    clip_grad_norm_ imported before the tool attached); ``step_style``: ``plain`` or ``closure``
+    (optimizer.step(closure), the closure clearing, running the micro-batches and clipping);
+    ``loss_style``: ``functional`` (lm_loss) or ``module`` (nn.CrossEntropyLoss, evaluation
+    under torch.inference_mode)."""
     torch.manual_seed(seed)
     data = _gpt_data()
     model = _gpt(dropout=0.1)
+    if bug == "residual_detached":
+        for block in model.blocks:
+            block.forward = functools.partial(_detached_residual, block)
+    elif bug == "no_causal_mask":  # the mask built with torch.ones instead of torch.tril
+        for block in model.blocks:
+            block.attn.causal_mask.fill_(True)
     wd, warm = 0.1, 5
     opt = torch.optim.AdamW(_groups(model, lr, wd, bug), lr=lr, maximize=bug == "gradient_ascent")
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -263,47 +290,77 @@ def gpt_groups(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, 
     clip_grad_norm_ = imported_clip_grad_norm_ if clip == "imported" else torch.nn.utils.clip_grad_norm_
     for step in range(steps):
         tool.step_begin(step)
-        if clear == "first":
-            opt.zero_grad()
-        elif clear == "keep_tensors":
-            opt.zero_grad(set_to_none=False)
-        elif clear == "model":
-            model.zero_grad()
-        elif clear == "by_hand":
-            for p in model.parameters():
-                p.grad = None
-        for micro in range(accum):
-            if bug == "zero_grad_in_accum":
+
+        def compute():
+            """Clear, forward and backward every micro-batch, clip; the loss (a closure's return)."""
+            if clear == "first":
                 opt.zero_grad()
-            x, y = data.batch(seed, step, micro_batch=micro)
-            if bug == "targets_equal_inputs":
-                y = x
-            elif bug == "labels_shifted_by_2":  # an off-by-one in slicing the windows
-                x, y = x[:, :-1], y[:, 1:]
-            loss = lm_loss(model(x), y) / accum
-            if backward == "autograd":
-                torch.autograd.backward(loss)
-            else:
-                loss.backward()
-        clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+            elif clear == "keep_tensors":
+                opt.zero_grad(set_to_none=False)
+            elif clear == "model":
+                model.zero_grad()
+            elif clear == "by_hand":
+                for p in model.parameters():
+                    p.grad = None
+            total = 0.0
+            for micro in range(accum):
+                if bug == "zero_grad_in_accum":
+                    opt.zero_grad()
+                x, y = data.batch(seed, 0 if bug == "same_batch_every_step" else step, micro_batch=micro)
+                if bug == "inputs_targets_swapped":  # the batch unpacked in the wrong order
+                    y, x = x, y
+                elif bug == "targets_equal_inputs":
+                    y = x
+                elif bug == "labels_shifted_by_2":  # an off-by-one in slicing the windows
+                    x, y = x[:, :-1], y[:, 1:]
+                logits = model(x)
+                if loss_style == "module":
+                    loss = nn.CrossEntropyLoss()(logits.view(-1, logits.size(-1)), y.view(-1))
+                else:
+                    loss = lm_loss(logits, y)
+                if bug != "accum_loss_not_averaged":
+                    loss = loss / accum
+                total = total + loss.detach() if backward != "once" else total + loss
+                if backward == "autograd":
+                    torch.autograd.backward(loss)
+                elif backward == "tensor":
+                    loss.backward()
+                if bug == "sched_per_micro":
+                    sched.step()
+            if backward == "once":  # one backward over the summed micro-batch losses
+                total.backward()
+            clip_grad_norm_(model.parameters(), 1.0)
+            return total
+
+        if step_style == "closure":
+            opt.step(compute)
+        else:
+            compute()
+            opt.step()
         if bug == "weight_decay_twice":  # decoupled decay applied by hand as well (ported SGD code)
             with torch.no_grad():
                 for group in opt.param_groups:
                     for p in group["params"]:
                         p.mul_(1 - group["lr"] * group["weight_decay"])
-        sched.step()
+        if bug != "sched_per_micro":
+            sched.step()
         if clear == "after_step":
             opt.zero_grad()
         tool.step_end()
         if (step + 1) % eval_every == 0:
             model.eval()
-            with torch.no_grad():
+            with torch.inference_mode() if loss_style == "module" else torch.no_grad():
                 val = [lm_loss(model(vx), vy).item() for vx, vy in _val_batches()]
             tool.log_metrics(val_loss=sum(val) / len(val))
             model.train()
     tool.detach()
     return tool
+
+
+def _detached_residual(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Block.forward whose residual stream is detached (a leftover of a memory experiment)."""
+    x = x.detach() + block.attn(block.ln1(x))
+    return x.detach() + block.mlp(block.ln2(x))
 
 
 @dataclass(frozen=True)
@@ -356,6 +413,18 @@ BUGS = [
     Bug("targets_equal_inputs", "gpt_groups", "the targets are the inputs: the model learns to copy"),
     Bug("labels_shifted_by_2", "gpt_groups", "targets two tokens ahead of the inputs instead of one"),
     Bug("gradient_ascent", "gpt_groups", "AdamW(maximize=True): the loss is climbed, not descended"),
+    # Written after the invariants above were designed (bugs the mechanism had not seen):
+    Bug("softmax_before_loss", "gpt_loop", "cross-entropy given probabilities (softmax applied twice)"),
+    Bug("step_before_backward", "gpt_loop", "optimizer.step() called before loss.backward()"),
+    Bug("labels_misaligned", "cnn_epochs", "inputs and labels shuffled by separate permutations"),
+    Bug("residual_detached", "gpt_groups", "residual stream detached in every block"),
+    Bug("no_causal_mask", "gpt_groups", "attention mask all ones: tokens see the future"),
+    Bug("accum_loss_not_averaged", "gpt_groups", "micro-batch losses not divided by the accumulation",
+        config={"accum": 4}),
+    Bug("sched_per_micro", "gpt_groups", "scheduler stepped once per micro-batch", config={"accum": 2}),
+    Bug("decay_on_norms", "gpt_groups", "LayerNorm weights put in the weight-decay group"),
+    Bug("same_batch_every_step", "gpt_groups", "the step index is not passed to the data: same batch"),
+    Bug("inputs_targets_swapped", "gpt_groups", "the batch unpacked as (targets, inputs)"),
 ]
 
 
@@ -383,4 +452,10 @@ VARIANTS = [
     Variant("accum_2", "gpt_groups", "2 micro-batches per step (references: 1)", {"accum": 2}),
     Variant("accum_3_cleared_after_step", "gpt_groups", "3 micro-batches, gradients cleared after the step",
             {"accum": 3, "clear": "after_step"}),
+    Variant("closure_step", "gpt_groups", "optimizer.step(closure): zero_grad, forward, backward, clip inside",
+            {"step_style": "closure"}),
+    Variant("accum_one_backward", "gpt_groups", "2 micro-batch losses summed, one backward per step",
+            {"accum": 2, "backward": "once"}),
+    Variant("ce_module_inference_mode", "gpt_groups", "nn.CrossEntropyLoss module, eval under inference_mode",
+            {"loss_style": "module"}),
 ]

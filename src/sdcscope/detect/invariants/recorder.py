@@ -16,10 +16,13 @@ Per step it records one compact dict (written to ``trace.jsonl`` when ``out`` is
 
 - ``calls``: ``[api, fields]`` in call order (the API vocabulary is ``spec.APIS``), with cheap
   arguments and outputs (``training`` flags at forward, ``max_norm`` and the clipped parameter
-  set at ``clip_grad_norm_``, the loss a backward starts from, the learning rate of each param
-  group at step: ``lr``, ``group1.lr``, ..., whether a scheduler's step sets this optimizer's
+  set at ``clip_grad_norm_``, the loss a backward starts from and the unscaled loss given to
+  ``GradScaler.scale``, the learning rate of each param group at step: ``lr``, ``group1.lr``,
+  ..., the parameters whose group applies a weight decay where others apply none: ``decayed``
+  (absent when the decay is the same for all), whether a scheduler's step sets this optimizer's
   learning rates: ``drives_optimizer``, and at forward, how the targets of the loss computed
-  on its output relate to its input: ``target_shift``, see ``TraceConfig``);
+  on its output relate to its input: ``target_shift``, see ``TraceConfig``); an
+  ``optimizer.step(closure)`` is recorded where the closure returned, after the calls it made;
 - ``effects``: bit masks over the parameters: got a gradient in backward (gradient identity and
   version counter before vs after each ``backward``: two C-level sweeps instead of one Python
   hook call per parameter), changed by ``optimizer.step`` (its version counter moved and, with
@@ -223,6 +226,9 @@ class TraceRecorder(EngineCallbacks):
         self._fwd: dict[str, Any] | None = None
         self._tokens: tuple[torch.Tensor, dict[str, Any]] | None = None  # last token input, its fields
         self._before: tuple[list, list[int] | None] | None = None
+        self._step_call: int | None = None   # index of the open optimizer.step call in the record
+        self._decay_key: tuple | None = None
+        self._decay_mask = 0
 
     # -- header ------------------------------------------------------------------------------
     def header(self) -> dict[str, Any]:
@@ -263,7 +269,8 @@ class TraceRecorder(EngineCallbacks):
         for s in self.schedulers:
             self._wrap(s, "step", "lr_scheduler.step", self._drives(s))
         if self.scaler is not None:
-            for name in ("scale", "unscale_", "step", "update"):
+            self._wrap(self.scaler, "scale", "scaler.scale", self._scale_fields)
+            for name in ("unscale_", "step", "update"):
                 self._wrap(self.scaler, name, f"scaler.{name}")
         apis.install(self)
         self._attached = True
@@ -316,6 +323,13 @@ class TraceRecorder(EngineCallbacks):
         def fields(*args, **kwargs) -> dict[str, Any]:
             groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None)
             return {"drives_optimizer": None if groups is None else groups is self.optimizer.param_groups}
+        return fields
+
+    def _scale_fields(self, outputs: Any, *args, **kwargs) -> dict[str, Any]:
+        """``GradScaler.scale``: the loss before scaling (the backward sees it times the scale)."""
+        fields: dict[str, Any] = {}
+        if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+            self._pend(outputs, fields, "loss")
         return fields
 
     # -- step boundaries ---------------------------------------------------------------------
@@ -493,9 +507,31 @@ class TraceRecorder(EngineCallbacks):
                 self._pend(lr, fields, key)
             else:
                 fields[key] = float(lr)
+        decayed = self._decayed(opt.param_groups)
+        if decayed:
+            fields["decayed"] = to_hex(decayed)
         self._call("optimizer.step", fields)
+        self._step_call = len(self._record()["calls"]) - 1
+
+    def _decayed(self, groups: list[dict[str, Any]]) -> int:
+        """The parameters whose param group applies a weight decay where other groups apply none;
+        0 when the decay is the same for all (cached while the groups' membership and decays
+        stay the same: one pass over the parameters when they change)."""
+        key = tuple((id(g["params"]), len(g["params"]), g.get("weight_decay")) for g in groups)
+        if self._decay_key != key:
+            self._decay_key = key
+            decayed = sum({self._bit.get(id(p), 0) for g in groups if g.get("weight_decay") for p in g["params"]})
+            every = sum({self._bit.get(id(p), 0) for g in groups for p in g["params"]})
+            self._decay_mask = decayed if decayed != every else 0
+        return self._decay_mask
 
     def _post_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        calls = self._record()["calls"]
+        if self._step_call is not None and self._step_call < len(calls) - 1:
+            # A closure (optimizer.step(closure)) ran the forward and backward inside the step:
+            # the update is applied when it returns, so that is where the step stands in the order.
+            calls.append(calls.pop(self._step_call))
+        self._step_call = None
         self._expect = list(map(_VERSION, self._params))
         moved = list(map(ne, self._expect, self._versions))
         if self._copies is None:

@@ -27,8 +27,13 @@ PHASES = ("train", "eval")
 SKIPPABLE = {"optimizer.step": "scaler.step"}
 """APIs another API may legitimately skip: ``GradScaler.step`` skips ``optimizer.step`` when
 the gradients overflowed, which mixed-precision training does by design now and then."""
-MASK_FIELDS = frozenset({"params"})
-"""Call fields holding a set of the model's parameters (a bit mask in the trace)."""
+MASK_FIELDS = frozenset({"params", "decayed"})
+"""Call fields holding a set of the model's parameters (a bit mask in the trace): the parameters
+``clip_grad_norm_`` clips, those ``optimizer.step`` applies a weight decay to."""
+SELECTIVE_FIELDS = frozenset({"decayed"})
+"""Mask fields recorded only when they select some of the parameters and not others: a call
+without one treats every parameter alike (no decay for any, or the same for all), which is a
+violation of a learned value, not a missing fact."""
 FINGERPRINT_FIELDS = frozenset({"input"})
 """Call fields holding an exact integer checksum of a tensor argument."""
 MICRO_BATCH_APIS = ("forward", "backward", "scaler.scale")

@@ -1,7 +1,7 @@
 """The relation registry: importing this package registers every relation by name."""
 
 from sdcscope.detect.invariants.relations import (  # noqa: F401
-    consistent, contain, count, fields, metrics, sequence,
+    consistent, contain, count, fields, loss, metrics, sequence,
 )
 from sdcscope.detect.invariants.relations.base import (
     RELATIONS, Check, InferConfig, Relation, View, register, validate_invariant,

@@ -5,7 +5,9 @@ Both learn from the fields of recorded calls, separately for training steps and 
 - ``constant``: the same value in every call of every reference: the set of parameters
   ``clip_grad_norm_`` clips, its ``max_norm``, the train/eval flag of the dropout modules at
   forward, the dtype a forward returns, the shift between a forward's token input and the
-  targets of its loss (1: next-token prediction), whether a scheduler drives the optimizer;
+  targets of its loss (1: next-token prediction), whether a scheduler drives the optimizer,
+  the parameters ``optimizer.step`` applies a weight decay to where others get none (biases
+  and norms excluded: a step that decays the norms too, or every parameter alike, breaks it);
 - ``distinct``: never the same value twice within a run: the checksum of each training batch
   (a repeat means the data order repeats, e.g. the same shuffle every epoch);
 - ``range``: finite and within learned bounds: the loss a backward starts from, the gradient
@@ -37,7 +39,8 @@ from sdcscope.detect.invariants.relations.base import (
     widen,
 )
 from sdcscope.detect.invariants.spec import (
-    APIS, FINGERPRINT_FIELDS, MASK_FIELDS, PHASES, STYLE_FIELDS, Invariant, Precondition,
+    APIS, FINGERPRINT_FIELDS, MASK_FIELDS, PHASES, SELECTIVE_FIELDS, STYLE_FIELDS, Invariant,
+    Precondition,
 )
 
 WHERE = {"train": "in training steps", "eval": "in evaluation"}
@@ -205,6 +208,9 @@ class _FieldCheck(Check):
         for fields in view.fields.get(self.api, ()):
             v = fields.get(self.field)
             if v is None:
+                if self.field in SELECTIVE_FIELDS and self.mode == "constant":
+                    return [(self.module, self._evidence(expected=self.value,
+                                                         observed="every parameter treated alike"))]
                 continue
             bad = self._judge(v)
             if bad is not None:
