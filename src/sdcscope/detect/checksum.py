@@ -305,7 +305,7 @@ def line_ratios(lines: list[Line]) -> torch.Tensor:
     """max |residual| / model std of every line (inf where non-finite), one fp32 vector computed
     with a fixed number of fused operations however many lines there are."""
     if not lines:
-        return torch.zeros(0)
+        return torch.zeros(0, dtype=torch.float32)
     dev = lines[0].act.device
     key = (tuple((ln.rows, ln.width, ln.v.numel(), ln.a1, ln.a2, ln.beta, ln.s1_floor, ln.scale_floor)
                  for ln in lines), dev)
@@ -338,7 +338,8 @@ def line_ratios(lines: list[Line]) -> torch.Tensor:
         tau = tau + cat([ln.extra if ln.extra is not None else torch.zeros_like(ln.scale)
                          for ln in lines]).float()
     ratio = torch.nan_to_num(res.abs() / tau.clamp_min(_TINY), nan=math.inf)
-    return torch.full((len(lines),), -1.0, device=dev).scatter_reduce_(0, seg, ratio, "amax")
+    # fp32 like ``ratio``, whatever torch's default dtype (a float64 default would refuse the scatter)
+    return torch.full((len(lines),), -1.0, device=dev, dtype=torch.float32).scatter_reduce_(0, seg, ratio, "amax")
 
 
 def gemm_lines(a: Operand, b: Operand, c: torch.Tensor, *, model: RoundingModel,

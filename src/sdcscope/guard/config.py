@@ -21,6 +21,22 @@ _NESTED = {
 }
 
 
+def _build_section(cls, value: dict, name: str):
+    """``build_config`` of one section; an error that does not say which section it is about
+    (``c=-1 must be ...``, ``window=0 ...``: loss_spike or grad_spike?) is prefixed with it."""
+    try:
+        return build_config(cls, value, name)
+    except (TypeError, ValueError) as exc:
+        msg = str(exc)
+        if any(alias in msg for alias in (name, name.replace("_", " "), name.rstrip("s"))):
+            raise
+        try:
+            new = type(exc)(f"guard {name}: {msg}")
+        except Exception:   # an exception type that takes other arguments: leave it as it is
+            raise exc from None
+        raise new from None
+
+
 @dataclass(kw_only=True)
 class GuardConfig:
     """A section set to ``None`` (``null`` in YAML) is switched off."""
@@ -62,7 +78,7 @@ class GuardConfig:
         for name, cls in _NESTED.items():
             value = getattr(self, name)
             if isinstance(value, dict):
-                setattr(self, name, build_config(cls, value, name))
+                setattr(self, name, _build_section(cls, value, name))
             elif value is not None and not isinstance(value, cls):
                 raise TypeError(f"guard {name} must be a mapping or {cls.__name__}, got {value!r}")
         for name in ("snapshots", "lr_backoff", "policy"):

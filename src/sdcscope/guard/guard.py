@@ -250,7 +250,7 @@ class Guard:
         self.discarded_steps = 0
         """Steps whose update the guard vetoed or rolled back."""
         self._idle = 0               # steps in a row without progress (:attr:`stalled`)
-        self._attached = False
+        self._attached = self._ever_attached = False
         self.ranks = None
         if ddp is not None:
             from sdcscope.guard.ranks import GuardRanks
@@ -268,7 +268,7 @@ class Guard:
                     part.attach()
             if self._writer is not None:
                 self._writer.touch()
-            self._attached = True
+            self._attached = self._ever_attached = True
         return self
 
     def detach(self) -> None:
@@ -308,7 +308,11 @@ class Guard:
 
     # -- the per-step protocol ---------------------------------------------------------------
     def begin(self, step: int, batch: Any = None, *, snapshot: Callable[[], None] | None = None) -> None:
-        """Before the forward pass: remember RNG, batch and buffers; verify the state checksums."""
+        """Before the forward pass: remember RNG, batch and buffers; verify the state checksums.
+        A guard never attached attaches here (without its hooks the forward would go unchecked);
+        one detached on purpose stays detached."""
+        if not self._ever_attached:
+            self.attach()
         self._step, self._batch, self._rng = step, batch, _rng_state(self._cuda)
         self._clock += 1
         self._buffers_before = self._buffer_values()
@@ -392,12 +396,19 @@ class Guard:
         rerun = self._rerun_plain if replays and self._batch is not None else None
         rank_replay = self._rank_replay_plain if replays and self.rank_batch is not None else None
         overflow = self.scaler is not None and self._unscale()
-        if overflow and not self._pending:  # the scaler's own overflow (its scale ran too high): no finding
+        found = None
+        if overflow and not self._pending and self.abft is not None:
+            # GEMM results that overflowed fail their checksums with an infinite ratio: those go
+            # with the step. A result that fails with a finite ratio did not overflow: a fault
+            # (whose huge value may be what overflowed downstream), judged like any other step
+            found = [e for e in self._safe(lambda: self.abft.check(self._step), "abft")
+                     if math.isfinite(e.evidence.get("ratio", math.inf))]
+        if overflow and not self._pending and not found:  # the scaler's own overflow (its scale ran too high): no finding
             actions = []
-            if self.abft is not None:  # the step's GEMM checks go with it
-                self._safe(lambda: self.abft.check(self._step), "abft")
         else:
-            actions, loss = self.decide(loss, rerun, rank_replay=rank_replay)
+            actions, loss = self.decide(loss, rerun, rank_replay=rank_replay, abft_events=found)
+            if overflow and found:  # a recompute's gradients decide whether scaler.step would skip
+                overflow = self._found_inf()
         if "rollback" in actions or "veto" in actions:
             if self.scaler is not None:  # before a rollback restores the scaler's own state
                 self.scaler.update()
@@ -451,6 +462,10 @@ class Guard:
         metrics and ZClip see them as the update will; True when the scaler found inf/NaN in them
         (an overflow: ``scaler.step`` would skip the step)."""
         self.scaler.unscale_(self.optimizer)
+        return self._found_inf()
+
+    def _found_inf(self) -> bool:
+        """Whether the scaler's last ``unscale_`` of the guard optimizer found inf/NaN."""
         return any(bool(found) for found in self.scaler._found_inf_per_device(self.optimizer).values())
 
     def _run_step(self, batch: Any) -> torch.Tensor:
@@ -491,12 +506,14 @@ class Guard:
 
     # -- decisions ---------------------------------------------------------------------------
     def decide(self, loss, rerun: Callable[[], torch.Tensor] | None, *,
-               rank_replay: Callable[[int], Any] | None = None) -> tuple[list[str], Any]:
+               rank_replay: Callable[[int], Any] | None = None,
+               abft_events: list[Event] | None = None) -> tuple[list[str], Any]:
         """Run the detectors on the finished backward pass; replay if any fired; return the
         actions of the policy (most decisive first) and the loss to report. Under DDP the
         findings of every rank decide together and ``rank_replay(r)`` (rank r's local gradient of
         this step, no collectives) replaces ``rerun``. A non-scalar ``loss`` is refused
-        (ValueError) before anything changes."""
+        (ValueError) before anything changes. ``abft_events``: this step's ABFT findings when
+        the caller already ran ``abft.check`` (it must run once per step)."""
         _check_loss(loss)
         step = self._step
         events = list(self._pending)
@@ -504,7 +521,7 @@ class Guard:
             if self.abft is not None:
                 self._safe(lambda: self.abft.check(step), "abft")
         else:
-            events = self._detect(step, loss)
+            events = self._detect(step, loss, abft_events)
         if self.ranks is not None:  # every rank, every step: one world decision (sdcscope.guard.ranks)
             return self.ranks.decide(step, events, rank_replay), loss
         if not events:
@@ -561,12 +578,12 @@ class Guard:
             return None
         return grads, [x._version for x in grads], g.norms
 
-    def _detect(self, step: int, loss) -> list[Event]:
+    def _detect(self, step: int, loss, abft_events: list[Event] | None = None) -> list[Event]:
         """One fused pass over the gradients and one host sync decide the cheap detectors: the
         global gradient norm is non-finite iff some gradient is (or overflowed), and only then
         does the non-finite detector look closer."""
-        events: list[Event] = []
-        if self.abft is not None:
+        events: list[Event] = list(abft_events or [])
+        if self.abft is not None and abft_events is None:
             events += self._safe(lambda: self.abft.check(step), "abft")
         if self.nonfinite is None and self.loss_spike is None and self.grad_spike is None:
             return events

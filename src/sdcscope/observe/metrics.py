@@ -413,7 +413,7 @@ class Metrics:
                 iters = self.config.power_iters
                 if v is None:
                     gen = torch.Generator(device="cpu").manual_seed(0)
-                    v = torch.randn(w.shape[1], generator=gen).to(w.device)
+                    v = torch.randn(w.shape[1], generator=gen, dtype=w.dtype).to(w.device)
                     v = v / v.norm()
                     iters *= 10
                 for _ in range(iters):
