@@ -14,13 +14,26 @@ import yaml
 
 
 def _clean(value: Any) -> Any:
-    """JSON has no NaN/Infinity: write them as strings so every line stays valid JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+    """Strict JSON has no NaN/Infinity: a non-finite float is written as the string ``"nan"``,
+    ``"inf"`` or ``"-inf"`` (``float()`` reads it back), as :func:`sdcscope.observe.jsonable` and
+    the metrics sinks write it, so every line of a run's JSON-lines files parses with a strict
+    parser (``jq``, JavaScript), never as a bare ``NaN``/``Infinity`` token. A numpy or torch
+    value (scalar or array) is written as the numbers it holds (``.tolist()``), not as its
+    ``repr`` (``"tensor(nan)"``); a non-finite float dict key as its string."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(float(value))
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {(str(float(k)) if isinstance(k, float) and not math.isfinite(k) else k): _clean(v)
+                for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
+    if not isinstance(value, (str, bytes, int)) and callable(getattr(value, "tolist", None)):
+        try:
+            plain = value.tolist()   # numpy scalars and arrays, torch tensors
+        except Exception:   # noqa: BLE001 -- not a numeric container after all: written as before
+            return value
+        if type(plain) is not type(value):   # never loops on an odd tolist() returning its kind
+            return _clean(plain)
     return value
 
 

@@ -37,6 +37,8 @@ __all__ = [
     "SCHEDULE_KINDS",
     "RANDOM",
     "SWIZZLE_MODES",
+    "MAC_CELL_SINGLE_AXIS",
+    "check_site_pattern",
     "Pattern",
     "Schedule",
     "FaultSpec",
@@ -84,6 +86,23 @@ SCHEDULE_KINDS: dict[str, tuple[str, ...]] = {
     "permanent": ("start",),
 }
 """Temporal schedule kinds and the fields each takes."""
+
+MAC_CELL_SINGLE_AXIS: dict[str, tuple[str, str]] = {
+    "activation": (
+        "input_channel",
+        "a module output holds output channels only (dim 1 of a conv's, the last dim of others: "
+        "cell (a, b) selects output channel b; the input channels were summed over)",
+    ),
+    "gemm.grad_input": (
+        "output_channel",
+        "dX = dY W holds input channels only (dim 1 of a conv's, the last dim of others: cell "
+        "(a, b) selects input channel a; the output channels were summed over)",
+    ),
+}
+"""Sites where a ``mac_cell`` pattern constrains one channel axis only: site -> (the field that
+has no meaning there, why). Every other site a ``mac_cell`` reaches is weight-shaped (``weight``,
+``param_grad``, ``optimizer_state``, ``checkpoint``, ``gemm.grad_weight``, ``gemm.forward``'s
+weight operand) or a ``comm`` parameter gradient, and uses both."""
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -172,6 +191,27 @@ def _to_dict(obj: Any, keys: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def check_site_pattern(site: str, pattern: "Pattern") -> None:
+    """Refuse a ``pattern`` field that would be silently ignored on ``site``: a fixed ``mac_cell``
+    channel on the axis the site's tensor does not have (:data:`MAC_CELL_SINGLE_AXIS`:
+    ``input_channel`` on ``activation``, ``output_channel`` on ``gemm.grad_input``). The default,
+    ``"random"``, is accepted there: it asks for nothing."""
+    if pattern.kind != "mac_cell" or site not in MAC_CELL_SINGLE_AXIS:
+        return
+    name, why = MAC_CELL_SINGLE_AXIS[site]
+    value = getattr(pattern, name)
+    if value is None or value == RANDOM:
+        return
+    other = "output_channel" if name == "input_channel" else "input_channel"
+    where = ("site 'gemm.forward' (the weight operand of cell (a, b)) or 'weight'" if site == "activation"
+             else "site 'gemm.grad_weight' or 'gemm.forward' (the weight operand of cell (a, b))")
+    raise ValueError(
+        f"pattern mac_cell {name} {value!r} has no meaning on site {site!r}: {why}, so it would be "
+        f"ignored; leave {name} out (or 'random') and give {other} only, or use {where} for a fault "
+        f"that depends on both channels"
+    )
+
+
 # --------------------------------------------------------------------------- patterns
 
 
@@ -197,6 +237,9 @@ class Pattern:
       channels to physical lanes with a fresh permutation every step, keyed by
       ``swizzle_seed`` (an int >= 0, default 0) and the step
       (:func:`.patterns.swizzle_permutation`).
+      On ``activation`` (a module output) only ``output_channel`` has a meaning, on
+      ``gemm.grad_input`` (dX) only ``input_channel``: a fixed value of the other is refused
+      (:func:`check_site_pattern`) rather than ignored.
     - ``tensor``: ``ber`` in (0, 1]; every candidate bit of every element flips
       independently with that probability (candidates: the spec's ``bits``, or all).
     """
@@ -218,8 +261,16 @@ class Pattern:
         """Whether the pattern draws its elements from the fault generator (so two fault seeds
         may hit different elements)."""
         fields_ = (self.index, self.start, self.pe, self.input_channel, self.output_channel)
-        return self.kind == "tensor" or (self.kind == "mac_cell" and self.array is not None) \
-            or any(v == RANDOM for v in fields_)
+        # a mac_cell's ``array`` draws nothing itself: only a "random" cell row or column does
+        return self.kind == "tensor" or any(v == RANDOM for v in fields_)
+
+    def draws_on(self, site: str) -> bool:
+        """:attr:`draws` for a fault on ``site``: a ``mac_cell`` channel that the site's tensor
+        does not have (:data:`MAC_CELL_SINGLE_AXIS`) draws nothing that changes the fault."""
+        if self.kind == "mac_cell" and site in MAC_CELL_SINGLE_AXIS:
+            used = "output_channel" if MAC_CELL_SINGLE_AXIS[site][0] == "input_channel" else "input_channel"
+            return getattr(self, used) == RANDOM
+        return self.draws
 
     def __post_init__(self) -> None:
         kind = _check_kind_fields(self, "pattern", PATTERN_KINDS)
@@ -425,6 +476,7 @@ class FaultSpec:
                 _set(self, name, cls.from_dict(value))
             elif not isinstance(value, cls):
                 raise TypeError(f"{name} must be a mapping or a {cls.__name__}, got {value!r}")
+        check_site_pattern(self.site, self.pattern)
         if self.format is not None:
             get_format(self.format)
         self._check_bits(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -77,8 +78,8 @@ class GuardConfig:
     def __post_init__(self) -> None:
         for name, cls in _NESTED.items():
             value = getattr(self, name)
-            if isinstance(value, dict):
-                setattr(self, name, _build_section(cls, value, name))
+            if isinstance(value, Mapping):
+                setattr(self, name, _build_section(cls, dict(value), name))
             elif value is not None and not isinstance(value, cls):
                 raise TypeError(f"guard {name} must be a mapping or {cls.__name__}, got {value!r}")
         for name in ("snapshots", "lr_backoff", "policy"):
@@ -96,12 +97,24 @@ class GuardConfig:
             check_positive("guard stall_after", self.stall_after)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "GuardConfig":
-        return build_config(cls, data or {}, "guard config")
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "GuardConfig":
+        """From a mapping of sections and knobs (as read from YAML/JSON); missing ones keep their
+        defaults. ``None`` -- what an empty YAML file (or one holding only comments or ``null``)
+        loads as -- means every default, as ``{}`` does. Anything else that is not a mapping (a
+        list, even an empty one, a string, a number, a bool) is refused with ``TypeError``: a
+        guard config is a mapping, and an empty list or ``0`` is a mistake, not "defaults"."""
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise TypeError(f"guard config must be a mapping of sections (metrics, abft, ...) or null "
+                            f"for the defaults, got {type(data).__name__} {data!r}")
+        return build_config(cls, dict(data), "guard config")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "GuardConfig":
-        """From a YAML/JSON file; errors name the file and the bad key or value."""
+        """From a YAML/JSON file; errors name the file and the bad key or value. An empty file
+        (or one holding only comments or ``null``) is every default; a document that is not a
+        mapping (a list, a string, a number) is refused (see :meth:`from_dict`)."""
         try:
             data = load_yaml(read_text(path), repr(str(path)))
         except FileNotFoundError:

@@ -44,6 +44,7 @@ from typing import Any, Mapping
 
 from sdcscope._io import load_yaml, read_text
 from sdcscope.faults import BIT_MODELS, MODELS, SITES, SWIZZLE_MODES, Pattern, check_bits, get_format
+from sdcscope.faults.spec import check_site_pattern
 
 __all__ = ["CampaignSpec", "FaultSpace", "Sampling", "Baseline", "load_campaign", "SAMPLING_KINDS",
            "DIMENSIONS", "ANALYSES", "SCHEDULE_TEMPLATES"]
@@ -199,11 +200,17 @@ class FaultSpace:
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"faults.patterns entry {p!r}: {exc}") from None
         set_("patterns", tuple(patterns))
+        for site in self.sites:   # every site meets every pattern: refuse a field one of them would ignore
+            for p in self.patterns:
+                try:
+                    check_site_pattern(site, Pattern.from_dict(p))
+                except ValueError as exc:
+                    raise ValueError(f"faults.patterns entry {p!r} with faults.sites {site!r}: {exc}") from None
         set_("schedules", tuple(_schedule_template(s) for s in _list("faults.schedules", self.schedules)))
         _int("faults.repeats", self.repeats, 1)
         _int("faults.seed", self.seed)
         random = ("random_value" in self.models or any(s["kind"] == "intermittent" for s in self.schedules)
-                  or any(Pattern.from_dict(p).draws for p in self.patterns))
+                  or any(Pattern.from_dict(p).draws_on(site) for p in self.patterns for site in self.sites))
         if self.repeats > 1 and not random:
             raise ValueError(f"faults.repeats={self.repeats}: every point of this fault space is one fixed fault "
                              "(explicit indices, no random_value model, no intermittent schedule), so its repeats "
