@@ -1,8 +1,9 @@
-"""ABFT detection over a grid of single bit flips in every Linear of the tiny GPT.
+"""ABFT detection over a grid of single bit flips in every Linear of the tiny GPT (or every
+Linear and convolution of the tiny CNN: ``--workload cnn``).
 
-    python benchmarks/bench_guard_detection.py [--bits 20-30] [--step 60] [--checksums both]
+    python benchmarks/bench_guard_detection.py [--bits 20-30] [--step 60] [--checksums both] [--workload cnn]
 
-For each Linear, each GEMM (forward Y, dX, dW) and each bit, one training step is run from the
+For each layer, each GEMM (forward Y, dX, dW) and each bit, one training step is run from the
 same trained state with a flip of that bit in one random element of that GEMM's output. The
 rounding model's threshold for the element's row and column checksums is read from the check
 itself, so every flip is classed as above or below the threshold the model states; the benchmark
@@ -32,17 +33,31 @@ def parse_bits(text: str) -> list[int]:
     return list(range(int(lo), int(hi or lo) + 1))
 
 
-def line_thresholds(abft: ABFTDetector, layer: str, gemm: str, index: int, width: int):
+def line_thresholds(abft: ABFTDetector, layer: str, gemm: str, index: int, module: torch.nn.Module,
+                    batch: int):
     """c·τ of the row and the column checksum through flat output ``index`` (None if unchecked)."""
     for name, g, *_rest, chk in abft._records:
         if name == layer and g == gemm:
-            row, col = divmod(index, width)
             c = abft.threshold(layer, gemm)
+            if isinstance(module, torch.nn.Linear):
+                width = module.out_features if gemm == "forward" else module.in_features
+                (row, col), entry = divmod(index, width), 0
+            else:   # a conv: one line per group (sdcscope.detect.convcheck)
+                groups = module.groups
+                if gemm == "grad_weight":   # dW [O, C_g, *k]: the weight column
+                    per = module.weight[0].numel()
+                    entry, row, col = index // per // (module.out_channels // groups), None, index % per
+                else:                       # Y [N, O, *p] / dX [N, C, *q]: the position
+                    chans = module.out_channels if gemm == "forward" else module.in_channels
+                    positions = chk.row[1].shape[1] // batch
+                    n, rest = divmod(index, chans * positions)
+                    ch, p = divmod(rest, positions)
+                    entry, row, col = ch // (chans // groups), n * positions + p, None
             taus = []
-            if chk.row is not None:
-                taus.append(c * float(chk.row[1][0, row]))
-            if chk.col is not None:
-                taus.append(c * float(chk.col[1][0, col]))
+            if chk.row is not None and row is not None:
+                taus.append(c * float(chk.row[1][entry, row]))
+            if chk.col is not None and col is not None:
+                taus.append(c * float(chk.col[1][entry, col]))
             return min(taus)
     return None
 
@@ -54,13 +69,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checksums", choices=("column", "both", "row"), default="column",
                         help="ABFT sides (default: the guard's default, column)")
+    parser.add_argument("--workload", choices=("gpt", "cnn"), default="gpt")
     args = parser.parse_args()
-    workload = make_workload(WorkloadConfig(workload="gpt", preset="tiny"))
+    workload = make_workload(WorkloadConfig(workload=args.workload, preset="tiny"))
     trainer = Trainer(workload, TrainConfig(seed=args.seed))
     for _ in range(args.step):
         trainer.train_step()
     state = trainer.snapshot()
-    linears = [n for n, m in trainer.model.named_modules() if isinstance(m, torch.nn.Linear)]
+    kinds = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    linears = [n for n, m in trainer.model.named_modules() if isinstance(m, kinds)]
+    first = linears[0] if args.workload == "cnn" else None   # its input (the images) has no dX
     tied = {"head"}  # the tied LM head's dW is summed with the embedding gradient: not checkable
     stats = defaultdict(lambda: [0, 0])  # bit -> [detected, trials]
     above = above_ok = 0
@@ -69,7 +87,7 @@ def main() -> None:
     trial = 0
     for layer in linears:
         for gemm, site in SITES.items():
-            if gemm == "grad_weight" and layer in tied:
+            if (gemm == "grad_weight" and layer in tied) or (gemm == "grad_input" and layer == first):
                 continue
             for bit in parse_bits(args.bits):
                 trial += 1
@@ -83,13 +101,8 @@ def main() -> None:
                     trainer.forward_backward(StepContext(trainer, args.step, trainer.data_pos))
                     (rec,) = inj.records
                     idx, before, after = rec["index"][0], rec["before"][0], rec["after"][0]
-                    if gemm == "grad_weight":
-                        width = trainer.model.get_submodule(layer).weight.shape[1]
-                    elif gemm == "grad_input":
-                        width = trainer.model.get_submodule(layer).in_features
-                    else:
-                        width = trainer.model.get_submodule(layer).out_features
-                    tau = line_thresholds(abft, layer, gemm, idx, width)
+                    tau = line_thresholds(abft, layer, gemm, idx, trainer.model.get_submodule(layer),
+                                          workload.config.batch_size)
                     events = abft.check(args.step)
                 hit = any(e.module == layer and e.gemm == gemm and e.step == args.step for e in events)
                 delta = abs(float(after) - float(before))
@@ -103,7 +116,7 @@ def main() -> None:
                     above_ok += hit
                     if not hit:
                         misses_above.append((layer, gemm, bit, delta, tau))
-    print(f"{trial} single-bit flips at step {args.step}, layers: {len(linears)} Linear x (Y, dX, dW)")
+    print(f"{trial} single-bit flips at step {args.step}, layers: {len(linears)} Linear/Conv x (Y, dX, dW)")
     print("bit  detected/trials")
     for bit in sorted(stats):
         d, n = stats[bit]

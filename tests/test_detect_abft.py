@@ -507,8 +507,8 @@ def test_config_validation():
         ABFTDetector(transformer(), ABFTConfig(targets=("blocks.*.qproj",)))
     det = ABFTDetector(transformer(), ABFTConfig(targets="*.score"))
     assert [layer.name for layer in det.layers] == ["blocks.0.score", "blocks.1.score"]
-    with pytest.raises(ValueError, match="kind 'conv'.*allowed: linear, matmul"):
-        ABFTConfig(kinds=("conv",))
+    with pytest.raises(ValueError, match="kind 'conv2d'.*allowed: linear, matmul, conv"):
+        ABFTConfig(kinds=("conv2d",))
     linear = ABFTDetector(transformer(), ABFTConfig(kinds="linear"))
     assert linear.layers and all(layer.kind == "linear" for layer in linear.layers)
     assert len(linear.layers) == len(ABFTDetector(transformer()).layers) - 4  # 2 blocks × score, context
@@ -518,8 +518,8 @@ def test_config_validation():
         ABFTConfig(targets=5)
     with pytest.raises(ValueError, match="targets is empty"):
         ABFTConfig(targets=[])
-    with pytest.warns(UserWarning, match="ABFT checks no GEMM of this Conv2d"):
-        assert ABFTDetector(nn.Conv2d(1, 2, 3)).layers == []
+    with pytest.warns(UserWarning, match="ABFT checks no GEMM of this ConvTranspose2d"):
+        assert ABFTDetector(nn.ConvTranspose2d(1, 2, 3)).layers == []
 
 
 # ------------------------------------------------------------------ models of every kind

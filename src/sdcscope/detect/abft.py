@@ -6,7 +6,12 @@ Covered products (production_sdc.md §5, §7 gap 1):
   dW = dYᵀ X (the increment this backward added to ``weight.grad``);
 * every module following the MatMul contract (``is_matmul = True``, ``forward(a, b) = a @ b``,
   batched; see :func:`sdcscope.observe.is_matmul`): ``forward`` C, ``grad_input`` dA = dC bᵀ
-  (operand ``a``), ``grad_weight`` dB = aᵀ dC (operand ``b``).
+  (operand ``a``), ``grad_weight`` dB = aᵀ dC (operand ``b``);
+* every ``nn.Conv1d/2d/3d`` (any stride, dilation, groups, padding mode): ``forward`` Y,
+  ``grad_input`` dX, ``grad_weight`` dW, each the GEMM of im2col checked without forming it
+  (:mod:`sdcscope.detect.convcheck`): per output position (Y), input position (dX) and weight
+  column (dW), read at the call's ``ConvolutionBackward0`` node (where the injector's conv faults
+  land too); the position is named, the channel summed over is not.
 
 Each check compares column checksums (and, with ``checksums='both'``, row checksums) with the
 rounding-error thresholds of :mod:`sdcscope.detect.checksum`; the event names the layer, the GEMM,
@@ -67,8 +72,8 @@ other step and sizes the rotation from the measured wall time of checked and unc
 that checking costs about ``budget`` × the step time (call :meth:`ABFTDetector.check` once per
 step).
 
-Not covered: products computed outside a module's ``forward`` (``F.linear`` on another
-module's weight, ``F.scaled_dot_product_attention``: expose them as MatMul-contract modules to
+Not covered: transposed convolutions, products computed outside a module's ``forward``
+(``F.linear`` on another module's weight, ``F.scaled_dot_product_attention``: expose them as MatMul-contract modules to
 check them; a Linear used only that way -- ``nn.MultiheadAttention``'s ``out_proj`` -- is listed
 in :attr:`ABFTDetector.unreached` after two sampled steps that did not call it, and leaves the
 sampling rotation), ``nn.Linear`` subclasses that override ``forward`` (a LoRA layer's output is
@@ -105,12 +110,14 @@ from torch.nn.utils import parametrize
 from sdcscope._validate import check_bool, check_choice, check_float, check_non_negative, check_positive
 from sdcscope.detect.checksum import (SIDES, GemmCheck, Line, Operand, frobenius, gemm_lines, line_coefs,
                                       line_ratios, norm_floor, rounding_model)
+from sdcscope.detect.convcheck import (CONV_TYPES, checkable_conv, conv_model, conv_node, forward_lines,
+                                       grad_input_lines, grad_weight_lines)
 from sdcscope.detect.events import GEMMS, Event
 from sdcscope.inject.targets import linear_nodes, weight_grad_edge
 from sdcscope.observe._util import autocast_on, is_matmul, match_modules, no_autocast
 
 CHECKSUMS = ("both", "row", "column")
-KINDS = ("linear", "matmul")
+KINDS = ("linear", "matmul", "conv")
 CHECKSUM_DTYPES = ("auto", "float64", "float32")
 BUDGET_AIM = 0.75
 """Share of ``budget`` the sampling plan aims at (headroom for timing noise)."""
@@ -121,7 +128,8 @@ class ABFTConfig:
     targets: tuple[str, ...] | None = None
     """Module-name patterns; ``None`` = every module of ``kinds``."""
     kinds: tuple[str, ...] = KINDS
-    """Which products: ``'linear'`` (``nn.Linear``), ``'matmul'`` (MatMul-contract modules)."""
+    """Which products: ``'linear'`` (``nn.Linear``), ``'matmul'`` (MatMul-contract modules),
+    ``'conv'`` (``nn.Conv1d/2d/3d``; transposed convolutions are not covered)."""
     gemms: tuple[str, ...] = GEMMS
     checksums: str = "column"
     """``'column'``: 1ᵀC per check (names the column); ``'both'`` adds the row checksums C·1
@@ -252,20 +260,20 @@ class ABFTDetector:
         eligible = match_modules(
             model, cfg.targets, option="ABFT targets",
             where=lambda m: ("linear" in cfg.kinds and isinstance(m, nn.Linear))
-            or ("matmul" in cfg.kinds and is_matmul(m)))
+            or ("matmul" in cfg.kinds and is_matmul(m)) or ("conv" in cfg.kinds and isinstance(m, CONV_TYPES)))
         self.layers: list[_Layer] = []
         self.skipped: list[str] = []
-        """``nn.Linear`` subclasses overriding ``forward`` (their output is not XWᵀ + b),
-        parametrized Linears (the W their forward used cannot be read again) and Linears whose
-        weight is not a real floating-point tensor (complex, quantized: no rounding model)."""
+        """``nn.Linear`` / ``nn.ConvNd`` subclasses overriding ``forward`` (their output is not
+        XWᵀ + b), parametrized ones (the W their forward used cannot be read again) and those
+        whose weight is not a real floating-point tensor (complex, quantized: no rounding model)."""
         for name, mod in eligible.items():
-            linear = isinstance(mod, nn.Linear)
-            if linear and (type(mod).forward is not nn.Linear.forward or parametrize.is_parametrized(mod)
-                           or not mod.weight.is_floating_point()):
+            kind = "linear" if isinstance(mod, nn.Linear) else "conv" if isinstance(mod, CONV_TYPES) else "matmul"
+            if kind != "matmul" and (parametrize.is_parametrized(mod) or not (
+                    checkable_conv(mod) if kind == "conv" else
+                    type(mod).forward is nn.Linear.forward and mod.weight.is_floating_point())):
                 self.skipped.append(name)
                 continue
-            self.layers.append(_Layer(name, mod, "linear" if linear else "matmul",
-                                      names=_operand_names(mod, 1 if linear else 2)))
+            self.layers.append(_Layer(name, mod, kind, names=_operand_names(mod, 2 if kind == "matmul" else 1)))
         self.unreached: set[str] = set()
         """Layers whose forward hook never fired on the steps they were sampled for (an attention
         applying ``out_proj.weight`` with ``F.linear``): unchecked, and out of the sampling rotation."""
@@ -273,9 +281,9 @@ class ABFTDetector:
         self._misses: dict[str, int] = {}
         if not self.layers:
             why = f"skipped {', '.join(self.skipped)} (see ABFTDetector.skipped)" if self.skipped else \
-                "convolutions are not covered"
+                "transposed convolutions are not covered"
             warnings.warn(f"ABFT checks no GEMM of this {type(model).__name__}: it has no checkable submodule of "
-                          f"kinds {', '.join(cfg.kinds)} (nn.Linear, MatMul-contract modules; {why})", stacklevel=2)
+                          f"kinds {', '.join(cfg.kinds)} (nn.Linear, nn.ConvNd, MatMul-contract modules; {why})", stacklevel=2)
         self._attached = False
         self._active: frozenset[str] = frozenset()
         self._chosen: list[_Layer] = []
@@ -344,7 +352,7 @@ class ABFTDetector:
         whose backward reached the weight without the module's forward (``F.linear`` on it) is
         evidence that the layer is :attr:`unreached`; a step that did not use it (a dropped
         block, an idle expert) is not."""
-        w = layer.module.weight if layer.kind == "linear" else None
+        w = layer.module.weight if layer.kind != "matmul" else None
         want = on and w is not None and w.requires_grad and layer.name not in self._reached
         if want and layer.probe is None:
             layer.probe = w.register_hook(lambda grad, layer=layer: setattr(layer, "grad_seen", True))
@@ -357,7 +365,7 @@ class ABFTDetector:
         Linear whose dX is read at its GEMM's autograd node (the fast path): possible when the
         graph has the known shape and no full backward hook (which may edit dX) stands
         between that node and the module's input."""
-        slow = not layer.fast or _backward_hooked(layer.module)
+        slow = layer.kind != "conv" and (not layer.fast or _backward_hooked(layer.module))
         if slow and layer.pre is None:
             layer.pre = layer.module.register_forward_pre_hook(self._pre_hook(layer), prepend=False,
                                                                with_kwargs=True)
@@ -406,8 +414,8 @@ class ABFTDetector:
 
     @property
     def skipped_grad_weight(self) -> list[str]:
-        """Linear layers whose dW is not checked now (frozen weight: there is no dW)."""
-        return [x.name for x in self.layers if x.kind == "linear" and not x.module.weight.requires_grad]
+        """Linear and Conv layers whose dW is not checked now (frozen weight: there is no dW)."""
+        return [x.name for x in self.layers if x.kind != "matmul" and not x.module.weight.requires_grad]
 
     def _on(self, layer: _Layer) -> bool:
         """A sampled layer's call is checked in training mode, or whenever autograd records it (a
@@ -494,6 +502,73 @@ class ABFTDetector:
         self._lean_line(layer, "forward", call, tuple(out.shape[:-1]), k, act, exp, s0, w.stat("rn"),
                         a.stat("fn"), (n, k, n * k, k), out.device)
 
+    # -- convolutions (:mod:`sdcscope.detect.convcheck`) ---------------------------------------
+    def _conv_forward(self, layer: _Layer, ctx: _Ctx, module: nn.Module, x, out: torch.Tensor,
+                      gemms: set[str]) -> None:
+        """Check Y; hook the call's ``ConvolutionBackward0`` node for dX and dW. The node holds
+        the input as the GEMM consumed it (padded by the module, cast under autocast) and the
+        convolution's parameters; without one (no grad), the module convolves the checksum."""
+        ctx.release()   # a conv keeps no operands in the context: its node has them
+        with no_autocast(out.device):
+            self._conv_checks(layer, ctx.call, module, x, out, gemms)
+
+    def _conv_checks(self, layer: _Layer, call: int, module: nn.Module, x, out: torch.Tensor,
+                     gemms: set[str]) -> None:
+        found = conv_node(out, module.weight) if out.requires_grad else None
+        y = out if out.dim() == module.weight.dim() else out.unsqueeze(0)   # unbatched input
+        cd = out.dtype
+        model = conv_model(self._model(cd, out.device), out.device)
+        if found is not None:
+            node, geo = found
+            xc, w = node._saved_input, node._saved_weight
+            conv = geo.conv
+        else:
+            xc = x.to(cd) if x.dim() == y.dim() else x.to(cd).unsqueeze(0)
+            w, geo = module.weight.to(cd), None
+            conv = lambda a, b: module._conv_forward(a, b, None)  # noqa: E731
+        if "forward" in gemms:
+            bias = module.bias
+            lines = forward_lines(xc, w, None if bias is None else bias.to(cd), y, conv, model=model, cs=self._cs)
+            self._conv_record(layer, "forward", call, lines, "row", (y.shape[0], *y.shape[2:]),
+                              math.prod(w.shape[1:]), cd)
+        if found is None or not ({"grad_input", "grad_weight"} & gemms):
+            return
+        node.register_hook(self._shielded(lambda grad_inputs, grad_outputs: self._conv_backward(
+            layer, call, geo, xc, w, grad_inputs, grad_outputs, gemms)))
+
+    def _conv_backward(self, layer: _Layer, call: int, geo, xc: torch.Tensor, w: torch.Tensor,
+                       grad_inputs, grad_outputs, gemms: set[str]) -> None:
+        """Post-hook of a convolution's node: dY in, dX and dW out (after any fault an injector's
+        earlier hook on the node wrote into them); ``xc``, ``w``: the operands the node saved."""
+        dy, dx, dw = grad_outputs[0], grad_inputs[0], grad_inputs[1]
+        if dy is None:
+            return None
+        if torch.is_grad_enabled():   # a create_graph backward (see _set_dy): not this call's alone
+            self.skipped_higher_order += 1
+            return None
+        with torch.no_grad(), no_autocast(dy.device):
+            model = conv_model(self._model(dy.dtype, dy.device), dy.device)
+            if dx is not None and "grad_input" in gemms:
+                lines = grad_input_lines(dy, w, dx, geo, model=model, cs=self._cs)
+                self._conv_record(layer, "grad_input", call, lines, "row", (dx.shape[0], *dx.shape[2:]),
+                                  (dy.shape[1] // geo.groups) * math.prod(w.shape[2:]), dy.dtype)
+            if dw is not None and "grad_weight" in gemms:
+                lines = grad_weight_lines(dy, xc, dw, geo, model=model, cs=self._cs)
+                self._conv_record(layer, "grad_weight", call, lines, "col", tuple(dw.shape[1:]),
+                                  dy.shape[0] * math.prod(dy.shape[2:]), dy.dtype)
+        return None
+
+    def _conv_record(self, layer: _Layer, gemm: str, call: int, lines: list, side: str,
+                     dims: tuple[int, ...], k: int, cd: torch.dtype) -> None:
+        """Record a convolution check; its event index: forward / grad_input (n, None, *position)
+        — the checksum sums the group's channels —, grad_weight (None, input channel, *tap)."""
+        if side == "row":
+            index = lambda b, row, col: (row, None) if row is None else \
+                (lambda n, *p: (n, None, *p))(*_unravel(row, dims))  # noqa: E731
+        else:
+            index = lambda b, row, col: (None, None) if col is None else (None, *_unravel(col, dims))  # noqa: E731
+        self._records.append((layer.name, gemm, call, index, (), k, str(cd), None, GemmCheck(lines, (side,))))
+
     def _pre_hook(self, layer: _Layer):
         grads = {"grad_input", "grad_weight"} & set(self.config.gemms)
 
@@ -577,6 +652,8 @@ class ABFTDetector:
                     if edge is not None:
                         ctx.need.add("dw")
                         edge[0].register_hook(self._dw_hook(layer, ctx, edge[1], lean))
+                elif layer.kind == "conv":
+                    self._conv_forward(layer, ctx, module, ops[0], out, gemms)
                 else:
                     a, b = ops
                     if a.dim() < 2 or b.dim() < 2:
@@ -785,7 +862,9 @@ class ABFTDetector:
         row = int(s["row"]) if row_hit else None
         col = int(s["col"]) if col_hit else None
         batch = _unravel(int(s["batch"]), batch_dims) if batch_dims else ()
-        if c_dims is not None:  # rows of a flattened (…, n) result (none: a 1-D one)
+        if callable(c_dims):    # a convolution's own layout
+            index = c_dims(int(s["batch"]), row, col)
+        elif c_dims is not None:  # rows of a flattened (…, n) result (none: a 1-D one)
             lead = _unravel(row, c_dims) if row is not None else (None,) * len(c_dims)
             index = (*lead, col)
         else:

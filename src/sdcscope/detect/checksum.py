@@ -43,7 +43,9 @@ arithmetic. With unit roundoff u of each stage (fp32 2⁻²⁴, TF32 2⁻¹¹, b
   so a corrupted element (up to 3e38) cannot inflate its own threshold: it adds at most
   2c·u_out·|δ| ≪ |δ|. For fp32 outputs the 2-norm part is bounded by ‖A‖_F‖B_{:,j}‖ instead (no
   pass over the output). With reduced-precision split-K reductions allowed on CUDA (the PyTorch
-  default for bf16/fp16), u_out counts twice.
+  default for bf16/fp16), u_out counts twice. Results below the smallest normal (fp16 gradients
+  of ~1e-6) round with an absolute error of up to half the subnormal spacing, which the term adds
+  once per summed result.
 * **checksum arithmetic** (u_cs of ``checksum_dtype``): the sum of n outputs adds
   ≤ u_cs·√n·(‖A‖_F‖B_{:,j}‖ + |1ᵀĈ_{:,j}|); forming 1ᵀA adds ≤ u_cs·√n·(‖A‖_F + ‖1ᵀA‖)·‖B_{:,j}‖ and
   the GEMV (1ᵀA)·B another u_cs·√k·‖1ᵀA‖·‖B_{:,j}‖ (same √-model; ‖1ᵀA‖ is computed, not bounded).
@@ -359,6 +361,13 @@ def line_coefs(model: RoundingModel, summed: int, k: int) -> tuple[float, float,
     return u_base + 2 * u_cs * r, u_base + u_cs * (r + math.sqrt(k)), model.u_out + u_cs * r
 
 
+def subnormal_error(dtype: torch.dtype) -> float:
+    """Largest rounding error of a result of ``dtype`` below its smallest normal (half the
+    subnormal spacing): there the error is absolute, not relative to the result."""
+    fi = torch.finfo(dtype)
+    return fi.smallest_normal * fi.eps / 2
+
+
 _NORM_TINY = {torch.float64: torch.finfo(torch.float64).tiny}
 
 
@@ -390,7 +399,10 @@ def _gemm_lines(a, b, c, model, bias, which) -> list[Line]:
             v, mat, summed, out = b.stat("s1"), a.stat("x"), m, n
             add = None if bias is None else (bias.sum(dtype=cs).expand(n), 1)
         exp = _matvec(mat, v, add)
-        ext = None if cc is None else model.u_out * _reduce(cc, flat, "cn" if col else "rn", cs)
+        # + half a subnormal spacing per summed result: below the smallest normal the error of a
+        # rounded result is absolute, not u_out-relative (fp16 gradients of 1e-6)
+        ext = None if cc is None else model.u_out * _reduce(cc, flat, "cn" if col else "rn", cs) \
+            + summed * subnormal_error(c.dtype)
         if cc is not None and col and flat and c.dim() > 2:  # rows repeated within a sequence
             ext = ext + model.u_out * cc.sum(-2).abs().sum(tuple(range(c.dim() - 2)))
         scale_op, scale_key, s1_op = (b, "cn", a) if col else (a, "rn", b)

@@ -1,0 +1,226 @@
+r"""Checksums of a convolution's three GEMMs — forward Y, dX and dW — without forming im2col.
+
+A convolution with ``g`` groups is, per group ``j``, the GEMM of im2col: Y_j[P, O_g] =
+A_j[P, k] · W_jᵀ[k, O_g], with P = N·(output positions) rows (one patch each), k = C_g·T
+(input channels of the group × kernel taps) and O_g output channels. Its backward products are
+GEMMs of the same operands: dX_j = (transposed patches of dY) · W_j and dW_j = dY_jᵀ · A_j. Each
+check here is one :class:`~sdcscope.detect.checksum.Line` of those GEMMs (one batch entry per
+group), with the threshold model of :mod:`sdcscope.detect.checksum`, and its expected side is one
+convolution with ``g`` output channels (1/O_g of the layer's own cost):
+
+* **forward**, per output position (n, p), summed over the group's output channels:
+  Σ_o Y[n, o, p] vs conv(X, Σ_o W_o) + Σ_o b_o. Model: the row line of the GEMM, the patch's norm
+  ‖A_p‖ from conv(X², 1) and ‖W_j‖_F. An event names the position (n, *p); the channel is not
+  known (None).
+* **grad_input**, per input position (n, q) of the conv's input as the GEMM consumed it (after
+  the module's own padding for ``padding_mode`` other than ``'zeros'`` or an asymmetric
+  ``'same'``), summed over the group's input channels: Σ_i dX[n, i, q] vs conv_input(dY, Σ_i W_i).
+  Rows of the transposed GEMM hold up to O_g·T products; their norms come from
+  conv_input(dY², 1).
+* **grad_weight**, per weight column (i, t), summed over the group's output channels:
+  Σ_o dW[o, i, t] vs conv_weight(X, Σ_o dY_o) — the column line of dYᵀ·A, with the column norm
+  of A (one tap of input channel i over all positions) bounded by ‖X[:, i]‖ as for a Linear's X.
+
+Rounding model: the conv is modelled as dot products of length k (forward), O_g·T (dX) and P
+(dW). Direct, im2col and implicit-GEMM algorithms (the CPU's oneDNN direct convolution, cuDNN's
+GEMM kernels) fit it; FFT or Winograd algorithms round differently (errors spread over the
+whole signal): with ``torch.backends.cudnn.benchmark`` on, cuDNN may pick them — calibrate
+(``ABFTConfig.calibration_steps``) before trusting the default threshold there. On CUDA, fp32
+convolutions use TF32 when ``torch.backends.cudnn.allow_tf32`` is set (the default), which the
+model counts as operand rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sdcscope.detect.checksum import TF32_ROUNDOFF, Line, RoundingModel, line_coefs, norm_floor, subnormal_error
+from sdcscope.inject.targets import through_casts
+
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_INPUT = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
+_WEIGHT = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
+
+
+def checkable_conv(module: nn.Module) -> bool:
+    """An ``nn.Conv1d/2d/3d`` running its own forward (a subclass overriding it computes something
+    else) on a real floating-point weight."""
+    return (isinstance(module, CONV_TYPES) and type(module).forward is _base(module).forward
+            and module.weight.is_floating_point() and not module.weight.is_complex())
+
+
+def _base(module: nn.Module) -> type:
+    return next(c for c in CONV_TYPES if isinstance(module, c))
+
+
+def conv_model(model: RoundingModel, device: torch.device) -> RoundingModel:
+    """``model`` (of the GEMMs in the conv's dtype) with cuDNN's TF32 setting for fp32 convs. A
+    bf16/fp16 convolution's output rounding counts twice: the CPU's blocked bf16 kernels round
+    partial results to the output dtype on the way (clean ratios up to 3.2 model stds on dX with
+    the single-rounding term, ≤ 1.6 with this one; fp32 convs stay ≤ 0.11)."""
+    if model.narrow:
+        return dataclasses.replace(model, u_out=2 * model.u_out)
+    if (model.compute_dtype == torch.float32 and device.type == "cuda" and torch.backends.cudnn.allow_tf32
+            and model.u_in == 0.0):
+        return dataclasses.replace(model, u_in=2 * TF32_ROUNDOFF)
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """How one call convolved: the input as the GEMM consumed it (padded, cast) and the
+    convolution's parameters, read from its autograd node."""
+
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+
+    @property
+    def dims(self) -> int:
+        return len(self.stride)
+
+    def conv(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _CONV[self.dims](x, w, None, self.stride, self.padding, self.dilation, self.groups)
+
+    def input_grad(self, shape: tuple[int, ...], w: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        return _INPUT[self.dims](shape, w, dy, self.stride, self.padding, self.dilation, self.groups)
+
+    def weight_grad(self, x: torch.Tensor, shape: tuple[int, ...], dy: torch.Tensor) -> torch.Tensor:
+        return _WEIGHT[self.dims](x, shape, dy, self.stride, self.padding, self.dilation, self.groups)
+
+
+def conv_node(out: torch.Tensor, weight: torch.Tensor, max_depth: int = 3):
+    """``(node, geometry)``: the ``ConvolutionBackward0`` node of the call that produced ``out``
+    with ``weight`` (behind an unbatched input's squeeze, or a forward hook that replaced the
+    output), or ``None``. A frozen weight has no edge: the first convolution with its shape."""
+    frontier = [out.grad_fn] if out.grad_fn is not None else []
+    seen: dict[int, object] = {}   # keeps the nodes alive: an id alone could be reused
+    for _ in range(max_depth):
+        nxt = []
+        for node in frontier:
+            if type(node).__name__ == "ConvolutionBackward0" and not node._saved_transposed:
+                edge = node.next_functions[1][0]
+                if (getattr(through_casts(edge), "variable", None) is weight if edge is not None
+                        else not weight.requires_grad and node._saved_weight.shape == weight.shape):
+                    return node, Geometry(tuple(node._saved_stride), tuple(node._saved_padding),
+                                          tuple(node._saved_dilation), int(node._saved_groups))
+            for child, _ in node.next_functions:
+                if child is not None and id(child) not in seen and not hasattr(child, "variable"):
+                    seen[id(child)] = child
+                    nxt.append(child)
+        frontier = nxt
+    return None
+
+
+def _to(t: torch.Tensor, cs: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == cs else t.to(cs)
+
+
+def _groups_first(t: torch.Tensor, g: int) -> torch.Tensor:
+    """(N, g, *sp) -> (g, N·sp): one row per group (free when g = 1)."""
+    return t.reshape(1, -1) if g == 1 else t.movedim(1, 0).reshape(g, -1)
+
+
+def _norms(t: torch.Tensor, g: int) -> torch.Tensor:
+    """‖t‖_F of each group's slice along dim 0 of ``t`` (g, …) -> (g,)."""
+    return torch.linalg.vector_norm(t.reshape(g, -1), dim=1)
+
+
+def _line(model: RoundingModel, act, exp, scale, s1, v, *, rows: int, summed: int, k: int,
+          scale_count: int, s1_count: int, dtype: torch.dtype, extra=None) -> Line:
+    a1, a2, beta = line_coefs(model, summed, k)
+    return Line(act.reshape(-1), exp.reshape(-1), scale.reshape(-1), s1, v.reshape(-1), a1, a2, beta,
+                rows, act.numel() // rows, norm_floor(s1_count, dtype), norm_floor(scale_count, dtype),
+                None if extra is None else extra.reshape(-1))
+
+
+def _rounding_extra(model: RoundingModel, c: torch.Tensor, act: torch.Tensor, reduce: Callable,
+                    cap: torch.Tensor, summed: int) -> torch.Tensor | None:
+    """Output rounding of a narrow (bf16/fp16) result: u_out·(‖line‖₂ + |Σ line|), the result
+    clamped to twice its Cauchy-Schwarz bound so a corrupted element cannot hide itself, plus
+    the absolute error of results below the smallest normal (half a subnormal spacing each, for
+    the ``summed`` results of a checksum: fp16 gradients of 1e-5 are subnormal, and their
+    relative error is no longer u_out — a clean fp16 dX check reached 90 model stds without it)."""
+    if not model.narrow:
+        return None
+    cc = c.float().clamp(-cap, cap)
+    # rounded twice below the smallest normal too, like u_out (conv_model)
+    return model.u_out * (reduce(cc * cc).sqrt() + act.abs()) + 2 * summed * subnormal_error(c.dtype)
+
+
+def forward_lines(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                  conv: Callable, *, model: RoundingModel, cs: torch.dtype) -> list[Line]:
+    """Σ_o Y[n, o, p] vs conv(X, Σ_o W_o) + Σ_o b_o per group and output position. ``x``, ``w``:
+    the operands in the conv's compute dtype; ``conv(x, w)`` convolves like the call did."""
+    o = y.shape[1]
+    g = x.shape[1] // w.shape[1]
+    og, cg, taps = o // g, w.shape[1], math.prod(w.shape[2:])
+    wf = _to(w, cs)
+    wg = wf.unflatten(0, (g, og)).sum(1)                                     # (g, C_g, *ks)
+    exp = conv(_to(x, cs), wg)
+    if bias is not None:
+        exp = exp + _to(bias, cs).view(g, og).sum(1).view(1, g, *(1,) * (y.dim() - 2))
+    act = y.unflatten(1, (g, og)).sum(2, dtype=cs)                           # (N, g, *out)
+    xf = _to(x, torch.float64 if cs == torch.float64 else torch.float32)
+    patch = conv(xf * xf, torch.ones_like(wg, dtype=xf.dtype)).clamp_min(0).sqrt()   # ‖A_p‖
+    s1 = _norms(wf, g)
+    extra = _rounding_extra(model, y, act, lambda t: t.unflatten(1, (g, og)).sum(2),
+                            2 * (patch.amax() * torch.linalg.vector_norm(wf.flatten(1), dim=1).amax()
+                                 + (0 if bias is None else _to(bias, cs).abs().amax())), og)
+    rows = lambda t: _groups_first(t, g)  # noqa: E731
+    return [_line(model, rows(act), rows(exp), rows(patch), s1, wg, rows=g, summed=og, k=cg * taps,
+                  scale_count=cg * taps, s1_count=og * cg * taps, dtype=wf.dtype,
+                  extra=None if extra is None else rows(extra))]
+
+
+def grad_input_lines(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geo: Geometry, *,
+                     model: RoundingModel, cs: torch.dtype) -> list[Line]:
+    """Σ_i dX[n, i, q] vs conv_input(dY, Σ_i W_i) per group and input position."""
+    g = geo.groups
+    n, o = dy.shape[:2]
+    og, cg, taps = o // g, w.shape[1], math.prod(w.shape[2:])
+    wf = _to(w, cs)
+    wi = wf.unflatten(0, (g, og)).sum(2).reshape(o, 1, *w.shape[2:])      # Σ_i W[o, i]: (O, 1, *ks)
+    shape = (n, g, *dx.shape[2:])
+    dyf = _to(dy, cs)
+    exp = geo.input_grad(shape, wi, dyf)
+    act = dx.unflatten(1, (g, cg)).sum(2, dtype=cs)
+    dyn = _to(dy, torch.float64 if cs == torch.float64 else torch.float32)
+    rown = geo.input_grad(shape, torch.ones_like(wi, dtype=dyn.dtype), dyn * dyn).clamp_min(0).sqrt()
+    extra = _rounding_extra(model, dx, act, lambda t: t.unflatten(1, (g, cg)).sum(2),
+                            2 * rown.amax() * torch.linalg.vector_norm(wf.transpose(0, 1).flatten(1), dim=1).amax(),
+                            cg)
+    rows = lambda t: _groups_first(t, g)  # noqa: E731
+    return [_line(model, rows(act), rows(exp), rows(rown), _norms(wf, g), wi.reshape(g, -1), rows=g,
+                  summed=cg, k=og * taps, scale_count=og * taps, s1_count=og * cg * taps, dtype=wf.dtype,
+                  extra=None if extra is None else rows(extra))]
+
+
+def grad_weight_lines(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, geo: Geometry, *,
+                      model: RoundingModel, cs: torch.dtype) -> list[Line]:
+    """Σ_o dW[o, i, t] vs conv_weight(X, Σ_o dY_o) per group and weight column (i, t)."""
+    g = geo.groups
+    n, o = dy.shape[:2]
+    og, cg, taps = o // g, dw.shape[1], math.prod(dw.shape[2:])
+    dys = dy.unflatten(1, (g, og)).sum(2, dtype=cs)                          # (N, g, *out)
+    xf = _to(x, cs)
+    exp = geo.weight_grad(xf, (g, cg, *dw.shape[2:]), dys)                    # (g, C_g, *ks)
+    act = dw.unflatten(0, (g, og)).sum(1, dtype=cs)
+    xn = torch.linalg.vector_norm(xf.transpose(0, 1).flatten(1), dim=1)      # ‖X[:, i]‖ over all positions
+    scale = xn.view(g, cg, 1).expand(g, cg, taps)
+    dyf = _to(dy, cs)
+    s1 = _norms(dyf.unflatten(1, (g, og)).movedim(1, 0), g)
+    positions = n * math.prod(dy.shape[2:])
+    extra = _rounding_extra(model, dw, act, lambda t: t.unflatten(0, (g, og)).sum(1),
+                            2 * xn.amax() * torch.linalg.vector_norm(dyf.transpose(0, 1).flatten(1), dim=1).amax(),
+                            og)
+    return [_line(model, act, exp, scale, s1, _groups_first(dys, g), rows=g, summed=og, k=positions,
+                  scale_count=positions, s1_count=positions * og, dtype=xf.dtype, extra=extra)]
