@@ -427,7 +427,10 @@ class ABFTDetector:
     def _shielded(self, hook):
         """``hook`` run inside the user's forward or backward pass: an error in it must not crash
         training. The first one is kept, its step's checks are dropped, and :meth:`check` raises
-        it (the guard reports it as an ``internal_error`` event, or re-raises in strict mode)."""
+        it (the guard reports it as an ``internal_error`` event, or re-raises in strict mode).
+        Under ``torch.compile`` the hook runs eagerly (a graph break) rather than being traced
+        into the model's graph: traced, its Python bookkeeping recompiled the model's frames
+        past dynamo's limit (77 s for 6 steps of the tiny GPT with inductor, 14 s so)."""
         def shielded(*args):
             try:
                 return hook(*args)
@@ -435,7 +438,7 @@ class ABFTDetector:
                 if self._error is None:
                     self._error = exc
                 return None
-        return shielded
+        return torch.compiler.disable(shielded, recursive=True)
 
     def _operand(self, t: torch.Tensor, cd: torch.dtype, *, bound: bool = True) -> Operand:
         """The step's :class:`Operand` of ``t`` as the GEMM consumed it (cast to ``cd``): a tensor
