@@ -2,7 +2,8 @@
 
 Online, :class:`InvariantChecker` records only what its invariants need (e.g. checksums only of
 the tensors named by ``Consistent`` invariants, batch checksums only if an invariant uses them,
-bit sums of updated parameters only if an ``update`` containment is checked) and evaluates each
+bit sums of updated parameters only if an ``update`` containment is checked, the causality
+probe only for a ``Causal`` invariant, as often as it asks) and evaluates each
 record when the step ends, in the same process, on a few scalars and bit masks.  Offline,
 :func:`check_trace` evaluates the same checks over ``trace.jsonl``.
 
@@ -107,13 +108,16 @@ class InvariantChecker(EngineCallbacks):
         full = TraceRecorder(model, optimizer, config=TraceConfig(rank=rank)).header()
         checksums: set[str] = set()
         flags = {"input_fingerprint": False, "confirm_updates": False, "target_shift": False}
+        causal = []   # the probe intervals Causal invariants ask for
         for check in bind_invariants(invs, full):
             need = check.needs()
             checksums.update(need.get("checksums", ()))
             for key in flags:
                 flags[key] |= need.get(key, False)
+            if need.get("causal_probe"):
+                causal.append(need["causal_probe"])
         config = TraceConfig(checksums=tuple(n for n in full["watched"] if n in checksums),
-                             rank=rank, **flags)
+                             rank=rank, causal_probe=min(causal, default=0), **flags)
         self.invariants = invs
         self.recorder = TraceRecorder(model, optimizer, schedulers=schedulers, scaler=scaler,
                                       config=config)

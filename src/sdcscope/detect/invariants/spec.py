@@ -39,6 +39,9 @@ FINGERPRINT_FIELDS = frozenset({"input"})
 MICRO_BATCH_APIS = ("forward", "backward", "scaler.scale")
 """APIs that run once per micro-batch: how often they run in a step (or an evaluation) is the
 number of micro-batches, a setting of the run, not a property of the loop."""
+PROBE_FIELDS = frozenset({"causal_leak", "causal_cut", "causal_pos", "causal_len"})
+"""Forward fields of the causality probe (see ``recorder.TraceConfig.causal_probe``): judged by
+the ``Causal`` relation, not learned as call fields (the probe runs every N steps only)."""
 STYLE_FIELDS = frozenset({("zero_grad", "on"), ("zero_grad", "set_to_none")})
 """(API, field)s recorded for the reader but not learned: ``model.zero_grad()`` and
 ``zero_grad(set_to_none=False)`` clear the gradients as well as ``optimizer.zero_grad()`` does;

@@ -3,6 +3,8 @@
 from sdcscope.detect.invariants.relations import (  # noqa: F401
     consistent, contain, count, fields, loss, metrics, sequence,
 )
+# Registered last: error messages list the relations in the registry's order.
+from sdcscope.detect.invariants.relations import causal  # noqa: F401
 from sdcscope.detect.invariants.relations.base import (
     RELATIONS, Check, InferConfig, Relation, View, register, validate_invariant,
 )

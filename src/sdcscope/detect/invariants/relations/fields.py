@@ -15,7 +15,8 @@ Both learn from the fields of recorded calls, separately for training steps and 
 
 A float is a constant only if it never varied in the references (a learning rate that settles
 after warm-up is a range, so that another configuration's rate does not raise alarms).  Fields
-that record a style (``spec.STYLE_FIELDS``: how ``zero_grad`` was called) are not learned.
+that record a style (``spec.STYLE_FIELDS``: how ``zero_grad`` was called) are not learned, nor
+are the causality probe's (``spec.PROBE_FIELDS``: the ``Causal`` relation's).
 
 ``APIArgRatio`` relates two arguments of one call instead: each param group's learning rate
 (``group1.lr``, ...) keeps a constant ratio to the first group's (``lr``).  A schedule scales
@@ -39,8 +40,8 @@ from sdcscope.detect.invariants.relations.base import (
     widen,
 )
 from sdcscope.detect.invariants.spec import (
-    APIS, FINGERPRINT_FIELDS, MASK_FIELDS, PHASES, SELECTIVE_FIELDS, STYLE_FIELDS, Invariant,
-    Precondition,
+    APIS, FINGERPRINT_FIELDS, MASK_FIELDS, PHASES, PROBE_FIELDS, SELECTIVE_FIELDS, STYLE_FIELDS,
+    Invariant, Precondition,
 )
 
 WHERE = {"train": "in training steps", "eval": "in evaluation"}
@@ -95,7 +96,8 @@ class _CallField(Relation):
                 for r in t.phase(phase):
                     for api, fields in r["calls"]:
                         for field, v in fields.items():
-                            if v is None or not cls._owns(field) or (api, field) in STYLE_FIELDS:
+                            if (v is None or not cls._owns(field) or (api, field) in STYLE_FIELDS
+                                    or field in PROBE_FIELDS):
                                 continue
                             if field in MASK_FIELDS:
                                 v = tuple(names_of(from_hex(v), params))
