@@ -7,7 +7,8 @@ Covered products (production_sdc.md §5, §7 gap 1):
 * every module following the MatMul contract (``is_matmul = True``, ``forward(a, b) = a @ b``,
   batched; see :func:`sdcscope.observe.is_matmul`): ``forward`` C, ``grad_input`` dA = dC bᵀ
   (operand ``a``), ``grad_weight`` dB = aᵀ dC (operand ``b``);
-* every ``nn.Conv1d/2d/3d`` (any stride, dilation, groups, padding mode): ``forward`` Y,
+* every ``nn.Conv1d/2d/3d`` and ``nn.ConvTranspose1d/2d/3d`` (any stride, dilation, groups,
+  padding mode): ``forward`` Y,
   ``grad_input`` dX, ``grad_weight`` dW, each the GEMM of im2col checked without forming it
   (:mod:`sdcscope.detect.convcheck`): per output position (Y), input position (dX) and weight
   column (dW), read at the call's ``ConvolutionBackward0`` node (where the injector's conv faults
@@ -72,7 +73,7 @@ other step and sizes the rotation from the measured wall time of checked and unc
 that checking costs about ``budget`` × the step time (call :meth:`ABFTDetector.check` once per
 step).
 
-Not covered: transposed convolutions, products computed outside a module's ``forward``
+Not covered: products computed outside a module's ``forward``
 (``F.linear`` on another module's weight, ``F.scaled_dot_product_attention``: expose them as MatMul-contract modules to
 check them; a Linear used only that way -- ``nn.MultiheadAttention``'s ``out_proj`` -- is listed
 in :attr:`ABFTDetector.unreached` after two sampled steps that did not call it, and leaves the
@@ -110,8 +111,8 @@ from torch.nn.utils import parametrize
 from sdcscope._validate import check_bool, check_choice, check_float, check_non_negative, check_positive
 from sdcscope.detect.checksum import (SIDES, GemmCheck, Line, Operand, frobenius, gemm_lines, line_coefs,
                                       line_ratios, norm_floor, rounding_model)
-from sdcscope.detect.convcheck import (CONV_TYPES, checkable_conv, conv_model, conv_node, forward_lines,
-                                       grad_input_lines, grad_weight_lines)
+from sdcscope.detect.convcheck import (CONV_TYPES, TRANSPOSED_TYPES, Geometry, checkable_conv, conv_model,
+                                       conv_node, forward_lines, grad_input_lines, grad_weight_lines)
 from sdcscope.detect.events import GEMMS, Event
 from sdcscope.inject.targets import linear_nodes, weight_grad_edge
 from sdcscope.observe._util import autocast_on, is_matmul, match_modules, no_autocast
@@ -129,7 +130,7 @@ class ABFTConfig:
     """Module-name patterns; ``None`` = every module of ``kinds``."""
     kinds: tuple[str, ...] = KINDS
     """Which products: ``'linear'`` (``nn.Linear``), ``'matmul'`` (MatMul-contract modules),
-    ``'conv'`` (``nn.Conv1d/2d/3d``; transposed convolutions are not covered)."""
+    ``'conv'`` (``nn.Conv1d/2d/3d``, ``nn.ConvTranspose1d/2d/3d``)."""
     gemms: tuple[str, ...] = GEMMS
     checksums: str = "column"
     """``'column'``: 1ᵀC per check (names the column); ``'both'`` adds the row checksums C·1
@@ -260,14 +261,16 @@ class ABFTDetector:
         eligible = match_modules(
             model, cfg.targets, option="ABFT targets",
             where=lambda m: ("linear" in cfg.kinds and isinstance(m, nn.Linear))
-            or ("matmul" in cfg.kinds and is_matmul(m)) or ("conv" in cfg.kinds and isinstance(m, CONV_TYPES)))
+            or ("matmul" in cfg.kinds and is_matmul(m))
+            or ("conv" in cfg.kinds and isinstance(m, CONV_TYPES + TRANSPOSED_TYPES)))
         self.layers: list[_Layer] = []
         self.skipped: list[str] = []
         """``nn.Linear`` / ``nn.ConvNd`` subclasses overriding ``forward`` (their output is not
         XWᵀ + b), parametrized ones (the W their forward used cannot be read again) and those
         whose weight is not a real floating-point tensor (complex, quantized: no rounding model)."""
         for name, mod in eligible.items():
-            kind = "linear" if isinstance(mod, nn.Linear) else "conv" if isinstance(mod, CONV_TYPES) else "matmul"
+            kind = "linear" if isinstance(mod, nn.Linear) else \
+                "conv" if isinstance(mod, CONV_TYPES + TRANSPOSED_TYPES) else "matmul"
             if kind != "matmul" and (parametrize.is_parametrized(mod) or not (
                     checkable_conv(mod) if kind == "conv" else
                     type(mod).forward is nn.Linear.forward and mod.weight.is_floating_point())):
@@ -281,7 +284,7 @@ class ABFTDetector:
         self._misses: dict[str, int] = {}
         if not self.layers:
             why = f"skipped {', '.join(self.skipped)} (see ABFTDetector.skipped)" if self.skipped else \
-                "transposed convolutions are not covered"
+                "only nn.Linear, convolutions and MatMul-contract modules are covered"
             warnings.warn(f"ABFT checks no GEMM of this {type(model).__name__}: it has no checkable submodule of "
                           f"kinds {', '.join(cfg.kinds)} (nn.Linear, nn.ConvNd, MatMul-contract modules; {why})", stacklevel=2)
         self._attached = False
@@ -517,32 +520,39 @@ class ABFTDetector:
 
     def _conv_checks(self, layer: _Layer, call: int, module: nn.Module, x, out: torch.Tensor,
                      gemms: set[str]) -> None:
-        found = conv_node(out, module.weight) if out.requires_grad else None
+        transposed = isinstance(module, TRANSPOSED_TYPES)
+        found = conv_node(out, module.weight, transposed) if out.requires_grad else None
         y = out if out.dim() == module.weight.dim() else out.unsqueeze(0)   # unbatched input
         cd = out.dtype
         model = conv_model(self._model(cd, out.device), out.device)
         if found is not None:
             node, geo = found
             xc, w = node._saved_input, node._saved_weight
-            conv = geo.conv
         else:
             xc = x.to(cd) if x.dim() == y.dim() else x.to(cd).unsqueeze(0)
-            w, geo = module.weight.to(cd), None
-            conv = lambda a, b: module._conv_forward(a, b, None)  # noqa: E731
+            w = module.weight.to(cd)
+            geo = Geometry(tuple(module.stride), tuple(module.padding), tuple(module.dilation), module.groups) \
+                if transposed else None
         if "forward" in gemms:
-            bias = module.bias
-            lines = forward_lines(xc, w, None if bias is None else bias.to(cd), y, conv, model=model, cs=self._cs)
-            self._conv_record(layer, "forward", call, lines, "row", (y.shape[0], *y.shape[2:]),
-                              math.prod(w.shape[1:]), cd)
+            bias = None if module.bias is None else module.bias.to(cd)
+            if transposed:     # the forward of a transposed conv is a conv's dX product
+                lines = grad_input_lines(xc, w, y, geo, model=model, cs=self._cs, bias=bias)
+                k = (w.shape[0] // geo.groups) * math.prod(w.shape[2:])
+            else:
+                conv = geo.conv if found is not None else (lambda a, b: module._conv_forward(a, b, None))
+                lines = forward_lines(xc, w, bias, y, conv, model=model, cs=self._cs)
+                k = math.prod(w.shape[1:])
+            self._conv_record(layer, "forward", call, lines, "row", (y.shape[0], *y.shape[2:]), k, cd)
         if found is None or not ({"grad_input", "grad_weight"} & gemms):
             return
         node.register_hook(self._shielded(lambda grad_inputs, grad_outputs: self._conv_backward(
-            layer, call, geo, xc, w, grad_inputs, grad_outputs, gemms)))
+            layer, call, geo, transposed, xc, w, grad_inputs, grad_outputs, gemms)))
 
-    def _conv_backward(self, layer: _Layer, call: int, geo, xc: torch.Tensor, w: torch.Tensor,
-                       grad_inputs, grad_outputs, gemms: set[str]) -> None:
+    def _conv_backward(self, layer: _Layer, call: int, geo: Geometry, transposed: bool, xc: torch.Tensor,
+                       w: torch.Tensor, grad_inputs, grad_outputs, gemms: set[str]) -> None:
         """Post-hook of a convolution's node: dY in, dX and dW out (after any fault an injector's
-        earlier hook on the node wrote into them); ``xc``, ``w``: the operands the node saved."""
+        earlier hook on the node wrote into them); ``xc``, ``w``: the operands the node saved. A
+        transposed convolution's dX is a convolution of dY, its dW a conv's dW, roles swapped."""
         dy, dx, dw = grad_outputs[0], grad_inputs[0], grad_inputs[1]
         if dy is None:
             return None
@@ -552,13 +562,18 @@ class ABFTDetector:
         with torch.no_grad(), no_autocast(dy.device):
             model = conv_model(self._model(dy.dtype, dy.device), dy.device)
             if dx is not None and "grad_input" in gemms:
-                lines = grad_input_lines(dy, w, dx, geo, model=model, cs=self._cs)
-                self._conv_record(layer, "grad_input", call, lines, "row", (dx.shape[0], *dx.shape[2:]),
-                                  (dy.shape[1] // geo.groups) * math.prod(w.shape[2:]), dy.dtype)
+                if transposed:
+                    lines = forward_lines(dy, w, None, dx, geo.conv, model=model, cs=self._cs)
+                    k = math.prod(w.shape[1:])
+                else:
+                    lines = grad_input_lines(dy, w, dx, geo, model=model, cs=self._cs)
+                    k = (dy.shape[1] // geo.groups) * math.prod(w.shape[2:])
+                self._conv_record(layer, "grad_input", call, lines, "row", (dx.shape[0], *dx.shape[2:]), k, dy.dtype)
             if dw is not None and "grad_weight" in gemms:
-                lines = grad_weight_lines(dy, xc, dw, geo, model=model, cs=self._cs)
+                a, b = (dy, xc) if transposed else (xc, dy)   # (the conv's input, its output gradient)
+                lines = grad_weight_lines(b, a, dw, geo, model=model, cs=self._cs)
                 self._conv_record(layer, "grad_weight", call, lines, "col", tuple(dw.shape[1:]),
-                                  dy.shape[0] * math.prod(dy.shape[2:]), dy.dtype)
+                                  b.shape[0] * math.prod(b.shape[2:]), dy.dtype)
         return None
 
     def _conv_record(self, layer: _Layer, gemm: str, call: int, lines: list, side: str,

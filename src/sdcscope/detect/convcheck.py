@@ -21,6 +21,10 @@ convolution with ``g`` output channels (1/O_g of the layer's own cost):
   Σ_o dW[o, i, t] vs conv_weight(X, Σ_o dY_o) — the column line of dYᵀ·A, with the column norm
   of A (one tap of input channel i over all positions) bounded by ‖X[:, i]‖ as for a Linear's X.
 
+A transposed convolution is the adjoint of a convolution with the same weight: its forward is
+that convolution's dX product, its dX that convolution's forward and its dW that convolution's
+dW with the roles of input and output gradient swapped — the same three checks, roles swapped.
+
 Rounding model: the conv is modelled as dot products of length k (forward), O_g·T (dX) and P
 (dW). Direct, im2col and implicit-GEMM algorithms (the CPU's oneDNN direct convolution, cuDNN's
 GEMM kernels) fit it; FFT or Winograd algorithms round differently (errors spread over the
@@ -44,20 +48,18 @@ from sdcscope.detect.checksum import TF32_ROUNDOFF, Line, RoundingModel, line_co
 from sdcscope.inject.targets import through_casts
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+TRANSPOSED_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _INPUT = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
 _WEIGHT = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
 
 
 def checkable_conv(module: nn.Module) -> bool:
-    """An ``nn.Conv1d/2d/3d`` running its own forward (a subclass overriding it computes something
-    else) on a real floating-point weight."""
-    return (isinstance(module, CONV_TYPES) and type(module).forward is _base(module).forward
+    """An ``nn.Conv1d/2d/3d`` or ``nn.ConvTranspose1d/2d/3d`` running its own forward (a subclass
+    overriding it computes something else) on a real floating-point weight."""
+    base = next((c for c in CONV_TYPES + TRANSPOSED_TYPES if isinstance(module, c)), None)
+    return (base is not None and type(module).forward is base.forward
             and module.weight.is_floating_point() and not module.weight.is_complex())
-
-
-def _base(module: nn.Module) -> type:
-    return next(c for c in CONV_TYPES if isinstance(module, c))
 
 
 def conv_model(model: RoundingModel, device: torch.device) -> RoundingModel:
@@ -97,7 +99,7 @@ class Geometry:
         return _WEIGHT[self.dims](x, shape, dy, self.stride, self.padding, self.dilation, self.groups)
 
 
-def conv_node(out: torch.Tensor, weight: torch.Tensor, max_depth: int = 3):
+def conv_node(out: torch.Tensor, weight: torch.Tensor, transposed: bool = False, max_depth: int = 3):
     """``(node, geometry)``: the ``ConvolutionBackward0`` node of the call that produced ``out``
     with ``weight`` (behind an unbatched input's squeeze, or a forward hook that replaced the
     output), or ``None``. A frozen weight has no edge: the first convolution with its shape."""
@@ -106,7 +108,7 @@ def conv_node(out: torch.Tensor, weight: torch.Tensor, max_depth: int = 3):
     for _ in range(max_depth):
         nxt = []
         for node in frontier:
-            if type(node).__name__ == "ConvolutionBackward0" and not node._saved_transposed:
+            if type(node).__name__ == "ConvolutionBackward0" and node._saved_transposed == transposed:
                 edge = node.next_functions[1][0]
                 if (getattr(through_casts(edge), "variable", None) is weight if edge is not None
                         else not weight.requires_grad and node._saved_weight.shape == weight.shape):
@@ -143,23 +145,27 @@ def _line(model: RoundingModel, act, exp, scale, s1, v, *, rows: int, summed: in
 
 
 def _rounding_extra(model: RoundingModel, c: torch.Tensor, act: torch.Tensor, reduce: Callable,
-                    cap: torch.Tensor, summed: int) -> torch.Tensor | None:
+                    cap: torch.Tensor, summed: int, roundings: int = 1) -> torch.Tensor | None:
     """Output rounding of a narrow (bf16/fp16) result: u_out·(‖line‖₂ + |Σ line|), the result
     clamped to twice its Cauchy-Schwarz bound so a corrupted element cannot hide itself, plus
     the absolute error of results below the smallest normal (half a subnormal spacing each, for
     the ``summed`` results of a checksum: fp16 gradients of 1e-5 are subnormal, and their
-    relative error is no longer u_out — a clean fp16 dX check reached 90 model stds without it)."""
+    relative error is no longer u_out — a clean fp16 dX check reached 90 model stds without it).
+    ``roundings``: partial results rounded to the output dtype per result (a col2im sum over the
+    overlapping taps), independent: √roundings times the term."""
     if not model.narrow:
         return None
     cc = c.float().clamp(-cap, cap)
     # rounded twice below the smallest normal too, like u_out (conv_model)
-    return model.u_out * (reduce(cc * cc).sqrt() + act.abs()) + 2 * summed * subnormal_error(c.dtype)
+    return math.sqrt(roundings) * (model.u_out * (reduce(cc * cc).sqrt() + act.abs())
+                                   + 2 * summed * subnormal_error(c.dtype))
 
 
 def forward_lines(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
                   conv: Callable, *, model: RoundingModel, cs: torch.dtype) -> list[Line]:
     """Σ_o Y[n, o, p] vs conv(X, Σ_o W_o) + Σ_o b_o per group and output position. ``x``, ``w``:
-    the operands in the conv's compute dtype; ``conv(x, w)`` convolves like the call did."""
+    the operands in the conv's compute dtype; ``conv(x, w)`` convolves like the call did. (Also
+    a transposed convolution's dX: dY convolved with its weight.)"""
     o = y.shape[1]
     g = x.shape[1] // w.shape[1]
     og, cg, taps = o // g, w.shape[1], math.prod(w.shape[2:])
@@ -182,8 +188,9 @@ def forward_lines(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y
 
 
 def grad_input_lines(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geo: Geometry, *,
-                     model: RoundingModel, cs: torch.dtype) -> list[Line]:
-    """Σ_i dX[n, i, q] vs conv_input(dY, Σ_i W_i) per group and input position."""
+                     model: RoundingModel, cs: torch.dtype, bias: torch.Tensor | None = None) -> list[Line]:
+    """Σ_i dX[n, i, q] vs conv_input(dY, Σ_i W_i) (+ Σ_i bias_i) per group and input position
+    (also a transposed convolution's forward: dY the input, dX the output)."""
     g = geo.groups
     n, o = dy.shape[:2]
     og, cg, taps = o // g, w.shape[1], math.prod(w.shape[2:])
@@ -192,12 +199,18 @@ def grad_input_lines(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geo: G
     shape = (n, g, *dx.shape[2:])
     dyf = _to(dy, cs)
     exp = geo.input_grad(shape, wi, dyf)
+    if bias is not None:
+        exp = exp + _to(bias, cs).view(g, cg).sum(1).view(1, g, *(1,) * (dx.dim() - 2))
     act = dx.unflatten(1, (g, cg)).sum(2, dtype=cs)
     dyn = _to(dy, torch.float64 if cs == torch.float64 else torch.float32)
     rown = geo.input_grad(shape, torch.ones_like(wi, dtype=dyn.dtype), dyn * dyn).clamp_min(0).sqrt()
     extra = _rounding_extra(model, dx, act, lambda t: t.unflatten(1, (g, cg)).sum(2),
-                            2 * rown.amax() * torch.linalg.vector_norm(wf.transpose(0, 1).flatten(1), dim=1).amax(),
-                            cg)
+                            2 * (rown.amax() * torch.linalg.vector_norm(wf.transpose(0, 1).flatten(1), dim=1).amax()
+                                 + (0 if bias is None else _to(bias, cs).abs().amax())), cg,
+                            # the taps overlapping at an input position, summed by col2im in the
+                            # output dtype (clean bf16/fp16 ratios grew with the kernel: 1.0 at 1x1,
+                            # 2.2 at 3x3, 3.8 at 7x7 without this)
+                            math.prod(-(-k // s) for k, s in zip(w.shape[2:], geo.stride)))
     rows = lambda t: _groups_first(t, g)  # noqa: E731
     return [_line(model, rows(act), rows(exp), rows(rown), _norms(wf, g), wi.reshape(g, -1), rows=g,
                   summed=cg, k=og * taps, scale_count=og * taps, s1_count=og * cg * taps, dtype=wf.dtype,
@@ -206,7 +219,8 @@ def grad_input_lines(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geo: G
 
 def grad_weight_lines(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, geo: Geometry, *,
                       model: RoundingModel, cs: torch.dtype) -> list[Line]:
-    """Σ_o dW[o, i, t] vs conv_weight(X, Σ_o dY_o) per group and weight column (i, t)."""
+    """Σ_o dW[o, i, t] vs conv_weight(X, Σ_o dY_o) per group and weight column (i, t). (Also a
+    transposed convolution's dW, with its input as ``dy`` and its dY as ``x``.)"""
     g = geo.groups
     n, o = dy.shape[:2]
     og, cg, taps = o // g, dw.shape[1], math.prod(dw.shape[2:])
