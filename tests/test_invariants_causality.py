@@ -201,6 +201,7 @@ def _one_step(model, *args, **kwargs) -> dict:
     rec = TraceRecorder(model, opt, config=TraceConfig(causal_probe=1)).attach()
     rec.step_begin(0)
     out = model(*args, **kwargs)
+    out = out["logits"] if isinstance(out, dict) else out
     loss = out[1] if isinstance(out, tuple) else out.float().pow(2).mean()
     loss.backward()
     opt.step()
@@ -253,3 +254,166 @@ def test_causal_invariant_params_are_validated():
             validate_invariant(Invariant(id="c", relation="Causal", params=bad,
                                          precondition=Precondition(when=("forward",))))
     assert "Causal" in RELATIONS
+
+
+# -- models whose forward or train() has side effects, other input/output conventions ----------
+
+class KwLM(nn.Module):
+    """``forward(input_ids, attention_mask=None, labels=None) -> {"loss", "logits"}`` (HF style),
+    causal; a step counter buffer the forward advances in any mode (a fake-quant observer)."""
+
+    def __init__(self, loss_first: bool = True) -> None:
+        super().__init__()
+        self.loss_first = loss_first
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.rnn = nn.GRU(8, 8, batch_first=True)
+        self.head = nn.Linear(8, VOCAB)
+        self.register_buffer("seen", torch.zeros(()))
+        self.masks: list = []
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        self.seen += 1
+        if running():
+            self.masks.append(attention_mask)
+        h = self.rnn(self.emb(input_ids))[0]
+        if attention_mask is not None:
+            h = h * attention_mask[..., None]
+        logits = self.head(h) * (1 + 1e-3 * self.seen)
+        loss = None if labels is None else F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+        return {"loss": loss, "logits": logits} if self.loss_first else {"logits": logits, "loss": loss}
+
+
+class LoRALinear(nn.Linear):
+    """loralib style: ``eval()`` merges ``B @ A`` into the frozen weight, ``train()`` unmerges."""
+
+    def __init__(self, i: int, o: int, r: int = 2) -> None:
+        super().__init__(i, o)
+        self.A = nn.Parameter(torch.randn(r, i) * 0.1)
+        self.B = nn.Parameter(torch.randn(o, r) * 0.1)
+        self.weight.requires_grad_(False)
+        self.merged = False
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if mode and self.merged:
+            self.weight.data -= self.B @ self.A
+            self.merged = False
+        elif not mode and not self.merged:
+            self.weight.data += self.B @ self.A
+            self.merged = True
+        return self
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.merged else y + x @ self.A.t() @ self.B.t()
+
+
+class LoraGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = gpt(dropout=0.0)
+        self.gpt.head = LoRALinear(16, VOCAB)
+
+    def forward(self, idx):
+        return self.gpt(idx)
+
+
+def _run(make, call, traced: bool, steps: int = 3):
+    """``call(model, x, mask, y) -> loss``; the final parameters' digest, buffers, RNG state and
+    the probes' fields."""
+    from sdcscope.engine import param_sha256
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rec = TraceRecorder(model, opt, config=TraceConfig(causal_probe=1)).attach() if traced else None
+    found = []
+    for step in range(steps):
+        if rec:
+            rec.step_begin(step)
+        x, y = batch(0, step)
+        mask = torch.ones_like(x)
+        mask[:2, -3:] = 0
+        opt.zero_grad()
+        call(model, x, mask, y).backward()
+        opt.step()
+        if rec:
+            found += [f for r in rec.step_end() for api, f in r["calls"] if api == "forward" and "causal_leak" in f]
+    if rec:
+        rec.detach()
+    return (param_sha256(model), [b.clone() for b in model.buffers()], torch.get_rng_state()), found, model
+
+
+def _same_as_untraced(make, call, steps: int = 3):
+    (plain, *_), (traced, found, model) = _run(make, call, False, steps), _run(make, call, True, steps)
+    assert plain[0] == traced[0]
+    assert len(plain[1]) == len(traced[1]) and all(map(torch.equal, plain[1], traced[1]))
+    assert torch.equal(plain[2], traced[2])
+    assert len(found) == steps and all(f["causal_leak"] == 0.0 for f in found)
+    return model
+
+
+def _lm_loss(model, x, mask, y):
+    out = model(x)
+    return F.cross_entropy((out if isinstance(out, torch.Tensor) else out["logits"]).reshape(-1, VOCAB),
+                           y.reshape(-1))
+
+
+def test_a_module_whose_eval_merges_weights_is_unmerged_and_trains_as_untraced():
+    model = _same_as_untraced(LoraGPT, _lm_loss)
+    head = model.gpt.head
+    assert head.training and not head.merged
+    assert head.A.grad is not None and head.A.grad.abs().sum() > 0
+
+
+def test_buffers_the_forward_advances_are_put_back_in_place():
+    model = _same_as_untraced(lambda: KwLM(loss_first=False), _lm_loss)
+    assert model.seen.item() == 3   # the training forwards only
+    # The same tensor, as references to it (an optimizer, a hook) expect.
+    ref = model.seen
+    _one_step(model, batch(0, 0)[0])
+    assert model.seen is ref and ref.item() == 4
+
+
+def test_replacement_ids_are_taken_from_the_same_column_of_the_batch():
+    class Pairs(nn.Module):   # [B, 2] (user id, item id): separate vocabularies
+        def __init__(self) -> None:
+            super().__init__()
+            self.u, self.i, self.head = nn.Embedding(1000, 4), nn.Embedding(20, 4), nn.Linear(8, 2)
+            self.fed: list = []
+
+        def forward(self, pair):
+            if running():
+                self.fed.append(pair.clone())
+            return self.head(torch.cat([self.u(pair[:, 0]), self.i(pair[:, 1])], -1))
+
+    model = Pairs()
+    pair = torch.tensor([[500, 3], [7, 12], [999, 3], [250, 19]])   # row 0's item id: the column's min
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f = _one_step(model, pair)
+    assert "causal_leak" in f and f["causal_len"] == 2   # not causal: each output sees both ids
+    (fed,) = model.fed
+    for j in range(2):
+        assert set(fed[:, j].tolist()) <= set(pair[:, j].tolist())
+    assert fed[1:, 1].tolist() == [19]   # cut 1: the item id replaced by the column's max
+
+
+@pytest.mark.parametrize("loss_first", [True, False])
+def test_probe_runs_on_keyword_token_ids_and_picks_the_per_position_output(loss_first):
+    def call(model, x, mask, y):
+        return model(input_ids=x, attention_mask=mask, labels=y)["loss"]
+
+    model = _same_as_untraced(lambda: KwLM(loss_first), call)
+    mask = model.masks[0]   # the probe's attention mask: the first sequence's, one per probe row
+    assert mask.shape == (1 + len({1, T // 2}), T) and (mask == batch(0, 0)[0].new_ones(T).where(
+        torch.arange(T) < T - 3, 0)).all()
+
+
+def test_dict_output_with_the_loss_first_is_probed_positionally():
+    _same_as_untraced(lambda: KwLM(loss_first=True), lambda m, x, mask, y: m(x, mask, y)["loss"])
+
+
+def test_a_batch_of_one_sequence_is_not_probed():
+    f = _one_step(gpt(), batch(0, 0, b=1)[0])
+    assert not any(k.startswith("causal") for k in f)

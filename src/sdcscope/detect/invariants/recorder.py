@@ -453,8 +453,9 @@ class TraceRecorder(EngineCallbacks):
         (the first one seen, then every ``causal_probe`` steps); see ``probe``."""
         if self._next_probe is not None and self._step < self._next_probe:
             return
-        x = probe.token_input(args)
-        found = None if x is None else self._probe(x, args, kwargs, output)
+        where = probe.token_arg(args, kwargs)   # positional, or model(input_ids=...)
+        x = probe.token_input(args, kwargs)
+        found = None if x is None else self._probe(x, args, kwargs, output, where)
         if found is None:
             return
         self._next_probe = self._step + self.config.causal_probe
