@@ -259,3 +259,66 @@ def test_narrow_encoder_decoder_is_clean(mode):
         opt.step()
         opt.zero_grad()
     assert len(det.max_ratio) == 8 and max(det.max_ratio.values()) < 4, det.max_ratio
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular", "same4"])
+def test_self_padding_conv_dx_checked_where_the_module_input_gets_it(mode):
+    """A conv padding its input itself (an autograd pad node between its GEMM and its input):
+    the injector's dX fault lands on the module's dX, after the pad; ABFT checks dX there and
+    names the position in the module input's coordinates (before: missed, padded coordinates)."""
+    pad = dict(padding="same") if mode == "same4" else dict(padding=1, padding_mode=mode)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 4 if mode == "same4" else 3, **pad),
+                        nn.Flatten(), nn.Linear(8 * 64, 10))
+    spec = FaultSpec.from_dict({"site": "gemm.grad_input", "target": "2", "model": "bitflip", "bits": [27],
+                                "seed": 5, "schedule": {"kind": "transient", "step": 0}})
+    inj = Injector(net, [spec]).attach()
+    det = ABFTDetector(net, ABFTConfig()).attach()
+    inj.set_position(0)
+    x = torch.randn(4, 4, 8, 8)
+    net(x).square().sum().backward()
+    events = det.check(0)
+    (rec,) = inj.records
+    n, _, *q = (int(i) for i in torch.unravel_index(torch.tensor(rec["index"][0]), (4, 8, 8, 8)))
+    assert [(e.module, e.gemm, e.index) for e in events] == [("2", "grad_input", (n, None, *q))]
+    # and clean: the padding's adjoint folds the border rows into the model
+    det.detach()
+    det = ABFTDetector(net, ABFTConfig()).attach()
+    inj.set_position(1)
+    net.zero_grad()
+    net(x).square().sum().backward()
+    assert det.check(1) == [] and det.max_ratio[("2", "grad_input")] < 1
+
+
+def test_depthwise_conv_under_bf16_autocast_is_clean():
+    """CPU bf16 depthwise kernels accumulate in bf16 (a clean dX check at 4,248 model stds
+    under the fp32-accumulation model)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 64, 1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1, groups=64), nn.ReLU(),
+                        nn.Conv2d(64, 8, 1))
+    det = ABFTDetector(net, ABFTConfig()).attach()
+    for step in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = net(torch.randn(8, 3, 16, 16)).float().square().mean()
+        loss.backward()
+        assert det.check(step) == []
+    assert max(det.max_ratio.values()) < 2
+
+
+def test_non_reentrant_checkpoint_is_not_recomputed_by_the_checks():
+    """Reading a checkpointed conv's saved operands in its forward hook recomputed the region at
+    once (and checked the next conv against operands of another run): under saved-tensor hooks
+    the forward is checked from the module's input, and each conv runs once forward, once again
+    when backward recomputes it."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    a, b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+    calls = []
+    a.register_forward_hook(lambda m, i, o: calls.append("a"))
+    net = nn.ModuleDict({"a": a, "b": b})
+    det = ABFTDetector(net, ABFTConfig()).attach()
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    checkpoint(lambda t: b(torch.relu(a(t))), x, use_reentrant=False).square().sum().backward()
+    assert calls == ["a", "a"]
+    assert det.check(0) == []
+    assert {("a", "forward"), ("b", "forward")} <= set(det.max_ratio)

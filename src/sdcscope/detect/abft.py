@@ -212,6 +212,7 @@ class _Ctx:
     need: set[str] = field(default_factory=set)
     higher_order: bool = False             # a backward with create_graph ran through this call
     dy_norm: torch.Tensor | None = None    # hot path: ‖dY‖_F, read at the GEMM node for the dW check
+    conv: tuple | None = None              # a self-padding conv's dX check, waiting for the module's dX
     _dy_op: Operand | None = None
 
     def dy_operand(self, cs: torch.dtype) -> Operand:
@@ -228,7 +229,7 @@ class _Ctx:
 
     def release(self) -> None:
         self.need.clear()
-        self.a = self.b = self.dy = self._dy_op = self.x = self.dy_norm = None
+        self.a = self.b = self.dy = self._dy_op = self.x = self.dy_norm = self.conv = None
 
 
 @dataclass
@@ -368,7 +369,8 @@ class ABFTDetector:
         Linear whose dX is read at its GEMM's autograd node (the fast path): possible when the
         graph has the known shape and no full backward hook (which may edit dX) stands
         between that node and the module's input."""
-        slow = layer.kind != "conv" and (not layer.fast or _backward_hooked(layer.module))
+        slow = _self_padding(layer.module) if layer.kind == "conv" else \
+            not layer.fast or _backward_hooked(layer.module)
         if slow and layer.pre is None:
             layer.pre = layer.module.register_forward_pre_hook(self._pre_hook(layer), prepend=False,
                                                                with_kwargs=True)
@@ -514,14 +516,21 @@ class ABFTDetector:
         """Check Y; hook the call's ``ConvolutionBackward0`` node for dX and dW. The node holds
         the input as the GEMM consumed it (padded by the module, cast under autocast) and the
         convolution's parameters; without one (no grad), the module convolves the checksum."""
-        ctx.release()   # a conv keeps no operands in the context: its node has them
         with no_autocast(out.device):
-            self._conv_checks(layer, ctx.call, module, x, out, gemms)
+            self._conv_checks(layer, ctx, module, x, out, gemms)
+        if not ctx.need:
+            ctx.release()   # a conv keeps no operands in the context: its node has them
 
-    def _conv_checks(self, layer: _Layer, call: int, module: nn.Module, x, out: torch.Tensor,
+    def _conv_checks(self, layer: _Layer, ctx: _Ctx, module: nn.Module, x, out: torch.Tensor,
                      gemms: set[str]) -> None:
+        call = ctx.call
         transposed = isinstance(module, TRANSPOSED_TYPES)
-        found = conv_node(out, module.weight, transposed) if out.requires_grad else None
+        # Saved-tensor hooks (non-reentrant activation checkpointing, offloading) would run on the
+        # node's saved operands if read here: a checkpoint recomputes its region at once and keeps
+        # the result (its memory saving lost); such a call's forward is checked from the module's
+        # input, its dX and dW are not.
+        hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        found = conv_node(out, module.weight, transposed) if out.requires_grad and not hooked else None
         y = out if out.dim() == module.weight.dim() else out.unsqueeze(0)   # unbatched input
         cd = out.dtype
         model = conv_model(self._model(cd, out.device), out.device)
@@ -543,16 +552,25 @@ class ABFTDetector:
                 lines = forward_lines(xc, w, bias, y, conv, model=model, cs=self._cs)
                 k = math.prod(w.shape[1:])
             self._conv_record(layer, "forward", call, lines, "row", (y.shape[0], *y.shape[2:]), k, cd)
+        pad = None   # a module padding its input itself: dX is checked where the module's input gets it
+        if "op0" in ctx.need:
+            pad = _padding_of(module, node, x) if found is not None else None
+            if pad is None:
+                ctx.done("op0")
         if found is None or not ({"grad_input", "grad_weight"} & gemms):
             return
         node.register_hook(self._shielded(lambda grad_inputs, grad_outputs: self._conv_backward(
-            layer, call, geo, transposed, xc, w, grad_inputs, grad_outputs, gemms)))
+            layer, call, geo, transposed, xc, w, grad_inputs, grad_outputs, gemms,
+            None if pad is None else (ctx, pad))))
 
     def _conv_backward(self, layer: _Layer, call: int, geo: Geometry, transposed: bool, xc: torch.Tensor,
-                       w: torch.Tensor, grad_inputs, grad_outputs, gemms: set[str]) -> None:
+                       w: torch.Tensor, grad_inputs, grad_outputs, gemms: set[str], deferred=None) -> None:
         """Post-hook of a convolution's node: dY in, dX and dW out (after any fault an injector's
         earlier hook on the node wrote into them); ``xc``, ``w``: the operands the node saved. A
-        transposed convolution's dX is a convolution of dY, its dW a conv's dW, roles swapped."""
+        transposed convolution's dX is a convolution of dY, its dW a conv's dW, roles swapped.
+        ``deferred`` = (context, padding): the dX check waits for the module's own dX (the
+        gradient of its unpadded input, :meth:`_grad_operand_hook`), where the injector's faults
+        on it land and whose coordinates the event names."""
         dy, dx, dw = grad_outputs[0], grad_inputs[0], grad_inputs[1]
         if dy is None:
             return None
@@ -561,7 +579,10 @@ class ABFTDetector:
             return None
         with torch.no_grad(), no_autocast(dy.device):
             model = conv_model(self._model(dy.dtype, dy.device), dy.device)
-            if dx is not None and "grad_input" in gemms:
+            if deferred is not None:
+                ctx, pad = deferred
+                ctx.conv = (dy, w, geo, model, pad, dx.shape[2:])
+            elif dx is not None and "grad_input" in gemms:
                 if transposed:
                     lines = forward_lines(dy, w, None, dx, geo.conv, model=model, cs=self._cs)
                     k = math.prod(w.shape[1:])
@@ -748,6 +769,16 @@ class ABFTDetector:
 
     def _grad_operand_hook(self, layer: _Layer, ctx: _Ctx, pos: int):
         def hook(grad):
+            if layer.kind == "conv":   # a self-padding conv: dX as the module's input receives it
+                if ctx.conv is not None:
+                    dy, w, geo, model, pad, padded = ctx.conv
+                    with torch.no_grad(), no_autocast(grad.device):
+                        g = grad if grad.dim() == w.dim() else grad.unsqueeze(0)
+                        lines = grad_input_lines(dy, w, g, geo, model=model, cs=self._cs, pad=(padded, pad))
+                        self._conv_record(layer, "grad_input", ctx.call, lines, "row", (g.shape[0], *g.shape[2:]),
+                                          (dy.shape[1] // geo.groups) * math.prod(w.shape[2:]), dy.dtype)
+                ctx.done("op0")
+                return None
             if ctx.dy is None or ctx.a is None or ctx.higher_order:
                 ctx.done(f"op{pos}")
                 return None
@@ -926,6 +957,26 @@ class ABFTDetector:
         n = len(self.layers)
         self._plan = (min(n, max(1, int(2 * per_step))), 2) if 2 * per_step >= 1 else \
             (1, min(10_000, math.ceil(1 / per_step)))
+
+
+def _self_padding(module: nn.Module) -> bool:
+    """A convolution that pads its input itself before the GEMM (``padding_mode`` other than
+    ``'zeros'``; ``padding='same'``, asymmetric for an even kernel): its GEMM's dX is the padded
+    input's gradient, not the module's."""
+    return getattr(module, "padding_mode", "zeros") != "zeros" or getattr(module, "padding", None) == "same"
+
+
+def _padding_of(module: nn.Module, node, x: torch.Tensor):
+    """The module's own padding of its input as a function of a g-channel proxy, or ``None``
+    when this call's GEMM consumed the input unpadded (an odd kernel's symmetric ``'same'``)."""
+    if module.padding_mode != "zeros":
+        pads, mode = module._reversed_padding_repeated_twice, module.padding_mode
+    else:
+        pad_node = node.next_functions[0][0]
+        if type(pad_node).__name__ != "ConstantPadNdBackward0":
+            return None
+        pads, mode = tuple(pad_node._saved_pad), "constant"
+    return lambda z: torch.nn.functional.pad(z, pads, mode=mode)
 
 
 def _keep_last(layer: _Layer) -> None:

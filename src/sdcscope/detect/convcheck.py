@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sdcscope.detect.checksum import TF32_ROUNDOFF, Line, RoundingModel, line_coefs, norm_floor, subnormal_error
+from sdcscope.detect.checksum import TF32_ROUNDOFF, UNIT_ROUNDOFF, Line, RoundingModel, line_coefs, norm_floor, subnormal_error
 from sdcscope.inject.targets import through_casts
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -64,11 +64,18 @@ def checkable_conv(module: nn.Module) -> bool:
 
 def conv_model(model: RoundingModel, device: torch.device) -> RoundingModel:
     """``model`` (of the GEMMs in the conv's dtype) with cuDNN's TF32 setting for fp32 convs. A
-    bf16/fp16 convolution's output rounding counts twice: the CPU's blocked bf16 kernels round
-    partial results to the output dtype on the way (clean ratios up to 3.2 model stds on dX with
-    the single-rounding term, ≤ 1.6 with this one; fp32 convs stay ≤ 0.11)."""
+    bf16/fp16 convolution's output rounding counts twice: blocked kernels round partial results
+    to the output dtype on the way (clean ratios up to 3.2 model stds on dX with the
+    single-rounding term, ≤ 1.6 with this one; fp32 convs stay ≤ 0.11). On the CPU, a bf16/fp16
+    convolution is also taken to *accumulate* in its own dtype: depthwise kernels do (a clean dX
+    at 4,248 model stds under the fp32-accumulation model, errors of u·|products| where the sum
+    cancels), and weight gradients behind BatchNorm (zero-mean dY) showed per-image partial sums
+    rounded to bf16 (ratios up to 12). This widens the threshold of narrow CPU convolutions to
+    u·√k·‖a‖‖b‖: exponent flips are still caught, low mantissa flips no longer."""
     if model.narrow:
-        return dataclasses.replace(model, u_out=2 * model.u_out)
+        u = UNIT_ROUNDOFF[model.compute_dtype]
+        return dataclasses.replace(model, u_out=2 * model.u_out,
+                                   u_acc=u if device.type == "cpu" else model.u_acc)
     if (model.compute_dtype == torch.float32 and device.type == "cuda" and torch.backends.cudnn.allow_tf32
             and model.u_in == 0.0):
         return dataclasses.replace(model, u_in=2 * TF32_ROUNDOFF)
@@ -161,6 +168,15 @@ def _rounding_extra(model: RoundingModel, c: torch.Tensor, act: torch.Tensor, re
                                    + 2 * summed * subnormal_error(c.dtype))
 
 
+def _adjoint(fn: Callable, shape: tuple[int, ...]) -> Callable:
+    """t -> the adjoint of the linear map ``fn`` (from tensors of ``shape``) applied to t."""
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            z = torch.zeros(shape, dtype=t.dtype, device=t.device, requires_grad=True)
+            return torch.autograd.grad(fn(z), z, t)[0]
+    return apply
+
+
 def forward_lines(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
                   conv: Callable, *, model: RoundingModel, cs: torch.dtype) -> list[Line]:
     """Σ_o Y[n, o, p] vs conv(X, Σ_o W_o) + Σ_o b_o per group and output position. ``x``, ``w``:
@@ -188,15 +204,19 @@ def forward_lines(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y
 
 
 def grad_input_lines(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geo: Geometry, *,
-                     model: RoundingModel, cs: torch.dtype, bias: torch.Tensor | None = None) -> list[Line]:
+                     model: RoundingModel, cs: torch.dtype, bias: torch.Tensor | None = None,
+                     pad: tuple | None = None) -> list[Line]:
     """Σ_i dX[n, i, q] vs conv_input(dY, Σ_i W_i) (+ Σ_i bias_i) per group and input position
-    (also a transposed convolution's forward: dY the input, dX the output)."""
+    (also a transposed convolution's forward: dY the input, dX the output). ``pad`` =
+    (padded spatial shape, padding function): ``dx`` is the gradient of the *unpadded* input of
+    a module that pads it itself; the expected checksums and the row norms (summed where the
+    padding folds positions together: an upper bound) are taken through the padding's adjoint."""
     g = geo.groups
     n, o = dy.shape[:2]
     og, cg, taps = o // g, w.shape[1], math.prod(w.shape[2:])
     wf = _to(w, cs)
     wi = wf.unflatten(0, (g, og)).sum(2).reshape(o, 1, *w.shape[2:])      # Σ_i W[o, i]: (O, 1, *ks)
-    shape = (n, g, *dx.shape[2:])
+    shape = (n, g, *(dx.shape[2:] if pad is None else pad[0]))
     dyf = _to(dy, cs)
     exp = geo.input_grad(shape, wi, dyf)
     if bias is not None:
@@ -204,6 +224,9 @@ def grad_input_lines(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geo: G
     act = dx.unflatten(1, (g, cg)).sum(2, dtype=cs)
     dyn = _to(dy, torch.float64 if cs == torch.float64 else torch.float32)
     rown = geo.input_grad(shape, torch.ones_like(wi, dtype=dyn.dtype), dyn * dyn).clamp_min(0).sqrt()
+    if pad is not None:
+        adjoint = _adjoint(pad[1], (n, g, *dx.shape[2:]))
+        exp, rown = adjoint(exp), adjoint(rown)
     extra = _rounding_extra(model, dx, act, lambda t: t.unflatten(1, (g, cg)).sum(2),
                             2 * (rown.amax() * torch.linalg.vector_norm(wf.transpose(0, 1).flatten(1), dim=1).amax()
                                  + (0 if bias is None else _to(bias, cs).abs().amax())), cg,
