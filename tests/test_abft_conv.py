@@ -322,3 +322,9 @@ def test_non_reentrant_checkpoint_is_not_recomputed_by_the_checks():
     assert calls == ["a", "a"]
     assert det.check(0) == []
     assert {("a", "forward"), ("b", "forward")} <= set(det.max_ratio)
+
+
+def test_a_lone_layer_is_not_checked_and_the_warning_says_why():
+    with pytest.warns(UserWarning, match=r"not the model itself: wrap a lone layer"):
+        assert ABFTDetector(nn.Conv2d(1, 2, 3)).layers == []
+    assert [x.name for x in ABFTDetector(nn.Sequential(nn.Conv2d(1, 2, 3))).layers] == ["0"]

@@ -285,6 +285,8 @@ class ABFTDetector:
         self._misses: dict[str, int] = {}
         if not self.layers:
             why = f"skipped {', '.join(self.skipped)} (see ABFTDetector.skipped)" if self.skipped else \
+                "submodules are checked, not the model itself: wrap a lone layer, nn.Sequential(layer)" \
+                if isinstance(model, (nn.Linear, *CONV_TYPES, *TRANSPOSED_TYPES)) or is_matmul(model) else \
                 "only nn.Linear, convolutions and MatMul-contract modules are covered"
             warnings.warn(f"ABFT checks no GEMM of this {type(model).__name__}: it has no checkable submodule of "
                           f"kinds {', '.join(cfg.kinds)} (nn.Linear, nn.ConvNd, MatMul-contract modules; {why})", stacklevel=2)
