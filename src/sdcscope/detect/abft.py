@@ -556,7 +556,7 @@ class ABFTDetector:
             self._conv_record(layer, "forward", call, lines, "row", (y.shape[0], *y.shape[2:]), k, cd)
         pad = None   # a module padding its input itself: dX is checked where the module's input gets it
         if "op0" in ctx.need:
-            pad = _padding_of(module, node, x) if found is not None else None
+            pad = _padding_of(module, node) if found is not None else None
             if pad is None:
                 ctx.done("op0")
         if found is None or not ({"grad_input", "grad_weight"} & gemms):
@@ -968,7 +968,7 @@ def _self_padding(module: nn.Module) -> bool:
     return getattr(module, "padding_mode", "zeros") != "zeros" or getattr(module, "padding", None) == "same"
 
 
-def _padding_of(module: nn.Module, node, x: torch.Tensor):
+def _padding_of(module: nn.Module, node):
     """The module's own padding of its input as a function of a g-channel proxy, or ``None``
     when this call's GEMM consumed the input unpadded (an odd kernel's symmetric ``'same'``)."""
     if module.padding_mode != "zeros":

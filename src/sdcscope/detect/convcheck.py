@@ -12,11 +12,12 @@ convolution with ``g`` output channels (1/O_g of the layer's own cost):
   Σ_o Y[n, o, p] vs conv(X, Σ_o W_o) + Σ_o b_o. Model: the row line of the GEMM, the patch's norm
   ‖A_p‖ from conv(X², 1) and ‖W_j‖_F. An event names the position (n, *p); the channel is not
   known (None).
-* **grad_input**, per input position (n, q) of the conv's input as the GEMM consumed it (after
-  the module's own padding for ``padding_mode`` other than ``'zeros'`` or an asymmetric
-  ``'same'``), summed over the group's input channels: Σ_i dX[n, i, q] vs conv_input(dY, Σ_i W_i).
-  Rows of the transposed GEMM hold up to O_g·T products; their norms come from
-  conv_input(dY², 1).
+* **grad_input**, per input position (n, q), summed over the group's input channels:
+  Σ_i dX[n, i, q] vs conv_input(dY, Σ_i W_i). Rows of the transposed GEMM hold up to O_g·T
+  products; their norms come from conv_input(dY², 1). A module that pads its input itself
+  (``padding_mode`` other than ``'zeros'``, an even kernel's ``'same'``) is checked on the
+  gradient of its own, unpadded input — where faults on the module's dX land — through the
+  padding's adjoint.
 * **grad_weight**, per weight column (i, t), summed over the group's output channels:
   Σ_o dW[o, i, t] vs conv_weight(X, Σ_o dY_o) — the column line of dYᵀ·A, with the column norm
   of A (one tap of input channel i over all positions) bounded by ‖X[:, i]‖ as for a Linear's X.
@@ -84,8 +85,8 @@ def conv_model(model: RoundingModel, device: torch.device) -> RoundingModel:
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """How one call convolved: the input as the GEMM consumed it (padded, cast) and the
-    convolution's parameters, read from its autograd node."""
+    """The parameters of one convolution call (from its autograd node, or from the module), and
+    the convolutions a check runs with them."""
 
     stride: tuple[int, ...]
     padding: tuple[int, ...]
