@@ -1,6 +1,6 @@
 """Guard cost per training step, interleaved with an unguarded twin in one process (median ratio).
 
-    python benchmarks/bench_guard_overhead.py [--presets tiny small] [--rounds 41] [--clock cpu]
+    python benchmarks/bench_guard_overhead.py [--presets tiny small] [--rounds 41] [--clock cpu] [--workload cnn]
 
 Configurations: (1) metrics + non-finite + spike detectors (target ≤ 3 %); (2) ABFT alone on every
 Linear, forward/dX/dW, every step (target ≤ 15 % on CPU); (3) the same plus the attention products
@@ -115,8 +115,11 @@ class _Reductions:
         self.parts.clear()
 
 
+WORKLOAD = "gpt"
+
+
 def trainer(preset: str, guard: dict | None) -> Trainer:
-    t = Trainer(make_workload(WorkloadConfig(workload="gpt", preset=preset)), TrainConfig(seed=0))
+    t = Trainer(make_workload(WorkloadConfig(workload=WORKLOAD, preset=preset)), TrainConfig(seed=0))
     if guard is not None:
         t.add_callback(Guard(t.model, t.optimizer, GuardConfig.from_dict(guard)).callback())
     return t
@@ -137,7 +140,11 @@ def main() -> None:
                         help="add a row: ABFT's column-check reductions alone, no bookkeeping (analysis)")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
                         help="subset of: " + "; ".join(CONFIGS).replace("%", "%%"))
+    parser.add_argument("--workload", choices=("gpt", "cnn"), default="gpt",
+                        help="cnn: the LeNet-style CNN (its convolutions are in every config with ABFT's default kinds)")
     args = parser.parse_args()
+    global WORKLOAD
+    WORKLOAD = args.workload
     if args.hooks_only:
         from sdcscope.detect.abft import ABFTDetector
 
