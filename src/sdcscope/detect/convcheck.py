@@ -181,19 +181,21 @@ def _adjoint(fn: Callable, shape: tuple[int, ...]) -> Callable:
 def forward_lines(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
                   conv: Callable, *, model: RoundingModel, cs: torch.dtype) -> list[Line]:
     """Σ_o Y[n, o, p] vs conv(X, Σ_o W_o) + Σ_o b_o per group and output position. ``x``, ``w``:
-    the operands in the conv's compute dtype; ``conv(x, w)`` convolves like the call did. (Also
-    a transposed convolution's dX: dY convolved with its weight.)"""
+    the operands in the conv's compute dtype; ``conv(x, w)`` convolves like the call did (in its
+    g groups). (Also a transposed convolution's dX: dY convolved with its weight.) The patch
+    norms convolve X² summed over each group's channels (g channels, not C) with ones."""
     o = y.shape[1]
     g = x.shape[1] // w.shape[1]
     og, cg, taps = o // g, w.shape[1], math.prod(w.shape[2:])
     wf = _to(w, cs)
     wg = wf.unflatten(0, (g, og)).sum(1)                                     # (g, C_g, *ks)
-    exp = conv(_to(x, cs), wg)
+    xc = _to(x, cs)    # (the norm dtype too: fp32, or fp64 checksums)
+    exp = conv(xc, wg)
+    ones = torch.ones((g, 1, *w.shape[2:]), dtype=xc.dtype, device=xc.device)
+    patch = conv((xc * xc).unflatten(1, (g, cg)).sum(2), ones).clamp_min(0).sqrt()   # ‖A_p‖
     if bias is not None:
         exp = exp + _to(bias, cs).view(g, og).sum(1).view(1, g, *(1,) * (y.dim() - 2))
     act = y.unflatten(1, (g, og)).sum(2, dtype=cs)                           # (N, g, *out)
-    xf = _to(x, torch.float64 if cs == torch.float64 else torch.float32)
-    patch = conv(xf * xf, torch.ones_like(wg, dtype=xf.dtype)).clamp_min(0).sqrt()   # ‖A_p‖
     s1 = _norms(wf, g)
     extra = _rounding_extra(model, y, act, lambda t: t.unflatten(1, (g, og)).sum(2),
                             2 * (patch.amax() * torch.linalg.vector_norm(wf.flatten(1), dim=1).amax()
@@ -218,13 +220,13 @@ def grad_input_lines(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geo: G
     wf = _to(w, cs)
     wi = wf.unflatten(0, (g, og)).sum(2).reshape(o, 1, *w.shape[2:])      # Σ_i W[o, i]: (O, 1, *ks)
     shape = (n, g, *(dx.shape[2:] if pad is None else pad[0]))
-    dyf = _to(dy, cs)
+    dyf = _to(dy, cs)  # (the norm dtype too)
     exp = geo.input_grad(shape, wi, dyf)
+    ones = torch.ones((g, 1, *w.shape[2:]), dtype=dyf.dtype, device=dyf.device)
+    rown = geo.input_grad(shape, ones, (dyf * dyf).unflatten(1, (g, og)).sum(2)).clamp_min(0).sqrt()
     if bias is not None:
         exp = exp + _to(bias, cs).view(g, cg).sum(1).view(1, g, *(1,) * (dx.dim() - 2))
     act = dx.unflatten(1, (g, cg)).sum(2, dtype=cs)
-    dyn = _to(dy, torch.float64 if cs == torch.float64 else torch.float32)
-    rown = geo.input_grad(shape, torch.ones_like(wi, dtype=dyn.dtype), dyn * dyn).clamp_min(0).sqrt()
     if pad is not None:
         adjoint = _adjoint(pad[1], (n, g, *dx.shape[2:]))
         exp, rown = adjoint(exp), adjoint(rown)
