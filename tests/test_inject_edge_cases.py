@@ -380,3 +380,36 @@ def test_every_site_records_when_and_call(tmp_path):
     comm.before_reduce(types.SimpleNamespace(index=0, buffer=grad.view(-1), names=["0.weight"], grads=[grad]))
     (rec,) = comm.records
     assert set(rec) == fields | {"phase"} and (rec["when"], rec["call"]) == ("train", None)
+
+
+class _Recurrent(nn.Module):
+    """Modules returning tuples: an LSTM's (output, (h, c)), an attention's (output, weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        h, _ = self.lstm(x)
+        return self.mha(h, h, h)[0]
+
+
+@pytest.mark.parametrize("target", ["lstm", "mha"])
+def test_an_activation_fault_lands_on_the_first_tensor_of_a_tuple_output(target):
+    torch.manual_seed(0)
+    model, x = _Recurrent(), torch.randn(2, 5, 8)
+    probe = probe_model(model, lambda m: m(x).sum())
+    module, got = getattr(model, target), []
+    module.register_forward_hook(lambda m, a, out: got.append(out))
+    model(x)
+    with Injector(model, [spec(site="activation", target=target, pattern={"kind": "element", "index": 7})],
+                  probe=probe) as inj:
+        model(x)
+    clean, out = got
+    assert type(out) is tuple and len(out) == 2
+    assert [(r["module"], r["count"]) for r in inj.records] == [(target, 1)]
+    assert (out[0] != clean[0]).flatten().nonzero().flatten().tolist() == [7]
+    assert out[0].flatten()[7].item() == flip32(clean[0].flatten()[7].item(), 30)
+    rest = (out[1], clean[1]) if target == "mha" else (out[1][0], clean[1][0])   # untouched
+    assert torch.equal(*rest)

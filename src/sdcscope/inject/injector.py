@@ -3,7 +3,8 @@
 Sites and how they are reached (all hooks are removed by :meth:`Injector.detach`):
 
 ==================  ==========================================================================
-activation          forward hook on the module: its output is replaced
+activation          forward hook on the module: its output is replaced (of a tuple or list output:
+                    the first floating-point tensor, :func:`~sdcscope.inject.targets.primary_output`)
 gemm.forward        forward hook on a GEMM module (Linear, Conv, ``is_matmul``): Y is replaced;
                     with pattern ``mac_cell`` the *weight operand* of cell (a, b) is faulted in
                     the computation only (NVDLA software error model), Y gets exactly that error;
@@ -80,7 +81,7 @@ from torch import nn
 from sdcscope._io import JsonlWriter
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, FaultSpecError, apply_spec, fault_generator, fires
 from sdcscope.inject.targets import (CONV_TYPES, Target, element_state, operand_channel_dims, operand_grad_edge,
-                                     validate_specs, weight_grad_edge)
+                                     primary_output, validate_specs, weight_grad_edge)
 
 _REEXECUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdcscope_reexecuting", default=False)
 
@@ -347,14 +348,15 @@ class Injector:
         channel_dim = 1 if isinstance(t.module, CONV_TYPES) else -1
 
         def hook(module, args, output):
-            if not isinstance(output, torch.Tensor):
+            tensor, rebuild = primary_output(output)
+            if tensor is None:
                 return None
             call = self._call(i, spec, t, args[0] if args else None)
             if call is None:
                 return None
-            faulty = output.detach().clone()
+            faulty = tensor.detach().clone()
             self._corrupt(i, spec, t, faulty, channel_dim=channel_dim, call=call)
-            return _replaced(output, faulty)
+            return rebuild(_replaced(tensor, faulty))
         return hook
 
     def _mac_cell_hook(self, i, spec, t: Target):

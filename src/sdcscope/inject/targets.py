@@ -308,6 +308,24 @@ def _info(x: Any) -> TensorInfo | None:
     return TensorInfo(tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else None
 
 
+def primary_output(output: Any) -> tuple[torch.Tensor | None, Callable[[torch.Tensor], Any]]:
+    """``(tensor, rebuild)``: the tensor a module-output fault lands on and ``rebuild(t)``, the
+    output with ``t`` in its place. A tensor is itself; of a tuple or list (an LSTM's
+    ``(output, (h, c))``, an attention's ``(output, weights)``, a transformer block's
+    ``(hidden_states, ...)``), the first floating-point tensor at its top level -- the value the
+    next layer consumes. ``(None, ...)`` for anything else."""
+    if isinstance(output, torch.Tensor):
+        return output, lambda t: t
+    if isinstance(output, (tuple, list)):
+        for k, item in enumerate(output):
+            if isinstance(item, torch.Tensor) and item.is_floating_point():
+                def rebuild(t: torch.Tensor, k: int = k) -> Any:
+                    items = [*output[:k], t, *output[k + 1:]]
+                    return output._make(items) if hasattr(output, "_make") else type(output)(items)
+                return item, rebuild
+    return None, lambda t: output
+
+
 @dataclass(frozen=True)
 class ModuleCall:
     """One call of a module in a probe pass: its output and positional inputs (``None`` where
@@ -353,7 +371,8 @@ def probe_model(model: nn.Module, forward: Callable[[nn.Module], Any],
                     grad = weight_grad_edge(output, module.weight) is not None
                 n = 2 if getattr(module, "is_matmul", False) else 1
                 operands = tuple(_operand_grad(module, output, args, k) for k in range(n))
-            calls[name].append(ModuleCall(_info(output), tuple(_info(a) for a in args), grad, operands, evaluating))
+            calls[name].append(ModuleCall(_info(primary_output(output)[0]), tuple(_info(a) for a in args), grad,
+                                          operands, evaluating))
         return hook
 
     for name, module in twin.named_modules():
