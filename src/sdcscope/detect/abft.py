@@ -73,7 +73,9 @@ other step and sizes the rotation from the measured wall time of checked and unc
 that checking costs about ``budget`` × the step time (call :meth:`ABFTDetector.check` once per
 step).
 
-Not covered: products computed outside a module's ``forward``
+Not covered: the GEMMs inside fused recurrent kernels (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``:
+one ATen call per sequence, no per-product result to hook; their faults surface through the
+non-finite, spike and state-checksum detectors), products computed outside a module's ``forward``
 (``F.linear`` on another module's weight, ``F.scaled_dot_product_attention``: expose them as MatMul-contract modules to
 check them; a Linear used only that way -- ``nn.MultiheadAttention``'s ``out_proj`` -- is listed
 in :attr:`ABFTDetector.unreached` after two sampled steps that did not call it, and leaves the
