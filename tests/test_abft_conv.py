@@ -328,3 +328,26 @@ def test_a_lone_layer_is_not_checked_and_the_warning_says_why():
     with pytest.warns(UserWarning, match=r"not the model itself: wrap a lone layer"):
         assert ABFTDetector(nn.Conv2d(1, 2, 3)).layers == []
     assert [x.name for x in ABFTDetector(nn.Sequential(nn.Conv2d(1, 2, 3))).layers] == ["0"]
+
+
+@pytest.mark.parametrize("site,gemm", [("gemm.forward", "forward"), ("gemm.grad_input", "grad_input"),
+                                       ("gemm.grad_weight", "grad_weight")])
+def test_injected_transposed_conv_faults_are_named_by_abft(site, gemm):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 4, 3, stride=2), nn.ReLU(), nn.ConvTranspose2d(4, 3, 3, stride=2, output_padding=1))
+    x = torch.randn(2, 2, 9, 9)
+    spec = FaultSpec.from_dict({"site": site, "target": "2", "model": "bitflip", "bits": [29], "seed": 1,
+                                "schedule": {"kind": "transient", "step": 1}})
+    inj = Injector(net, [spec]).attach()
+    det = ABFTDetector(net, ABFTConfig()).attach()
+    for step in range(3):
+        inj.set_position(step)
+        det.begin_step(step)
+        net.zero_grad()
+        (net(x) ** 2).sum().backward()
+        events = det.check(step)
+        assert [(e.module, e.gemm) for e in events] == ([("2", gemm)] if step == 1 else []), (step, events)
+    assert [r["step"] for r in inj.records] == [1]
+    with pytest.raises(ValueError, match="mac_cell .* ConvTranspose2d"):
+        Injector(net, [FaultSpec.from_dict({"site": site, "target": "2", "model": "bitflip", "bits": [29],
+                                            "pattern": {"kind": "mac_cell"}, "schedule": {"kind": "transient", "step": 1}})])

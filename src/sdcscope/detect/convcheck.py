@@ -46,10 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdcscope.detect.checksum import TF32_ROUNDOFF, UNIT_ROUNDOFF, Line, RoundingModel, line_coefs, norm_floor, subnormal_error
-from sdcscope.inject.targets import through_casts
+from sdcscope.inject.targets import CONV_TYPES, TRANSPOSED_TYPES, through_casts
 
-CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-TRANSPOSED_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _INPUT = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
 _WEIGHT = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}

@@ -5,8 +5,9 @@ Sites and how they are reached (all hooks are removed by :meth:`Injector.detach`
 ==================  ==========================================================================
 activation          forward hook on the module: its output is replaced (of a tuple or list output:
                     the first floating-point tensor, :func:`~sdcscope.inject.targets.primary_output`)
-gemm.forward        forward hook on a GEMM module (Linear, Conv, ``is_matmul``): Y is replaced;
-                    with pattern ``mac_cell`` the *weight operand* of cell (a, b) is faulted in
+gemm.forward        forward hook on a GEMM module (Linear, Conv, ConvTranspose, ``is_matmul``): Y is
+                    replaced; with pattern ``mac_cell`` (not on ConvTranspose) the *weight operand*
+                    of cell (a, b) is faulted in
                     the computation only (NVDLA software error model), Y gets exactly that error;
                     with an ``array`` the random cell is the same for every targeted GEMM, and a
                     ``swizzle: per_step`` mapping follows the injector's step (evaluation at step
@@ -80,7 +81,7 @@ from torch import nn
 
 from sdcscope._io import JsonlWriter
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, FaultSpecError, apply_spec, fault_generator, fires
-from sdcscope.inject.targets import (CONV_TYPES, Target, element_state, operand_channel_dims, operand_grad_edge,
+from sdcscope.inject.targets import (CHANNELS_FIRST, Target, element_state, operand_channel_dims, operand_grad_edge,
                                      primary_output, validate_specs, weight_grad_edge)
 
 _REEXECUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdcscope_reexecuting", default=False)
@@ -345,7 +346,7 @@ class Injector:
         return result
 
     def _output_hook(self, i, spec, t: Target):
-        channel_dim = 1 if isinstance(t.module, CONV_TYPES) else -1
+        channel_dim = 1 if isinstance(t.module, CHANNELS_FIRST) else -1
 
         def hook(module, args, output):
             tensor, rebuild = primary_output(output)

@@ -37,7 +37,10 @@ from sdcscope.faults.patterns import ChannelDim
 MODULE_SITES = ("activation", "gemm.forward", "gemm.grad_input", "gemm.grad_weight")
 PARAM_SITES = ("weight", "param_grad", "optimizer_state", "checkpoint")
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-GEMM_TYPES = (nn.Linear, *CONV_TYPES)
+TRANSPOSED_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+CHANNELS_FIRST = CONV_TYPES + TRANSPOSED_TYPES
+"""GEMM modules whose outputs and input gradients hold their channels in dim 1."""
+GEMM_TYPES = (nn.Linear, *CHANNELS_FIRST)
 FROM_STEP_1 = {"optimizer_state": "optimizer state exists only after the first update",
                "checkpoint": "a checkpoint fault corrupts the checkpoint written after a step"}
 """Sites visited from step 1 on, and why (a checkpoint is also written after the run's last step)."""
@@ -50,7 +53,8 @@ UNREACHED = {
 
 
 def is_gemm(module: nn.Module) -> bool:
-    """A module whose forward is one GEMM: Linear/Conv, or the ``is_matmul`` contract (a @ b)."""
+    """A module whose forward is one GEMM: Linear, Conv, ConvTranspose, or the ``is_matmul``
+    contract (a @ b)."""
     return isinstance(module, GEMM_TYPES) or getattr(module, "is_matmul", False)
 
 
@@ -239,7 +243,7 @@ def operand_channel_dims(module: nn.Module, position: int) -> ChannelDim:
     dX [N, C_in, ...] of a Conv (None, 1); ``b`` [..., K (in), N (out)] of ``a @ b`` (-1, -2)."""
     if position == 1:
         return (-1, -2)
-    return (None, 1) if isinstance(module, CONV_TYPES) else (None, -1)
+    return (None, 1) if isinstance(module, CHANNELS_FIRST) else (None, -1)
 
 
 @dataclass(frozen=True)
@@ -429,7 +433,7 @@ def _views(spec: FaultSpec, t: Target, calls: list[ModuleCall] | None, dtype: to
     if calls is None:
         return [(None, dtype, None)]
     if site in EVAL_SITES:
-        infos, channel_dim = [c.output for c in calls], (1 if isinstance(module, CONV_TYPES) else -1)
+        infos, channel_dim = [c.output for c in calls], (1 if isinstance(module, CHANNELS_FIRST) else -1)
     else:  # gemm.grad_input: dX; gemm.grad_weight of a @ b: d b -- as the call's node hands it on
         k = 1 if site == "gemm.grad_weight" else 0
         infos = [c.operand_grads[k] for c in calls if k < len(c.operand_grads)]
@@ -484,6 +488,12 @@ def validate_spec(model: nn.Module, spec: FaultSpec, optimizer: torch.optim.Opti
             if getattr(t.module, "weight", None) is None:
                 raise ValueError(f"pattern mac_cell on gemm.forward needs a weight operand; "
                                  f"{t.name!r} has none (use Linear or Conv layers)")
+    if spec.pattern.kind == "mac_cell" and spec.site.startswith("gemm."):
+        for t in targets:
+            if isinstance(t.module, TRANSPOSED_TYPES):
+                raise ValueError(f"pattern mac_cell is modelled on Linear, Conv1d/2d/3d and a @ b; {t.name!r} is a "
+                                 f"{type(t.module).__name__} (weight laid out in, out/groups, ...): use one of "
+                                 "element, burst, row, column, pe, tensor")
     default_dtype = next((p.dtype for p in model.parameters()), torch.float32)
     always = _always_hit(spec)
     selected: dict[tuple[int, ...] | None, int | None] = {}  # per tensor shape: elements `always` selects
