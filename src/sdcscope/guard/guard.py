@@ -426,26 +426,32 @@ class Guard:
         self.before_update()
         if before_step is not None:  # the user's own code: its errors are the user's, not the guard's
             before_step()
+        def apply() -> None:
+            if self.scaler is None:
+                self.optimizer.step()
+            else:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+        _, row = self._apply_update(apply, loss)
+        if after_step is not None:  # the user's own code, like before_step
+            with torch.no_grad():
+                after_step()
+        self._after_update(applied=True, row=row, logged={"loss": loss} if loss is not None else None)
+        return True
+
+    def _apply_update(self, apply: Callable[[], Any], loss) -> tuple[Any, dict]:
+        """``apply()`` (the optimizer's step) under the LR backoff, then the update's metrics row
+        (:meth:`_update_metrics`, under the learning rate the step used); ``(its result, row)``."""
         groups = self.optimizer.param_groups
         base_lrs = [g["lr"] for g in groups]
         scale = self.backoff.scale(self._clock)
         for g, lr in zip(groups, base_lrs):
             g["lr"] = lr * scale
         try:
-            if self.scaler is None:
-                self.optimizer.step()
-            else:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            row = self._update_metrics(loss)  # under the learning rate the step used
+            return apply(), self._update_metrics(loss)
         finally:
             for g, lr in zip(groups, base_lrs):  # the very objects: no rounding drift
                 g["lr"] = lr
-        if after_step is not None:  # the user's own code, like before_step
-            with torch.no_grad():
-                after_step()
-        self._after_update(applied=True, row=row, logged={"loss": loss} if loss is not None else None)
-        return True
 
     def _rollback(self) -> bool:
         """Restore the latest snapshot: model, optimizer, the ``stateful`` objects and the guard's

@@ -1,1 +1,141 @@
+"""The Guard inside other libraries' training loops.
 
+* :mod:`sdcscope.integrations.hf` -- ``transformers.Trainer``: ``guard_trainer(trainer, config)``
+  (``pip install 'sdcscope[transformers]'``);
+* :mod:`sdcscope.integrations.lightning` -- ``lightning.pytorch.Trainer(callbacks=[SDCGuardCallback(config)])``
+  (``pip install 'sdcscope[lightning]'``).
+
+Importing this package imports neither library. It holds what both adapters share:
+:func:`load_config` (the config argument they take), :func:`open_guard` (the guard and its
+files in the run directory), :class:`GuardSession` (the guard's per-step protocol cut at the
+points such a trainer lets an adapter in) and :class:`Patches` (the trainer methods an adapter
+wraps for one run, put back after it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from sdcscope.guard import Guard, GuardConfig
+
+__all__ = ["GuardSession", "Patches", "load_config", "open_guard"]
+
+
+def load_config(config: GuardConfig | str | os.PathLike | Mapping | None) -> GuardConfig:
+    """A :class:`GuardConfig` from what an adapter was given: one as it is, a YAML/JSON file
+    (:meth:`GuardConfig.load`), a mapping of sections (:meth:`GuardConfig.from_dict`) or None
+    (every default). Validated here, when the adapter is built: a bad config fails before training."""
+    if config is None:
+        return GuardConfig()
+    if isinstance(config, GuardConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        return GuardConfig.load(config)
+    if isinstance(config, Mapping):
+        return GuardConfig.from_dict(config)
+    raise TypeError(f"guard config must be a GuardConfig, a YAML/JSON file path, a mapping or None, "
+                    f"got {type(config).__name__} {config!r}")
+
+
+def open_guard(model, optimizer, config: GuardConfig, run_dir: str | os.PathLike,
+               on_event: Callable[[dict], None] | None = None) -> Guard:
+    """An attached Guard writing ``run_dir/events.jsonl`` and, unless the config names another
+    file, ``run_dir/metrics.jsonl`` (the user's config object is left as it is)."""
+    run_dir = Path(run_dir)
+    m = config.metrics
+    if m is not None and m.path is None and m.sink == "jsonl":
+        config = dataclasses.replace(config, metrics=dataclasses.replace(m, path=str(run_dir / "metrics.jsonl")))
+    return Guard(model, optimizer, config, run_dir=run_dir, on_event=on_event).attach()
+
+
+class GuardSession:
+    """:meth:`Guard.optimizer_step` cut in two, for a loop that is not ours.
+
+    A library's trainer runs forward/backward, then clips the gradients, then steps the optimizer,
+    and offers a way in between each. The guard takes its part at each point:
+
+    * :meth:`begin` -- before the step's first forward pass;
+    * :meth:`decide` -- after its last backward, before the library touches the gradients: the
+      detectors see them as computed, a recompute replaces them before the library clips them
+      (as ``before_step`` does in a plain loop), and a discarded step leaves none to clip;
+    * :meth:`update` -- called by the adapter in place of the optimizer's own step: applies it
+      under the LR backoff, then records metrics and the checksums of the new state; or, for a
+      vetoed or rolled-back step, does nothing at all (parameters and optimizer state untouched).
+
+    The guard's own failures become events (or raise under ``strict``), as in a plain loop.
+    """
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.open = False      # begun, its update not yet reached
+        self.discard = False   # this step's update must not be applied
+        self.loss: Any = None
+
+    def begin(self, step: int) -> None:
+        self.open, self.discard, self.loss = True, False, None
+        self.guard._safe(lambda: self.guard.begin(step), "begin")
+
+    def decide(self, loss: Any, rerun: Callable[[], Any] | None) -> Any:
+        """Check the finished backward, replay with ``rerun()`` (zero the gradients, run the
+        step's forward and backward again, return its loss) if anything fired, and act on the
+        policy's answer; returns the step's loss (a recompute's, if the replay was kept)."""
+        g = self.guard
+        if not self.open:
+            return loss
+        actions, self.loss = g._safe(lambda: g.decide(loss, rerun), "decide", default=([], loss))
+        if "rollback" in actions and g._safe(g._rollback, "rollback", default=False):
+            self.discard = True
+        elif "rollback" in actions or "veto" in actions:   # a veto, or a rollback that failed (reported)
+            g._restore_buffers()
+            self.discard = True
+        if self.discard:
+            g.optimizer.zero_grad(set_to_none=True)   # nothing left for the library to clip or apply
+            g.model.zero_grad(set_to_none=True)
+            g._after_update(applied=False)
+        else:
+            g.before_update()
+        return self.loss
+
+    def update(self, apply: Callable[[], Any]) -> Any:
+        """``apply()`` (the optimizer's real step) unless this step is discarded."""
+        g = self.guard
+        if not self.open:   # a step the guard did not see begin: not its to judge
+            return apply()
+        self.open = False
+        if self.discard:
+            return None
+        out, row = g._apply_update(apply, self.loss)
+        g._after_update(applied=True, row=row, logged=None if self.loss is None else {"loss": self.loss})
+        return out
+
+
+class Patches:
+    """Instance attributes set over an object's own (a bound method wrapped for one run), each
+    put back exactly as it was -- the class's method again, or the user's own instance override.
+    A wrapper carries its original's attributes (``functools.update_wrapper``): a torch LR
+    scheduler marks the optimizer's ``step`` it wrapped and warns when the mark is gone;
+    Lightning's ``is_overridden`` follows ``__wrapped__``."""
+
+    _MISSING = object()
+
+    def __init__(self) -> None:
+        self._done: list[tuple[Any, str, Any]] = []
+
+    def set(self, obj: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+        """``obj.name = make(original)``, where ``original`` is what ``obj.name`` was."""
+        self._done.append((obj, name, vars(obj).get(name, self._MISSING)))
+        original = getattr(obj, name)
+        setattr(obj, name, functools.update_wrapper(make(original), original))
+
+    def undo(self) -> None:
+        for obj, name, before in reversed(self._done):
+            if before is self._MISSING:
+                vars(obj).pop(name, None)
+            else:
+                setattr(obj, name, before)
+        self._done.clear()

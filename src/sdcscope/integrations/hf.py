@@ -1,0 +1,196 @@
+"""The Guard inside ``transformers.Trainer``.
+
+::
+
+    from sdcscope.integrations.hf import guard_trainer
+
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    sdc = guard_trainer(trainer, "guard.yaml", run_dir="out/sdc")  # or a GuardConfig, a dict, None
+    trainer.train()
+    sdc.events            # as written to out/sdc/events.jsonl; metrics in out/sdc/metrics.jsonl
+
+A ``TrainerCallback`` alone sees neither the step's inputs nor the optimizer's step, so the
+adapter is bound to the trainer and, for the length of ``train()``, wraps two of its methods on
+the instance (put back at the end):
+
+* ``trainer.training_step`` (forward + backward of one micro-batch): before the step's first
+  micro-batch the guard begins the step (RNG, buffers, state checksums); each micro-batch's
+  arguments are kept; after the last one (``accelerator.sync_gradients``) the guard checks the
+  gradients and decides -- *before* the Trainer clips them (``max_grad_norm``), so the detectors
+  and the gradient-norm metrics see pre-clip gradients and a recompute is clipped like any step.
+  A replay zeroes the gradients and runs the original ``training_step`` on every micro-batch of
+  the step again (gradient accumulation is replayed whole). After a recompute the returned loss
+  is the clean one, so the Trainer's logged ``loss`` is too.
+* ``trainer.optimizer.step`` (accelerate's wrapper): applied under the guard's LR backoff and
+  followed by its metrics and checksums -- or skipped on a veto or rollback, leaving parameters
+  and optimizer state untouched (gradients are cleared too, so the Trainer clips nothing).
+
+The Trainer's step counter and LR schedule go on over a discarded step (as with a GradScaler
+overflow). A rollback restores the model and optimizer of the guard's latest snapshot; the
+Trainer does not re-run the steps since then, it trains on from the next batch. Steps are
+numbered as ``trainer.state.global_step`` when they begin (0-based; the Trainer logs the count
+after the update, one more). Once the guard is stalled (``GuardConfig.stall_after`` steps in a
+row discarded) the adapter stops training.
+
+Not supported, refused when the adapter is built (and again when training begins): DeepSpeed,
+FSDP, more than one process or GPU, fp16 mixed precision (its GradScaler), ``torch_compile``
+and the LOMO optimizers (their update happens inside backward).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+try:
+    from accelerate.optimizer import AcceleratedOptimizer
+    from transformers import Trainer, TrainerCallback
+    from transformers.pytorch_utils import Conv1D
+except ImportError as exc:
+    raise ImportError("sdcscope.integrations.hf needs the 'transformers' package (with 'accelerate'): "
+                      "pip install 'sdcscope[transformers]'") from exc
+
+from sdcscope.guard import Guard, GuardConfig
+from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
+
+__all__ = ["SDCGuardCallback", "guard_trainer"]
+
+
+def guard_trainer(trainer: Trainer, config: GuardConfig | str | os.PathLike | Mapping | None = None, *,
+                  run_dir: str | os.PathLike | None = None,
+                  on_event: Callable[[dict], None] | None = None) -> SDCGuardCallback:
+    """Guard ``trainer``'s training: build the callback (config and settings checked now) and add
+    it to the trainer. ``run_dir`` (default ``<output_dir>/sdcscope``) gets ``events.jsonl`` and
+    ``metrics.jsonl``; ``on_event(record)`` is called for every event as well."""
+    callback = SDCGuardCallback(trainer, config, run_dir=run_dir, on_event=on_event)
+    if any(isinstance(c, SDCGuardCallback) for c in trainer.callback_handler.callbacks):
+        raise ValueError("this Trainer is guarded already: one guard_trainer() per Trainer")
+    trainer.add_callback(callback)
+    return callback
+
+
+class SDCGuardCallback(TrainerCallback):
+    """The Guard's protocol in ``transformers.Trainer``; build it with :func:`guard_trainer`
+    (constructed alone, it does nothing until ``trainer.add_callback(it)``)."""
+
+    def __init__(self, trainer: Trainer, config: GuardConfig | str | os.PathLike | Mapping | None = None, *,
+                 run_dir: str | os.PathLike | None = None,
+                 on_event: Callable[[dict], None] | None = None) -> None:
+        if not isinstance(trainer, Trainer):
+            raise TypeError(f"SDCGuardCallback needs a transformers.Trainer, got {type(trainer).__name__}")
+        if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+            raise TypeError(f"run_dir must be a directory path or None, got {run_dir!r}")
+        if on_event is not None and not callable(on_event):
+            raise TypeError(f"on_event must be a callable or None, got {on_event!r}")
+        self.config = load_config(config)
+        _check_supported(trainer)
+        self.trainer = trainer
+        self.run_dir = Path(run_dir) if run_dir is not None else Path(trainer.args.output_dir) / "sdcscope"
+        self.on_event = on_event
+        self.guard: Guard | None = None
+        """The guard of the current (or last) ``train()``: built when training begins."""
+        self._session: GuardSession | None = None
+        self._micro: list[tuple[tuple, dict, torch.Tensor]] = []   # the open step's micro-batches
+        self._patches = Patches()
+
+    @property
+    def events(self) -> list[dict]:
+        return self.guard.events if self.guard is not None else []
+
+    # -- TrainerCallback ---------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        """The optimizer exists from here on (the Trainer builds and wraps it in ``train()``)."""
+        self._close()   # a train() again, or one retried by auto_find_batch_size
+        trainer = self.trainer
+        _check_supported(trainer)
+        optimizer = trainer.optimizer
+        inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+        self.guard = open_guard(trainer.model, inner, self.config, self.run_dir, self.on_event)
+        self._session = GuardSession(self.guard)
+        self._micro = []
+        _warn_unchecked(trainer.model, self.config)
+        self._patches.set(trainer, "training_step", self._wrap_training_step)
+        self._patches.set(optimizer, "step", self._wrap_optimizer_step)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if self.guard is not None and self.guard.stalled:
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        """Put the trainer's methods back, detach the guard's hooks, close its files."""
+        self._patches.undo()
+        if self.guard is not None:
+            self.guard.close()
+        self._micro = []
+
+    # -- the wrapped methods -----------------------------------------------------------------
+    def _wrap_optimizer_step(self, step: Callable) -> Callable:
+        def guarded(*args, **kwargs):
+            return self._session.update(lambda: step(*args, **kwargs))
+        return guarded
+
+    def _wrap_training_step(self, training_step: Callable) -> Callable:
+        def guarded(model, inputs, *args, **kwargs):
+            session, trainer = self._session, self.trainer
+            if not session.open:
+                self._micro = []
+                session.begin(trainer.state.global_step)
+            loss = training_step(model, inputs, *args, **kwargs)
+            self._micro.append(((model, inputs, *args), kwargs, loss))
+            if not trainer.accelerator.sync_gradients:   # more micro-batches to come
+                return loss
+            earlier = [m[2] for m in self._micro[:-1]]
+            total = torch.stack([*earlier, loss]).sum()
+            clean = session.decide(total, lambda: self._rerun(training_step))
+            if clean is total:
+                return loss
+            # the Trainer sums what training_step returns: make the step's sum the recomputed loss
+            return clean - torch.stack(earlier).sum() if earlier else clean
+        return guarded
+
+    def _rerun(self, training_step: Callable) -> torch.Tensor:
+        """The whole step again: every micro-batch, from zeroed gradients."""
+        self.guard.optimizer.zero_grad(set_to_none=True)
+        self.guard.model.zero_grad(set_to_none=True)
+        return torch.stack([training_step(*args, **kwargs) for args, kwargs, _ in self._micro]).sum()
+
+
+def _check_supported(trainer: Trainer) -> None:
+    """Refuse, naming the setting, what the adapter cannot guard correctly."""
+    args = trainer.args
+    problems = []
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        problems.append("DeepSpeed (TrainingArguments.deepspeed): its engine owns the gradients and the optimizer step")
+    if getattr(trainer, "is_fsdp_enabled", False):
+        problems.append("FSDP (TrainingArguments.fsdp): parameters and gradients are sharded across ranks")
+    if args.world_size > 1:
+        problems.append(f"distributed training (world_size={args.world_size}): each rank would decide alone; "
+                        f"data-parallel runs need the Guard's ddp= mode, which this adapter does not set up")
+    if args.n_gpu > 1:
+        problems.append(f"DataParallel over n_gpu={args.n_gpu} GPUs: run one process per GPU")
+    if args.fp16 or getattr(trainer.accelerator, "scaler", None) is not None:
+        problems.append("fp16 mixed precision (TrainingArguments.fp16): its GradScaler steps the optimizer; "
+                        "use bf16=True or fp32")
+    if args.torch_compile:
+        problems.append("torch_compile=True: the guard's hooks on the model's modules need eager mode")
+    if str(getattr(args.optim, "value", args.optim)) in ("lomo", "adalomo"):
+        problems.append(f"optim={args.optim!r}: LOMO updates the weights inside backward, before any check")
+    if problems:
+        raise ValueError("SDCGuardCallback cannot guard this Trainer: " + "; ".join(problems))
+
+
+def _warn_unchecked(model: torch.nn.Module, config: GuardConfig) -> None:
+    """ABFT checks ``nn.Linear`` (and MatMul-contract and conv modules); the GPT-2 family's
+    ``Conv1D`` layers are GEMMs it does not see. Say so rather than let coverage look complete."""
+    names = [n for n, m in model.named_modules() if isinstance(m, Conv1D)]
+    if config.abft is not None and names:
+        warnings.warn(f"ABFT does not check transformers Conv1D layers: {len(names)} GEMMs of this model "
+                      f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) go unchecked; the other "
+                      f"detectors still see their effects", stacklevel=3)

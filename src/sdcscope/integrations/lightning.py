@@ -1,0 +1,196 @@
+"""The Guard inside a Lightning ``Trainer`` (automatic optimization).
+
+::
+
+    from sdcscope.integrations.lightning import SDCGuardCallback
+
+    sdc = SDCGuardCallback("guard.yaml", run_dir="out/sdc")   # or a GuardConfig, a dict, None
+    trainer = lightning.pytorch.Trainer(callbacks=[sdc], ...)
+    trainer.fit(module, data)
+    sdc.events          # as written to out/sdc/events.jsonl; metrics in out/sdc/metrics.jsonl
+
+Lightning runs each step as ``optimizer.step(closure)``: the closure runs ``training_step``,
+``zero_grad`` and ``backward``; then come ``on_before_optimizer_step``, gradient clipping
+(``gradient_clip_val``) and the update. The callback maps the guard onto it:
+
+* ``on_train_batch_start`` -- the guard begins the step (RNG, buffers, state checksums);
+* ``on_before_backward`` -- the step's loss;
+* ``on_before_optimizer_step`` -- checks and decision, on the gradients before clipping; a
+  replay zeroes them and calls the step's closure again, which is the natural re-execution:
+  Lightning's own ``training_step`` + ``backward`` with the same batch (captured by wrapping the
+  module's ``optimizer_step`` hook, which receives it). After a recompute the step's outputs
+  are the clean run's. The replay runs the module's and callbacks' hooks again (``self.log``
+  included: an ``on_epoch`` aggregate counts a replayed step twice);
+* the optimizer's ``step`` is wrapped for the fit: it runs the closure, then applies the update
+  under the guard's LR backoff -- or, on a veto or rollback, does not, leaving parameters and
+  optimizer state untouched.
+
+``trainer.global_step`` (the step's number) and the LR schedulers go on over a discarded step.
+A rollback restores the module and optimizer of the guard's latest snapshot and training goes
+on from the next batch. Once the guard is stalled (``GuardConfig.stall_after`` steps in a row
+discarded) the callback stops training (``trainer.should_stop``).
+
+Refused when fitting starts, naming the setting: manual optimization (use the Guard itself in
+``training_step``), more than one process or a strategy other than single-device, more than one
+optimizer, LBFGS (its step calls the closure many times), fp16 mixed precision (its GradScaler
+steps the optimizer), and ``accumulate_grad_batches > 1`` with replay on (the closure holds the
+last micro-batch only: set ``replay: false``, and findings are judged unverified -- vetoed by
+the default policy). Works with ``lightning.pytorch`` and with ``pytorch_lightning``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    import lightning.pytorch as pl
+except ImportError:
+    try:
+        import pytorch_lightning as pl
+    except ImportError as exc:
+        raise ImportError("sdcscope.integrations.lightning needs the 'lightning' package (or "
+                          "'pytorch_lightning'): pip install 'sdcscope[lightning]'") from exc
+
+from sdcscope.guard import Guard, GuardConfig
+from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
+
+__all__ = ["SDCGuardCallback"]
+
+
+class SDCGuardCallback(pl.Callback):
+    """``run_dir`` (default ``<default_root_dir>/sdcscope``) gets ``events.jsonl`` and
+    ``metrics.jsonl``; ``on_event(record)`` is called for every event as well. The config is
+    loaded and validated here, the trainer's settings when fitting starts."""
+
+    def __init__(self, config: GuardConfig | str | os.PathLike | Mapping | None = None, *,
+                 run_dir: str | os.PathLike | None = None,
+                 on_event: Callable[[dict], None] | None = None) -> None:
+        if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+            raise TypeError(f"run_dir must be a directory path or None, got {run_dir!r}")
+        if on_event is not None and not callable(on_event):
+            raise TypeError(f"on_event must be a callable or None, got {on_event!r}")
+        self.config = load_config(config)
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.on_event = on_event
+        self.guard: Guard | None = None
+        """The guard of the current (or last) fit: built when training starts."""
+        self._session: GuardSession | None = None
+        self._closure: Callable[[], Any] | None = None   # the open step's training_step + backward
+        self._loss: torch.Tensor | None = None
+        self._replaying = False
+        self._patches = Patches()
+
+    @property
+    def events(self) -> list[dict]:
+        return self.guard.events if self.guard is not None else []
+
+    # -- Callback ----------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit":
+            self._check_supported(trainer, pl_module)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """The optimizer exists from here on (the strategy builds it after ``setup``)."""
+        self._close()
+        self._check_supported(trainer, pl_module)
+        optimizers = trainer.optimizers
+        if len(optimizers) != 1:
+            raise ValueError(f"SDCGuardCallback guards one optimizer, got {len(optimizers)}")
+        (optimizer,) = optimizers
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("SDCGuardCallback cannot guard LBFGS: its step calls the closure many times")
+        run_dir = self.run_dir if self.run_dir is not None else Path(trainer.default_root_dir) / "sdcscope"
+        self.guard = open_guard(pl_module, optimizer, self.config, run_dir, self.on_event)
+        self._session = GuardSession(self.guard)
+        self._patches.set(pl_module, "optimizer_step", self._wrap_module_optimizer_step)
+        self._patches.set(optimizer, "step", self._wrap_optimizer_step)
+
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        if not self._session.open:   # the step's first micro-batch
+            self._loss = None
+            self._session.begin(trainer.global_step)
+
+    def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
+        if not self._replaying:   # a replay's loss is the closure's return value
+            loss = loss.detach()
+            self._loss = loss if self._loss is None else self._loss + loss
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        replayable = self._closure is not None and trainer.accumulate_grad_batches == 1
+        self._session.decide(self._loss, self._rerun if replayable else None)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch: Any, batch_idx: int) -> None:
+        if self.guard.stalled:
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._close()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        """Put the module's and optimizer's methods back, detach the guard, close its files."""
+        self._patches.undo()
+        if self.guard is not None:
+            self.guard.close()
+        self._closure = None
+
+    # -- the wrapped methods -----------------------------------------------------------------
+    def _wrap_module_optimizer_step(self, optimizer_step: Callable) -> Callable:
+        """``LightningModule.optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)``:
+        the one place that is handed the step's closure."""
+        def guarded(*args, **kwargs):
+            self._closure = args[3] if len(args) > 3 else kwargs.get("optimizer_closure")
+            try:
+                return optimizer_step(*args, **kwargs)
+            finally:
+                self._closure = None
+        return guarded
+
+    def _wrap_optimizer_step(self, step: Callable) -> Callable:
+        """The torch optimizer's ``step(closure)``: the closure (forward, backward, the guard's
+        decision, clipping) runs first, as the optimizer itself would run it; the update follows
+        unless the step is discarded."""
+        def guarded(closure=None, **kwargs):
+            if closure is None:
+                return self._session.update(lambda: step(**kwargs))
+            with torch.enable_grad():
+                result = closure()
+            self._session.update(lambda: step(**kwargs))
+            return result
+        return guarded
+
+    def _rerun(self) -> torch.Tensor:
+        self.guard.optimizer.zero_grad(set_to_none=True)
+        self.guard.model.zero_grad(set_to_none=True)
+        self._replaying = True
+        try:
+            return self._closure()   # Lightning's closure returns the step's loss, detached
+        finally:
+            self._replaying = False
+
+    def _check_supported(self, trainer, pl_module) -> None:
+        """Refuse, naming the setting, what the callback cannot guard correctly."""
+        problems = []
+        if not pl_module.automatic_optimization:
+            problems.append("manual optimization (automatic_optimization=False): call the Guard yourself in "
+                            "training_step (guard.step(...), guard.optimizer_step(loss))")
+        if trainer.world_size > 1:
+            problems.append(f"world_size={trainer.world_size}: each rank would decide alone; data-parallel runs "
+                            f"need the Guard's ddp= mode, which this callback does not set up")
+        if not any(c.__name__ == "SingleDeviceStrategy" for c in type(trainer.strategy).__mro__):
+            problems.append(f"strategy {type(trainer.strategy).__name__}: only single-device strategies are supported")
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            problems.append(f"precision={trainer.precision!r}: its GradScaler steps the optimizer; use bf16 or fp32")
+        if self.config.replay and trainer.accumulate_grad_batches > 1:
+            problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} with replay: the step's "
+                            f"closure holds its last micro-batch only; set the guard's replay to false "
+                            f"(findings are then judged unverified) or accumulate_grad_batches=1")
+        if problems:
+            raise ValueError("SDCGuardCallback cannot guard this fit: " + "; ".join(problems))
