@@ -254,16 +254,23 @@ def test_unsupported_settings_are_named(tmp_path):
         guard_trainer(torch.nn.Module())
 
 
-def test_gemms_abft_cannot_see_are_named(tmp_path):
-    """GPT-2's Conv1D layers are GEMMs outside ABFT's reach: the adapter says so."""
-    def gpt2():
-        return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+def gpt2():
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
 
-    with pytest.warns(UserWarning, match=r"ABFT does not check transformers Conv1D layers: 4 GEMMs of this model "
-                                         r"\(transformer.h.0.attn.c_attn, transformer.h.0.attn.c_proj, "
-                                         r"transformer.h.0.mlp.c_fc, ...\) go unchecked"):
-        trainer, sdc, _ = train(tmp_path, build=gpt2, max_steps=2)
-    assert sdc.events == [] and trainer.state.global_step == 2
+
+@pytest.mark.parametrize("site", ["gemm.forward", "gemm.grad_weight"])
+def test_gpt2_conv1d_faults_are_caught_and_recomputed(tmp_path, site):
+    """GPT-2's projections are transformers Conv1D (W stored (in, out)): injected and checked too."""
+    target = "transformer.h.0.mlp.c_fc"
+    spec = FaultSpec(site=site, target=target, model="bitflip", bits=(30,), pattern={"kind": "element", "index": "random"},
+                     schedule={"kind": "transient", "step": 1}, seed=1)
+    clean, _, _ = train(tmp_path / "clean", build=gpt2, max_steps=3)
+    trainer, sdc, injector = train(tmp_path / "faulty", build=gpt2, max_steps=3, spec=spec)
+    assert [(r["step"], r["module"]) for r in injector.records] == [(1, target)]
+    abft = [(e["step"], e["module"], e["gemm"]) for e in sdc.events if e["detector"] == "abft"]
+    assert abft == [(1, target, site.split(".")[1])]   # (the non-finite detector may see the flip too)
+    assert {(e["step"], e["verdict"], e["action"]) for e in sdc.events} == {(1, "transient", "recompute")}
+    assert same(params(trainer), params(clean))
 
 
 def test_import_is_lazy_and_names_the_extra(monkeypatch):

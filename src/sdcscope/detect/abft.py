@@ -3,7 +3,9 @@
 Covered products (production_sdc.md §5, §7 gap 1):
 
 * every ``nn.Linear`` (Y = X Wᵀ + b): ``forward`` Y, ``grad_input`` dX = dY W, ``grad_weight``
-  dW = dYᵀ X (the increment this backward added to ``weight.grad``);
+  dW = dYᵀ X (the increment this backward added to ``weight.grad``); likewise transformers'
+  ``Conv1D`` (GPT-2's projections: Y = X W + b, W stored (in, out)), its dW checked and
+  localized as the Linear's (out, in) would be;
 * every module following the MatMul contract (``is_matmul = True``, ``forward(a, b) = a @ b``,
   batched; see :func:`sdcscope.observe.is_matmul`): ``forward`` C, ``grad_input`` dA = dC bᵀ
   (operand ``a``), ``grad_weight`` dB = aᵀ dC (operand ``b``);
@@ -116,7 +118,7 @@ from sdcscope.detect.checksum import (SIDES, GemmCheck, Line, Operand, frobenius
 from sdcscope.detect.convcheck import (CONV_TYPES, TRANSPOSED_TYPES, Geometry, checkable_conv, conv_model,
                                        conv_node, forward_lines, grad_input_lines, grad_weight_lines)
 from sdcscope.detect.events import GEMMS, Event
-from sdcscope.inject.targets import linear_nodes, weight_grad_edge
+from sdcscope.inject.targets import linear_nodes, weight_grad_edge, weight_in_out
 from sdcscope.observe._util import autocast_on, is_matmul, match_modules, no_autocast
 
 CHECKSUMS = ("both", "row", "column")
@@ -248,6 +250,7 @@ class _Layer:
     fast: bool | None = None               # Linear: its call's GEMM node is reachable (None: not seen yet)
     probe: object = None                   # handle of the weight hook (until the forward hook fires once)
     grad_seen: bool = False                # the weight got a gradient since the last check
+    w_in_out: bool = False                 # weight stored (in, out): transformers' Conv1D, Y = X·W + b
 
 
 class ABFTDetector:
@@ -263,7 +266,7 @@ class ABFTDetector:
         self.rank = rank
         eligible = match_modules(
             model, cfg.targets, option="ABFT targets",
-            where=lambda m: ("linear" in cfg.kinds and isinstance(m, nn.Linear))
+            where=lambda m: ("linear" in cfg.kinds and (isinstance(m, nn.Linear) or weight_in_out(m)))
             or ("matmul" in cfg.kinds and is_matmul(m))
             or ("conv" in cfg.kinds and isinstance(m, CONV_TYPES + TRANSPOSED_TYPES)))
         self.layers: list[_Layer] = []
@@ -272,14 +275,15 @@ class ABFTDetector:
         XWᵀ + b), parametrized ones (the W their forward used cannot be read again) and those
         whose weight is not a real floating-point tensor (complex, quantized: no rounding model)."""
         for name, mod in eligible.items():
-            kind = "linear" if isinstance(mod, nn.Linear) else \
+            kind = "linear" if isinstance(mod, nn.Linear) or weight_in_out(mod) else \
                 "conv" if isinstance(mod, CONV_TYPES + TRANSPOSED_TYPES) else "matmul"
             if kind != "matmul" and (parametrize.is_parametrized(mod) or not (
                     checkable_conv(mod) if kind == "conv" else
-                    type(mod).forward is nn.Linear.forward and mod.weight.is_floating_point())):
+                    (weight_in_out(mod) or type(mod).forward is nn.Linear.forward) and mod.weight.is_floating_point())):
                 self.skipped.append(name)
                 continue
-            self.layers.append(_Layer(name, mod, kind, names=_operand_names(mod, 2 if kind == "matmul" else 1)))
+            self.layers.append(_Layer(name, mod, kind, names=_operand_names(mod, 2 if kind == "matmul" else 1),
+                                      w_in_out=weight_in_out(mod)))
         self.unreached: set[str] = set()
         """Layers whose forward hook never fired on the steps they were sampled for (an attention
         applying ``out_proj.weight`` with ``F.linear``): unchecked, and out of the sampling rotation."""
@@ -459,8 +463,10 @@ class ABFTDetector:
                                                 bound=bound, src=t)
         return got
 
-    def _weight(self, module: nn.Module, cd: torch.dtype) -> Operand:
-        return self._operand(module.weight, cd, bound=False)
+    def _weight(self, layer: _Layer, cd: torch.dtype) -> Operand:
+        """The weight as ``nn.Linear`` holds it, (out, in)."""
+        w = layer.module.weight
+        return self._operand(w.t() if layer.w_in_out else w, cd, bound=False)
 
     def _model(self, cd: torch.dtype, device: torch.device):
         """The rounding model of this step's GEMMs in ``cd`` on ``device`` (torch settings)."""
@@ -664,7 +670,7 @@ class ABFTDetector:
                 if layer.kind == "linear":
                     x = ctx.x if ctx.x is not None else ops[0]   # before ABFT's own view
                     a = self._operand(x, cd)
-                    b = self._weight(module, cd)
+                    b = self._weight(layer, cd)
                     lean = self._lean_ok(x, out, module)
                     if "forward" in gemms:
                         bias = module.bias
@@ -810,6 +816,8 @@ class ABFTDetector:
         """Post-hook of the call's node handing dW to the weight: dW = dYᵀ · X of this call."""
         def hook(grad_inputs, grad_outputs):
             g = grad_inputs[index]
+            if g is not None and layer.w_in_out:
+                g = g.t()   # dW as nn.Linear's, (out, in)
             if g is not None and ctx.dy is not None and ctx.a is not None and not ctx.higher_order:
                 with torch.no_grad(), no_autocast(g.device):
                     if lean:   # hot path: 1ᵀdW vs (dY·1)ᵀ·X (X's column norms bounded by ‖X‖_F)

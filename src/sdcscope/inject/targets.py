@@ -52,10 +52,24 @@ UNREACHED = {
 }
 
 
+def weight_in_out(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (the GPT-2 family's projections): a Linear computing
+    ``Y = X·W + b`` with W stored (in, out), the transpose of ``nn.Linear``'s -- known by its
+    class name and ``nf`` (its output width), so transformers need not be imported."""
+    w = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(w, nn.Parameter) and w.dim() == 2
+            and getattr(module, "nf", None) == w.shape[1])
+
+
+def has_weight_operand(module: nn.Module) -> bool:
+    """A GEMM module whose second operand is its ``weight`` (Linear, Conv, ConvTranspose, Conv1D)."""
+    return isinstance(module, GEMM_TYPES) or weight_in_out(module)
+
+
 def is_gemm(module: nn.Module) -> bool:
-    """A module whose forward is one GEMM: Linear, Conv, ConvTranspose, or the ``is_matmul``
-    contract (a @ b)."""
-    return isinstance(module, GEMM_TYPES) or getattr(module, "is_matmul", False)
+    """A module whose forward is one GEMM: Linear, Conv, ConvTranspose, transformers' Conv1D, or
+    the ``is_matmul`` contract (a @ b)."""
+    return has_weight_operand(module) or getattr(module, "is_matmul", False)
 
 
 def through_casts(node):
@@ -124,7 +138,8 @@ def _follow(edge, x: torch.Tensor, kinds: frozenset[str]):
 def linear_nodes(out: torch.Tensor, weight: torch.Tensor, depth: int = 1, x: torch.Tensor | None = None):
     """``(gemm node, index of X's gradient, dW node, index of dW)`` of the ``F.linear`` call that
     produced ``out``: ``addmm``/``mm`` (after the reshapes of an N-d input) whose weight operand is
-    ``weight.t()`` (through an autocast copy). ``depth`` > 1: also behind up to ``depth - 1``
+    ``weight.t()`` (through an autocast copy), or ``weight`` itself (transformers' Conv1D: dW, in
+    the weight's (in, out) layout, is then the GEMM node's own gradient output). ``depth`` > 1: also behind up to ``depth - 1``
     other nodes (a forward hook that replaced the output). A frozen ``weight`` hands on no
     gradient, so the call is known by its input instead: given ``x``, a node whose X operand
     comes from ``x`` (through reshapes and casts) with no weight edge; its dW node is ``None``.
@@ -151,8 +166,8 @@ def _linear_node(node, weight: torch.Tensor, x: torch.Tensor | None):
         if frozen and _is_grad_of(_follow(node.next_functions[xi], x, _VIEW_NODES | _CASTS)[0], x):
             return node, xi, None, 0
         return None
-    if type(wt).__name__ != "TBackward0":
-        return None
+    if type(wt).__name__ != "TBackward0":   # Y = X·W (W stored (in, out)): dW leaves the GEMM node
+        return (node, xi, node, xi + 1) if getattr(through_casts(wt), "variable", None) is weight else None
     if getattr(through_casts(wt.next_functions[0][0]), "variable", None) is not weight:
         return None
     return node, xi, wt, 0
@@ -193,7 +208,7 @@ def operand_grad_edge(module: nn.Module, output: Any, args: tuple, position: int
     if not (isinstance(output, torch.Tensor) and output.grad_fn is not None
             and isinstance(x, torch.Tensor) and x.requires_grad):
         return None
-    if isinstance(module, nn.Linear):
+    if isinstance(module, nn.Linear) or weight_in_out(module):
         nodes = linear_nodes(output, module.weight, depth=4, x=x)   # another fault may have replaced Y
         if nodes is None:
             raise ValueError("no addmm/mm node of its weight behind this call's output (a wrapped or "
@@ -371,7 +386,7 @@ def probe_model(model: nn.Module, forward: Callable[[nn.Module], Any],
         def hook(module, args, output):
             grad, operands = None, ()
             if is_gemm(module):
-                if isinstance(module, GEMM_TYPES) and isinstance(output, torch.Tensor) and output.requires_grad:
+                if has_weight_operand(module) and isinstance(output, torch.Tensor) and output.requires_grad:
                     grad = weight_grad_edge(output, module.weight) is not None
                 n = 2 if getattr(module, "is_matmul", False) else 1
                 operands = tuple(_operand_grad(module, output, args, k) for k in range(n))
@@ -490,9 +505,9 @@ def validate_spec(model: nn.Module, spec: FaultSpec, optimizer: torch.optim.Opti
                                  f"{t.name!r} has none (use Linear or Conv layers)")
     if spec.pattern.kind == "mac_cell" and spec.site.startswith("gemm."):
         for t in targets:
-            if isinstance(t.module, TRANSPOSED_TYPES):
+            if isinstance(t.module, TRANSPOSED_TYPES) or weight_in_out(t.module):
                 raise ValueError(f"pattern mac_cell is modelled on Linear, Conv1d/2d/3d and a @ b; {t.name!r} is a "
-                                 f"{type(t.module).__name__} (weight laid out in, out/groups, ...): use one of "
+                                 f"{type(t.module).__name__} (weight laid out (in, out, ...)): use one of "
                                  "element, burst, row, column, pe, tensor")
     default_dtype = next((p.dtype for p in model.parameters()), torch.float32)
     always = _always_hit(spec)

@@ -40,7 +40,6 @@ and the LOMO optimizers (their update happens inside backward).
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -49,7 +48,6 @@ import torch
 try:
     from accelerate.optimizer import AcceleratedOptimizer
     from transformers import Trainer, TrainerCallback
-    from transformers.pytorch_utils import Conv1D
 except ImportError as exc:
     raise ImportError("sdcscope.integrations.hf needs the 'transformers' package (with 'accelerate'): "
                       "pip install 'sdcscope[transformers]'") from exc
@@ -112,7 +110,6 @@ class SDCGuardCallback(TrainerCallback):
         self.guard = open_guard(trainer.model, inner, self.config, self.run_dir, self.on_event)
         self._session = GuardSession(self.guard)
         self._micro = []
-        _warn_unchecked(trainer.model, self.config)
         self._patches.set(trainer, "training_step", self._wrap_training_step)
         self._patches.set(optimizer, "step", self._wrap_optimizer_step)
 
@@ -185,12 +182,3 @@ def _check_supported(trainer: Trainer) -> None:
     if problems:
         raise ValueError("SDCGuardCallback cannot guard this Trainer: " + "; ".join(problems))
 
-
-def _warn_unchecked(model: torch.nn.Module, config: GuardConfig) -> None:
-    """ABFT checks ``nn.Linear`` (and MatMul-contract and conv modules); the GPT-2 family's
-    ``Conv1D`` layers are GEMMs it does not see. Say so rather than let coverage look complete."""
-    names = [n for n, m in model.named_modules() if isinstance(m, Conv1D)]
-    if config.abft is not None and names:
-        warnings.warn(f"ABFT does not check transformers Conv1D layers: {len(names)} GEMMs of this model "
-                      f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) go unchecked; the other "
-                      f"detectors still see their effects", stacklevel=3)
