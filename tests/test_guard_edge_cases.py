@@ -224,6 +224,14 @@ def test_the_scaler_is_checked():
         guard.callback()
 
 
+def test_an_optimizer_the_guard_cannot_drive_is_refused_before_any_step():
+    model = mlp()
+    with pytest.raises(ValueError, match="cannot drive LBFGS: its step.closure. re-evaluates"):
+        Guard(model, torch.optim.LBFGS(model.parameters()))
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got dict"):
+        Guard(model, {"lr": 0.1})
+
+
 # -- 4. a permanent memory fault under rollback ----------------------------------------------------------
 def readme_loop(guard, model, inj, steps: int, cap: int) -> int:
     """The README's plain loop: go on from ``rolled_back_to``, stop when ``stalled``; returns the

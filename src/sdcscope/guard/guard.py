@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import numbers
 import traceback
@@ -97,6 +98,18 @@ class _StepGrads:
     norms: torch.Tensor | None      # their gradients' 2-norms, as torch._foreach_norm gives them
     sq: torch.Tensor | None         # the norms squared in fp64 (an fp32 square can overflow)
     total: float | None = None      # the global norm, once read to the host
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """Refuse, before any step, an optimizer the guard cannot drive: ``optimizer_step`` calls
+    ``optimizer.step()`` once, after the checks, on the gradients of one forward/backward."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"Guard optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(f"Guard cannot drive {type(optimizer).__name__}: its step(closure) re-evaluates the loss "
+                         "itself (several forward/backward passes per step, none of them checked); use an optimizer "
+                         "whose step() takes no closure (SGD, Adam, AdamW, ...)")
 
 
 def _rng_state(cuda: list[int]) -> tuple:
@@ -183,6 +196,7 @@ class Guard:
             raise ValueError("Guard takes loss_fn or step_fn, not both: loss_fn(model, batch) returns the loss "
                              "of one forward pass (the guard runs backward on a replay); step_fn(model, batch) "
                              "runs the forward and backward of every micro-batch itself and returns the loss")
+        _check_optimizer(optimizer)
         stateful = list(stateful)
         if scaler is not None:
             if not isinstance(scaler, torch.amp.GradScaler):
