@@ -407,12 +407,27 @@ def _gemm_lines(a, b, c, model, bias, which) -> list[Line]:
             ext = ext + model.u_out * cc.sum(-2).abs().sum(tuple(range(c.dim() - 2)))
         scale_op, scale_key, s1_op = (b, "cn", a) if col else (a, "rn", b)
         scale, s1 = scale_op.stat(scale_key), s1_op.stat("fn")
+        kk = k
+        if bias is not None and not col:   # (a Linear's: flat)
+            scale, s1, v, kk = bias_augmented(bias.detach().to(cs), scale, s1, v, k)
         lines.append(Line(act if flat else act.reshape(-1), exp if flat else exp.reshape(-1),
                           scale if flat else scale.reshape(-1), s1, v if flat else v.reshape(-1),
-                          *line_coefs(model, summed, k), rows, out,
+                          *line_coefs(model, summed, kk), rows, out,
                           s1_op.norm_floor("fn"), scale_op.norm_floor(scale_key),
                           None if ext is None else ext.reshape(-1)))
     return lines
+
+
+def bias_augmented(bias: torch.Tensor, scale: torch.Tensor, s1: torch.Tensor, v: torch.Tensor,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A row line's terms of C = A·B + bias as the GEMM of A' = [A, 1] and B' = [B; bias]: A's
+    row norms with 1, ‖B‖_F with ‖bias‖, v = B·1 with Σ bias, k + 1. CPU kernels start each dot
+    product's accumulator at its bias, so it rounds with the other k terms; a row checksum sums
+    outputs whose biases may cancel, so |Σ C| (``beta``'s term) does not bound that rounding:
+    without this, clean fp32 rows of a Linear(2, 8) reached 80 model stds, a grouped Conv1d's
+    forward 10. (A column sums one output over the rows: its bias adds up, |Σ C| covers it.)"""
+    return ((scale * scale + 1).sqrt(), torch.hypot(s1, torch.linalg.vector_norm(bias)),
+            torch.cat([v.reshape(-1), bias.sum().reshape(1).to(v)]), k + 1)
 
 
 class GemmCheck:

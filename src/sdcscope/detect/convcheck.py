@@ -150,6 +150,17 @@ def _line(model: RoundingModel, act, exp, scale, s1, v, *, rows: int, summed: in
                 None if extra is None else extra.reshape(-1))
 
 
+def _bias_augmented(bias: torch.Tensor, g: int, scale: torch.Tensor, s1: torch.Tensor, v: torch.Tensor, k: int,
+                    cs: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A conv line's terms with the bias as one more term of each dot product
+    (:func:`~sdcscope.detect.checksum.bias_augmented`, per group: the check sums output channels,
+    whose biases may cancel): positions' norms with 1, the group's weight norm with ‖b_g‖, the
+    summed weight with Σ b_g."""
+    bg = _to(bias, cs).view(g, -1)
+    return ((scale * scale + 1).sqrt(), torch.hypot(s1, torch.linalg.vector_norm(bg, dim=1)),
+            torch.cat([v, bg.sum(1, keepdim=True).to(v)], 1), k + 1)
+
+
 def _rounding_extra(model: RoundingModel, c: torch.Tensor, act: torch.Tensor, reduce: Callable,
                     cap: torch.Tensor, summed: int, roundings: int = 1) -> torch.Tensor | None:
     """Output rounding of a narrow (bf16/fp16) result: u_out·(‖line‖₂ + |Σ line|), the result
@@ -198,8 +209,11 @@ def forward_lines(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y
     extra = _rounding_extra(model, y, act, lambda t: t.unflatten(1, (g, og)).sum(2),
                             2 * (patch.amax() * torch.linalg.vector_norm(wf.flatten(1), dim=1).amax()
                                  + (0 if bias is None else _to(bias, cs).abs().amax())), og)
+    v, k = wg.reshape(g, -1), cg * taps
+    if bias is not None:   # one more term of every dot product (checksum.bias_augmented): [A_p, 1]·[W_o; b_o]
+        patch, s1, v, k = _bias_augmented(bias, g, patch, s1, v, k, cs)
     rows = lambda t: _groups_first(t, g)  # noqa: E731
-    return [_line(model, rows(act), rows(exp), rows(patch), s1, wg, rows=g, summed=og, k=cg * taps,
+    return [_line(model, rows(act), rows(exp), rows(patch), s1, v, rows=g, summed=og, k=k,
                   scale_count=cg * taps, s1_count=og * cg * taps, dtype=wf.dtype,
                   extra=None if extra is None else rows(extra))]
 
@@ -235,9 +249,12 @@ def grad_input_lines(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geo: G
                             # output dtype (clean bf16/fp16 ratios grew with the kernel: 1.0 at 1x1,
                             # 2.2 at 3x3, 3.8 at 7x7 without this)
                             math.prod(-(-k // s) for k, s in zip(w.shape[2:], geo.stride)))
+    s1, v, k = _norms(wf, g), wi.reshape(g, -1), og * taps
+    if bias is not None:   # a transposed conv's forward: its bias, as in forward_lines
+        rown, s1, v, k = _bias_augmented(bias, g, rown, s1, v, k, cs)
     rows = lambda t: _groups_first(t, g)  # noqa: E731
-    return [_line(model, rows(act), rows(exp), rows(rown), _norms(wf, g), wi.reshape(g, -1), rows=g,
-                  summed=cg, k=og * taps, scale_count=og * taps, s1_count=og * cg * taps, dtype=wf.dtype,
+    return [_line(model, rows(act), rows(exp), rows(rown), s1, v, rows=g,
+                  summed=cg, k=k, scale_count=og * taps, s1_count=og * cg * taps, dtype=wf.dtype,
                   extra=None if extra is None else rows(extra))]
 
 

@@ -81,8 +81,9 @@ from torch import nn
 
 from sdcscope._io import JsonlWriter
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, FaultSpecError, apply_spec, fault_generator, fires
-from sdcscope.inject.targets import (CHANNELS_FIRST, Target, element_state, operand_channel_dims, operand_grad_edge,
-                                     primary_output, validate_specs, weight_grad_edge)
+from sdcscope.inject.targets import (CHANNELS_FIRST, MODULE_SITES, UNREACHED, Target, element_state,
+                                     operand_channel_dims, operand_grad_edge, primary_output, validate_specs,
+                                     weight_grad_edge)
 
 _REEXECUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdcscope_reexecuting", default=False)
 
@@ -155,11 +156,17 @@ class Injector:
     :class:`~sdcscope.faults.FaultSpecError` naming the spec, module, dtype and step then.
     Parameters, optimizer state and a GEMM's weight operand are checked here and again at
     :meth:`attach`.
+
+    ``warn_unfired``: at :meth:`detach`, warn about every module-site spec whose schedule covered
+    a training step but that never fired there (its module never ran its own forward -- a Linear
+    its parent applies with ``F.linear`` -- or handed on no gradient); a campaign, which reports
+    such a trial as ``not_fired``, turns it off.
     """
 
     def __init__(self, model: nn.Module, specs: Iterable[FaultSpec], optimizer: torch.optim.Optimizer | None = None,
                  *, rank: int = 0, world_size: int = 1, log: str | Path | Callable[[dict], None] | None = None,
-                 grad_accum: int = 1, resumed_at: int = 0, probe: dict[str, list[Any]] | None = None) -> None:
+                 grad_accum: int = 1, resumed_at: int = 0, probe: dict[str, list[Any]] | None = None,
+                 warn_unfired: bool = True) -> None:
         self.model = model
         self.specs = list(specs)
         self.optimizer = optimizer
@@ -181,6 +188,8 @@ class Injector:
         self._calls: dict[tuple[int, str], int] = {}  # module calls met at this position, per spec/target
         self._fired_input: dict[tuple[int, str], torch.Tensor] = {}  # input of a once-fault's call
         self._warned_accum = False
+        self.warn_unfired = warn_unfired
+        self._covered: dict[int, int] = {}   # module-site spec -> first training step it was live at
         self._attached = False
         self._optimizer_handles: list[Any] = []
         self._spec_handles: dict[int, list[Any]] = {}  # hooks of the specs live at this step
@@ -206,6 +215,8 @@ class Injector:
         return self
 
     def detach(self) -> None:
+        if self.warn_unfired:
+            self._warn_unfired()
         for h in self._optimizer_handles + [h for hs in self._spec_handles.values() for h in hs]:
             h.remove()
         self._optimizer_handles, self._spec_handles = [], {}
@@ -254,9 +265,29 @@ class Injector:
                 and spec.schedule.covers(self.step)
                 and not (once and (self.evaluating or self._repeat or _REEXECUTING.get())))
 
+    def _warn_unfired(self) -> None:
+        fired = {r["spec"] for r in self.records}
+        for i, step in self._covered.items():
+            if i in fired:
+                continue
+            fired.add(i)
+            spec = self.specs[i]
+            why = UNREACHED[spec.site] + (" (or the intermittent schedule drew no event)"
+                                          if spec.schedule.kind == "intermittent" else "")
+            if spec.site != "gemm.grad_input":
+                why += ("; a Linear its parent applies with F.linear (nn.MultiheadAttention's out_proj) never "
+                        "runs its own forward")
+            warnings.warn(f"fault spec #{i} ({spec.site} on {', '.join(repr(t.name) for t in self.targets[i])}) never "
+                          f"fired, though its schedule covered step {step} on: the module {why}. Check specs "
+                          "before training: Injector(..., probe=sdcscope.inject.targets.probe_model(model, forward))",
+                          stacklevel=3)
+        self._covered = {}
+
     def _sync_hooks(self) -> None:
         for i, spec in enumerate(self.specs):
             live = self._live(spec)
+            if live and not self.evaluating and spec.site in MODULE_SITES:
+                self._covered.setdefault(i, self.step)
             if live and i not in self._spec_handles:
                 self._spec_handles[i] = [h for t in self.targets[i] if (h := self._attach_one(i, spec, t))]
             elif not live and i in self._spec_handles:

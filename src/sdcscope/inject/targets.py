@@ -302,7 +302,7 @@ def resolve_targets(model: nn.Module, spec: FaultSpec) -> list[Target]:
         candidates = [(n, m) for n, m in model.named_modules() if n and (not gemm_only or is_gemm(m))]
         _check_patterns(spec, [n for n, _ in candidates], "GEMM module" if gemm_only else "module")
         return [Target(n, n, module=m) for n, m in candidates if _matches(spec, n)]
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))   # a tied weight by each of its names
     weighted = [(n, m) for n, m in model.named_modules() if n and isinstance(getattr(m, "weight", None), nn.Parameter)]
     _check_patterns(spec, list(params) + [n for n, _ in weighted], "parameter")
     found, seen = [], set()
@@ -331,10 +331,18 @@ def primary_output(output: Any) -> tuple[torch.Tensor | None, Callable[[torch.Te
     """``(tensor, rebuild)``: the tensor a module-output fault lands on and ``rebuild(t)``, the
     output with ``t`` in its place. A tensor is itself; of a tuple or list (an LSTM's
     ``(output, (h, c))``, an attention's ``(output, weights)``, a transformer block's
-    ``(hidden_states, ...)``), the first floating-point tensor at its top level -- the value the
-    next layer consumes. ``(None, ...)`` for anything else."""
+    ``(hidden_states, ...)``) or a dict (a Hugging Face ``ModelOutput``: set in place, its type
+    and attributes kept), the first floating-point tensor at its top level -- the value the next
+    layer consumes. ``(None, ...)`` for anything else."""
     if isinstance(output, torch.Tensor):
         return output, lambda t: t
+    if isinstance(output, dict):
+        for key, item in output.items():
+            if isinstance(item, torch.Tensor) and item.is_floating_point():
+                def put(t: torch.Tensor, key: Any = key) -> Any:
+                    output[key] = t
+                    return output
+                return item, put
     if isinstance(output, (tuple, list)):
         for k, item in enumerate(output):
             if isinstance(item, torch.Tensor) and item.is_floating_point():

@@ -201,7 +201,7 @@ class Worker:
         """``arm(step)``: a fresh attached injector holding the fault (a swizzled pattern follows
         the injector's step by itself)."""
         t = self.trainer
-        return lambda step: Injector(t.model, [spec], t.optimizer).attach()
+        return lambda step: Injector(t.model, [spec], t.optimizer, warn_unfired=False).attach()
 
     def trial(self, job: dict[str, Any]) -> dict[str, Any]:
         trial = Trial(**job["trial"])
@@ -224,7 +224,7 @@ class Worker:
             ratios = gradient_level(t, arm, self.spec.horizon)
             row.update(nsr=ratios, nsr_max=max(ratios), nsr_mean=sum(ratios) / len(ratios))
         self._restore(s)
-        fault = Injector(t.model, [spec], t.optimizer).attach()
+        fault = Injector(t.model, [spec], t.optimizer, warn_unfired=False).attach()
         callback = fault.callback()
         t.add_callback(callback)
         guard = make_guard(t) if self.spec.guard else None
