@@ -190,6 +190,7 @@ class Injector:
         self._warned_accum = False
         self.warn_unfired = warn_unfired
         self._covered: dict[int, int] = {}   # module-site spec -> first training step it was live at
+        self._reached: set[int] = set()      # module-site specs that met a call to act on
         self._attached = False
         self._optimizer_handles: list[Any] = []
         self._spec_handles: dict[int, list[Any]] = {}  # hooks of the specs live at this step
@@ -266,11 +267,9 @@ class Injector:
                 and not (once and (self.evaluating or self._repeat or _REEXECUTING.get())))
 
     def _warn_unfired(self) -> None:
-        fired = {r["spec"] for r in self.records}
         for i, step in self._covered.items():
-            if i in fired:
+            if i in self._reached:
                 continue
-            fired.add(i)
             spec = self.specs[i]
             why = UNREACHED[spec.site] + (" (or the intermittent schedule drew no event)"
                                           if spec.schedule.kind == "intermittent" else "")
@@ -330,6 +329,7 @@ class Injector:
         re-execution). ``x``: the forward call's input (None for backward hooks)."""
         if not self._fires(spec, t):
             return None
+        self._reached.add(i)
         key, once = (i, t.name), spec.schedule.kind != "permanent"
         if _REEXECUTING.get():  # only permanent faults are live: they act, already logged
             return -1
