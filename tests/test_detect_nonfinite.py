@@ -80,3 +80,15 @@ def test_event_validation():
     assert ev.to_dict() == {"step": 3, "detector": "abft", "verdict": "checksum_mismatch",
                             "module": "fc1", "gemm": "forward", "rank": None, "index": [1, None],
                             "evidence": {"residual": "-inf"}, "action": None}
+
+
+def test_the_nonfinite_gradient_nearest_the_output_is_named_first():
+    """Gradients flow from the output back: a value gone non-finite in backward leaves the layers
+    after it finite, so the last one in forward order is where it entered."""
+    torch.manual_seed(0)
+    model = MLP()
+    loss = backward(model)
+    model.fc1.weight.grad[0, 0] = float("nan")
+    model.fc2.bias.grad[0] = float("inf")
+    (ev,) = NonFiniteDetector(model).check(0, loss)
+    assert ev.module == "fc2" and ev.evidence["params"] == ["fc2.bias", "fc1.weight"]

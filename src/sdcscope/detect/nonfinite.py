@@ -88,7 +88,11 @@ class NonFiniteDetector:
             if not math.isfinite(lv):
                 events.append(Event(step, self.name, "nonfinite", rank=self.rank,
                                     evidence={"what": "loss", "value": lv}))
-        bad = [(n, v) for n, v in zip(names, values) if not math.isfinite(v)]
+        # nearest the output first (registration order reversed): gradients flow from the output
+        # back, so a value that went non-finite in the backward pass leaves the layers after it
+        # finite, and the last non-finite one in forward order is where it entered (when the loss
+        # itself is non-finite every gradient is, and no layer can be named from them)
+        bad = [(n, v) for n, v in zip(names, values) if not math.isfinite(v)][::-1]
         if bad:
             first = bad[0][0]
             events.append(Event(
