@@ -262,3 +262,90 @@ def test_config_validation_and_module_errors():
         Metrics(MLP(), config={"probe_every": 3})
     # defaults that match nothing are fine: an MLP has no attention and no 'head'
     Metrics(MLP()).attach().detach()
+
+
+def test_one_nonfinite_gradient_leaves_the_other_layers_norms_finite():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    m = Metrics(model, None, MetricsConfig())
+    model(torch.randn(3, 4)).sum().backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    m.after_backward()
+    out = m.collect(0)
+    assert out["grad_norm/0"] == math.inf
+    assert approx(out["grad_norm/1"], math.hypot(model[1].weight.grad.norm().item(), model[1].bias.grad.norm().item()))
+
+
+def test_a_discarded_steps_forward_statistics_are_not_the_next_rows():
+    torch.manual_seed(0)
+    model, x = TinyTransformer(), lm_batch(0)
+    cfg = MetricsConfig(probe_every=1)
+    with Metrics(model, None, cfg) as m2:
+        lm_loss(model, x).backward()
+        m2.after_backward()
+        clean = m2.collect(0)
+    keys = [k for k in clean if k.startswith(("attn/", "act/", "logits/"))]
+    assert keys
+    with Metrics(model, None, cfg) as m:
+        with torch.no_grad():
+            model.blocks[0].q_proj.weight.mul_(50)   # a corrupted first execution: huge logits
+        lm_loss(model, x).backward()
+        with torch.no_grad():
+            model.blocks[0].q_proj.weight.div_(50)
+        m.restart_step()    # what the Guard does before a replay, and on a veto or rollback
+        lm_loss(model, x).backward()
+        m.after_backward()
+        again = m.collect(0)
+        assert all(approx(again[k], clean[k]) for k in keys)
+        # a step that was never collected (discarded) does not leak into the next one begun
+        lm_loss(model, x)
+        assert m._max or m._mean
+        m.begin_step(5)
+        assert m._max == {} and m._mean == {}
+
+
+def test_adam_ratio_takes_the_gradients_a_trainer_clips_after_it():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    m = Metrics(model, opt, MetricsConfig(stats_every=1))
+    for step in range(2):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(step)
+        (model(torch.randn(16, 12, generator=g)) ** 2).sum().mul(100).backward()
+        m.after_backward()
+        m.before_optimizer_step(clip_norm=0.5)   # the trainer clips next
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if step == 1:   # g²/v̂ with the clipped gradient, v̂ built from step 0's clipped one
+            g2 = sum(p.grad.pow(2).sum() for p in model.parameters())
+            v_hat = sum(opt.state[p]["exp_avg_sq"].sum() for p in model.parameters()) / (1 - 0.999)
+            expected = (g2 / v_hat).item()
+        opt.step()
+        m.after_optimizer_step()
+        row = m.collect(step)
+    assert approx(row["adam/g2_over_v"], expected, rel=1e-3)
+
+
+def test_auto_update_source_copies_when_the_reconstruction_is_not_exact():
+    class Sparse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(50, 8, sparse=True), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.emb(x).mean(1))
+
+    torch.manual_seed(0)
+    model = Sparse()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    m = Metrics(model, opt, MetricsConfig(stats_every=1))
+    torch.nn.functional.cross_entropy(model(torch.tensor([[1, 2, 3]])), torch.tensor([0])).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    m.after_backward()
+    m.before_optimizer_step()
+    opt.step()
+    m.after_optimizer_step()
+    out = m.collect(0)
+    d2 = sum((p.detach() - b).pow(2).sum() for p, b in zip(model.parameters(), before))
+    p2 = sum(p.detach().pow(2).sum() for p in model.parameters())
+    assert approx(out["update_ratio"], (d2 / p2).sqrt().item()) and "update_ratio/emb" in out

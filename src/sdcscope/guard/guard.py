@@ -440,6 +440,7 @@ class Guard:
         self.before_update()
         if before_step is not None:  # the user's own code: its errors are the user's, not the guard's
             before_step()
+        self.update_imminent()
         def apply() -> None:
             if self.scaler is None:
                 self.optimizer.step()
@@ -647,6 +648,8 @@ class Guard:
             self._restore_buffers()  # else the step's forward pass would update them twice
             if self.abft is not None:  # the layers this step checked, not the next step's sample
                 self.abft.begin_step(step)
+            if self.metrics is not None:  # the step's row: the re-execution's forward alone
+                self.metrics.restart_step()
             with reexecution():
                 new_loss = rerun()
             again = []
@@ -680,16 +683,23 @@ class Guard:
 
     # -- after the update --------------------------------------------------------------------
     def before_update(self) -> None:
-        """Metrics that need the gradients the optimizer is about to use; ZClip."""
-        if self.metrics is not None:  # gradient norms as computed, before any clipping
+        """The gradient-norm metrics, as computed (before any clipping); ZClip. The metrics of the
+        gradients the update uses come later, from :meth:`update_imminent`."""
+        if self.metrics is not None:
             def grad_norms_to_metrics() -> None:
                 g = self._step_grads()
                 self.metrics.after_backward((g.idx, g.sq), g.total)
             self._safe(grad_norms_to_metrics, "metrics")
         if self.zclip is not None:
             self._safe(lambda: self.zclip.clip_(self.model.parameters()), "zclip")
+
+    def update_imminent(self, clip_norm: float | None = None) -> None:
+        """Right before ``optimizer.step()``, after the loop's own clipping (``clip_norm``: the
+        global norm a trainer will still clip the gradients to): the metrics read from the
+        optimizer's state and the gradients as the update will use them (Adam's g²/v̂ against a
+        v̂ built from clipped gradients), and the pre-step copy the update ratio may need."""
         if self.metrics is not None:
-            self._safe(self.metrics.before_optimizer_step, "metrics")
+            self._safe(lambda: self.metrics.before_optimizer_step(clip_norm=clip_norm), "metrics")
 
     def _buffer_values(self) -> list[torch.Tensor]:
         return [m._buffers[n].detach().clone() for m, n in self._buffer_slots]
@@ -724,6 +734,8 @@ class Guard:
             self.ranks.end(step, verify=self.rolled_back_to is not None)
         if self.state is not None:
             self._safe(self.state.record, "state_checksum")
+        if self.metrics is not None and not applied:   # its forward statistics are no later step's
+            self._safe(self.metrics.restart_step, "metrics")
         if self.invariants is not None and not applied:  # the step's effects were discarded
             self._safe(self.invariants.abandon_step, "invariants")
         elif self.invariants is not None:
@@ -885,6 +897,8 @@ class GuardCallback:
             g._restore_buffers()
             return
         g.before_update()
+        clip = trainer.workload.config.grad_clip
+        g.update_imminent(clip_norm=clip if clip > 0 else None)   # the trainer clips next
         ctx.grad_norms = g.shared_grad_norms()   # the trainer clips with them if still valid
         scale = g.backoff.scale(g._clock)  # the trainer sets every step's lr afresh: no restore needed
         for group in trainer.optimizer.param_groups:

@@ -109,6 +109,7 @@ class GuardSession:
         self.open = False
         if self.discard:
             return None
+        g.update_imminent()   # after the library's clipping
         out, row = g._apply_update(apply, self.loss)
         g._after_update(applied=True, row=row, logged=None if self.loss is None else {"loss": self.loss})
         return out

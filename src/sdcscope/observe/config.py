@@ -35,7 +35,8 @@ class MetricsConfig:
     """How ``‖Δθ‖/‖θ‖`` gets ``Δθ``: ``'optimizer'`` reconstructs the step the optimizer just took
     from its state (Adam/AdamW/SGD, no extra memory), ``'copy'`` keeps a pre-step copy of the
     parameters (exact, any optimizer, one parameter-sized buffer), ``'auto'`` = optimizer when
-    supported else copy, ``'off'``."""
+    supported and exact, else copy (sparse gradients, which the reconstruction leaves out, and
+    weights narrower than fp32, whose stored update is the intended one rounded), ``'off'``."""
     cosines: bool = True
     """``cos/update_grad`` (cos(Δθ, g); a descent step gives a negative value) and
     ``cos/grad_moment`` (cos(g_t, m_{t-1}) with Adam's exp_avg before this step)."""

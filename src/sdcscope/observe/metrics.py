@@ -259,6 +259,7 @@ class Metrics:
         """Declare the step the next forward belongs to (``collect`` does it for ``step + 1``)."""
         if int(step) == self._step:   # collect() already declared it
             return
+        self.restart_step()   # whatever an uncollected step recorded (a discarded one) is not this one's
         self._step = int(step)
         self._probe = self._step % self.config.probe_every == 0
         self._stats = self._step % self.config.stats_every == 0
@@ -269,16 +270,16 @@ class Metrics:
 
     def _layer_sums(self, idx: list[int], sq: torch.Tensor) -> tuple[list[str], torch.Tensor]:
         """Per-layer sums of per-parameter values ``sq`` (aligned with ``idx``)."""
-        key = (tuple(idx), sq.device, sq.dtype)
+        key = (tuple(idx), sq.device)
         cached = self._slots.get(key)
-        if cached is None:   # (layer names, their 0/1 membership matrix): one GEMV per call
+        if cached is None:   # (layer names, each value's layer slot): one index_add per call
             slots = sorted({self._layer_of[i] for i in idx})
             pos = {s: j for j, s in enumerate(slots)}
-            member = torch.zeros(len(slots), len(idx), device=sq.device, dtype=sq.dtype)
-            member[[pos[self._layer_of[i]] for i in idx], list(range(len(idx)))] = 1
-            cached = self._slots[key] = ([self._layers[s] for s in slots], member)
-        names, member = cached
-        return names, member @ sq
+            slot = torch.tensor([pos[self._layer_of[i]] for i in idx], device=sq.device)
+            cached = self._slots[key] = ([self._layers[s] for s in slots], slot)
+        names, slot = cached
+        # (not a 0/1 membership GEMV: 0·inf = NaN would spread one layer's inf to every layer)
+        return names, sq.new_zeros(len(names)).index_add_(0, slot, sq)
 
     @staticmethod
     def _stack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -308,9 +309,11 @@ class Metrics:
             self._vec["grad_norm/"] = (names, per.sqrt())
         self._done.add("backward")
 
-    def before_optimizer_step(self) -> None:
+    def before_optimizer_step(self, clip_norm: float | None = None) -> None:
         """cos(g, m_{t-1}) and Adam's g²/v̂_{t-1} from the state before this step; a pre-step copy
-        of the parameters when the update ratio needs one."""
+        of the parameters when the update ratio needs one. Call it after clipping the gradients;
+        ``clip_norm``: the global norm a trainer clips them to after this call (the ratio then
+        takes them as the update will: v̂ was built from clipped gradients)."""
         if "pre" in self._done:
             return
         self._done.add("pre")
@@ -347,6 +350,10 @@ class Metrics:
             if len(keep) < len(rows):
                 g_sq = g_sq[torch.tensor(keep, device=dev)]
                 rows = [rows[j] for j in keep]
+            if clip_norm is not None:   # as torch.nn.utils.clip_grad_norm_ will scale them
+                grads = dense_values([self._params[i].grad for i in idx])
+                total = self._stack(list(torch._foreach_norm(grads)), dev).norm()
+                g_sq = g_sq * (clip_norm / (total + 1e-6)).clamp(max=1.0).square()
             v_sum = self._stack(list(torch._foreach_norm([r[3] for r in rows], 1)), dev)
             bc = torch.tensor([1.0 - r[4] ** r[5] for r in rows], device=dev)
             v_hat = v_sum / bc
@@ -360,8 +367,10 @@ class Metrics:
     def _update_source(self) -> str:
         src = self.config.update_ratio
         if src == "auto":
-            src = "optimizer" if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.SGD)) \
-                else "copy"
+            exact = isinstance(self.optimizer, (torch.optim.Adam, torch.optim.SGD)) and not any(
+                (p.grad is not None and p.grad.is_sparse) or p.dtype not in (torch.float32, torch.float64)
+                for p in self._params)
+            src = "optimizer" if exact else "copy"
         return src
 
     def after_optimizer_step(self) -> None:
@@ -468,6 +477,11 @@ class Metrics:
         self._reset()
         self.begin_step(step + 1)
         return out
+
+    def restart_step(self) -> None:
+        """Drop what this step recorded so far: its update was discarded (a veto, a rollback), or
+        its forward and backward run again (a replay) and the next row must be that run's alone."""
+        self._reset()
 
     def _reset(self) -> None:
         self._host: dict[str, float] = {}
