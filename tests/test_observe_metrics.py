@@ -349,3 +349,20 @@ def test_auto_update_source_copies_when_the_reconstruction_is_not_exact():
     d2 = sum((p.detach() - b).pow(2).sum() for p, b in zip(model.parameters(), before))
     p2 = sum(p.detach().pow(2).sum() for p in model.parameters())
     assert approx(out["update_ratio"], (d2 / p2).sqrt().item()) and "update_ratio/emb" in out
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["svd", "power-iteration"])
+def test_stable_rank_exact_for_small_weights_by_power_iteration_above(monkeypatch, exact):
+    import sdcscope.observe.metrics as metrics_module
+
+    if not exact:   # as a weight above the SVD size limit
+        monkeypatch.setattr(metrics_module, "_EXACT_SIGMA", 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16))
+    with torch.no_grad():   # σ = 4, 2, then fourteen 1s: ‖W‖_F² / σ_max² = 34 / 16
+        u, _, vt = torch.linalg.svd(torch.randn(16, 16))
+        s = torch.ones(16)
+        s[0], s[1] = 4.0, 2.0
+        model[0].weight.copy_(u @ torch.diag(s) @ vt)
+    m = Metrics(model, None, MetricsConfig(stable_rank_every=1, power_iters=3))
+    assert approx(m.collect(0)["stable_rank/0.weight"], 34 / 16, rel=1e-4)

@@ -70,6 +70,8 @@ from sdcscope.observe.config import (
 from sdcscope.observe.sinks import Sink, make_sink
 
 _TINY = 1e-30
+_EXACT_SIGMA = 1 << 22
+"""Weights of up to this many elements get the exact σ_max (an SVD) in the stable rank."""
 
 
 def _parent(name: str) -> str:
@@ -418,6 +420,9 @@ class Metrics:
         with torch.no_grad():
             for name, p in self._sr_params:
                 w = p.detach().float()
+                if w.numel() <= _EXACT_SIGMA:   # exact: cheap at this size, every stable_rank_every steps
+                    vals.append(w.pow(2).sum() / torch.linalg.matrix_norm(w, ord=2).pow(2).clamp_min(_TINY))
+                    continue
                 v = self._sr_vec.get(name)
                 iters = self.config.power_iters
                 if v is None:
