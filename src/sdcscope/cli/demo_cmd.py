@@ -30,12 +30,27 @@ DEMO_FAULT = """\
 """
 
 
+DEMO_OUTPUTS = frozenset({DEMO_MARKER, "golden", "faulty", "guarded", "comparison.json", "loss_curves.png"})
+"""What the demo writes in its folder: all it may replace."""
+
+
 def prepare_demo_dir(out: Path) -> None:
-    """The demo may replace its own earlier output, never anything else."""
+    """The demo may replace its own earlier output (a folder holding its marker and nothing but
+    what it writes), never anything else."""
     from sdcscope.engine import check_new_run_dir
 
     if (out / DEMO_MARKER).is_file():
-        shutil.rmtree(out)
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in DEMO_OUTPUTS)
+        if foreign:
+            raise ValueError(f"--out {str(out)!r} holds an earlier demo and other files ({', '.join(foreign[:5])}"
+                             f"{', ...' if len(foreign) > 5 else ''}), which the demo does not replace; give a "
+                             "new or empty folder")
+        for name in DEMO_OUTPUTS:
+            target = out / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif target.exists() or target.is_symlink():
+                target.unlink()
     check_new_run_dir(out)
 
 

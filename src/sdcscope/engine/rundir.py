@@ -3,6 +3,8 @@ events.jsonl, summary.json, and ``checkpoint/`` for resuming."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 from sdcscope._io import JsonlWriter, as_written, dumps, file_in_the_way, read_json, read_jsonl, write_json
@@ -21,6 +23,17 @@ def has_checkpoint(run_dir: str | Path) -> bool:
     return (Path(run_dir) / CHECKPOINT_DIR / MANIFEST_FILE).is_file()
 
 
+def _check_creatable(path: Path) -> None:
+    """Refuse, before any work, a folder that cannot be written (a read-only mount, a parent
+    without write permission, /proc): tried with a probe folder made and removed at once."""
+    anchor = path if path.is_dir() else next(p for p in path.absolute().parents if p.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".sdcscope-probe-", dir=anchor))
+    except OSError as exc:
+        raise ValueError(f"--out {str(path)!r} cannot be written: {str(anchor)!r} refuses new folders "
+                         f"({exc.strerror or exc})") from None
+
+
 def check_new_run_dir(path: str | Path) -> Path:
     """A run may be written to a missing or empty folder only: never over another run."""
     path = Path(path)
@@ -29,6 +42,7 @@ def check_new_run_dir(path: str | Path) -> Path:
     blocker = file_in_the_way(path)
     if blocker is not None:
         raise ValueError(f"--out {str(path)!r} cannot be created: {str(blocker)!r} is a file, not a folder")
+    _check_creatable(path)
     if path.is_dir() and any(path.iterdir()):
         if not (path / "config.json").exists():
             raise ValueError(f"--out {str(path)!r} already holds other files; give a new or empty folder")
