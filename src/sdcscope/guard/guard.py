@@ -441,6 +441,7 @@ class Guard:
         if before_step is not None:  # the user's own code: its errors are the user's, not the guard's
             before_step()
         self.update_imminent()
+
         def apply() -> None:
             if self.scaler is None:
                 self.optimizer.step()

@@ -3,8 +3,8 @@
 Sites and how they are reached (all hooks are removed by :meth:`Injector.detach`):
 
 ==================  ==========================================================================
-activation          forward hook on the module: its output is replaced (of a tuple or list output:
-                    the first floating-point tensor, :func:`~sdcscope.inject.targets.primary_output`)
+activation          forward hook on the module: its output is replaced (of a tuple, list or dict
+                    output: the first floating-point tensor, :func:`~sdcscope.inject.targets.primary_output`)
 gemm.forward        forward hook on a GEMM module (Linear, Conv, ConvTranspose, ``is_matmul``): Y is
                     replaced; with pattern ``mac_cell`` (not on ConvTranspose) the *weight operand*
                     of cell (a, b) is faulted in
