@@ -34,4 +34,4 @@ def test_the_demo_replaces_its_own_output_and_nothing_else(tmp_path):
 def test_an_output_folder_that_cannot_be_written_is_refused_first(args):
     result = runner.invoke(app, [*args, "--out", "/proc/sdcscope-run"])
     assert result.exit_code == 2, result.output
-    assert "--out '/proc/sdcscope-run' cannot be written: '/proc' refuses new folders" in result.output
+    assert "--out '/proc/sdcscope-run' cannot be written: '/proc' refuses new files" in result.output

@@ -15,6 +15,7 @@ from typing import Optional
 
 import typer
 
+from sdcscope._io import file_in_the_way
 from sdcscope.cli.app import app
 from sdcscope.cli.common import CLIError, out_console, step_progress, user_errors
 from sdcscope.cli.train_cmd import (
@@ -71,10 +72,26 @@ def trace(
                           if n else "no invariant violations")
 
 
+def _check_out_file(path: Path, force: bool) -> None:
+    """Refuse, before any inference, an --out that is a folder, that already exists (without
+    --force), or whose folder cannot be created or written."""
+    if path.is_dir():
+        raise CLIError(f"--out {str(path)!r} is a folder; give a file")
+    if path.exists() and not force:
+        raise CLIError(f"--out {str(path)!r} already exists; give a new file, or --force to overwrite it")
+    from sdcscope.engine.rundir import check_writable
+
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        raise CLIError(f"--out {str(path)!r} cannot be created: {str(blocker)!r} is a file, not a folder")
+    check_writable(path)
+
+
 @invariants_app.command()
 def infer(
     runs: list[Path] = typer.Argument(..., help="Clean run directories holding trace.jsonl."),
-    out: Path = typer.Option(..., "--out", "-o", help="Invariants YAML file to write."),
+    out: Path = typer.Option(..., "--out", "-o", help="Invariants YAML file to write (a new file unless --force)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --out file."),
     margin: float = typer.Option(10.0, "--margin", help="Widening factor of learned numeric bounds."),
     min_support: int = typer.Option(3, "--min-support", help="Observations an invariant needs."),
     relation: Optional[list[str]] = typer.Option(None, "--relation", "-r",
@@ -85,6 +102,7 @@ def infer(
         from sdcscope.detect.invariants import InferConfig, infer_invariants, save_invariants
 
         config = InferConfig(margin=margin, min_support=min_support, relations=tuple(relation or ()))
+        _check_out_file(out, force)
         invariants = infer_invariants(runs, config)
         if not invariants:
             raise CLIError("no invariant holds in all of these runs (are they runs of the same model?)")

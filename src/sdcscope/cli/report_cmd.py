@@ -57,8 +57,9 @@ def report(directory: Path = typer.Argument(..., help="Campaign directory (resul
                                                      "(from sdcscope inject / demo: each run is reported).")) -> None:
     """Write DIR/report.html and DIR/report.md: a campaign's results, or a run's per-rank timelines."""
     with user_errors():
-        from sdcscope.study import write_report
+        from sdcscope.study import build_report, write_report
 
-        for target in report_dirs(directory):
-            html, md = write_report(target)
+        reports = [(target, build_report(target)) for target in report_dirs(directory)]  # all, before any is written
+        for target, data in reports:
+            html, md = write_report(target, data)
             out_console.print(f"wrote {html} and {md}")

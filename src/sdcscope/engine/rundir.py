@@ -23,14 +23,15 @@ def has_checkpoint(run_dir: str | Path) -> bool:
     return (Path(run_dir) / CHECKPOINT_DIR / MANIFEST_FILE).is_file()
 
 
-def _check_creatable(path: Path) -> None:
-    """Refuse, before any work, a folder that cannot be written (a read-only mount, a parent
-    without write permission, /proc): tried with a probe folder made and removed at once."""
+def check_writable(path: Path, flag: str = "--out") -> None:
+    """Refuse, before any work, an output ``path`` (a folder, or a file's path) that cannot be
+    written (a read-only mount, a parent without write permission, /proc): tried with a probe
+    folder made and removed at once in ``path``, or in its nearest existing parent."""
     anchor = path if path.is_dir() else next(p for p in path.absolute().parents if p.exists())
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".sdcscope-probe-", dir=anchor))
     except OSError as exc:
-        raise ValueError(f"--out {str(path)!r} cannot be written: {str(anchor)!r} refuses new folders "
+        raise ValueError(f"{flag} {str(path)!r} cannot be written: {str(anchor)!r} refuses new files "
                          f"({exc.strerror or exc})") from None
 
 
@@ -42,7 +43,7 @@ def check_new_run_dir(path: str | Path) -> Path:
     blocker = file_in_the_way(path)
     if blocker is not None:
         raise ValueError(f"--out {str(path)!r} cannot be created: {str(blocker)!r} is a file, not a folder")
-    _check_creatable(path)
+    check_writable(path)
     if path.is_dir() and any(path.iterdir()):
         if not (path / "config.json").exists():
             raise ValueError(f"--out {str(path)!r} already holds other files; give a new or empty folder")

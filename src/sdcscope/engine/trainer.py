@@ -25,6 +25,8 @@ from sdcscope._validate import check_non_negative, check_positive
 from sdcscope.engine.state import TrainState, apply, capture
 from sdcscope.workloads import Workload
 
+SEED_MAX = 2**64 - 1
+"""The largest seed ``torch.manual_seed`` takes."""
 CALLBACK_POINTS = ("before_step", "after_forward", "after_backward", "before_optimizer_step",
                    "after_step", "before_evaluate", "on_evaluate")
 
@@ -38,7 +40,8 @@ class TrainConfig:
     """Evaluate every N steps (0: only when asked, e.g. at the end of a run)."""
 
     def __post_init__(self) -> None:
-        check_non_negative("seed", self.seed)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed={self.seed!r} must be an integer in 0..{SEED_MAX}")
         check_positive("grad_accum", self.grad_accum)
         check_non_negative("eval_every", self.eval_every)
 

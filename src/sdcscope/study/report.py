@@ -196,10 +196,11 @@ def _markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_report(directory: str | Path) -> tuple[Path, Path]:
-    """Write ``report.html`` and ``report.md`` into the campaign (or run) directory."""
+def write_report(directory: str | Path, data: dict[str, Any] | None = None) -> tuple[Path, Path]:
+    """Write ``report.html`` and ``report.md`` into the campaign (or run) directory; ``data``: its
+    :func:`build_report`, built here when not given."""
     directory = Path(directory)
-    data = build_report(directory)
+    data = build_report(directory) if data is None else data
     html, md = directory / "report.html", directory / "report.md"
     html.write_text(_HTML.render(r=data), encoding="utf-8")
     md.write_text(_markdown(data), encoding="utf-8")

@@ -156,11 +156,9 @@ class _Ray:
     a cluster this backend started is shut down."""
 
     def __init__(self, directory: Path, spec: CampaignSpec, workers: int | None, address: str) -> None:
-        try:
-            import ray
-            from ray.util import ActorPool
-        except ImportError:
-            raise ValueError(f"--ray-address {address!r} needs Ray: pip install 'sdcscope[ray]'") from None
+        ray = _import_ray(address)
+        from ray.util import ActorPool
+
         self.ray = ray
         self.started = not ray.is_initialized()
         if self.started:
@@ -182,6 +180,15 @@ class _Ray:
             self.ray.kill(a)
         if self.started:
             self.ray.shutdown()
+
+
+def _import_ray(address: str):
+    """The ``ray`` module; a ValueError naming the extra to install when it is missing."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError(f"--ray-address {address!r} needs Ray: pip install 'sdcscope[ray]'") from None
+    return ray
 
 
 def _backend(directory: Path, spec: CampaignSpec, workers: int | None, ray_address: str | None):
@@ -234,6 +241,8 @@ def run_campaign(directory: str | Path, *, workers: int | None = None, ray_addre
     if not spec_path.is_file():
         raise FileNotFoundError(f"{str(directory)!r} holds no {SPEC_FILE} (create it, or use "
                                 "`sdcscope campaign init DIR --spec FILE`)")
+    if ray_address is not None:
+        _import_ray(ray_address)  # before results.sqlite is created
     with _run_lock(directory):
         return _run_locked(directory, spec_path, workers, ray_address, progress)
 
@@ -242,25 +251,43 @@ class CampaignBusyError(RuntimeError):
     """Another ``run_campaign`` holds the campaign directory's lock."""
 
 
-@contextlib.contextmanager
-def _run_lock(directory: Path) -> Iterator[None]:
-    """An exclusive, non-blocking ``flock`` on ``directory/run.lock`` while a run works on the
-    directory; the OS drops it when the process ends, however it ends, so none goes stale."""
-    path = directory / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+def _lock(path: Path) -> tuple[int, bool]:
+    """An fd holding an exclusive, non-blocking ``flock`` on ``path``, and whether this call
+    created the file."""
+    while True:
+        created = not path.exists()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise CampaignBusyError(f"another `campaign run` is active on {str(directory)!r} (pid {holder}); "
+            raise CampaignBusyError(f"another `campaign run` is active on {str(path.parent)!r} (pid {holder}); "
                                     "wait for it to finish or stop it, then run again to resume") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd, created
+        os.close(fd)  # a failed run removed the file after this one opened it: lock the new one
+
+
+@contextlib.contextmanager
+def _run_lock(directory: Path) -> Iterator[None]:
+    """An exclusive, non-blocking ``flock`` on ``directory/run.lock`` while a run works on the
+    directory; the OS drops it when the process ends, however it ends, so none goes stale. A run
+    that fails (a bad spec, no Ray, ...) removes the lock file it created."""
+    path = directory / LOCK_FILE
+    fd, created = _lock(path)
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         try:
             yield
+        except BaseException:
+            if created:  # still locked: a runner that opened it meanwhile finds it gone and starts over
+                path.unlink(missing_ok=True)
+            raise
         finally:
             os.ftruncate(fd, 0)
     finally:

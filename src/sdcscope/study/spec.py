@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from sdcscope._io import load_yaml, read_text
+from sdcscope.engine.trainer import SEED_MAX
 from sdcscope.faults import BIT_MODELS, MODELS, SITES, SWIZZLE_MODES, Pattern, check_bits, get_format
 from sdcscope.faults.spec import check_site_pattern
 
@@ -65,6 +66,8 @@ UNSUPPORTED_SITES = {
 }
 """Fault sites a campaign cannot inject, and why."""
 CAMPAIGN_SITES = tuple(s for s in SITES if s not in UNSUPPORTED_SITES)
+BASELINE_SEED_MAX = 2**63 - 1
+"""results.sqlite keeps a baseline's seed as a signed 64-bit integer."""
 WORKLOAD_KEYS = ("name", "preset", "batch_size", "lr", "weight_decay", "warmup", "grad_clip", "corpus",
                  "max_corpus_bytes", "eval_batches", "qk_norm", "z_loss")
 
@@ -83,11 +86,12 @@ def _keys(what: str, data: Any, allowed: tuple[str, ...]) -> dict:
     return dict(data)
 
 
-def _int(what: str, value: Any, minimum: int = 0) -> int:
+def _int(what: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        rule = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise ValueError(f"{what} must be {rule}, got {value!r}")
     return value
 
 
@@ -292,7 +296,7 @@ class Baseline:
     alpha: float = 0.01
 
     def __post_init__(self) -> None:
-        seeds = [_int("baseline seed", s) for s in _list("baseline.seeds", self.seeds)]
+        seeds = [_int("baseline seed", s, 0, BASELINE_SEED_MAX) for s in _list("baseline.seeds", self.seeds)]
         if len(set(seeds)) < 2:
             raise ValueError(f"baseline.seeds needs at least 2 distinct seeds to measure the "
                              f"seed-to-seed spread, got {seeds!r}")
@@ -335,7 +339,7 @@ class CampaignSpec:
             raise ValueError(f"inject_steps must be distinct, got {steps!r}")
         set_("inject_steps", tuple(sorted(steps)))
         _int("horizon", self.horizon, 1)
-        _int("seed", self.seed)
+        _int("seed", self.seed, 0, SEED_MAX)
         _int("grad_accum", self.grad_accum, 1)
         need = self.inject_steps[-1] + self.horizon
         if self.golden_steps is None:

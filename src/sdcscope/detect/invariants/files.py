@@ -63,7 +63,11 @@ def load_invariants(path: str | Path) -> list[Invariant]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"invariants file {str(path)!r} does not exist")
-    return parse_invariants(load_yaml(read_text(path), repr(str(path))), str(path))
+    invariants = parse_invariants(load_yaml(read_text(path), repr(str(path))), str(path))
+    if not invariants:  # a check of nothing would pass every run
+        raise ValueError(f"invariants file {str(path)!r} holds no invariants; give at least one "
+                         "(sdcscope invariants infer writes them)")
+    return invariants
 
 
 def save_invariants(invariants: Iterable[Invariant], path: str | Path,
