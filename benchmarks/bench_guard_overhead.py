@@ -15,6 +15,8 @@ checks of every Linear need (1ᵀX, ‖X‖, 1ᵀY, W's row norms and W·1ᵀX; 
 1ᵀdX, ‖dY‖, W's column norms and Wᵀ·1ᵀdY; at dW's node dY·1, 1ᵀdW and Xᵀ·(dY·1)), one threshold
 comparison per step, and nothing else: no rounding model, no localization, no sampling or
 replay bookkeeping. What eager PyTorch charges for the checks' memory passes on this machine.
+A row "reductions deferred (floor)": the same reductions run in one batch after backward, not
+inside the hooks (whether interleaving them with the GEMMs is what makes them slow: it is not).
 And a row "each result read once (bound)": one column sum of each GEMM result (Y, dX, dW) of
 every Linear through the same hooks, no operand statistics, no expected side — less than any
 checksum scheme can read, since each must also reduce an operand of every GEMM.
@@ -55,14 +57,19 @@ CONFIGS = {
 
 class _Reductions:
     """The floor: ABFT's column-check reductions on every Linear of ``model`` (see ``--floor``);
-    ``touch=True``: only one column sum of each GEMM result (Y, dX, dW), the least any check reads."""
+    ``touch=True``: only one column sum of each GEMM result (Y, dX, dW), the least any check reads;
+    ``defer=True``: the same reductions, all run in one batch after backward instead of inside
+    the hooks (the hooks keep references only)."""
 
-    def __init__(self, model: torch.nn.Module, touch: bool = False) -> None:
-        self.parts: list[tuple[torch.Tensor, ...]] = []
-        self.touch = touch
+    def __init__(self, model: torch.nn.Module, touch: bool = False, defer: bool = False) -> None:
+        self.parts: list = []
+        self.touch, self.defer = touch, defer
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
                 m.register_forward_hook(self._forward)
+
+    def _add(self, thunk) -> None:
+        self.parts.append(thunk if self.defer else thunk())
 
     def _forward(self, module, args, out) -> None:
         w, x, y = module.weight.detach(), args[0].detach(), out.detach()
@@ -73,38 +80,51 @@ class _Reductions:
         xi = 1 if type(node).__name__ == "AddmmBackward0" else 0
         seen = {}
         if self.touch:
-            self.parts.append((y2.sum(0),))
+            self._add(lambda: (y2.sum(0),))
 
             def gemm_node(grad_inputs, grad_outputs):
-                if grad_inputs[xi] is not None:
-                    self.parts.append((grad_inputs[xi].sum(0),))
+                if (dx := grad_inputs[xi]) is not None:
+                    self._add(lambda: (dx.sum(0),))
 
             def dw_node(grad_inputs, grad_outputs):
-                self.parts.append((grad_inputs[0].sum(0),))
+                dw = grad_inputs[0]
+                self._add(lambda: (dw.sum(0),))
         else:
-            s0 = x2.sum(0)
-            fx = torch.linalg.vector_norm(x2).view(1)
-            exp = torch.mv(w, s0) if module.bias is None else \
-                torch.addmv(module.bias.detach(), w, s0, beta=len(x2))
-            self.parts.append((y2.sum(0), exp, torch.linalg.vector_norm(w, dim=1), fx))
+            def forward():
+                s0 = x2.sum(0)
+                seen["fx"] = fx = torch.linalg.vector_norm(x2).view(1)
+                exp = torch.mv(w, s0) if module.bias is None else \
+                    torch.addmv(module.bias.detach(), w, s0, beta=len(x2))
+                return y2.sum(0), exp, torch.linalg.vector_norm(w, dim=1), fx
+            self._add(forward)
 
             def gemm_node(grad_inputs, grad_outputs):   # dX = dY·W
-                dy, dx = grad_outputs[0], grad_inputs[xi]
-                seen["dy"], seen["norm"] = dy, torch.linalg.vector_norm(dy).view(1)
-                s = grad_inputs[0] if xi == 1 else dy.sum(0)
+                dy, dx, db = grad_outputs[0], grad_inputs[xi], grad_inputs[0] if xi == 1 else None
+
+                def grad_input():
+                    seen["norm"] = torch.linalg.vector_norm(dy).view(1)
+                    s = db if db is not None else dy.sum(0)
+                    return dx.sum(0), torch.mv(w.t(), s), torch.linalg.vector_norm(w, dim=0), seen["norm"]
+                seen["dy"] = dy
                 if dx is not None:
-                    self.parts.append((dx.sum(0), torch.mv(w.t(), s), torch.linalg.vector_norm(w, dim=0),
-                                       seen["norm"]))
+                    self._add(grad_input)
+                else:
+                    seen["norm"] = torch.linalg.vector_norm(dy).view(1)
 
             def dw_node(grad_inputs, grad_outputs):     # dW = dYᵀ·X
-                r = seen["dy"].sum(1)
-                self.parts.append((grad_inputs[0].sum(0), torch.mv(x2.t(), r), fx.expand(x2.shape[1]),
-                                   seen["norm"]))
+                dw, dy = grad_inputs[0], seen["dy"]
+
+                def grad_weight():
+                    r = dy.sum(1)
+                    return dw.sum(0), torch.mv(x2.t(), r), seen["fx"].expand(x2.shape[1]), seen["norm"]
+                self._add(grad_weight)
 
         node.register_hook(gemm_node)
         node.next_functions[xi + 1][0].register_hook(dw_node)
 
     def before_optimizer_step(self, ctx) -> None:
+        if self.defer:
+            self.parts = [thunk() for thunk in self.parts]
         if self.touch:
             assert float(torch.cat([p[0] for p in self.parts]).abs().amax()) < 1e38
         else:
@@ -125,8 +145,8 @@ def trainer(preset: str, guard: dict | None) -> Trainer:
     return t
 
 
-def _with_reductions(t: Trainer, touch: bool = False) -> Trainer:
-    t.add_callback(_Reductions(t.model, touch))
+def _with_reductions(t: Trainer, touch: bool = False, defer: bool = False) -> Trainer:
+    t.add_callback(_Reductions(t.model, touch, defer))
     return t
 
 
@@ -159,6 +179,7 @@ def main() -> None:
         rows = [(name, lambda name=name: trainer(preset, CONFIGS[name])) for name in args.configs]
         if args.floor:
             rows.append(("reductions only (floor)", lambda: _with_reductions(trainer(preset, None))))
+            rows.append(("reductions deferred (floor)", lambda: _with_reductions(trainer(preset, None), defer=True)))
             rows.append(("each result read once (bound)", lambda: _with_reductions(trainer(preset, None), True)))
         for name, build in rows:
             tool = build()
