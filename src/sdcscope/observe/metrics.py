@@ -524,9 +524,10 @@ def grad_norms(params: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | No
 
 
 def grad_sq_norms(params: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
-    """:func:`grad_norms` squared in fp64: one finite gradient element above ~1.8e19 (an
-    exponent-bit flip) would overflow an fp32 square and hide as an infinite norm of finite
-    gradients."""
+    """:func:`grad_norms` squared in fp64, so that summing them cannot overflow (fp32 squares of
+    norms above ~1.8e19 would). A norm ``torch._foreach_norm`` itself overflowed -- an fp32
+    gradient with an element above ~1.8e19 (an exponent-bit flip), an fp16 one above 65504 -- is
+    infinite already: the guard reports such finite gradients as a ``grad_norm`` overflow."""
     idx, norms = grad_norms(params)
     return idx, None if norms is None else norms.double().square()
 
