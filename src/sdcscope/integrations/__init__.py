@@ -94,8 +94,7 @@ class GuardSession:
             g._restore_buffers()
             self.discard = True
         if self.discard:
-            g.optimizer.zero_grad(set_to_none=True)   # nothing left for the library to clip or apply
-            g.model.zero_grad(set_to_none=True)
+            g._clear_grads()   # nothing left for the library to clip or apply
             g._after_update(applied=False)
         else:
             g.before_update()

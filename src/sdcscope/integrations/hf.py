@@ -154,8 +154,7 @@ class SDCGuardCallback(TrainerCallback):
 
     def _rerun(self, training_step: Callable) -> torch.Tensor:
         """The whole step again: every micro-batch, from zeroed gradients."""
-        self.guard.optimizer.zero_grad(set_to_none=True)
-        self.guard.model.zero_grad(set_to_none=True)
+        self.guard._clear_grads()
         return torch.stack([training_step(*args, **kwargs) for args, kwargs, _ in self._micro]).sum()
 
 

@@ -101,9 +101,7 @@ class SDCGuardCallback(pl.Callback):
         optimizers = trainer.optimizers
         if len(optimizers) != 1:
             raise ValueError(f"SDCGuardCallback guards one optimizer, got {len(optimizers)}")
-        (optimizer,) = optimizers
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError("SDCGuardCallback cannot guard LBFGS: its step calls the closure many times")
+        (optimizer,) = optimizers   # (one the Guard cannot drive, LBFGS, the Guard refuses)
         run_dir = self.run_dir if self.run_dir is not None else Path(trainer.default_root_dir) / "sdcscope"
         self.guard = open_guard(pl_module, optimizer, self.config, run_dir, self.on_event)
         self._session = GuardSession(self.guard)
@@ -167,8 +165,7 @@ class SDCGuardCallback(pl.Callback):
         return guarded
 
     def _rerun(self) -> torch.Tensor:
-        self.guard.optimizer.zero_grad(set_to_none=True)
-        self.guard.model.zero_grad(set_to_none=True)
+        self.guard._clear_grads()
         self._replaying = True
         try:
             return self._closure()   # Lightning's closure returns the step's loss, detached
