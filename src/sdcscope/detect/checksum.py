@@ -409,7 +409,8 @@ def _gemm_lines(a, b, c, model, bias, which) -> list[Line]:
         scale, s1 = scale_op.stat(scale_key), s1_op.stat("fn")
         kk = k
         if bias is not None and not col:   # (a Linear's: flat)
-            scale, s1, v, kk = bias_augmented(bias.detach().to(cs), scale, s1, v, k)
+            scale, s1, v, kk = bias_augmented(bias.detach().to(cs).reshape(1, -1), scale, s1, v.reshape(1, -1), k)
+            v = v.reshape(-1)
         lines.append(Line(act if flat else act.reshape(-1), exp if flat else exp.reshape(-1),
                           scale if flat else scale.reshape(-1), s1, v if flat else v.reshape(-1),
                           *line_coefs(model, summed, kk), rows, out,
@@ -425,9 +426,10 @@ def bias_augmented(bias: torch.Tensor, scale: torch.Tensor, s1: torch.Tensor, v:
     product's accumulator at its bias, so it rounds with the other k terms; a row checksum sums
     outputs whose biases may cancel, so |Σ C| (``beta``'s term) does not bound that rounding:
     without this, clean fp32 rows of a Linear(2, 8) reached 80 model stds, a grouped Conv1d's
-    forward 10. (A column sums one output over the rows: its bias adds up, |Σ C| covers it.)"""
-    return ((scale * scale + 1).sqrt(), torch.hypot(s1, torch.linalg.vector_norm(bias)),
-            torch.cat([v.reshape(-1), bias.sum().reshape(1).to(v)]), k + 1)
+    forward 10. (A column sums one output over the rows: its bias adds up, |Σ C| covers it.)
+    ``bias`` (rows, outputs) and ``v`` (rows, k): one row per row of the line (a conv's groups)."""
+    return ((scale * scale + 1).sqrt(), torch.hypot(s1, torch.linalg.vector_norm(bias, dim=1).reshape(s1.shape)),
+            torch.cat([v, bias.sum(1, keepdim=True).to(v)], 1), k + 1)
 
 
 class GemmCheck:

@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sdcscope.detect.checksum import TF32_ROUNDOFF, UNIT_ROUNDOFF, Line, RoundingModel, line_coefs, norm_floor, subnormal_error
+from sdcscope.detect.checksum import (TF32_ROUNDOFF, UNIT_ROUNDOFF, Line, RoundingModel, bias_augmented, line_coefs,
+                                      norm_floor, subnormal_error)
 from sdcscope.inject.targets import CONV_TYPES, TRANSPOSED_TYPES, through_casts
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -150,17 +151,6 @@ def _line(model: RoundingModel, act, exp, scale, s1, v, *, rows: int, summed: in
                 None if extra is None else extra.reshape(-1))
 
 
-def _bias_augmented(bias: torch.Tensor, g: int, scale: torch.Tensor, s1: torch.Tensor, v: torch.Tensor, k: int,
-                    cs: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """A conv line's terms with the bias as one more term of each dot product
-    (:func:`~sdcscope.detect.checksum.bias_augmented`, per group: the check sums output channels,
-    whose biases may cancel): positions' norms with 1, the group's weight norm with ‖b_g‖, the
-    summed weight with Σ b_g."""
-    bg = _to(bias, cs).view(g, -1)
-    return ((scale * scale + 1).sqrt(), torch.hypot(s1, torch.linalg.vector_norm(bg, dim=1)),
-            torch.cat([v, bg.sum(1, keepdim=True).to(v)], 1), k + 1)
-
-
 def _rounding_extra(model: RoundingModel, c: torch.Tensor, act: torch.Tensor, reduce: Callable,
                     cap: torch.Tensor, summed: int, roundings: int = 1) -> torch.Tensor | None:
     """Output rounding of a narrow (bf16/fp16) result: u_out·(‖line‖₂ + |Σ line|), the result
@@ -210,8 +200,8 @@ def forward_lines(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y
                             2 * (patch.amax() * torch.linalg.vector_norm(wf.flatten(1), dim=1).amax()
                                  + (0 if bias is None else _to(bias, cs).abs().amax())), og)
     v, k = wg.reshape(g, -1), cg * taps
-    if bias is not None:   # one more term of every dot product (checksum.bias_augmented): [A_p, 1]·[W_o; b_o]
-        patch, s1, v, k = _bias_augmented(bias, g, patch, s1, v, k, cs)
+    if bias is not None:   # one more term of every dot product, per group (the check sums output channels)
+        patch, s1, v, k = bias_augmented(_to(bias, cs).view(g, -1), patch, s1, v, k)
     rows = lambda t: _groups_first(t, g)  # noqa: E731
     return [_line(model, rows(act), rows(exp), rows(patch), s1, v, rows=g, summed=og, k=k,
                   scale_count=cg * taps, s1_count=og * cg * taps, dtype=wf.dtype,
@@ -251,7 +241,7 @@ def grad_input_lines(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geo: G
                             math.prod(-(-k // s) for k, s in zip(w.shape[2:], geo.stride)))
     s1, v, k = _norms(wf, g), wi.reshape(g, -1), og * taps
     if bias is not None:   # a transposed conv's forward: its bias, as in forward_lines
-        rown, s1, v, k = _bias_augmented(bias, g, rown, s1, v, k, cs)
+        rown, s1, v, k = bias_augmented(_to(bias, cs).view(g, -1), rown, s1, v, k)
     rows = lambda t: _groups_first(t, g)  # noqa: E731
     return [_line(model, rows(act), rows(exp), rows(rown), s1, v, rows=g,
                   summed=cg, k=k, scale_count=og * taps, s1_count=og * cg * taps, dtype=wf.dtype,
