@@ -22,6 +22,8 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
+from training_state import same, same_state  # noqa: E402
+
 from sdcscope._io import read_jsonl  # noqa: E402
 from sdcscope.detect import ABFTDetector  # noqa: E402
 from sdcscope.faults import FaultSpec  # noqa: E402
@@ -96,10 +98,6 @@ def params(trainer):
     return [p.detach().clone() for p in trainer.model.parameters()]
 
 
-def same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 def losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
@@ -166,12 +164,6 @@ class Watch(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         if state.global_step - 1 in self.steps:   # global_step counts the step just done
             self._take(("end", state.global_step - 1), model, optimizer)
-
-
-def same_state(a, b):
-    """Same parameters and optimizer state."""
-    return same(a[0], b[0]) and len(a[1]) == len(b[1]) and \
-        all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a[1], b[1]))
 
 
 def test_veto_leaves_parameters_and_adam_state_untouched(tmp_path):

@@ -13,6 +13,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from training_state import same, same_state  # noqa: E402
+
 from sdcscope._io import read_jsonl  # noqa: E402
 from sdcscope.detect import ABFTDetector  # noqa: E402
 from sdcscope.faults import FaultSpec  # noqa: E402
@@ -91,10 +93,6 @@ def params(module):
     return [p.detach().clone() for p in module.parameters()]
 
 
-def same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 def summary(events):
     return [(e["step"], e["detector"], e["verdict"], e["action"], e["module"]) for e in events]
 
@@ -159,12 +157,6 @@ class Watch(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step - 1 in self.steps:   # global_step counts the step just done
             self._take(("end", trainer.global_step - 1), trainer, pl_module)
-
-
-def same_state(a, b):
-    """Same parameters and optimizer state."""
-    return same(a[0], b[0]) and len(a[1]) == len(b[1]) and \
-        all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a[1], b[1]))
 
 
 def test_veto_leaves_parameters_and_adam_state_untouched(tmp_path):
