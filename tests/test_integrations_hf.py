@@ -128,6 +128,10 @@ def test_clean_run_is_untouched_and_the_trainer_restored(tmp_path, clean):
     rows = read_jsonl(tmp_path / "sdc" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert max(r["grad_norm"] for r in rows) > CLIP   # the guard saw the gradients before the Trainer clipped them
+    # the attention metrics of Llama's SDPA calls, named by its attention modules
+    assert all(0 < r["attn/max_logit_bound/model.layers.1.self_attn"] for r in rows)
+    assert rows[0]["attn/max_logit"] <= rows[0]["attn/max_logit_bound"] and rows[0]["attn/entropy"] > 0
+    assert torch.nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
     # detached at train end: no wrapper left on the trainer or optimizer, no hook on the model
     assert "training_step" not in vars(trainer) and vars(trainer.optimizer).get("step") is own.step
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in trainer.model.modules())

@@ -62,6 +62,11 @@ class MetricsConfig:
     attn_context: str | None = None
     """Pattern for the MatMul modules that receive the attention probabilities
     (``forward(probs, v)``); default ``'*context'``."""
+    sdpa: bool = True
+    """Also take the attention metrics from the model's ``F.scaled_dot_product_attention`` calls
+    (Hugging Face models, ``nn.TransformerEncoderLayer``): while attached, the function is
+    wrapped (:mod:`sdcscope.observe.attention`); the metrics are named after the module that
+    called it."""
     output_module: str | None = None
     """Module whose output are the vocabulary logits; default ``'head'``."""
     kurtosis_modules: tuple[str, ...] | None = None
@@ -80,7 +85,7 @@ class MetricsConfig:
         check_choice("sink", self.sink, SINKS)
         for name in ("stats_every", "probe_every", "stable_rank_every", "power_iters"):
             check_positive(name, getattr(self, name))
-        for name in ("per_layer", "cosines", "adam_stats"):
+        for name in ("per_layer", "cosines", "adam_stats", "sdpa"):
             check_bool(name, getattr(self, name))
         for name in ("attn_score", "attn_context", "output_module", "path"):
             value = getattr(self, name)

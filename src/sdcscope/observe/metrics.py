@@ -36,6 +36,8 @@ attention logit, entropy and kurtosis. Metric names (``<layer>`` is a module nam
                                       (sequence ≤ 2·head dim) their exact max, which costs less
 ``attn/max_logit[/<attn>]``           exact max of the score MatMul output (probe steps; before
                                       masking, so an upper bound of the used logits)
+                                      — also from ``F.scaled_dot_product_attention`` calls
+                                      (:mod:`sdcscope.observe.attention`)
 ``attn/entropy[_min]``, ``/<attn>``   mean −Σ p log p of the probabilities fed to the context
                                       MatMul (probe steps; rows renormalised, so with attention
                                       dropout it is the entropy of the dropped-out rows) (§1.7)
@@ -61,6 +63,7 @@ import torch
 from torch import nn
 
 from sdcscope.observe._util import dense_values, is_matmul, match_modules, no_autocast
+from sdcscope.observe.attention import SDPATap
 from sdcscope.observe.config import (
     DEFAULT_ATTN_CONTEXT,
     DEFAULT_ATTN_SCORE,
@@ -112,6 +115,7 @@ class Metrics:
         self._context = {_parent(n): m for n, m in match_modules(
             model, [cfg.attn_context or DEFAULT_ATTN_CONTEXT], where=is_matmul,
             option="attn_context", strict=cfg.attn_context is not None).items()}
+        self._sdpa = SDPATap(model, self) if cfg.sdpa else None
         self._output = match_modules(model, [cfg.output_module or DEFAULT_OUTPUT_MODULE],
                                      option="output_module", strict=cfg.output_module is not None)
         if cfg.kurtosis_modules is not None:
@@ -154,6 +158,8 @@ class Metrics:
         h = self._handles
         for layer, mod in self._score.items():
             h.append(mod.register_forward_hook(self._score_hook(layer)))
+        if self._sdpa is not None:
+            h.append(self._sdpa.install())
         if optimizer_hooks:
             if self.optimizer is None:
                 raise ValueError("optimizer_hooks=True needs an optimizer")
