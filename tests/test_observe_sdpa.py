@@ -185,3 +185,48 @@ def test_the_wrapper_returns_torchs_result_and_a_failing_tap_only_warns(monkeypa
 def test_sdpa_flag_is_validated():
     with pytest.raises(ValueError, match="sdpa"):
         MetricsConfig(sdpa="yes")
+
+
+class TorchEncoder(nn.Module):
+    """nn.TransformerEncoderLayer: its attention has one fused in_proj, no separate q/k Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 32)
+        self.enc = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(x)))
+
+
+@pytest.mark.parametrize("build,scaled", [(lambda: Net(mask="causal"), True), (TorchEncoder, False)],
+                         ids=["separate-q-k", "fused-in-proj"])
+def test_qk_clip_acts_on_sdpa_layers_with_q_and_k_projections_and_reports_the_others(build, scaled):
+    from sdcscope.guard import Guard, GuardConfig
+
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = Guard(model, opt, GuardConfig.from_dict({"qk_clip": 1e-3, "abft": None}),
+                  loss_fn=lambda m, b: m(b).square().mean()).attach()
+    x = torch.randn(3, 7, 8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with guard.step(0, x):
+        loss = model(x).square().mean()
+        loss.backward()
+    guard.optimizer_step(loss)
+    guard.close()
+    found = [e for e in guard.events if e["detector"] == "attention_logit"]
+    assert found and all(e["verdict"] == "high" for e in found)
+    if scaled:
+        assert {e["module"] for e in found} == {"blocks.0", "blocks.1"}
+        assert all(e["action"] == "qk_clip" and e["evidence"]["scale"] < 1 for e in found)
+        gamma = found[0]["evidence"]["scale"]   # W_q after the SGD step, then scaled by gamma
+        w = model.blocks[0].q.weight
+        step = before["blocks.0.q.weight"] - 0.01 * w.grad
+        assert torch.allclose(w, step * gamma, rtol=1e-5, atol=1e-7)
+    else:
+        (e,) = found
+        assert e["module"] == "enc.self_attn" and e["action"] == "report"
+        assert "no separate q/k nn.Linear under 'enc.self_attn'" in e["evidence"]["qk_clip"]

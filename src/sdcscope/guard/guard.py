@@ -80,6 +80,8 @@ from sdcscope.mitigate import LRBackoff, SnapshotRing, ZClip, qk_clip_
 from sdcscope.observe import Metrics, grad_norms
 from sdcscope.guard.config import GuardConfig
 
+QK_NAMES = (("q_proj", "k_proj"), ("query", "key"), ("wq", "wk"), ("q", "k"))
+"""Names of an attention module's query and key projections that QK-clip rescales."""
 PRIORITY = ("rollback", "veto", "recompute", "skip_batch", "lr_backoff", "qk_clip", "report", "none")
 """Every policy action but ``quarantine``, which only a data-parallel run takes as such
 (:mod:`sdcscope.guard.ranks`); a single process vetoes the step instead (:data:`SOLO_QUARANTINE`)."""
@@ -801,16 +803,20 @@ class Guard:
             if not key.startswith("attn/max_logit_bound/") or not (math.isfinite(value) and value > threshold):
                 continue
             layer = key.split("/", 2)[2]
-            q, k = modules.get(f"{layer}.q_proj"), modules.get(f"{layer}.k_proj")
-            if q is None or k is None:
-                continue
-            done = [a for a in chosen if a in ("qk_clip", "lr_backoff")]
-            gamma = qk_clip_(q, k, value, threshold) if "qk_clip" in done else 1.0
+            evidence = {"max_logit_bound": value, "threshold": threshold, "scale": 1.0}
+            proj = next(((modules[f"{layer}.{q}"], modules[f"{layer}.{k}"]) for q, k in QK_NAMES
+                         if isinstance(modules.get(f"{layer}.{q}"), nn.Linear)
+                         and isinstance(modules.get(f"{layer}.{k}"), nn.Linear)), None)
+            done = [a for a in chosen if a == "lr_backoff" or (a == "qk_clip" and proj is not None)]
+            if "qk_clip" in chosen and proj is None:   # a fused qkv projection: reported, not rescaled
+                evidence["qk_clip"] = (f"no separate q/k nn.Linear under {layer!r} (looked for "
+                                       f"{', '.join('/'.join(pair) for pair in QK_NAMES)})")
+            if "qk_clip" in done:
+                evidence["scale"] = qk_clip_(*proj, value, threshold)
             if "lr_backoff" in done:
                 self.backoff.trigger(self._clock)
             self._emit(Event(step, "attention_logit", "high", module=layer, rank=self.rank,
-                             evidence={"max_logit_bound": value, "threshold": threshold, "scale": gamma},
-                             action=", ".join(done) or "report"))
+                             evidence=evidence, action=", ".join(done) or "report"))
 
     # -- events and failures -----------------------------------------------------------------
     def _emit(self, event: Event, world: bool = False, finding: bool = True) -> None:
