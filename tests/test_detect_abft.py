@@ -351,8 +351,9 @@ def test_grad_weight_bitflip_located_per_call_under_accumulation():
     on_grad_weight(model.blocks[1].q_proj, hook)
     det = ABFTDetector(model, BOTH).attach()
     events = train(model, det, 1, micro=2)
-    assert [(e.module, e.gemm, e.index, e.evidence["call"]) for e in events] == [
-        ("blocks.1.q_proj", "grad_weight", idx, 2)]
+    # the second micro-batch's (only) call: micro-batch 1, call 0 (calls count within a micro-batch)
+    assert [(e.module, e.gemm, e.index, e.evidence["micro_batch"], e.evidence["call"]) for e in events] == [
+        ("blocks.1.q_proj", "grad_weight", idx, 1, 0)]
 
 
 def test_matmul_operand_grads_located():

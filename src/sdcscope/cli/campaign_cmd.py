@@ -16,13 +16,13 @@ from typing import Optional
 import typer
 
 from sdcscope.cli.app import app
-from sdcscope.cli.common import CLIError, err_console, out_console, user_errors
+from sdcscope.cli.common import CLIError, err_console, out_console, path_argument, path_option, user_errors
 
 campaign_app = typer.Typer(help="Fault-injection campaigns: plan, run and resume, status.",
                            no_args_is_help=True)
 app.add_typer(campaign_app, name="campaign")
 
-DIR_ARG = typer.Argument(..., help="Campaign directory (campaign.yaml, results.sqlite, golden/, report.html).")
+DIR_ARG = path_argument(..., help="Campaign directory (campaign.yaml, results.sqlite, golden/, report.html).")
 
 
 @contextlib.contextmanager
@@ -53,7 +53,7 @@ def _print_counts(summary: dict) -> None:
 
 @campaign_app.command()
 def init(directory: Path = DIR_ARG,
-         spec: Path = typer.Option(..., "--spec", help="Campaign spec (YAML) to copy in as campaign.yaml.")) -> None:
+         spec: Path = path_option(..., "--spec", help="Campaign spec (YAML) to copy in as campaign.yaml.")) -> None:
     """Validate a campaign spec and create its directory (nothing is written on an error)."""
     with user_errors():
         from sdcscope.study import init_campaign

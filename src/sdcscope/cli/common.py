@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -34,6 +36,25 @@ def user_errors() -> Iterator[None]:
         raise fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
 
+def _path(value: str | Path) -> Path:
+    """Parser of every path option and argument: Typer reads an empty value (``--out ""``, a
+    variable that is not set) as ``.``, the current directory, where a run would then be written;
+    it is refused while the command line is parsed, before any work, naming the option."""
+    if isinstance(value, str) and not value.strip():
+        raise typer.BadParameter(f"{value!r} is not a path (give '.' to mean the current directory)")
+    return Path(value)
+
+
+def path_option(default: Any, *flags: str, **kw: Any) -> Any:
+    """``typer.Option`` for a :class:`~pathlib.Path` that refuses an empty value (:func:`_path`)."""
+    return typer.Option(default, *flags, parser=_path, metavar="<path>", **kw)
+
+
+def path_argument(default: Any, **kw: Any) -> Any:
+    """``typer.Argument`` for a :class:`~pathlib.Path` that refuses an empty value (:func:`_path`)."""
+    return typer.Argument(default, parser=_path, **kw)
+
+
 def check_file(flag: str, path: Path) -> Path:
     """``path`` if it is a file; else a FileNotFoundError naming ``flag`` and what is there instead."""
     if path.is_dir():
@@ -41,6 +62,37 @@ def check_file(flag: str, path: Path) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
     return path
+
+
+_ABSENT = object()
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """``value`` as JSON on one line, cut to ``limit`` characters."""
+    text = "(absent)" if value is _ABSENT else json.dumps(value, separators=(", ", ": "), default=str)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def first_difference(given: Any, recorded: Any, path: str) -> tuple[str, str, str] | None:
+    """The first place where two JSON-like values differ: ``(path into them, given value,
+    recorded value)`` with the values short (``faults[0].bits[0]``, ``30``, ``29``); a key or list
+    item one side lacks is ``(absent)``. None when they are equal."""
+    if isinstance(given, dict) and isinstance(recorded, dict):
+        for key in [*recorded, *(k for k in given if k not in recorded)]:
+            got = first_difference(given.get(key, _ABSENT), recorded.get(key, _ABSENT), f"{path}.{key}")
+            if got is not None:
+                return got
+        return None
+    if isinstance(given, list) and isinstance(recorded, list):
+        for i in range(max(len(given), len(recorded))):
+            got = first_difference(given[i] if i < len(given) else _ABSENT,
+                                   recorded[i] if i < len(recorded) else _ABSENT, f"{path}[{i}]")
+            if got is not None:
+                return got
+        return None
+    if given == recorded:
+        return None
+    return path, _short(given), _short(recorded)
 
 
 def load_fault_file(flag: str, path: Path) -> list:

@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 from sdcscope.cli.app import app
-from sdcscope.cli.common import fmt_loss, out_console, step_progress, user_errors
+from sdcscope.cli.common import fmt_loss, out_console, path_option, step_progress, user_errors
 from sdcscope.cli.train_cmd import build_configs
 
 DEMO_MARKER = "demo.json"
@@ -80,7 +80,7 @@ def plot_losses(out: Path, labels: list[str]) -> Path:
 
 @app.command()
 def demo(
-    out: Path = typer.Option(Path("runs/demo"), "--out", "-o", help="Where to write the demo's runs."),
+    out: Path = path_option(Path("runs/demo"), "--out", "-o", help="Where to write the demo's runs."),
     steps: int = typer.Option(300, "--steps", "-n", help="Training steps of each run."),
 ) -> None:
     """Inject a fault into the tiny GPT, detect, localize and repair it: golden vs faulty vs guarded."""

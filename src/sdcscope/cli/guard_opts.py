@@ -7,11 +7,11 @@ from typing import Optional
 
 import typer
 
-from sdcscope.cli.common import check_file
+from sdcscope.cli.common import check_file, path_option
 
 GUARD_OPT = typer.Option(False, "--guard", help="Watch the run with the Guard (detect, localize, repair).")
-GUARD_CONFIG_OPT = typer.Option(None, "--guard-config", help="YAML guard settings (implies --guard).")
-INVARIANTS_OPT = typer.Option(None, "--invariants", help="Invariants file checked online by the guard (implies --guard).")
+GUARD_CONFIG_OPT = path_option(None, "--guard-config", help="YAML guard settings (implies --guard).")
+INVARIANTS_OPT = path_option(None, "--invariants", help="Invariants file checked online by the guard (implies --guard).")
 
 
 def guard_config(guard: bool, path: Optional[Path], invariants: Optional[Path] = None, recorded=None):

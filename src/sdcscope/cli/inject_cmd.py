@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from sdcscope.cli.app import app
-from sdcscope.cli.common import fmt_loss, load_fault_file, out_console, step_progress, user_errors
+from sdcscope.cli.common import fmt_loss, load_fault_file, out_console, path_option, step_progress, user_errors
 from sdcscope.cli.guard_opts import GUARD_CONFIG_OPT, GUARD_OPT, guard_config
 from sdcscope.cli.train_cmd import PRESET_OPT, SEED_OPT, STEPS_OPT, WORKLOAD_OPT, build_configs, check_steps
 
@@ -36,13 +36,13 @@ def print_comparison(out: Path, c: dict) -> None:
 
 @app.command()
 def inject(
-    spec: Path = typer.Option(..., "--spec", help="YAML/JSON list of fault specs."),
-    out: Path = typer.Option(..., "--out", "-o", help="New directory for golden/, faulty/, comparison.json."),
+    spec: Path = path_option(..., "--spec", help="YAML/JSON list of fault specs."),
+    out: Path = path_option(..., "--out", "-o", help="New directory for golden/, faulty/, comparison.json."),
     workload: str = WORKLOAD_OPT,
     preset: str = PRESET_OPT,
     steps: int = STEPS_OPT,
     seed: int = SEED_OPT,
-    corpus: Optional[Path] = typer.Option(None, "--corpus", help="Text file or folder (gpt)."),
+    corpus: Optional[Path] = path_option(None, "--corpus", help="Text file or folder (gpt)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size"),
     lr: Optional[float] = typer.Option(None, "--lr"),
     grad_accum: int = typer.Option(1, "--grad-accum"),

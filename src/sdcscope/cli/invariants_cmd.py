@@ -17,7 +17,7 @@ import typer
 
 from sdcscope._io import file_in_the_way
 from sdcscope.cli.app import app
-from sdcscope.cli.common import CLIError, out_console, step_progress, user_errors
+from sdcscope.cli.common import CLIError, out_console, path_argument, path_option, step_progress, user_errors
 from sdcscope.cli.train_cmd import (
     PRESET_OPT, SEED_OPT, STEPS_OPT, WORKLOAD_OPT, build_configs, check_steps, print_summary,
 )
@@ -28,7 +28,7 @@ invariants_app = typer.Typer(
 )
 app.add_typer(invariants_app, name="invariants")
 
-INVARIANTS_OPT = typer.Option(..., "--invariants", "-i", help="Invariants YAML file.")
+INVARIANTS_OPT = path_option(..., "--invariants", "-i", help="Invariants YAML file.")
 
 
 @invariants_app.command()
@@ -37,12 +37,12 @@ def trace(
     preset: str = PRESET_OPT,
     steps: int = STEPS_OPT,
     seed: int = SEED_OPT,
-    out: Path = typer.Option(..., "--out", "-o", help="New run directory (gets trace.jsonl)."),
+    out: Path = path_option(..., "--out", "-o", help="New run directory (gets trace.jsonl)."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences / images per micro-batch."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
     eval_every: int = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at the end)."),
-    invariants: Optional[Path] = typer.Option(None, "--invariants", "-i",
+    invariants: Optional[Path] = path_option(None, "--invariants", "-i",
                                               help="Also check these invariants online (events.jsonl)."),
 ) -> None:
     """Train a reference workload with the trace recorder attached (and optionally a checker)."""
@@ -89,8 +89,8 @@ def _check_out_file(path: Path, force: bool) -> None:
 
 @invariants_app.command()
 def infer(
-    runs: list[Path] = typer.Argument(..., help="Clean run directories holding trace.jsonl."),
-    out: Path = typer.Option(..., "--out", "-o", help="Invariants YAML file to write (a new file unless --force)."),
+    runs: list[Path] = path_argument(..., help="Clean run directories holding trace.jsonl."),
+    out: Path = path_option(..., "--out", "-o", help="Invariants YAML file to write (a new file unless --force)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --out file."),
     margin: float = typer.Option(10.0, "--margin", help="Widening factor of learned numeric bounds."),
     min_support: int = typer.Option(3, "--min-support", help="Observations an invariant needs."),
@@ -147,7 +147,7 @@ def _evidence(ev: dict) -> str:
 
 @invariants_app.command()
 def check(
-    run_dir: Path = typer.Argument(..., help="Run directory holding trace.jsonl."),
+    run_dir: Path = path_argument(..., help="Run directory holding trace.jsonl."),
     invariants: Path = INVARIANTS_OPT,
     events: bool = typer.Option(True, "--events/--no-events",
                                 help="Write violations to RUN_DIR/events.jsonl (first per invariant and tensor)."),

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import typer
-
 from sdcscope.cli.app import app
-from sdcscope.cli.common import out_console, user_errors
+from sdcscope.cli.common import out_console, path_argument, user_errors
 
 MARKERS = ("results.sqlite", "campaign.yaml", "config.json")
 """A campaign's or a run's own files: such a directory is reported as itself."""
@@ -52,7 +50,7 @@ def _foreign(config: Path) -> bool:
 
 
 @app.command()
-def report(directory: Path = typer.Argument(..., help="Campaign directory (results.sqlite), run directory "
+def report(directory: Path = path_argument(..., help="Campaign directory (results.sqlite), run directory "
                                                      "(config.json, from sdcscope train), or a folder of runs "
                                                      "(from sdcscope inject / demo: each run is reported).")) -> None:
     """Write DIR/report.html and DIR/report.md: a campaign's results, or a run's per-rank timelines."""

@@ -11,7 +11,8 @@ import typer
 
 from sdcscope.cli.app import app
 from sdcscope.cli.common import (
-    CLIError, check_file, err_console, fail, fmt_loss, load_fault_file, out_console, step_progress, user_errors,
+    CLIError, check_file, err_console, fail, first_difference, fmt_loss, load_fault_file, out_console, path_option,
+    step_progress, user_errors,
 )
 from sdcscope.cli.guard_opts import GUARD_CONFIG_OPT, GUARD_OPT, INVARIANTS_OPT, guard_config
 
@@ -103,10 +104,12 @@ def resume_run(ctx: typer.Context, resume: Path, faults: Optional[Path], guard: 
         raise type(exc)(f"{str(resume / 'config.json')!r}: {exc}") from None
     from sdcscope.engine.rundir import as_written
 
-    if faults is not None and as_written([s.to_dict() for s in load_fault_file("--faults", faults)]) != recorded_faults:
-        raise CLIError(f"--faults {str(faults)!r} differs from the faults recorded in {str(resume / 'config.json')!r} "
-                       f"({len(recorded_faults)} spec(s)); a resumed run keeps its faults (it re-attaches them): "
-                       "drop --faults, or start a new run with --out")
+    given = None if faults is None else as_written([s.to_dict() for s in load_fault_file("--faults", faults)])
+    if given is not None and given != recorded_faults:
+        where, value, was = first_difference(given, recorded_faults, "faults")
+        raise CLIError(f"--faults {str(faults)!r} differs from the faults recorded in {str(resume / 'config.json')!r}: "
+                       f"{where} is {value} in the file, {was} in the run; a resumed run keeps its faults (it "
+                       "re-attaches them): drop --faults, or start a new run with --out")
     gcfg = guard_config(guard, guard_config_path, invariants, recorded_guard)
     run.config["guard"] = None if gcfg is None else gcfg.to_dict()
     if _given(ctx, "eval_every"):
@@ -167,10 +170,10 @@ def train(
     preset: str = PRESET_OPT,
     steps: int = STEPS_OPT,
     seed: int = SEED_OPT,
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="New run directory."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this directory up to --steps, "
+    out: Optional[Path] = path_option(None, "--out", "-o", help="New run directory."),
+    resume: Optional[Path] = path_option(None, "--resume", help="Continue the run in this directory up to --steps, "
                                                                  "with its recorded faults and guard."),
-    corpus: Optional[Path] = typer.Option(None, "--corpus", help="Text file or folder (gpt; default: Python's stdlib source)."),
+    corpus: Optional[Path] = path_option(None, "--corpus", help="Text file or folder (gpt; default: Python's stdlib source)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences / images per micro-batch."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
@@ -180,7 +183,7 @@ def train(
     invariants: Optional[Path] = INVARIANTS_OPT,
     nproc: int = typer.Option(1, "--nproc", help="Data-parallel ranks; N != 1 launches torchrun (gloo/nccl DDP); "
                                                  "with --guard every rank is watched and decides alike."),
-    faults: Optional[Path] = typer.Option(None, "--faults", help="Fault specs (YAML/JSON) injected into the run; "
+    faults: Optional[Path] = path_option(None, "--faults", help="Fault specs (YAML/JSON) injected into the run; "
                                                                  "with --nproc N bound to ranks."),
     timeout: float = typer.Option(300.0, "--timeout", help="Distributed run: seconds a rendezvous or collective may "
                                                            "wait before a missing or hung rank fails the run."),

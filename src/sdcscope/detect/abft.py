@@ -21,6 +21,16 @@ rounding-error thresholds of :mod:`sdcscope.detect.checksum`; the event names th
 the failing column — with both sides, the element (the intersection of the failing row and
 column) — and the residuals and thresholds.
 
+Which call of a layer called several times (a shared layer, gradient accumulation): the event's
+``evidence["micro_batch"]`` and ``evidence["call"]``, numbered as the injector numbers the
+``call`` of its records (:mod:`sdcscope.inject.injector`), so that an event and an injected fault
+name the same call: ``call`` is the 0-based index of the layer's forward call within the
+micro-batch, in forward order, and the backward products (dX, dW) of forward call i are call i
+too, whatever order the backward runs them in. ``micro_batch`` counts the micro-batches since the
+last :meth:`ABFTDetector.check` (0-based): the first forward after a backward pass begins the
+next one. A forward re-run inside the backward pass (an activation checkpoint's recompute) is no
+new call: its checks carry ``call`` None.
+
 Cost
 ----
 On a CPU every check is a few memory passes plus Python dispatch; the statistics of a tensor
@@ -118,7 +128,7 @@ from sdcscope.detect.checksum import (SIDES, GemmCheck, Line, Operand, frobenius
 from sdcscope.detect.convcheck import (CONV_TYPES, TRANSPOSED_TYPES, Geometry, checkable_conv, conv_model,
                                        conv_node, forward_lines, grad_input_lines, grad_weight_lines)
 from sdcscope.detect.events import GEMMS, Event
-from sdcscope.inject.targets import linear_nodes, weight_grad_edge, weight_in_out
+from sdcscope.inject.targets import in_backward, linear_nodes, weight_grad_edge, weight_in_out
 from sdcscope.observe._util import autocast_on, is_matmul, match_modules, no_autocast
 
 CHECKSUMS = ("both", "row", "column")
@@ -206,7 +216,7 @@ def _names(key: str, value: object) -> tuple[str, ...]:
 class _Ctx:
     """One call of one sampled module, waiting for its gradients."""
 
-    call: int
+    call: tuple[int, int | None]           # (micro-batch, call index): see the module docstring
     x: torch.Tensor | None = None          # Linear: the input as the caller passed it
     a: Operand | None = None               # X (Linear) / a (MatMul), in the compute dtype
     b: Operand | None = None               # W (Linear) / b (MatMul), in the compute dtype
@@ -242,7 +252,7 @@ class _Layer:
     module: nn.Module
     kind: str                              # 'linear' | 'matmul'
     names: tuple[str, ...]                 # forward's parameter names of the operands (keywords)
-    calls: int = 0
+    calls: int = 0                         # forward calls (outside backward) in this micro-batch
     hits: int = 0                          # forward calls the hook saw since the last check (any mode)
     fwd: object = None                     # handle of the forward hook
     pre: object = None                     # handle of the forward pre-hook (slow path only)
@@ -303,6 +313,10 @@ class ABFTDetector:
         self._rot = self._chosen_rot = 0
         self._last_checked: tuple[int, list[_Layer], int] | None = None   # (step, its layers, rotation)
         self._records: list[tuple] = []
+        self._micro_batch = 0                    # micro-batches since the last check (see _call)
+        self._backward_ran = False               # a backward pass since this micro-batch's first forward
+        self._marked = False                     # a tensor hook waits to tell that backward ran
+        self._marker = self._shielded(self._backward_seen)
         self._error: Exception | None = None     # raised by a hook this step (see _shielded)
         self._operands: weakref.WeakValueDictionary[tuple, Operand] = weakref.WeakValueDictionary()
         self._models: dict[tuple, object] = {}   # rounding models of this step (torch settings)
@@ -475,7 +489,7 @@ class ABFTDetector:
             got = self._models[(cd, device)] = rounding_model(cd, device, self._cs)
         return got
 
-    def _record(self, layer: _Layer, gemm: str, call: int, c_dims: tuple | None, batch_dims: tuple,
+    def _record(self, layer: _Layer, gemm: str, call: tuple, c_dims: tuple | None, batch_dims: tuple,
                 a: Operand, b: Operand, c: torch.Tensor, *, bias=None, operand: str | None = None) -> None:
         cd = a.t.dtype
         which = self.config.checksums
@@ -493,7 +507,7 @@ class ABFTDetector:
                 and module.weight.dtype == cs and (bias is None or bias.dtype == cs) and out.dim() >= 2
                 and not autocast_on(out.device))
 
-    def _lean_line(self, layer: _Layer, gemm: str, call: int, c_dims: tuple | None, k: int,
+    def _lean_line(self, layer: _Layer, gemm: str, call: tuple, c_dims: tuple | None, k: int,
                    act, exp, v, scale, s1, counts: tuple[int, int, int, int], device) -> None:
         """Record the column line of a hot-path check; ``counts`` = (checksum length summed, inner
         dim, elements of the s1 norm, elements of each scale norm) fix its constants."""
@@ -510,7 +524,7 @@ class ABFTDetector:
         self._records.append((layer.name, gemm, call, c_dims, (), k, self._cs_name, None,
                               GemmCheck([line], ("col",))))
 
-    def _lean_forward(self, layer: _Layer, call: int, a: Operand, w: Operand, out: torch.Tensor,
+    def _lean_forward(self, layer: _Layer, call: tuple, a: Operand, w: Operand, out: torch.Tensor,
                       bias: torch.Tensor | None) -> None:
         """Y = X·Wᵀ + b: 1ᵀY vs W·(1ᵀX) + n·b."""
         n, k = a.shape
@@ -573,7 +587,7 @@ class ABFTDetector:
             layer, call, geo, transposed, xc, w, grad_inputs, grad_outputs, gemms,
             None if pad is None else (ctx, pad))))
 
-    def _conv_backward(self, layer: _Layer, call: int, geo: Geometry, transposed: bool, xc: torch.Tensor,
+    def _conv_backward(self, layer: _Layer, call: tuple, geo: Geometry, transposed: bool, xc: torch.Tensor,
                        w: torch.Tensor, grad_inputs, grad_outputs, gemms: set[str], deferred=None) -> None:
         """Post-hook of a convolution's node: dY in, dX and dW out (after any fault an injector's
         earlier hook on the node wrote into them); ``xc``, ``w``: the operands the node saved. A
@@ -582,6 +596,7 @@ class ABFTDetector:
         gradient of its unpadded input, :meth:`_grad_operand_hook`), where the injector's faults
         on it land and whose coordinates the event names."""
         dy, dx, dw = grad_outputs[0], grad_inputs[0], grad_inputs[1]
+        self._backward_ran = True
         if dy is None:
             return None
         if torch.is_grad_enabled():   # a create_graph backward (see _set_dy): not this call's alone
@@ -607,7 +622,7 @@ class ABFTDetector:
                                   b.shape[0] * math.prod(b.shape[2:]), dy.dtype)
         return None
 
-    def _conv_record(self, layer: _Layer, gemm: str, call: int, lines: list, side: str,
+    def _conv_record(self, layer: _Layer, gemm: str, call: tuple, lines: list, side: str,
                      dims: tuple[int, ...], k: int, cd: torch.dtype) -> None:
         """Record a convolution check; its event index: forward / grad_input (n, None, *position)
         — the checksum sums the group's channels —, grad_weight (None, input channel, *tap)."""
@@ -624,8 +639,7 @@ class ABFTDetector:
         def hook(module, args, kwargs):
             if not self._on(layer):
                 return None
-            layer.calls += 1
-            ctx = _Ctx(call=layer.calls)
+            ctx = _Ctx(call=self._call(layer))
             layer.open_ctx = ctx
             if not (grads and torch.is_grad_enabled()):
                 return None
@@ -659,8 +673,10 @@ class ABFTDetector:
             if (ctx is None and not fast) or not self._on(layer) or not isinstance(out, torch.Tensor):
                 return None
             if fast:
-                layer.calls += 1
-                ctx = _Ctx(call=layer.calls)
+                ctx = _Ctx(call=self._call(layer))
+            if out.requires_grad and not self._marked and ctx.call[1] is not None:
+                self._marked = True   # its gradient tells that this micro-batch's backward ran
+                out.register_hook(self._marker)
             ops = [args[i] if i < len(args) else kwargs.get(k) for i, k in enumerate(layer.names)]
             if not all(isinstance(t, torch.Tensor) for t in ops):
                 ctx.release()
@@ -724,6 +740,23 @@ class ABFTDetector:
             return None
         return self._shielded(hook)
 
+    def _call(self, layer: _Layer) -> tuple[int, int | None]:
+        """(micro-batch, index) of this forward call of ``layer`` (see the module docstring): the
+        first forward after a backward pass begins a new micro-batch; a forward inside the backward
+        pass (a checkpoint's recompute) is no new call (index None)."""
+        if in_backward():
+            return self._micro_batch, None
+        if self._backward_ran:
+            self._backward_ran = self._marked = False
+            self._micro_batch += 1
+            for x in self.layers:
+                x.calls = 0
+        layer.calls += 1
+        return self._micro_batch, layer.calls - 1
+
+    def _backward_seen(self, grad=None) -> None:
+        self._backward_ran, self._marked = True, False
+
     def _dy_hook(self, ctx: _Ctx):
         def hook(grad):
             self._set_dy(ctx, grad)
@@ -731,6 +764,7 @@ class ABFTDetector:
 
     def _set_dy(self, ctx: _Ctx, dy: torch.Tensor | None) -> None:
         ctx.dy = dy
+        self._backward_ran = True
         if torch.is_grad_enabled() and not ctx.higher_order:
             # A backward with create_graph=True (a gradient penalty, a Hessian-vector product):
             # this call's gradient graph feeds another backward, whose contributions reach the
@@ -841,6 +875,7 @@ class ABFTDetector:
         for layer in self.layers:
             layer.open_ctx = None
             layer.calls = 0
+        self._micro_batch, self._backward_ran, self._marked = 0, False, False
 
     def threshold(self, layer: str, gemm: str) -> float:
         """The c (in model stds) currently applied to (layer, gemm)."""
@@ -902,7 +937,7 @@ class ABFTDetector:
                           "GEMMs are not checked, and they leave the sampling rotation", stacklevel=3)
 
     def _judge(self, step: int, rec: tuple, ratio: float, calibrating: bool) -> list[Event]:
-        name, gemm, call, c_dims, batch_dims, k, dtype, operand, chk = rec
+        name, gemm, (micro_batch, call), c_dims, batch_dims, k, dtype, operand, chk = rec
         key = (name, gemm)
         c = self.threshold(name, gemm)
         if ratio <= c:  # the common case: nothing more is read from the device
@@ -937,7 +972,7 @@ class ABFTDetector:
             "threshold": c * s[f"{side}_threshold"],
             "row_residual": s["row_residual"], "row_threshold": c * s["row_threshold"],
             "col_residual": s["col_residual"], "col_threshold": c * s["col_threshold"],
-            "dtype": dtype, "inner_dim": int(k), "call": call,
+            "dtype": dtype, "inner_dim": int(k), "micro_batch": micro_batch, "call": call,
         }
         if operand is not None:
             evidence["operand"] = operand

@@ -40,10 +40,17 @@ optimizer_state     memory fault on the state tensors with a value per element (
 Whether a fault fires is :func:`sdcscope.faults.fires` of (spec, step, micro-batch, name, rank).
 A module called several times in one micro-batch (a shared layer) is one site visited several
 times: a transient or intermittent fault is one event in time and corrupts only the *first* call
-of the module at its position (for the backward sites: the first backward call); a permanent
-fault (a broken unit) corrupts every call, each logged with its ``call`` index. A forward re-run
-by activation checkpointing (a forward inside the backward pass) gets the same corruption as the
-call it recomputes and is not logged again.
+of the module at its position (for the backward sites: the first backward call, usually the
+gradient of the module's *last* forward call); a permanent fault (a broken unit) corrupts every
+call, each logged with its ``call`` index. Calls are numbered as ABFT numbers them
+(``evidence["call"]`` of its events), so that an event and the fault behind it name the same
+call: ``call`` is the 0-based index of the module's forward call within the micro-batch, in
+forward order, and the backward sites carry the index of the forward call whose gradient they
+corrupt (the dX or dW of forward call i is call i), whatever order the backward runs them in.
+A forward re-run by activation checkpointing (a forward inside the backward pass) is no new call:
+it gets the same corruption as the call it recomputes and is not logged again; the gradients of
+a reentrant checkpoint's recompute (whose first pass recorded no graph) are logged with ``call``
+None.
 A training loop tells the injector where it is with :meth:`Injector.set_position`; the engine
 does it through :meth:`Injector.callback`. A transient or intermittent fault is one event in
 time: a re-execution of its step (a guard's replay, or training again after a rollback) does
@@ -57,8 +64,9 @@ Records (``injections.jsonl``, :attr:`Injector.records`): one per fault applicat
 / ``optimizer_state`` fault re-applied to the values an optimizer update wrote; logged only
 when it changed a value bitwise) or ``"eval"`` (an evaluation pass: permanent faults only,
 memory faults logged only when they changed a value; one record per spec and module per
-evaluation at a step, however many batches it runs); and ``call``: the module call index
-within the micro-batch for the module sites (None for the parameter sites). Evaluation records
+evaluation at a step, however many batches it runs); and ``call``: for the module sites, the
+0-based index of the module's forward call within the micro-batch (see above; None for the
+parameter sites). Evaluation records
 never suppress or replace training ones; count training injections as the records whose
 ``when`` is not ``"eval"``. A re-execution (:func:`reexecution`: its permanent faults act
 again) logs nothing; training a step again after a rollback logs only events its first
@@ -81,7 +89,7 @@ from torch import nn
 
 from sdcscope._io import JsonlWriter
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, FaultSpecError, apply_spec, fault_generator, fires
-from sdcscope.inject.targets import (CHANNELS_FIRST, MODULE_SITES, UNREACHED, Target, element_state,
+from sdcscope.inject.targets import (CHANNELS_FIRST, MODULE_SITES, UNREACHED, Target, element_state, in_backward,
                                      operand_channel_dims, operand_grad_edge, primary_output, validate_specs,
                                      weight_grad_edge)
 
@@ -126,7 +134,7 @@ def _replaced(clean: torch.Tensor, faulty: torch.Tensor) -> torch.Tensor:
 
 def _in_backward() -> bool:
     """Whether this runs inside the autograd engine (a forward here is a checkpoint recompute)."""
-    return torch._C._current_graph_task_id() != -1
+    return in_backward()
 
 
 def _changed(result) -> bool:
@@ -185,7 +193,8 @@ class Injector:
         self._seen: set[tuple] = set()
         self._resident: dict[tuple[int, str], tuple] = {}  # permanent memory faults in place: (id, version, index)
         self._param_grad_fired: dict[tuple[int, str], int] = {}   # (spec, target) -> step a once-fault hit .grad
-        self._calls: dict[tuple[int, str], int] = {}  # module calls met at this position, per spec/target
+        self._calls: dict[tuple[int, str], int] = {}  # forward calls of the module met at this position
+        self._acted: set[tuple[int, str]] = set()     # once-faults that acted at this position
         self._fired_input: dict[tuple[int, str], torch.Tensor] = {}  # input of a once-fault's call
         self._warned_accum = False
         self.warn_unfired = warn_unfired
@@ -248,7 +257,7 @@ class Injector:
             self._begun.add(step)
             moved = True
         self.step, self.micro_batch, self.evaluating = step, micro_batch, evaluating
-        self._calls, self._fired_input = {}, {}
+        self._calls, self._acted, self._fired_input = {}, set(), {}
         if micro_batch >= self.grad_accum and not self._warned_accum and not evaluating \
                 and any(s.site == "param_grad" for s in self.specs):
             self._warned_accum = True
@@ -323,33 +332,47 @@ class Injector:
         return self.armed and self._live(spec) and fires(spec, self.step, self._event_micro_batch(spec),
                                                          t.key, self.rank)
 
-    def _call(self, i: int, spec: FaultSpec, t: Target, x=None) -> int | None:
-        """Whether ``spec`` acts on this call of ``t``'s module: None if not, else the call's index
-        within the micro-batch, or -1 to corrupt without a record (a checkpoint recompute, a
-        re-execution). ``x``: the forward call's input (None for backward hooks)."""
+    def _index(self, i: int, t: Target) -> int | None:
+        """The index of this forward call of ``t``'s module within the micro-batch (0-based, in
+        forward order: the records' ``call``), counted for every call while spec ``i`` is live,
+        whether it fires or not; None for a forward re-run inside the backward pass (a checkpoint's
+        recompute), which is no new call. The backward hooks carry the index of their forward call."""
+        if _in_backward():
+            return None
+        key = (i, t.name)
+        k = self._calls.get(key, 0)
+        self._calls[key] = k + 1
+        return k
+
+    def _call(self, i: int, spec: FaultSpec, t: Target, index: int | None, x=None, *,
+              backward: bool = False) -> bool | None:
+        """Whether ``spec`` acts on this call of ``t``'s module (``index``: :meth:`_index` of its
+        forward call): None if not, else whether to log it (False: corrupt without a record, as
+        in a checkpoint recompute or a re-execution). ``x``: the forward call's input;
+        ``backward``: asked by a backward hook (dX, dW of the forward call ``index``)."""
         if not self._fires(spec, t):
             return None
         self._reached.add(i)
         key, once = (i, t.name), spec.schedule.kind != "permanent"
         if _REEXECUTING.get():  # only permanent faults are live: they act, already logged
-            return -1
-        if x is not None and _in_backward():  # activation checkpointing re-runs a forward call
+            return False
+        if not backward and index is None:  # activation checkpointing re-runs a forward call
             if not once:
-                return -1
+                return False
             if key not in self._fired_input:  # the fault was not met in the forward pass
                 return None
             ref = self._fired_input[key]
             same = (self._calls.get(key, 0) == 1 or not isinstance(x, torch.Tensor)
                     or not isinstance(ref, torch.Tensor)
                     or (ref.shape == x.shape and ref.dtype == x.dtype and torch.equal(ref, x)))
-            return -1 if same else None
-        k = self._calls.get(key, 0)
-        self._calls[key] = k + 1
-        if once and k > 0:  # one event in time: the first call only
-            return None
-        if once:  # its input tells its recomputation from another call's
-            self._fired_input[key] = x.detach() if isinstance(x, torch.Tensor) else None
-        return k
+            return False if same else None
+        if once:
+            if key in self._acted:  # one event in time: the first call only
+                return None
+            self._acted.add(key)
+            if not backward:  # its input tells its recomputation from another call's
+                self._fired_input[key] = x.detach() if isinstance(x, torch.Tensor) else None
+        return True
 
     def _apply(self, spec: FaultSpec, t: Target, tensor: torch.Tensor, *, suffix: str = "", channel_dim=None,
                step: int | None = None) -> FaultResult:
@@ -369,10 +392,10 @@ class Injector:
                 f"tensor of shape {list(tensor.shape)} it landed on at step {self.step}: {exc} (check it before "
                 "training: Injector(..., probe=sdcscope.inject.targets.probe_model(model, forward)))") from None
 
-    def _corrupt(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, *,
-                 suffix: str = "", channel_dim=None, call: int | None = None, when: str | None = None) -> FaultResult:
+    def _corrupt(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, *, suffix: str = "",
+                 channel_dim=None, call: int | None = None, when: str | None = None, log: bool = True) -> FaultResult:
         result = self._apply(spec, t, tensor, suffix=suffix, channel_dim=channel_dim)
-        if call != -1:
+        if log:
             self._record(i, spec, t.name + suffix, result, call=call, when=when)
         return result
 
@@ -380,26 +403,28 @@ class Injector:
         channel_dim = 1 if isinstance(t.module, CHANNELS_FIRST) else -1
 
         def hook(module, args, output):
+            index = self._index(i, t)
             tensor, rebuild = primary_output(output)
             if tensor is None:
                 return None
-            call = self._call(i, spec, t, args[0] if args else None)
-            if call is None:
+            log = self._call(i, spec, t, index, args[0] if args else None)
+            if log is None:
                 return None
             faulty = tensor.detach().clone()
-            self._corrupt(i, spec, t, faulty, channel_dim=channel_dim, call=call)
+            self._corrupt(i, spec, t, faulty, channel_dim=channel_dim, call=index, log=log)
             return rebuild(_replaced(tensor, faulty))
         return hook
 
     def _mac_cell_hook(self, i, spec, t: Target):
         """Y' = Y + op(x, W' − W): the GEMM ran with weight[b, a] faulted in the MAC cell."""
         def hook(module, args, output):
-            call = self._call(i, spec, t, args[0])
-            if call is None:
+            index = self._index(i, t)
+            log = self._call(i, spec, t, index, args[0])
+            if log is None:
                 return None
             w = module.weight.detach()
             faulty_w = w.clone()
-            self._corrupt(i, spec, t, faulty_w, call=call)
+            self._corrupt(i, spec, t, faulty_w, call=index, log=log)
             delta = (faulty_w - w).to(output.dtype)
             x = args[0].detach()
             if isinstance(module, nn.Linear):
@@ -417,6 +442,7 @@ class Injector:
         channel_dim = operand_channel_dims(t.module, position)
 
         def hook(module, args, output):
+            index = self._index(i, t)   # this call's: its dX is call `index` too
             try:
                 edge = operand_grad_edge(module, output, args, position)
             except ValueError as exc:
@@ -426,10 +452,10 @@ class Injector:
 
             def corrupt(grad_inputs, grad_outputs):
                 g = grad_inputs[edge.index]
-                if g is None or (call := self._call(i, spec, t)) is None:
+                if g is None or (log := self._call(i, spec, t, index, backward=True)) is None:
                     return None
                 faulty = g.clone(memory_format=torch.contiguous_format)   # a Linear's (tokens, in): as X
-                self._corrupt(i, spec, t, faulty.view(edge.shape), channel_dim=channel_dim, call=call)
+                self._corrupt(i, spec, t, faulty.view(edge.shape), channel_dim=channel_dim, call=index, log=log)
                 return tuple(faulty if k == edge.index else gi for k, gi in enumerate(grad_inputs))
             edge.node.register_hook(corrupt)
             return None
@@ -438,21 +464,22 @@ class Injector:
     def _grad_weight_hook(self, i, spec, t: Target):
         """Forward hook: reach this call's dW through its autograd node (weight_grad_edge)."""
         def hook(module, args, output):
+            index = self._index(i, t)   # this call's: its dW is call `index` too
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
             edge = weight_grad_edge(output, module.weight)
             if edge is None:
                 raise RuntimeError(f"gemm.grad_weight on {t.name!r}: the weight's gradient does not "
                                    f"come from this call's autograd graph (a flattened or wrapped parameter?)")
-            node, index = edge
+            node, at = edge
 
             def corrupt(grad_inputs, grad_outputs):
-                g = grad_inputs[index]
-                if g is None or (call := self._call(i, spec, t)) is None:
+                g = grad_inputs[at]
+                if g is None or (log := self._call(i, spec, t, index, backward=True)) is None:
                     return None
                 faulty = g.clone()
-                self._corrupt(i, spec, t, faulty, call=call)
-                return tuple(faulty if k == index else gi for k, gi in enumerate(grad_inputs))
+                self._corrupt(i, spec, t, faulty, call=index, log=log)
+                return tuple(faulty if k == at else gi for k, gi in enumerate(grad_inputs))
             node.register_hook(corrupt)
             return None
         return hook

@@ -72,6 +72,14 @@ def is_gemm(module: nn.Module) -> bool:
     return has_weight_operand(module) or getattr(module, "is_matmul", False)
 
 
+def in_backward() -> bool:
+    """Whether this runs inside the autograd engine's backward pass. A module forward here is a
+    re-run of an earlier forward call (an activation checkpoint's recompute), not a new call:
+    the injector's records and ABFT's events number calls (``call``: the 0-based index of the
+    module's forward call within the micro-batch) over the forward calls made outside it."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def through_casts(node):
     """``node``, or the node behind the casts on its way (``ToCopyBackward0``: autocast's copy of
     a weight, cached and shared by every use of the weight in the region)."""
