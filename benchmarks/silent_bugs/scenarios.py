@@ -24,8 +24,8 @@ Families (the reference training scripts):
 The last ten bugs and three clean variants were written after the invariants that the first
 ones exercise, as bugs the mechanism had not seen; two of them (a detached residual stream, an
 attention mask of ones) look normal in a short run's trace: the mask of ones is caught by the
-``Causal`` relation's probe of the model, the detached residual stream by no invariant (its
-forward is unchanged; only the size of its gradients differs).
+``Causal`` relation's probe of the model, the detached residual stream by ``GradShare`` (its
+forward is unchanged; only how its gradient is spread over the layers differs).
 
 Clean variants (``VARIANTS``) are correct loops that differ from their family's references in
 such a setting; checked against the references' invariants, they must raise nothing.

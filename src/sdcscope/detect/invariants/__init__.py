@@ -8,7 +8,7 @@ The TrainCheck idea (OSDI '25), native to sdcscope:
 2. **Infer** with :func:`infer_invariants` the relations that hold in all of them
    (``Consistent``, ``EventContain``, ``ExclusiveWrite``, ``APISequence``, ``APICount``,
    ``APICountRatio``, ``APIArg``, ``APIArgRatio``, ``APIOutput``, ``MetricBound``,
-   ``MetricTrend``, ``InitialLoss``, ``LossTrend``, ``Causal``), with learned
+   ``MetricTrend``, ``InitialLoss``, ``LossTrend``, ``Causal``, ``GradShare``), with learned
    preconditions; save them as editable YAML.
 3. **Check** a run online with :class:`InvariantChecker` (in-process, records only what the
    invariants need) or offline with :func:`check_trace`; violations are ``events.jsonl`` events

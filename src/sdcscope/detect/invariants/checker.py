@@ -3,7 +3,8 @@
 Online, :class:`InvariantChecker` records only what its invariants need (e.g. checksums only of
 the tensors named by ``Consistent`` invariants, batch checksums only if an invariant uses them,
 bit sums of updated parameters only if an ``update`` containment is checked, the causality
-probe only for a ``Causal`` invariant, as often as it asks) and evaluates each
+probe only for a ``Causal`` invariant, as often as it asks, per-parameter gradient norms only
+for a ``GradShare`` invariant) and evaluates each
 record when the step ends, in the same process, on a few scalars and bit masks.  Offline,
 :func:`check_trace` evaluates the same checks over ``trace.jsonl``.
 
@@ -107,7 +108,8 @@ class InvariantChecker(EngineCallbacks):
         invs = load_invariants(invariants) if isinstance(invariants, (str, Path)) else list(invariants)
         full = TraceRecorder(model, optimizer, config=TraceConfig(rank=rank)).header()
         checksums: set[str] = set()
-        flags = {"input_fingerprint": False, "confirm_updates": False, "target_shift": False}
+        flags = {"input_fingerprint": False, "confirm_updates": False, "target_shift": False,
+                 "grad_norms": False}
         causal = []   # the probe intervals Causal invariants ask for
         for check in bind_invariants(invs, full):
             need = check.needs()

@@ -33,6 +33,8 @@ Per step it records one compact dict (written to ``trace.jsonl`` when ``out`` is
   outside ``optimizer.step`` (``outside``: its version counter moved before the step, or after
   it: a weight decay applied by hand as well, a weight edited by mistake);
 - ``checksums``: exact full-tensor checksums of the watched tensors (for ``Consistent``);
+- ``grad_norms``: the 2-norm of each parameter's gradient when ``optimizer.step`` returned (the
+  gradients the update used), with the mask of the parameters that had one (for ``GradShare``);
 - ``metrics``: whatever the loop logs.
 
 Tensor-valued facts are kept on the device and fetched together at the end of the record, so a
@@ -59,6 +61,7 @@ from torch import nn
 from sdcscope.detect.invariants import apis, probe
 from sdcscope.detect.invariants.names import resolve, to_hex
 from sdcscope.engine.rundir import JsonlWriter
+from sdcscope.observe._util import dense_values
 
 TRACE_FILE = "trace.jsonl"
 TRACE_FORMAT = "sdcscope-trace/1"
@@ -149,6 +152,11 @@ class TraceConfig:
     on: ``causal_leak`` (0 for an autoregressive model), with ``causal_cut`` (t), ``causal_pos``
     (the output position that changed most) and ``causal_len`` (T); see ``probe``.  0: never.
     Costs one forward of a few sequences, without gradients, per probe."""
+    grad_norms: bool = True
+    """Record each parameter's gradient norm when ``optimizer.step`` returns: the gradients the
+    update used, after every micro-batch, clipping and a GradScaler's unscaling (and after a
+    closure ran).  One fused ``torch._foreach_norm`` pass over the gradients per step, fetched
+    with the record's other values: far cheaper than the backward that made them."""
     rank: int = 0
 
     def __post_init__(self) -> None:
@@ -590,6 +598,25 @@ class TraceRecorder(EngineCallbacks):
             self._pend(same, entry, 1, integer=True, vector=True)
             self._moved.append(entry)
         self._copies = None
+        if self.config.grad_norms and self._in_step:
+            self._grad_norms()
+
+    def _grad_norms(self) -> None:
+        """The record's ``grad_norms``: ``{"params": mask of the parameters with a gradient,
+        "norms": their gradients' 2-norms}`` (the last ``optimizer.step`` of the step wins)."""
+        grads = list(map(_GRAD, self._params))
+        have = list(map(is_not, grads, repeat(None)))
+        present = list(compress(grads, have))
+        if not present:
+            return
+        norms = torch._foreach_norm(dense_values(present), 2, dtype=torch.float32)
+        try:
+            stacked = torch.stack(norms)
+        except RuntimeError:   # gradients on several devices
+            stacked = torch.stack([n.to(norms[0].device) for n in norms])
+        entry: dict[str, Any] = {"params": to_hex(sum(compress(self._bits, have)))}
+        self._pend(stacked, entry, "norms", vector=True)
+        self._record()["grad_norms"] = entry
 
     # -- finishing records -------------------------------------------------------------------
     def _pend(self, t: torch.Tensor, target: dict | list, key: str | int, integer: bool = False,
