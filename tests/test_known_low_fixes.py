@@ -157,3 +157,20 @@ def test_an_empty_path_option_is_refused_before_any_work(tmp_path, monkeypatch, 
     assert code == 2, text
     assert f"Invalid value for '{flag}'" in text and "is not a path" in text and "Traceback" not in text, text
     assert list(tmp_path.iterdir()) == []
+
+
+# -- configs from any mapping (an OmegaConf/Hydra config, a MappingProxyType), nested too ---------
+def test_guard_config_from_read_only_mappings():
+    from types import MappingProxyType as RO
+
+    from sdcscope.guard import GuardConfig
+
+    cfg = GuardConfig.from_dict(RO({
+        "abft": RO({"c": 6.0, "kinds": ["linear"]}),
+        "policy": RO({"rules": RO({"abft:transient": ["veto"]})}),
+        "ranks": RO({"ledger": RO({})}),
+    }))
+    assert cfg.abft.c == 6.0 and cfg.abft.kinds == ("linear",)
+    assert cfg.policy.actions_for("abft", "transient") == ["veto"]
+    with pytest.raises(ValueError, match="unknown abft key 'cc'"):
+        GuardConfig.from_dict(RO({"abft": RO({"cc": 6.0})}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 def check_choice(name: str, value: object, allowed: Iterable[str]) -> None:
@@ -51,8 +51,9 @@ def check_float(name: str, value: object, *, low: float | None = None,
 
 
 def build_config(cls, data: object, what: str):
-    """``cls(**data)`` for a dataclass ``cls``; an unknown key is refused naming the allowed ones."""
-    if not isinstance(data, dict):
+    """``cls(**data)`` for a dataclass ``cls`` and any mapping ``data`` (a dict, an OmegaConf or
+    Hydra config, a ``MappingProxyType``); an unknown key is refused naming the allowed ones."""
+    if not isinstance(data, Mapping):
         raise TypeError(f"{what} must be a mapping, got {data!r}")
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
@@ -60,4 +61,4 @@ def build_config(cls, data: object, what: str):
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"unknown {what} key {key!r}{hint}; allowed: {', '.join(names)}")
-    return cls(**data)
+    return cls(**dict(data))

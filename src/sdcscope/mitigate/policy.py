@@ -14,6 +14,7 @@ reported). Unknown detectors, verdicts and actions are refused, naming the allow
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sdcscope._validate import check_bool, check_choice
@@ -95,7 +96,7 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         check_bool("policy defaults", self.defaults)
-        if not isinstance(self.rules, dict):
+        if not isinstance(self.rules, Mapping):
             raise TypeError(f"policy rules must be a mapping of 'detector:verdict' to actions, got {self.rules!r}")
         given: dict[str, list[str]] = {}
         for key, actions in self.rules.items():

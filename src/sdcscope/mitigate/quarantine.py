@@ -46,7 +46,7 @@ run_dir=...))`` with :class:`~sdcscope.engine.ddp.DDPTrainer`) or in a plain loo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +86,7 @@ class RankGuardConfig:
     def __post_init__(self) -> None:
         for name, cls in _NESTED.items():
             value = getattr(self, name)
-            if isinstance(value, dict):
+            if isinstance(value, Mapping):
                 setattr(self, name, build_config(cls, value, f"rank guard {name}"))
             elif not isinstance(value, cls):
                 raise TypeError(f"rank guard {name} must be a mapping or {cls.__name__}, got {value!r}")
