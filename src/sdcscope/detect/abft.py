@@ -552,7 +552,8 @@ class ABFTDetector:
         # Saved-tensor hooks (non-reentrant activation checkpointing, offloading) would run on the
         # node's saved operands if read here: a checkpoint recomputes its region at once and keeps
         # the result (its memory saving lost); such a call's forward is checked from the module's
-        # input, its dX and dW are not.
+        # input, its dX and dW are not (nor can a hook read them in backward: a checkpoint lets each
+        # saved tensor be unpacked once, by the node itself).
         hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
         found = conv_node(out, module.weight, transposed) if out.requires_grad and not hooked else None
         y = out if out.dim() == module.weight.dim() else out.unsqueeze(0)   # unbatched input
