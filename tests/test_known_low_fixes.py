@@ -174,3 +174,22 @@ def test_guard_config_from_read_only_mappings():
     assert cfg.policy.actions_for("abft", "transient") == ["veto"]
     with pytest.raises(ValueError, match="unknown abft key 'cc'"):
         GuardConfig.from_dict(RO({"abft": RO({"cc": 6.0})}))
+
+
+# -- a GEMM with no work (an MoE expert routed no token) takes no fault ----------------------------
+@pytest.mark.parametrize("site", ["gemm.forward", "gemm.grad_input", "gemm.grad_weight", "activation"])
+def test_an_empty_call_takes_no_fault_and_a_transient_waits_for_work(site):
+    torch.manual_seed(0)
+    expert = nn.Linear(4, 4)
+    net = nn.ModuleDict({"expert": expert})
+    spec = FaultSpec.from_dict({"site": site, "target": "expert", "model": "bitflip", "bits": [30], "seed": 1,
+                                "schedule": {"kind": "transient", "step": 0}})
+    inj = Injector(net, [spec]).attach()
+    inj.set_position(0)
+    x = torch.randn(3, 4, requires_grad=True)
+    (expert(x[:0]).sum() + expert(x).square().sum()).backward()   # the first call gets no token
+    (rec,) = inj.records
+    assert rec["call"] == 1 and rec["count"] == 1
+    inj.set_position(1)
+    expert(x[:0]).sum().backward()
+    assert len(inj.records) == 1

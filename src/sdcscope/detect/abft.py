@@ -91,10 +91,15 @@ non-finite, spike and state-checksum detectors), products computed outside a mod
 (``F.linear`` on another module's weight, ``F.scaled_dot_product_attention``: expose them as MatMul-contract modules to
 check them; a Linear used only that way -- ``nn.MultiheadAttention``'s ``out_proj`` -- is listed
 in :attr:`ABFTDetector.unreached` after two sampled steps that did not call it, and leaves the
-sampling rotation), ``nn.Linear`` subclasses that override ``forward`` (a LoRA layer's output is
-not XWᵀ + b) and parametrized Linears (``spectral_norm``, ``weight_norm``: each read of
-``.weight`` runs the parametrization again -- spectral norm's power iteration advances -- so no
-hook can read the W the forward used), both listed in :attr:`ABFTDetector.skipped`, bias
+sampling rotation), weights a module applies in its own ``forward`` (``F.linear`` on the 3-D
+expert weights of transformers' MoE layers -- Mixtral, Qwen2-MoE -- or on a router's weight,
+``nn.MultiheadAttention``'s ``in_proj_weight``: listed in :attr:`ABFTDetector.unchecked_params`
+and named in a warning at construction), ``nn.Linear`` subclasses that override ``forward`` (a
+LoRA layer's output is not XWᵀ + b; those named in ``ABFTConfig.linear_subclasses``, such as
+transformers' ``FalconLinear``, are checked) and parametrized Linears (``spectral_norm``,
+``weight_norm``: each read of ``.weight`` runs the parametrization again -- spectral norm's power
+iteration advances -- so no hook can read the W the forward used), both listed in
+:attr:`ABFTDetector.skipped` and named in a warning at construction, bias
 gradients (a reduction, not a GEMM), and
 the ``grad_weight`` of parameters that are not leaves of the call's graph (FSDP's flattened
 parameters), and the backward products of a call a ``create_graph=True`` backward ran through (a
@@ -151,7 +156,8 @@ class ABFTConfig:
     (names the element; about 2 more memory passes per check); ``'row'``: C·1 only."""
     c: float = 8.0
     """Threshold in model standard deviations (:mod:`sdcscope.detect.checksum`). Largest clean
-    ratio measured on small transformers: ≤ 0.3 (fp32 GEMMs), ≤ 1.9 (bf16 GEMMs)."""
+    ratio measured on small transformers: ≤ 0.3 (fp32 GEMMs), ≤ 1.9 (bf16 GEMMs), and 3.4 over 200
+    bf16 steps of ALBERT, whose one layer runs three times per forward."""
     checksum_dtype: str = "auto"
     """``'auto'`` = float32 (AEGIS: checksums at FP32-accumulator precision). ``'float64'`` makes
     the checksum arithmetic exact and the fp32 threshold ~30× tighter, but is not cheap: on the
@@ -168,12 +174,17 @@ class ABFTConfig:
     """Checked steps whose largest ratio per (layer, gemm) sets a tighter threshold
     ``max(c_min, calibration_margin × max ratio)`` (never above ``c``)."""
     calibration_margin: float = 4.0
-    c_min: float = 3.0
+    c_min: float = 5.0
     """Floor of a calibrated threshold: the model std is an upper bound, but a short calibration
-    sees only part of the tail (a clean bf16 ratio of 0.78 after 20 calibrated steps at 0.15)."""
+    sees only part of the tail (a clean bf16 ratio of 0.78 after 20 calibrated steps at 0.15; the
+    largest clean ratio measured anywhere is 3.4, see ``c``)."""
     include_eval: bool = False
     """Also check forward passes that autograd does not record in eval mode (evaluation under
     ``torch.no_grad()``). A model trained in eval mode is checked anyway."""
+    linear_subclasses: tuple[str, ...] = ("FalconLinear",)
+    """Class names of ``nn.Linear`` subclasses whose own ``forward`` still computes x·Wᵀ + b
+    (transformers' ``FalconLinear``: ``input @ weight.T + bias``): checked as ``nn.Linear``. Other
+    subclasses that override ``forward`` (a LoRA layer adds its own term) are skipped."""
 
     def __post_init__(self) -> None:
         if self.targets is not None:
@@ -201,6 +212,7 @@ class ABFTConfig:
         check_float("calibration_margin", self.calibration_margin, low=1.0)
         check_float("c_min", self.c_min, low=0, low_open=True)
         check_bool("include_eval", self.include_eval)
+        self.linear_subclasses = _names("linear_subclasses", self.linear_subclasses)
 
 
 def _names(key: str, value: object) -> tuple[str, ...]:
@@ -289,7 +301,8 @@ class ABFTDetector:
                 "conv" if isinstance(mod, CONV_TYPES + TRANSPOSED_TYPES) else "matmul"
             if kind != "matmul" and (parametrize.is_parametrized(mod) or not (
                     checkable_conv(mod) if kind == "conv" else
-                    (weight_in_out(mod) or type(mod).forward is nn.Linear.forward) and mod.weight.is_floating_point())):
+                    (weight_in_out(mod) or type(mod).forward is nn.Linear.forward
+                     or type(mod).__name__ in cfg.linear_subclasses) and mod.weight.is_floating_point())):
                 self.skipped.append(name)
                 continue
             self.layers.append(_Layer(name, mod, kind, names=_operand_names(mod, 2 if kind == "matmul" else 1),
@@ -299,6 +312,22 @@ class ABFTDetector:
         applying ``out_proj.weight`` with ``F.linear``): unchecked, and out of the sampling rotation."""
         self._reached: set[str] = set()
         self._misses: dict[str, int] = {}
+        covered = {id(p) for x in self.layers + [eligible[n] for n in self.skipped]
+                   for p in (x.module if isinstance(x, _Layer) else x).parameters()}
+        self.unchecked_params = [n for n, p in model.named_parameters() if id(p) not in covered and p.dim() >= 2
+                                 and p.requires_grad and p.is_floating_point()
+                                 and not isinstance(_owner(model, n), (nn.Embedding, nn.EmbeddingBag))]
+        """Trainable weights (2-D and up) of no checked or skipped layer, embeddings aside: applied
+        by a module's own ``forward`` (``F.linear`` on an MoE's 3-D expert weights or a router's
+        weight, ``nn.MultiheadAttention``'s ``in_proj_weight``), not by a module ABFT hooks."""
+        if self.layers and (self.skipped or (self.unchecked_params and cfg.targets is None)):
+            parts = [f"layers it cannot check: {_listed(self.skipped)} (ABFTDetector.skipped: a subclass "
+                     "overriding forward -- name one computing x·Wᵀ + b in linear_subclasses --, a "
+                     "parametrization, a non-float weight)"] if self.skipped else []
+            if self.unchecked_params and cfg.targets is None:
+                parts.append(f"weights applied outside nn.Linear, convolution and MatMul-contract modules: "
+                             f"{_listed(self.unchecked_params)} (ABFTDetector.unchecked_params)")
+            warnings.warn(f"ABFT checks no GEMM of {'; nor of '.join(parts)}", stacklevel=2)
         if not self.layers:
             why = f"skipped {', '.join(self.skipped)} (see ABFTDetector.skipped)" if self.skipped else \
                 "submodules are checked, not the model itself: wrap a lone layer, nn.Sequential(layer)" \
@@ -1005,6 +1034,15 @@ class ABFTDetector:
         n = len(self.layers)
         self._plan = (min(n, max(1, int(2 * per_step))), 2) if 2 * per_step >= 1 else \
             (1, min(10_000, math.ceil(1 / per_step)))
+
+
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rpartition(".")[0])
+
+
+def _listed(names: list[str], shown: int = 4) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" (and {more} more)" if more > 0 else "")
 
 
 def _self_padding(module: nn.Module) -> bool:

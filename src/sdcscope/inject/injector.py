@@ -38,8 +38,9 @@ optimizer_state     memory fault on the state tensors with a value per element (
 ==================  ==========================================================================
 
 Whether a fault fires is :func:`sdcscope.faults.fires` of (spec, step, micro-batch, name, rank).
-A module called several times in one micro-batch (a shared layer) is one site visited several
-times: a transient or intermittent fault is one event in time and corrupts only the *first* call
+A call whose output is empty (an MoE expert routed no token) computes nothing and takes no fault:
+a transient fault waits for the module's next call with work to do. A module called several
+times in one micro-batch (a shared layer) is one site visited several times: a transient or intermittent fault is one event in time and corrupts only the *first* call
 of the module at its position (for the backward sites: the first backward call, usually the
 gradient of the module's *last* forward call); a permanent fault (a broken unit) corrupts every
 call, each logged with its ``call`` index. Calls are numbered as ABFT numbers them
@@ -405,7 +406,7 @@ class Injector:
         def hook(module, args, output):
             index = self._index(i, t)
             tensor, rebuild = primary_output(output)
-            if tensor is None:
+            if tensor is None or tensor.numel() == 0:   # an idle expert: nothing computed, nothing to hit
                 return None
             log = self._call(i, spec, t, index, args[0] if args else None)
             if log is None:
@@ -419,6 +420,8 @@ class Injector:
         """Y' = Y + op(x, W' − W): the GEMM ran with weight[b, a] faulted in the MAC cell."""
         def hook(module, args, output):
             index = self._index(i, t)
+            if output.numel() == 0:
+                return None
             log = self._call(i, spec, t, index, args[0])
             if log is None:
                 return None
@@ -452,7 +455,7 @@ class Injector:
 
             def corrupt(grad_inputs, grad_outputs):
                 g = grad_inputs[edge.index]
-                if g is None or (log := self._call(i, spec, t, index, backward=True)) is None:
+                if g is None or g.numel() == 0 or (log := self._call(i, spec, t, index, backward=True)) is None:
                     return None
                 faulty = g.clone(memory_format=torch.contiguous_format)   # a Linear's (tokens, in): as X
                 self._corrupt(i, spec, t, faulty.view(edge.shape), channel_dim=channel_dim, call=index, log=log)
@@ -465,8 +468,8 @@ class Injector:
         """Forward hook: reach this call's dW through its autograd node (weight_grad_edge)."""
         def hook(module, args, output):
             index = self._index(i, t)   # this call's: its dW is call `index` too
-            if not isinstance(output, torch.Tensor) or not output.requires_grad:
-                return None
+            if not isinstance(output, torch.Tensor) or not output.requires_grad or output.numel() == 0:
+                return None   # (no tokens: dW = dYᵀX sums over none, no product computed)
             edge = weight_grad_edge(output, module.weight)
             if edge is None:
                 raise RuntimeError(f"gemm.grad_weight on {t.name!r}: the weight's gradient does not "

@@ -308,6 +308,17 @@ def resolve_targets(model: nn.Module, spec: FaultSpec) -> list[Target]:
     if spec.site in MODULE_SITES:
         gemm_only = spec.site.startswith("gemm.")
         candidates = [(n, m) for n, m in model.named_modules() if n and (not gemm_only or is_gemm(m))]
+        if gemm_only:   # a module that is there but no GEMM: say so, rather than offer close names
+            other = [(n, m) for n, m in model.named_modules() if n and not is_gemm(m) and _matches(spec, n)
+                     and not any(_matches(spec, c) for c, _ in candidates)]
+            if other:
+                n, m = other[0]
+                raise ValueError(
+                    f"target {n!r} ({type(m).__name__}) is not a GEMM module (nn.Linear, ConvNd, "
+                    f"ConvTransposeNd, transformers' Conv1D, a MatMul-contract module): the products "
+                    f"its own forward computes (F.linear on its weights: an MoE's experts, a router) "
+                    f"cannot take {spec.site!r}; use site 'activation' (its output), 'weight' or "
+                    f"'param_grad' (its parameters), or target its GEMM submodules")
         _check_patterns(spec, [n for n, _ in candidates], "GEMM module" if gemm_only else "module")
         return [Target(n, n, module=m) for n, m in candidates if _matches(spec, n)]
     params = dict(model.named_parameters(remove_duplicate=False))   # a tied weight by each of its names
