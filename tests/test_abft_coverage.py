@@ -1,9 +1,11 @@
-"""What ABFT cannot check is said at construction: Linear subclasses overriding forward (unless
-named as computing x·Wᵀ + b, like transformers' FalconLinear, which is then checked), and weights a
-module applies itself (an MoE's 3-D expert weights, nn.MultiheadAttention's in_proj_weight)."""
+"""ABFT's coverage beyond plain modules: Linear subclasses computing x·Wᵀ + b (transformers'
+FalconLinear) are checked, others are named in a warning; weights a module applies itself with
+F.linear (an MoE's 3-D expert weights, a router's, nn.MultiheadAttention's in_proj_weight) are
+checked per call, per expert."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -77,15 +79,71 @@ def test_other_overriding_subclasses_are_skipped_and_named_in_a_warning():
     assert det.skipped == [] and not said
 
 
-def test_weights_applied_by_a_modules_own_forward_are_listed():
+def test_weights_a_module_applies_with_f_linear_are_checked_per_expert():
+    """An MoE's 3-D expert weight (one layer per expert), a router's and MHA's in_proj_weight:
+    clean calls pass all three checks; a wrong element in one expert's product is named."""
+    import sdcscope.detect.abft as abft
+
     torch.manual_seed(0)
-    net = nn.ModuleDict({"emb": nn.Embedding(10, 8), "attn": nn.MultiheadAttention(8, 2),
+    net = nn.ModuleDict({"emb": nn.Embedding(10, 8), "attn": nn.MultiheadAttention(8, 2, batch_first=True),
                          "experts": Experts(), "router": nn.Linear(8, 3)})
-    det, (said,) = _warned(net)
-    assert det.unchecked_params == ["attn.in_proj_weight", "experts.w"]   # not the embedding table
-    assert "weights applied outside nn.Linear" in said and "experts.w" in said
-    _, said = _warned(net, ABFTConfig(targets=["router"]))   # the user chose the targets
-    assert not said
+    det, said = _warned(net)
+    assert not said and det.unchecked_params == ["attn.in_proj_weight", "experts.w"]   # not the table
+    assert {x.name for x in det.layers} == {"attn.out_proj", "router", "attn.in_proj_weight",
+                                            "experts.w[0]", "experts.w[1]", "experts.w[2]"}
+    det.attach()
+
+    def run(step):
+        x = torch.randn(2, 5, 8)
+        h = net["attn"](x, x, x, need_weights=False)[0]
+        (net["experts"](h) + net["router"](h).sum()).square().sum().backward()
+        return [(e.module, e.gemm) for e in det.check(step)]
+
+    for step in range(3):   # out_proj: applied by the attention with F.linear, found after two steps
+        assert run(step) == []
+    assert det.unreached == set() and det.max_ratio[("attn.out_proj", "grad_weight")] < 1
+    assert all(det.max_ratio[(f"experts.w[{e}]", g)] < 1 for e in range(3)
+               for g in ("forward", "grad_input", "grad_weight"))
+    assert det.max_ratio[("attn.in_proj_weight", "grad_weight")] < 1
+
+    plain = abft._linear_original[0]
+    expert = net["experts"].w
+
+    def faulty(x, w, b=None):   # the GEMM of expert 1 writes one wrong element
+        out = plain(x, w, b)
+        if w._base is expert and w.storage_offset() == expert.stride(0):
+            out = out.clone()
+            out.view(-1)[3] += 1e3
+        return out
+    abft._linear_original[0] = faulty
+    try:
+        assert run(3) == [("experts.w[1]", "forward")]
+    finally:
+        abft._linear_original[0] = plain
+    gc.collect()   # detectors other tests dropped while attached leave with them
+    det.detach()
+    assert det not in abft._linear_taps and (F.linear is plain or len(abft._linear_taps))
+
+
+def test_an_idle_expert_stays_in_the_rotation_and_other_products_are_unreached():
+    class Routed(Experts):
+        def forward(self, x):   # expert 2 never gets a token
+            return F.linear(x, self.w[0]) + F.linear(x, self.w[1])
+
+    class Batched(Experts):
+        def forward(self, x):   # every expert by one bmm: not F.linear
+            return torch.einsum("td,eod->to", x, self.w)
+
+    for cls, unreached in ((Routed, set()), (Batched, {"experts.w[0]", "experts.w[1]", "experts.w[2]"})):
+        net = nn.ModuleDict({"experts": cls()})
+        det = ABFTDetector(net).attach()
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            for step in range(3):
+                net["experts"](torch.randn(4, 8)).square().sum().backward()
+                assert det.check(step) == []
+        assert det.unreached == unreached
+        det.detach()
 
 
 def test_linear_subclasses_is_validated():

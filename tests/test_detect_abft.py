@@ -727,13 +727,22 @@ def test_layer_not_called_on_its_first_sampled_steps_stays_checked():
     assert det.unreached == set()
 
 
-def test_weight_used_outside_the_module_forward_is_unreached():
+def test_weight_used_outside_the_module_forward_is_checked_at_its_f_linear_calls():
     torch.manual_seed(0)
     model = _Dropped()
     model.forward = lambda x: model.out(torch.tanh(F.linear(torch.tanh(model.inp(x)), model.mid.weight)))
     det = ABFTDetector(model, ABFTConfig(targets=["mid", "out"])).attach()
+    _steps(model, det, 3)
+    assert det.unreached == set() and ("mid", "grad_weight") in det.max_ratio
+
+
+def test_weight_used_by_another_product_is_unreached():
+    torch.manual_seed(0)
+    model = _Dropped()
+    model.forward = lambda x: model.out(torch.tanh(torch.tanh(model.inp(x)) @ model.mid.weight.T))
+    det = ABFTDetector(model, ABFTConfig(targets=["mid", "out"])).attach()
     with pytest.warns(UserWarning, match="ABFT: mid sampled but never called"):
-        _steps(model, det, 3)
+        _steps(model, det, 5)   # two steps without its forward, two more without an F.linear call
     assert det.unreached == {"mid"}
 
 

@@ -278,3 +278,29 @@ def test_import_is_lazy_and_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)   # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'sdcscope\[transformers\]'"):
         import sdcscope.integrations.hf  # noqa: F401
+
+
+def mixtral(experts: str):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        experts_implementation=experts))
+
+
+def test_mixtral_experts_are_checked_per_expert_when_applied_with_f_linear(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, eager, _ = train(tmp_path / "eager", build=lambda: mixtral("eager"))
+        _, grouped, _ = train(tmp_path / "grouped", build=lambda: mixtral("grouped_mm"))
+    assert eager.events == [] and grouped.events == []
+    checked = {name for name, _ in eager.guard.abft.max_ratio}
+    assert {f"model.layers.{i}.mlp.experts.{w}[{e}]" for i in range(2) for w in ("gate_up_proj", "down_proj")
+            for e in range(4)} <= checked and "model.layers.0.mlp.gate.weight" in checked
+    assert max(eager.guard.abft.max_ratio.values()) < 1 and not eager.guard.abft.unreached
+    # one grouped-GEMM kernel for every expert: not F.linear, so unchecked and said so
+    assert "model.layers.0.mlp.experts.down_proj[0]" in grouped.guard.abft.unreached
+    assert any("experts_implementation='eager'" in str(w.message) for w in caught)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sdcscope.observe import Metrics, MetricsConfig
+from sdcscope.observe import Metrics, MetricsConfig, attention
 
 ORIGINAL = F.scaled_dot_product_attention
 
@@ -164,8 +165,9 @@ def test_two_taps_share_the_wrapper_and_the_last_detach_restores_torch():
     assert "attn/max_logit/blocks.0" in _step(b, mb)
     ma.detach()
     assert "attn/max_logit/blocks.0" in _step(b, mb, 1)
+    gc.collect()   # taps of metrics other tests dropped without detaching leave with them
     mb.detach()
-    assert F.scaled_dot_product_attention is ORIGINAL
+    assert not attention._taps and F.scaled_dot_product_attention is ORIGINAL
 
 
 def test_the_wrapper_returns_torchs_result_and_a_failing_tap_only_warns(monkeypatch):

@@ -88,13 +88,11 @@ step).
 Not covered: the GEMMs inside fused recurrent kernels (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``:
 one ATen call per sequence, no per-product result to hook; their faults surface through the
 non-finite, spike and state-checksum detectors), products computed outside a module's ``forward``
-(``F.linear`` on another module's weight, ``F.scaled_dot_product_attention``: expose them as MatMul-contract modules to
-check them; a Linear used only that way -- ``nn.MultiheadAttention``'s ``out_proj`` -- is listed
-in :attr:`ABFTDetector.unreached` after two sampled steps that did not call it, and leaves the
-sampling rotation), weights a module applies in its own ``forward`` (``F.linear`` on the 3-D
-expert weights of transformers' MoE layers -- Mixtral, Qwen2-MoE -- or on a router's weight,
-``nn.MultiheadAttention``'s ``in_proj_weight``: listed in :attr:`ABFTDetector.unchecked_params`
-and named in a warning at construction), ``nn.Linear`` subclasses that override ``forward`` (a
+other than by ``F.linear`` (``F.scaled_dot_product_attention``, ``torch.bmm`` or ``einsum`` on a
+weight, a grouped-GEMM kernel: expose them as MatMul-contract modules to check them; a layer whose
+weight is used only that way is listed in :attr:`ABFTDetector.unreached` after two sampled steps
+that did not call it, and leaves the sampling rotation; see below for ``F.linear``),
+``nn.Linear`` subclasses that override ``forward`` (a
 LoRA layer's output is not XWᵀ + b; those named in ``ABFTConfig.linear_subclasses``, such as
 transformers' ``FalconLinear``, are checked) and parametrized Linears (``spectral_norm``,
 ``weight_norm``: each read of ``.weight`` runs the parametrization again -- spectral norm's power
@@ -105,6 +103,20 @@ the ``grad_weight`` of parameters that are not leaves of the call's graph (FSDP'
 parameters), and the backward products of a call a ``create_graph=True`` backward ran through (a
 gradient penalty, a Hessian-vector product: the second backward's terms reach the same nodes; such
 calls are counted in :attr:`ABFTDetector.skipped_higher_order`, their forward is still checked).
+
+Weights a module applies itself
+-------------------------------
+A trainable weight of no hooked layer (:attr:`ABFTDetector.unchecked_params`: the 3-D expert
+weights of transformers' MoE layers -- Mixtral, Qwen2-MoE --, a router's weight,
+``nn.MultiheadAttention``'s ``in_proj_weight``) is checked where the module applies it with
+``F.linear``: while such a layer is sampled, ``torch.nn.functional.linear`` is wrapped, and a call
+whose weight is that parameter -- or, for a 3-D one, one expert's slice of it,
+``gate_up_proj[e]`` -- gets the Linear checks (forward, dX and dW at the call's own autograd
+nodes), named ``<parameter>`` or ``<parameter>[e]``. An expert that got no token on a step is
+simply not called. A Linear whose own forward never runs on two sampled steps while its weight
+gets gradients (``nn.MultiheadAttention``'s ``out_proj``, applied by the attention with
+``F.linear``) is checked the same way from then on. The injector cannot target these products
+(no module computes them alone).
 
 Per step::
 
@@ -273,6 +285,7 @@ class _Layer:
     probe: object = None                   # handle of the weight hook (until the forward hook fires once)
     grad_seen: bool = False                # the weight got a gradient since the last check
     w_in_out: bool = False                 # weight stored (in, out): transformers' Conv1D, Y = X·W + b
+    functional: object = None             # F.linear on a weight a module applies itself: its hook
 
 
 class ABFTDetector:
@@ -308,8 +321,9 @@ class ABFTDetector:
             self.layers.append(_Layer(name, mod, kind, names=_operand_names(mod, 2 if kind == "matmul" else 1),
                                       w_in_out=weight_in_out(mod)))
         self.unreached: set[str] = set()
-        """Layers whose forward hook never fired on the steps they were sampled for (an attention
-        applying ``out_proj.weight`` with ``F.linear``): unchecked, and out of the sampling rotation."""
+        """Layers sampled twice without a call ABFT could check while their weight got gradients
+        (a weight applied by ``bmm`` or ``einsum`` instead of ``F.linear``): unchecked, and out of
+        the sampling rotation."""
         self._reached: set[str] = set()
         self._misses: dict[str, int] = {}
         covered = {id(p) for x in self.layers + [eligible[n] for n in self.skipped]
@@ -318,16 +332,20 @@ class ABFTDetector:
                                  and p.requires_grad and p.is_floating_point()
                                  and not isinstance(_owner(model, n), (nn.Embedding, nn.EmbeddingBag))]
         """Trainable weights (2-D and up) of no checked or skipped layer, embeddings aside: applied
-        by a module's own ``forward`` (``F.linear`` on an MoE's 3-D expert weights or a router's
-        weight, ``nn.MultiheadAttention``'s ``in_proj_weight``), not by a module ABFT hooks."""
-        if self.layers and (self.skipped or (self.unchecked_params and cfg.targets is None)):
-            parts = [f"layers it cannot check: {_listed(self.skipped)} (ABFTDetector.skipped: a subclass "
-                     "overriding forward -- name one computing x·Wᵀ + b in linear_subclasses --, a "
-                     "parametrization, a non-float weight)"] if self.skipped else []
-            if self.unchecked_params and cfg.targets is None:
-                parts.append(f"weights applied outside nn.Linear, convolution and MatMul-contract modules: "
-                             f"{_listed(self.unchecked_params)} (ABFTDetector.unchecked_params)")
-            warnings.warn(f"ABFT checks no GEMM of {'; nor of '.join(parts)}", stacklevel=2)
+        by a module's own ``forward`` (an MoE's 3-D expert weights, a router's weight,
+        ``nn.MultiheadAttention``'s ``in_proj_weight``), not by a module ABFT hooks. With
+        ``'linear'`` in ``kinds`` and no ``targets``, their ``F.linear`` calls are checked as
+        Linears (see the module docstring); what else uses them is not."""
+        self._functional: dict[int, list[_Layer]] = {}   # id(weight) -> its layer(s), one per expert
+        if "linear" in cfg.kinds and cfg.targets is None:
+            for name in self.unchecked_params:
+                owner = _owner(model, name)
+                if not isinstance(owner, nn.RNNBase):   # fused recurrent kernels: no F.linear to see
+                    self._add_functional(name, model.get_parameter(name), owner)
+        if self.layers and self.skipped:
+            warnings.warn(f"ABFT checks no GEMM of layers it cannot check: {_listed(self.skipped)} "
+                          "(ABFTDetector.skipped: a subclass overriding forward -- name one computing "
+                          "x·Wᵀ + b in linear_subclasses --, a parametrization, a non-float weight)", stacklevel=2)
         if not self.layers:
             why = f"skipped {', '.join(self.skipped)} (see ABFTDetector.skipped)" if self.skipped else \
                 "submodules are checked, not the model itself: wrap a lone layer, nn.Sequential(layer)" \
@@ -386,10 +404,65 @@ class ABFTDetector:
         self._drop_pending()
         self._error = None
 
+    def _add_functional(self, name: str, weight: nn.Parameter, owner: nn.Module) -> None:
+        """Layers for the ``F.linear`` calls a module makes on its own weight ``name``: one for a
+        2-D weight (a router), one per leading index of a 3-D one (``experts.gate_up_proj[e]``)."""
+        if weight.dim() not in (2, 3):
+            return
+        names = [name] if weight.dim() == 2 else [f"{name}[{e}]" for e in range(weight.shape[0])]
+        layers = [_Layer(n, _Applied(owner, weight), "linear", names=("input",)) for n in names]
+        for layer in layers:
+            layer.functional = self._fwd_hook(layer)
+        self._functional[id(weight)] = layers
+        self.layers += layers
+
+    def _applied_by_owner(self, layer: _Layer) -> None:
+        """A Linear sampled twice without its forward running while its weight got gradients:
+        another module applies its weight with ``F.linear`` (``nn.MultiheadAttention``'s
+        ``out_proj``). Its checks move to those calls."""
+        for handle in (layer.fwd, layer.pre):
+            if handle is not None:
+                handle.remove()
+        layer.fwd = layer.pre = None
+        layer.module = _Applied(layer.module, layer.module.weight)
+        layer.functional = self._fwd_hook(layer)
+        self._functional[id(layer.module.weight)] = [layer]
+        self._misses.pop(layer.name, None)   # two more such steps (no F.linear either): unreached
+
+    def _functional_call(self, x, weight: torch.Tensor, bias, out) -> None:
+        """An ``F.linear`` call anywhere: checked as a Linear when ``weight`` is one of the weights
+        of :meth:`_add_functional` (or one expert's slice of it) and its layer is sampled."""
+        base = weight if weight._base is None else weight._base
+        layers = self._functional.get(id(base))
+        if not layers:
+            return
+        if base.dim() == 3:   # one expert: a select along dim 0
+            e, r = divmod(weight.storage_offset() - base.storage_offset(), base.stride(0))
+            if r or not 0 <= e < len(layers) or weight.shape != base.shape[1:] or weight.stride() != base.stride()[1:]:
+                return
+            layer = layers[e]
+        elif weight is base:
+            layer = layers[0]
+        else:
+            return
+        if not (self._attached and isinstance(x, torch.Tensor) and self._on(layer)):
+            return
+        applied = layer.module
+        applied.weight, applied.bias = weight, bias
+        try:
+            layer.functional(applied, (x,), {}, out)
+        finally:
+            applied.weight, applied.bias = base, None
+
     def _sync_hooks(self) -> None:
         """Register the hooks of the chosen layers, remove those of the others."""
         want = self._active if self._attached else frozenset()
+        if self._functional:
+            (_install_linear_tap if want else _remove_linear_tap)(self)
         for layer in self.layers:
+            if layer.functional is not None:
+                self._sync_probe(layer, layer.name in want)
+                continue
             if layer.name in want:
                 if layer.fwd is None:
                     layer.fwd = layer.module.register_forward_hook(self._fwd_hook(layer), prepend=False,
@@ -461,8 +534,9 @@ class ABFTDetector:
             self._chosen = chosen
             self._sync_hooks()
         for layer in self._chosen:
-            _keep_last(layer)
-            self._sync_pre_hook(layer)
+            if layer.functional is None:
+                _keep_last(layer)
+                self._sync_pre_hook(layer)
 
     @property
     def active_layers(self) -> frozenset[str]:
@@ -952,19 +1026,28 @@ class ABFTDetector:
         reached its weight (see :meth:`_sync_probe`; a layer without that probe -- a MatMul, a
         frozen weight -- on any two checked steps), is :attr:`unreached` (warned once)."""
         new = []
+        applied = {id(x.module.weight) for x in self._chosen if x.functional is not None and x.hits}
         for x in self._chosen:
             if x.hits:
                 self._reached.add(x.name)
+            elif x.functional is not None and id(x.module.weight) in applied:
+                pass   # another expert of the same weight was called: this one got no token
             elif x.name not in self._reached and (x.grad_seen or x.probe is None):
                 self._misses[x.name] = self._misses.get(x.name, 0) + 1
-                if self._misses[x.name] == 2:
+                if self._misses[x.name] == 2 and x.kind == "linear" and x.functional is None and not x.w_in_out:
+                    self._applied_by_owner(x)   # its weight's F.linear calls are checked from now on
+                elif self._misses[x.name] == 2:
                     new.append(x.name)
             x.hits, x.grad_seen = 0, False
         if new:
             self.unreached.update(new)
             warnings.warn(f"ABFT: {', '.join(new)} sampled but never called through their own forward (e.g. "
-                          "nn.MultiheadAttention's out_proj, which the attention applies with F.linear): their "
-                          "GEMMs are not checked, and they leave the sampling rotation", stacklevel=3)
+                          "nn.MultiheadAttention's out_proj, which the attention applies with F.linear), or, "
+                          "for a weight a module applies itself, never by F.linear (bmm, einsum, a grouped "
+                          "GEMM kernel: transformers' MoE layers apply their experts with F.linear under "
+                          "experts_implementation='eager'): their GEMMs are not checked, and they leave the "
+                          "sampling rotation",
+                          stacklevel=3)
 
     def _judge(self, step: int, rec: tuple, ratio: float, calibrating: bool) -> list[Event]:
         name, gemm, (micro_batch, call), c_dims, batch_dims, k, dtype, operand, chk = rec
@@ -1034,6 +1117,45 @@ class ABFTDetector:
         n = len(self.layers)
         self._plan = (min(n, max(1, int(2 * per_step))), 2) if 2 * per_step >= 1 else \
             (1, min(10_000, math.ceil(1 / per_step)))
+
+
+class _Applied:
+    """What ABFT's Linear hook reads of a module (``weight``, ``bias``, ``training``) for an
+    ``F.linear`` call a module makes on its own weight: the call's weight and bias, set per call."""
+
+    def __init__(self, owner: nn.Module, weight: nn.Parameter) -> None:
+        self.owner, self.weight, self.bias = owner, weight, None
+
+    @property
+    def training(self) -> bool:
+        return self.owner.training
+
+
+_linear_taps: weakref.WeakSet[ABFTDetector] = weakref.WeakSet()   # a dropped detector leaves by itself
+_linear_original: list = []
+
+
+def _linear(input, weight, bias=None):
+    out = _linear_original[0](input, weight, bias)
+    if _linear_taps and not torch.compiler.is_compiling():
+        for det in list(_linear_taps):
+            det._functional_call(input, weight, bias, out)
+    return out
+
+
+def _install_linear_tap(det: ABFTDetector) -> None:
+    """``torch.nn.functional.linear`` wrapped while a detector with functional layers is armed
+    (``nn.Linear`` calls it too: they then pay one Python call and a dict lookup)."""
+    if not _linear_original:
+        _linear_original[:] = [torch.nn.functional.linear]
+        torch.nn.functional.linear = _linear
+    _linear_taps.add(det)
+
+
+def _remove_linear_tap(det: ABFTDetector) -> None:
+    _linear_taps.discard(det)
+    if not _linear_taps and _linear_original:
+        torch.nn.functional.linear = _linear_original.pop()
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:

@@ -175,10 +175,17 @@ def _linear_node(node, weight: torch.Tensor, x: torch.Tensor | None):
             return node, xi, None, 0
         return None
     if type(wt).__name__ != "TBackward0":   # Y = X·W (W stored (in, out)): dW leaves the GEMM node
-        return (node, xi, node, xi + 1) if getattr(through_casts(wt), "variable", None) is weight else None
-    if getattr(through_casts(wt.next_functions[0][0]), "variable", None) is not weight:
+        return (node, xi, node, xi + 1) if _is_weight(wt, weight) else None
+    if not _is_weight(wt.next_functions[0][0], weight):
         return None
     return node, xi, wt, 0
+
+
+def _is_weight(node, weight: torch.Tensor) -> bool:
+    """Whether ``node`` (through casts) hands its gradient to ``weight``: the weight's
+    accumulator, or for a view of a parameter (one expert of a 3-D weight) the view's node."""
+    node = through_casts(node)
+    return getattr(node, "variable", None) is weight or (weight.grad_fn is not None and node is weight.grad_fn)
 
 
 class GradEdge(NamedTuple):

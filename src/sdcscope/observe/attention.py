@@ -31,6 +31,7 @@ import math
 import sys
 import threading
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ _MAX_DEPTH = 16
 """Frames searched above the SDPA call for the module that made it."""
 
 _lock = threading.Lock()
-_taps: list[SDPATap] = []
+_taps: weakref.WeakSet[SDPATap] = weakref.WeakSet()   # a tap dropped without detach leaves by itself
 _original: list = []
 
 
@@ -69,18 +70,15 @@ class SDPATap:
     # -- installation (reference counted: several Metrics may be attached at once)
     def install(self) -> SDPATap:
         with _lock:
-            if self in _taps:
-                return self
-            if not _taps:
+            if not _original:
                 _original[:] = [torch.nn.functional.scaled_dot_product_attention]
                 torch.nn.functional.scaled_dot_product_attention = _sdpa
-            _taps.append(self)
+            _taps.add(self)
         return self
 
     def remove(self) -> None:
         with _lock:
-            if self in _taps:
-                _taps.remove(self)
+            _taps.discard(self)
             if not _taps and _original:
                 torch.nn.functional.scaled_dot_product_attention = _original.pop()
 
