@@ -331,11 +331,11 @@ class ABFTDetector:
         self.unchecked_params = [n for n, p in model.named_parameters() if id(p) not in covered and p.dim() >= 2
                                  and p.requires_grad and p.is_floating_point()
                                  and not isinstance(_owner(model, n), (nn.Embedding, nn.EmbeddingBag))]
-        """Trainable weights (2-D and up) of no checked or skipped layer, embeddings aside: applied
-        by a module's own ``forward`` (an MoE's 3-D expert weights, a router's weight,
-        ``nn.MultiheadAttention``'s ``in_proj_weight``), not by a module ABFT hooks. With
-        ``'linear'`` in ``kinds`` and no ``targets``, their ``F.linear`` calls are checked as
-        Linears (see the module docstring); what else uses them is not."""
+        """Trainable weights (2-D and up) that no checked or skipped layer holds, embeddings aside:
+        those of layers left out by ``targets`` or ``kinds``, and those a module applies in its own
+        ``forward`` (an MoE's 3-D expert weights, a router's weight, ``nn.MultiheadAttention``'s
+        ``in_proj_weight``). With ``'linear'`` in ``kinds`` and no ``targets``, the latter's
+        ``F.linear`` calls are checked as Linears (see the module docstring)."""
         self._functional: dict[int, list[_Layer]] = {}   # id(weight) -> its layer(s), one per expert
         if "linear" in cfg.kinds and cfg.targets is None:
             for name in self.unchecked_params:
