@@ -144,7 +144,7 @@ def latency_hist(rows: list[dict]) -> str:
     lat = [r["latency"] for r in rows if r["latency"] is not None]
     fig, ax = plt.subplots(figsize=(5.0, 3.0))
     ax.hist(lat, bins=range(0, max(lat, default=0) + 2), color="#1565c0", align="left")
-    ax.set_xlabel("detection latency (steps after injection)")
+    ax.set_xlabel("detection latency (steps after the fault first fired)")
     ax.set_ylabel("trials")
     ax.set_title("detection latency")
     return _png(fig)

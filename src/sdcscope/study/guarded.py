@@ -24,6 +24,16 @@ def make_guard(trainer) -> Any:
     return guard
 
 
+def first_detection(events: list[dict[str, Any]], records: list[dict[str, Any]]) -> tuple[int | None, dict | None]:
+    """``(step the fault first fired on in training, the first guard event from that step)``; an
+    event before the fault fired is a false alarm, not its detection (``None`` when there is none)."""
+    fired = [r["step"] for r in records if r.get("when") != "eval"]
+    if not fired:
+        return None, None
+    first = min(fired)
+    return first, next((e for e in events if e["step"] >= first), None)
+
+
 def guard_events(guard: Any, since_step: int) -> list[dict[str, Any]]:
     """The guard's events at or after ``since_step`` as dicts, in step order."""
     events = [e if isinstance(e, dict) else e.to_dict() for e in guard.events]

@@ -16,8 +16,8 @@
   re-seeded runs get (``dist_golden``);
 - ``benign``: parameters differ from golden but every measure is within healthy variance.
 
-``outcome`` -- ``effect``, unless the guard is on and emitted an event at or after the
-injection step: then ``recovered`` when the run ends finite with a validation loss within the
+``outcome`` -- ``effect``, unless the guard is on and emitted an event at or after the step
+the fault first fired on (``detected``; ``latency`` counts from that step): then ``recovered`` when the run ends finite with a validation loss within the
 healthy bound, else ``detected`` (a ``not_fired`` trial stays ``not_fired``: an event there is a
 false positive). PVF counts ``crash`` and ``sdc`` effects as incorrect among the trials whose
 fault fired.

@@ -197,4 +197,9 @@ def build_plan(spec: CampaignSpec, model: nn.Module, optimizer=None) -> list[Tri
     chosen = _sample(spec, points)
     if not chosen:
         raise ValueError("sampling selected no trial")
-    return [Trial(trial_id=k, **points[i]) for k, i in enumerate(chosen)]
+    trials = [Trial(trial_id=k, **points[i]) for k, i in enumerate(chosen)]
+    keys = [t.key for t in trials]
+    if len(set(keys)) != len(keys):   # a trial is stored under its key: two could never both finish
+        twice = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"the fault space holds the same trial twice: {twice}")
+    return trials

@@ -51,19 +51,21 @@ def _table(title: str, headers: list[str], rows: list[list[Any]], note: str = ""
 def _pvf_section(rows: list[dict], by: str) -> dict[str, Any]:
     t = pvf_table(rows, (by,))
     return _table(f"PVF by {by}", [by, "incorrect", "trials", "PVF", "95% interval"],
-                  [[r[by], r["incorrect"], r["trials"], r["pvf"], f"[{r['lo']:.3f}, {r['hi']:.3f}]"] for r in t])
+                  [[r[by], r["incorrect"], r["trials"], r["pvf"], f"[{r['lo']:.3f}, {r['hi']:.3f}]"] for r in t],
+                  note="" if t else "no trial's fault fired (all not_fired): PVF counts only trials whose fault fired")
 
 
 def _permanent(rows: list[dict], refs: dict[int, dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         if r["val_loss_fault"] is not None:
-            groups[(r["target"], r["model"], r["bit"], bool(r["swizzle"]))].append(r)
-    out = []
-    for (target, model, bit, swz), rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
+            groups[(r["site"], r["target"], r["pattern"], r["model"], r["bit"], bool(r["swizzle"]))].append(r)
+    out = []   # each group averages repeats and injection steps of one fault, never two sites or patterns
+    for (site, target, pattern, model, bit, swz), rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
         mean = lambda key: statistics.fmean(x[key] for x in rs) if all(x[key] is not None for x in rs) else None  # noqa: E731
         ref = [refs[x["inject_step"]] for x in rs]
-        out.append({"group": f"{target} {model}{'' if bit is None else f' b{bit}'}{' swizzled' if swz else ''}",
+        out.append({"group": f"{site} {target} {pattern} {model}{'' if bit is None else f' b{bit}'}"
+                             f"{' swizzled' if swz else ''}",
                     "n": len(rs), "acc_golden": statistics.fmean(x["val_acc"] for x in ref)
                     if all(x["val_acc"] is not None for x in ref) else None,
                     "acc_fault": mean("val_acc_fault"), "acc_removed": mean("val_acc"),

@@ -71,7 +71,10 @@ def init_campaign(directory: str | Path, spec_path: str | Path) -> tuple[Campaig
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise ValueError(f"{str(directory)!r} already exists and is not an empty folder; give a new campaign directory")
     spec = load_campaign(spec_path)  # a relative workload.corpus is resolved against the spec's folder
-    plan = plan_campaign(spec)
+    try:
+        plan = plan_campaign(spec)
+    except (TypeError, ValueError) as exc:   # the fault space against the model: say which file
+        raise type(exc)(f"{str(spec_path)!r}: {exc}") from None
     data = read_campaign_data(spec_path)[1]
     directory.mkdir(parents=True, exist_ok=True)
     if spec.workload.get("corpus") == data["workload"].get("corpus"):

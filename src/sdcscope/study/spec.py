@@ -112,6 +112,11 @@ def _choices(what: str, value: Any, allowed) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def _unique(mappings) -> tuple[dict, ...]:
+    """The normalised mappings without repeats, in order."""
+    return tuple({json.dumps(m, sort_keys=True): m for m in mappings}.values())
+
+
 def parse_bits(value: Any) -> tuple[int, ...]:
     """Bit positions from ints and ``"a-b"`` ranges (inclusive), sorted and distinct."""
     bits: list[int] = []
@@ -203,14 +208,14 @@ class FaultSpace:
                 patterns.append(Pattern.from_dict(p).to_dict())
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"faults.patterns entry {p!r}: {exc}") from None
-        set_("patterns", tuple(patterns))
+        set_("patterns", _unique(patterns))   # two spellings of one pattern are one fault-space point
         for site in self.sites:   # every site meets every pattern: refuse a field one of them would ignore
             for p in self.patterns:
                 try:
                     check_site_pattern(site, Pattern.from_dict(p))
                 except ValueError as exc:
                     raise ValueError(f"faults.patterns entry {p!r} with faults.sites {site!r}: {exc}") from None
-        set_("schedules", tuple(_schedule_template(s) for s in _list("faults.schedules", self.schedules)))
+        set_("schedules", _unique(_schedule_template(s) for s in _list("faults.schedules", self.schedules)))
         _int("faults.repeats", self.repeats, 1)
         _int("faults.seed", self.seed)
         random = ("random_value" in self.models or any(s["kind"] == "intermittent" for s in self.schedules)

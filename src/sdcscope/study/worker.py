@@ -21,7 +21,7 @@ import torch
 from sdcscope.engine import Trainer, load_checkpoint, param_sha256, save_checkpoint
 from sdcscope.faults import FaultSpecError
 from sdcscope.inject import Injector
-from sdcscope.study.guarded import guard_events, make_guard
+from sdcscope.study.guarded import first_detection, guard_events, make_guard
 from sdcscope.study.levels import gradient_level, submodule_level
 from sdcscope.study.outcomes import classify
 from sdcscope.study.plan import Trial
@@ -256,6 +256,7 @@ class Worker:
         healthy = [rel_distance(final, self._load(f"baseline-{s}-{k}.pt", lambda p: torch.load(p, weights_only=True)))
                    for k in self.spec.baseline.seeds]
         events = guard_events(guard, s) if guard is not None else []
+        first, hit = first_detection(events, records)
         row.update(
             fired=int(bool(records)), activated=int(activated), injections=len(records), crash=int(crash),
             masked=int(bool(records) and not crash and (sha == ref["param_sha256"] or not activated)),
@@ -265,9 +266,9 @@ class Worker:
             val_delta=val_loss - ref["val_loss"] if _finite(val_loss) else None,
             dist_golden=None if crash else dist_golden,
             dist_healthy=None if crash or None in healthy else sum(healthy) / len(healthy),
-            detected=None if guard is None else int(bool(events)),
-            detect_step=events[0]["step"] if events else None,
-            latency=events[0]["step"] - s if events else None,
+            detected=None if guard is None else int(hit is not None),
+            detect_step=None if hit is None else hit["step"],
+            latency=None if hit is None else hit["step"] - first,
             guard_events=None if guard is None else len(events))
         row.update(classify({**row, "crash": crash, "masked": row["masked"], "detected": row["detected"]},
                             job["thresholds"], guard is not None))
