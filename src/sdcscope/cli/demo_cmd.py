@@ -54,7 +54,12 @@ def prepare_demo_dir(out: Path) -> None:
     check_new_run_dir(out)
 
 
-def plot_losses(out: Path, labels: list[str]) -> Path:
+def plot_losses(out: Path, labels: list[str], fault_step: int | None = None,
+                detections: list[int] = ()) -> Path:
+    """``loss_curves.png``: the training losses of the runs in ``labels`` (the first is the
+    reference) and, below, each other run's difference from the reference, where a fault's
+    effect shows even when the curves overlap; the fault's step and the guard's detections
+    (``detections``: steps) are marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,15 +67,37 @@ def plot_losses(out: Path, labels: list[str]) -> Path:
 
     from sdcscope.engine import read_jsonl
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, style in zip(labels, ("-", "--", ":")):
+    curves = {}
+    for label in labels:
         rows = read_jsonl(out / label / "metrics.jsonl")
-        ax.plot([r["step"] for r in rows], [float(r["loss"]) for r in rows], style, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_yscale("log")
-    ax.legend()
-    ax.set_title("tiny GPT: golden vs faulty vs guarded")
+        curves[label] = {int(r["step"]): float(r["loss"]) for r in rows}
+    ref = curves[labels[0]]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
+    styles = ("-", "--", ":")
+    for i, label in enumerate(labels):
+        steps = sorted(curves[label])
+        top.plot(steps, [curves[label][s] for s in steps], styles[i % 3], label=label, color=f"C{i}")
+        if i:
+            shared = [s for s in steps if s in ref]
+            bottom.plot(shared, [curves[label][s] - ref[s] for s in shared], styles[i % 3],
+                        label=f"{label} − {labels[0]}", color=f"C{i}")
+    for ax in (top, bottom):
+        if fault_step is not None:
+            ax.axvline(fault_step, color="grey", lw=0.8, ls="-.")
+        for j, s in enumerate(detections):
+            ax.axvline(s, color="C2", lw=0.8, alpha=0.6,
+                       label="guard detection" if ax is bottom and j == 0 else None)
+    if fault_step is not None:
+        top.annotate("fault", (fault_step, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                     textcoords="offset points", color="grey")
+    top.set_ylabel("training loss")
+    top.set_yscale("log")
+    top.legend()
+    top.set_title(f"tiny GPT: {' vs '.join(labels)}")
+    bottom.set_yscale("symlog", linthresh=1e-4)   # a bitwise-equal run stays at 0
+    bottom.set_xlabel("step")
+    bottom.set_ylabel(f"loss − {labels[0]} loss")
+    bottom.legend()
     fig.tight_layout()
     path = out / "loss_curves.png"
     fig.savefig(path, dpi=110)
@@ -111,5 +138,6 @@ def demo(
         out_console.print(f"  step {e['step']}: {e['detector']} found {e['evidence'].get('finding')} "
                           f"in {e.get('module') or '-'} {e.get('gemm') or ''}; replay: {e['verdict']} "
                           f"→ {e['action']}")
-    plot = plot_losses(out, ["golden", "faulty", "guarded"])
+    plot = plot_losses(out, ["golden", "faulty", "guarded"], steps // 2,
+                       sorted({int(e["step"]) for e in g["events"]}))
     out_console.print(f"outputs: {out}/golden, faulty, guarded (run directories), comparison.json, {plot.name}")
