@@ -85,7 +85,7 @@ def plot_losses(out: Path, labels: list[str], fault_step: int | None = None,
         if fault_step is not None:
             ax.axvline(fault_step, color="grey", lw=0.8, ls="-.")
         for j, s in enumerate(detections):
-            ax.axvline(s, color="C2", lw=0.8, alpha=0.6,
+            ax.axvline(s, color="C3", lw=0.8, alpha=0.6,
                        label="guard detection" if ax is bottom and j == 0 else None)
     if fault_step is not None:
         top.annotate("fault", (fault_step, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
