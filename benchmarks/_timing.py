@@ -7,12 +7,18 @@ import statistics
 import time
 from collections.abc import Callable
 
-
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time, "thread": time.thread_time}
 
 
-def interleaved_ratio(baseline: Callable[[], None], tool: Callable[[], None], *, rounds: int = 15,
-                      inner: int = 5, warmup: int = 3, clock: str = "wall") -> tuple[float, float, float]:
+def interleaved_ratio(
+    baseline: Callable[[], None],
+    tool: Callable[[], None],
+    *,
+    rounds: int = 15,
+    inner: int = 5,
+    warmup: int = 3,
+    clock: str = "wall",
+) -> tuple[float, float, float]:
     """Median over rounds of time(tool)/time(baseline); also the median seconds of each.
     ``clock``: ``wall``, ``cpu`` (process CPU time, all threads: robust when other jobs share
     the machine) or ``thread`` (CPU time of the calling thread)."""

@@ -56,10 +56,14 @@ def main() -> None:
         total = time.perf_counter() - t0
     phase = marks["end"] - marks["start"]
     print(f"{summary['done']} trials, outcomes {summary['outcomes']}")
-    print(f"trial phase {phase:.1f} s ({phase / args.trials:.2f} s/trial), whole campaign {total:.1f} s, "
-          f"{args.workers} workers, load average {os.getloadavg()[0]:.1f}")
-    print(f"trials/hour: {3600 * args.trials / phase:.0f} (trial phase, horizon {args.horizon}); "
-          f"{3600 * args.trials / total:.0f} end to end")
+    print(
+        f"trial phase {phase:.1f} s ({phase / args.trials:.2f} s/trial), whole campaign {total:.1f} s, "
+        f"{args.workers} workers, load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"trials/hour: {3600 * args.trials / phase:.0f} (trial phase, horizon {args.horizon}); "
+        f"{3600 * args.trials / total:.0f} end to end"
+    )
 
 
 if __name__ == "__main__":

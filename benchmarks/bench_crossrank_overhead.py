@@ -27,8 +27,9 @@ import time
 from collections.abc import Callable
 
 
-def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int, inner: int = 1,
-                warmup: int = 3) -> dict[str, dict[str, float]]:
+def interleaved(
+    fns: dict[str, Callable[[], object]], *, rounds: int, inner: int = 1, warmup: int = 3
+) -> dict[str, dict[str, float]]:
     """Run every function ``inner`` times per round, in a rotating order; per function the median
     over rounds of its time divided by the baseline's (``fns['base']``), for CPU and wall time."""
     names = list(fns)
@@ -38,22 +39,30 @@ def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int, inner: int
     cpu: dict[str, list[float]] = {n: [] for n in names}
     wall: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             w0, c0 = time.perf_counter(), time.process_time()
             for _ in range(inner):
                 fns[name]()
             cpu[name].append((time.process_time() - c0) / inner)
             wall[name].append((time.perf_counter() - w0) / inner)
     ratio = lambda d, n: statistics.median(t / b for t, b in zip(d[n], d["base"]))  # noqa: E731
-    return {n: {"cpu": ratio(cpu, n), "wall": ratio(wall, n), "cpu_s": statistics.median(cpu[n]),
-                "wall_s": statistics.median(wall[n])} for n in names}
+    return {
+        n: {
+            "cpu": ratio(cpu, n),
+            "wall": ratio(wall, n),
+            "cpu_s": statistics.median(cpu[n]),
+            "wall_s": statistics.median(wall[n]),
+        }
+        for n in names
+    }
 
 
 def _rank(rank: int, world: int, rounds: int, batch_size: int) -> None:
     import torch
 
     from sdcscope.engine import TrainConfig
-    from sdcscope.engine.ddp import DDPTrainer, DistConfig, init_distributed
+    from sdcscope.engine.ddp import DDPTrainer
+    from sdcscope.engine.dist import DistConfig, init_distributed
     from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
     from sdcscope.workloads import WorkloadConfig, make_workload
 
@@ -86,15 +95,20 @@ def _rank(rank: int, world: int, rounds: int, batch_size: int) -> None:
         events = sum(1 for e in guard.events if e.verdict != "quarantined")
         pct = lambda r: f"{100 * (r - 1):+.2f}%"  # noqa: E731
         step = m["base"]["wall_s"]
-        print(f"{world} ranks, tiny GPT, batch {batch_size}/rank: check off {step * 1e3:6.2f} ms/step "
-              f"({m['base']['cpu_s'] * 1e3:.2f} ms CPU), on {m['tool']['wall_s'] * 1e3:6.2f} ms/step "
-              f"({m['tool']['cpu_s'] * 1e3:.2f} ms CPU; {events} events)")
-        print(f"noise floor (check off against itself): CPU time {pct(noise['cpu'])}, "
-              f"wall clock {pct(noise['wall'])}")
-        print(f"replica hash check: {statistics.median(hash_times) * 1e3:.2f} ms per check "
-              f"({100 * statistics.median(hash_times) / step:.1f}% of a step; run every N steps)")
-        print(f"cross-rank signature check overhead per step at {world} ranks (CPU, gloo): "
-              f"{pct(m['tool']['cpu'])} CPU time, {pct(m['tool']['wall'])} wall clock (target <= 5%)")
+        print(
+            f"{world} ranks, tiny GPT, batch {batch_size}/rank: check off {step * 1e3:6.2f} ms/step "
+            f"({m['base']['cpu_s'] * 1e3:.2f} ms CPU), on {m['tool']['wall_s'] * 1e3:6.2f} ms/step "
+            f"({m['tool']['cpu_s'] * 1e3:.2f} ms CPU; {events} events)"
+        )
+        print(f"noise floor (check off against itself): CPU time {pct(noise['cpu'])}, wall clock {pct(noise['wall'])}")
+        print(
+            f"replica hash check: {statistics.median(hash_times) * 1e3:.2f} ms per check "
+            f"({100 * statistics.median(hash_times) / step:.1f}% of a step; run every N steps)"
+        )
+        print(
+            f"cross-rank signature check overhead per step at {world} ranks (CPU, gloo): "
+            f"{pct(m['tool']['cpu'])} CPU time, {pct(m['tool']['wall'])} wall clock (target <= 5%)"
+        )
 
 
 def main() -> None:
@@ -103,7 +117,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
-    from sdcscope.engine.ddp import spawn
+    from sdcscope.engine.dist import spawn
 
     spawn(_rank, args.nproc, (args.rounds, args.batch_size), timeout_s=1800)
 

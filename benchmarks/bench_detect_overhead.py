@@ -1,6 +1,6 @@
 """Overhead of ABFT checksums on every nn.Linear, every step, of a small byte-level transformer.
 
-Method (DESIGN.md "measure as ratios"): two runners in one process, each with its own model
+Method (measure as ratios: machines are noisy): two runners in one process, each with its own model
 and optimizer from the same initial weights, trained on the same batches of real text (the
 Python standard library's own source files). Blocks of ``--block`` steps alternate between the
 plain runner and the ABFT runner; a repeat's ratio is ABFT block time / plain block time, and
@@ -62,8 +62,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         h = self.ln1(x)
-        q, k, v = (p(h).view(b, t, self.heads, -1).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (p(h).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         s = self.score(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-2, -1))
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         y = self.context(torch.softmax(s.masked_fill(mask, float("-inf")), -1), v)
@@ -103,10 +102,10 @@ class Runner:
         self.args = args
         self.det = None
         if abft:
-            targets = None if args.matmul else tuple(
-                n for n, m in model.named_modules() if isinstance(m, nn.Linear))
-            self.det = ABFTDetector(model, ABFTConfig(
-                targets=targets, every=args.every, checksum_dtype=args.checksum_dtype)).attach()
+            targets = None if args.matmul else tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
+            self.det = ABFTDetector(
+                model, ABFTConfig(targets=targets, every=args.every, checksum_dtype=args.checksum_dtype)
+            ).attach()
         self.events = 0
         self.step = 0
 
@@ -117,8 +116,7 @@ class Runner:
                 self.det.begin_step(self.step)
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.args.dtype == "bf16"):
                 logits = self.model(x)
-            loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                               y.reshape(-1))
+            loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
             loss.backward()
             if self.det is not None:
                 self.events += len(self.det.check(self.step))
@@ -157,7 +155,7 @@ def main(argv: list[str] | None = None) -> float:
         out = []
         for _ in range(n):
             i = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
-            chunk = torch.stack([data[j:j + args.seq + 1] for j in i.tolist()]).to(dev)
+            chunk = torch.stack([data[j : j + args.seq + 1] for j in i.tolist()]).to(dev)
             out.append((chunk[:, :-1], chunk[:, 1:]))
         return out
 
@@ -177,14 +175,19 @@ def main(argv: list[str] | None = None) -> float:
         tp, tc = t[id(plain)], t[id(checked)]
         ratios.append(tc / tp)
         times.append(tp / args.block)
-        print(f"repeat {r}: plain {1e3 * tp / args.block:.1f} ms/step, "
-              f"abft {1e3 * tc / args.block:.1f} ms/step, ratio {tc / tp:.3f}", file=sys.stderr)
+        print(
+            f"repeat {r}: plain {1e3 * tp / args.block:.1f} ms/step, "
+            f"abft {1e3 * tc / args.block:.1f} ms/step, ratio {tc / tp:.3f}",
+            file=sys.stderr,
+        )
     n_layers = len(checked.det.layers)
-    print(f"device={dev.type} threads={args.threads} dtype={args.dtype} d={args.d_model} "
-          f"layers={args.layers} seq={args.seq} batch={args.batch} checked_layers={n_layers} "
-          f"every={args.every} checksum_dtype={args.checksum_dtype} "
-          f"plain_ms_per_step={1e3 * statistics.median(times):.1f} "
-          f"checks={checked.det.checks_run} events={checked.events}")
+    print(
+        f"device={dev.type} threads={args.threads} dtype={args.dtype} d={args.d_model} "
+        f"layers={args.layers} seq={args.seq} batch={args.batch} checked_layers={n_layers} "
+        f"every={args.every} checksum_dtype={args.checksum_dtype} "
+        f"plain_ms_per_step={1e3 * statistics.median(times):.1f} "
+        f"checks={checked.det.checks_run} events={checked.events}"
+    )
     print("ratios " + " ".join(f"{x:.3f}" for x in ratios))
     med = statistics.median(ratios)
     print(f"abft_overhead_ratio {med:.3f}")

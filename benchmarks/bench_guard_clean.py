@@ -1,6 +1,6 @@
 """False positives of the default guard on clean runs: events over 2,000 steps of the tiny GPT.
 
-    python benchmarks/bench_guard_clean.py [--steps 2000] [--seeds 0 1 2]
+python benchmarks/bench_guard_clean.py [--steps 2000] [--seeds 0 1 2]
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ def main() -> None:
         for _ in range(args.steps):
             trainer.train_step()
         val = trainer.evaluate()["val_loss"]
-        print(f"seed {seed}: {len(guard.events)} events in {args.steps} steps "
-              f"(val loss {val:.3f}, {time.perf_counter() - t0:.0f} s)")
+        print(
+            f"seed {seed}: {len(guard.events)} events in {args.steps} steps "
+            f"(val loss {val:.3f}, {time.perf_counter() - t0:.0f} s)"
+        )
         for e in guard.events[:5]:
             print("   ", e)
         total += len(guard.events)

@@ -33,21 +33,21 @@ def parse_bits(text: str) -> list[int]:
     return list(range(int(lo), int(hi or lo) + 1))
 
 
-def line_thresholds(abft: ABFTDetector, layer: str, gemm: str, index: int, module: torch.nn.Module,
-                    batch: int):
+def line_thresholds(abft: ABFTDetector, layer: str, gemm: str, index: int, module: torch.nn.Module, batch: int):
     """c·τ of the row and the column checksum through flat output ``index`` (None if unchecked)."""
-    for name, g, *_rest, chk in abft._records:
-        if name == layer and g == gemm:
+    for rec in abft._records:
+        if rec.layer == layer and rec.gemm == gemm:
+            chk = rec.check
             c = abft.threshold(layer, gemm)
             if isinstance(module, torch.nn.Linear):
                 width = module.out_features if gemm == "forward" else module.in_features
                 (row, col), entry = divmod(index, width), 0
-            else:   # a conv: one line per group (sdcscope.detect.convcheck)
+            else:  # a conv: one line per group (sdcscope.detect.abft.convcheck)
                 groups = module.groups
-                if gemm == "grad_weight":   # dW [O, C_g, *k]: the weight column
+                if gemm == "grad_weight":  # dW [O, C_g, *k]: the weight column
                     per = module.weight[0].numel()
                     entry, row, col = index // per // (module.out_channels // groups), None, index % per
-                else:                       # Y [N, O, *p] / dX [N, C, *q]: the position
+                else:  # Y [N, O, *p] / dX [N, C, *q]: the position
                     chans = module.out_channels if gemm == "forward" else module.in_channels
                     positions = chk.row[1].shape[1] // batch
                     n, rest = divmod(index, chans * positions)
@@ -67,8 +67,12 @@ def main() -> None:
     parser.add_argument("--bits", default="20-30")
     parser.add_argument("--step", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checksums", choices=("column", "both", "row"), default="column",
-                        help="ABFT sides (default: the guard's default, column)")
+    parser.add_argument(
+        "--checksums",
+        choices=("column", "both", "row"),
+        default="column",
+        help="ABFT sides (default: the guard's default, column)",
+    )
     parser.add_argument("--workload", choices=("gpt", "cnn"), default="gpt")
     args = parser.parse_args()
     workload = make_workload(WorkloadConfig(workload=args.workload, preset="tiny"))
@@ -78,7 +82,7 @@ def main() -> None:
     state = trainer.snapshot()
     kinds = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
     linears = [n for n, m in trainer.model.named_modules() if isinstance(m, kinds)]
-    first = linears[0] if args.workload == "cnn" else None   # its input (the images) has no dX
+    first = linears[0] if args.workload == "cnn" else None  # its input (the images) has no dX
     tied = {"head"}  # the tied LM head's dW is summed with the embedding gradient: not checkable
     stats = defaultdict(lambda: [0, 0])  # bit -> [detected, trials]
     above = above_ok = 0
@@ -92,8 +96,14 @@ def main() -> None:
             for bit in parse_bits(args.bits):
                 trial += 1
                 trainer.restore(state)
-                spec = FaultSpec(site=site, target=layer, model="bitflip", bits=[bit],
-                                 schedule={"kind": "transient", "step": args.step}, seed=trial)
+                spec = FaultSpec(
+                    site=site,
+                    target=layer,
+                    model="bitflip",
+                    bits=[bit],
+                    schedule={"kind": "transient", "step": args.step},
+                    seed=trial,
+                )
                 abft = ABFTDetector(trainer.model, ABFTConfig(checksums=args.checksums))
                 with Injector(trainer.model, [spec], trainer.optimizer) as inj, abft:
                     inj.set_position(args.step)
@@ -101,8 +111,9 @@ def main() -> None:
                     trainer.forward_backward(StepContext(trainer, args.step, trainer.data_pos))
                     (rec,) = inj.records
                     idx, before, after = rec["index"][0], rec["before"][0], rec["after"][0]
-                    tau = line_thresholds(abft, layer, gemm, idx, trainer.model.get_submodule(layer),
-                                          workload.config.batch_size)
+                    tau = line_thresholds(
+                        abft, layer, gemm, idx, trainer.model.get_submodule(layer), workload.config.batch_size
+                    )
                     events = abft.check(args.step)
                 hit = any(e.module == layer and e.gemm == gemm and e.step == args.step for e in events)
                 delta = abs(float(after) - float(before))
@@ -124,9 +135,11 @@ def main() -> None:
     for miss in misses_above[:10]:
         print("missed above threshold:", miss)
     print(f"smallest detected relative error: {smallest:.3g}")
-    print(f"ABFT ({args.checksums}) flagged {above_ok}/{above} flips above the rounding-model threshold in the same step "
-          f"(right layer and GEMM); overall {sum(d for d, _ in stats.values())}/{trial} detected; "
-          f"smallest detected relative error {smallest:.3g}")
+    print(
+        f"ABFT ({args.checksums}) flagged {above_ok}/{above} flips above the rounding-model threshold in the same step "
+        f"(right layer and GEMM); overall {sum(d for d, _ in stats.values())}/{trial} detected; "
+        f"smallest detected relative error {smallest:.3g}"
+    )
 
 
 if __name__ == "__main__":

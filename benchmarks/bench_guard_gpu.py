@@ -59,19 +59,24 @@ def loss_fn(mode: str):
         with torch.autocast(DEV, dtype=torch.bfloat16, enabled=mode == "autocast"):
             logits = model(b[0])
         return lm_loss(logits.float(), b[1])
+
     return fn
 
 
-def train(cfg: GPTConfig, mode: str, steps: int, *, guard: dict | None = None, fault: dict | None = None,
-          size: int = 16):
+def train(
+    cfg: GPTConfig, mode: str, steps: int, *, guard: dict | None = None, fault: dict | None = None, size: int = 16
+):
     """-> (validation loss, guard or None). A rollback continues the loop from its step."""
     torch.manual_seed(0)
     model = GPT(cfg).to(DEV)
     opt = torch.optim.AdamW(model.parameters(), 3e-3, weight_decay=0.1)
     lf = loss_fn(mode)
     inj = Injector(model, [FaultSpec.from_dict(fault)], opt).attach() if fault else None
-    g = Guard(model, opt, GuardConfig.from_dict(guard), run_dir=tempfile.mkdtemp(), loss_fn=lf).attach() \
-        if guard is not None else None
+    g = (
+        Guard(model, opt, GuardConfig.from_dict(guard), run_dir=tempfile.mkdtemp(), loss_fn=lf).attach()
+        if guard is not None
+        else None
+    )
     step = 0
     while step < steps:
         b = batch(step, cfg, size)
@@ -100,30 +105,46 @@ def clean(steps: int) -> int:
         for mode in MODES:
             _, g = train(gpt_preset(preset), mode, steps, guard={})
             total += len(g.events)
-            print(f"clean {preset:5s} {mode:8s} {steps} steps: events {len(g.events)}, "
-                  f"largest ABFT ratio {max(g.abft.max_ratio.values()):.3f} (threshold {g.abft.config.c:g})")
+            print(
+                f"clean {preset:5s} {mode:8s} {steps} steps: events {len(g.events)}, "
+                f"largest ABFT ratio {max(g.abft.max_ratio.values()):.3f} (threshold {g.abft.config.c:g})"
+            )
     return total
 
 
 def faults(steps: int) -> tuple[int, int]:
     cfg = gpt_preset("small")
-    sites = [("Y", "gemm.forward", "blocks.1.attn.v_proj"), ("dX", "gemm.grad_input", "blocks.2.mlp.fc"),
-             ("dW", "gemm.grad_weight", "blocks.0.attn.q_proj"), ("scores", "gemm.forward", "blocks.3.attn.score")]
+    sites = [
+        ("Y", "gemm.forward", "blocks.1.attn.v_proj"),
+        ("dX", "gemm.grad_input", "blocks.2.mlp.fc"),
+        ("dW", "gemm.grad_weight", "blocks.0.attn.q_proj"),
+        ("scores", "gemm.forward", "blocks.3.attn.score"),
+    ]
     repaired = n = 0
     for mode in MODES:
         golden, _ = train(cfg, mode, steps)
         bit = 30 if mode == "fp32" else 14
         for what, site, target in sites:
-            spec = dict(site=site, target=target, model="bitflip", bits=[bit], seed=3,
-                        pattern={"kind": "element", "index": "random"}, schedule={"kind": "transient", "step": 30})
+            spec = dict(
+                site=site,
+                target=target,
+                model="bitflip",
+                bits=[bit],
+                seed=3,
+                pattern={"kind": "element", "index": "random"},
+                schedule={"kind": "transient", "step": 30},
+            )
             faulty, _ = train(cfg, mode, steps, fault=spec)
             guarded, g = train(cfg, mode, steps, guard={}, fault=spec)
-            first = next(((e["detector"], e.get("module"), e.get("gemm"), e["verdict"], e["action"])
-                          for e in g.events), None)
+            first = next(
+                ((e["detector"], e.get("module"), e.get("gemm"), e["verdict"], e["action"]) for e in g.events), None
+            )
             n += 1
             repaired += abs(guarded / golden - 1) <= 0.005
-            print(f"fault {mode:8s} {what:6s} {target:22s} bit {bit}: golden {golden:.4f} unguarded {faulty:.4f} "
-                  f"guarded {guarded:.4f} ({100 * (guarded / golden - 1):+.2f}%)  first finding {first}")
+            print(
+                f"fault {mode:8s} {what:6s} {target:22s} bit {bit}: golden {golden:.4f} unguarded {faulty:.4f} "
+                f"guarded {guarded:.4f} ({100 * (guarded / golden - 1):+.2f}%)  first finding {first}"
+            )
     return repaired, n
 
 
@@ -135,8 +156,13 @@ def cost(name: str, size: int, rounds: int) -> list[str]:
         torch.manual_seed(0)
         models = [GPT(cfg).to(DEV) for _ in range(2)]
         opts = [torch.optim.AdamW(m.parameters(), 1e-3) for m in models]
-        g = Guard(models[1], opts[1], GuardConfig.from_dict(dict(_ONLY_ABFT, abft={"kinds": ["linear"]})),
-                  run_dir=tempfile.mkdtemp(), loss_fn=lf).attach()
+        g = Guard(
+            models[1],
+            opts[1],
+            GuardConfig.from_dict(dict(_ONLY_ABFT, abft={"kinds": ["linear"]})),
+            run_dir=tempfile.mkdtemp(),
+            loss_fn=lf,
+        ).attach()
         b = batch(0, cfg, size)
         step = [0]
 
@@ -156,18 +182,20 @@ def cost(name: str, size: int, rounds: int) -> list[str]:
         ratios, times = [], []
         for r in range(rounds + 3):
             t = {}
-            for fn in ((base, guarded) if r % 2 else (guarded, base)):
+            for fn in (base, guarded) if r % 2 else (guarded, base):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 fn()
                 torch.cuda.synchronize()
                 t[fn] = time.perf_counter() - t0
-            if r >= 3:   # warm-up
+            if r >= 3:  # warm-up
                 ratios.append(t[guarded] / t[base])
                 times.append(t[base])
         pct = 100 * (statistics.median(ratios) - 1)
-        print(f"cost  {name:16s} {mode:8s} batch {size}: baseline {1e3 * statistics.median(times):7.2f} ms  "
-              f"ABFT on every Linear, every step {pct:+.1f}%  (events {len(g.events)})")
+        print(
+            f"cost  {name:16s} {mode:8s} batch {size}: baseline {1e3 * statistics.median(times):7.2f} ms  "
+            f"ABFT on every Linear, every step {pct:+.1f}%  (events {len(g.events)})"
+        )
         out.append(f"{name}/{mode} {pct:+.1f}%")
     return out
 
@@ -188,8 +216,10 @@ def main() -> None:
     events = clean(args.steps)
     repaired, n = faults(args.fault_steps)
     costs = cost(args.model, args.batch, args.rounds) + cost("small", 32, args.rounds)
-    print(f"gpu guard: clean events {events}; faults repaired within 0.5% of golden {repaired}/{n}; "
-          f"ABFT every Linear: {'; '.join(costs)}")
+    print(
+        f"gpu guard: clean events {events}; faults repaired within 0.5% of golden {repaired}/{n}; "
+        f"ABFT every Linear: {'; '.join(costs)}"
+    )
 
 
 if __name__ == "__main__":

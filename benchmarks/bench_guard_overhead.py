@@ -37,10 +37,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import interleaved_ratio  # noqa: E402
-
 import torch  # noqa: E402
 
+from _timing import interleaved_ratio  # noqa: E402
 from sdcscope.engine import TrainConfig, Trainer  # noqa: E402
 from sdcscope.guard import Guard, GuardConfig  # noqa: E402
 from sdcscope.workloads import WorkloadConfig, make_workload  # noqa: E402
@@ -90,33 +89,36 @@ class _Reductions:
                 dw = grad_inputs[0]
                 self._add(lambda: (dw.sum(0),))
         else:
+
             def forward():
                 s0 = x2.sum(0)
                 seen["fx"] = fx = torch.linalg.vector_norm(x2).view(1)
-                exp = torch.mv(w, s0) if module.bias is None else \
-                    torch.addmv(module.bias.detach(), w, s0, beta=len(x2))
+                exp = torch.mv(w, s0) if module.bias is None else torch.addmv(module.bias.detach(), w, s0, beta=len(x2))
                 return y2.sum(0), exp, torch.linalg.vector_norm(w, dim=1), fx
+
             self._add(forward)
 
-            def gemm_node(grad_inputs, grad_outputs):   # dX = dY·W
+            def gemm_node(grad_inputs, grad_outputs):  # dX = dY·W
                 dy, dx, db = grad_outputs[0], grad_inputs[xi], grad_inputs[0] if xi == 1 else None
 
                 def grad_input():
                     seen["norm"] = torch.linalg.vector_norm(dy).view(1)
                     s = db if db is not None else dy.sum(0)
                     return dx.sum(0), torch.mv(w.t(), s), torch.linalg.vector_norm(w, dim=0), seen["norm"]
+
                 seen["dy"] = dy
                 if dx is not None:
                     self._add(grad_input)
                 else:
                     seen["norm"] = torch.linalg.vector_norm(dy).view(1)
 
-            def dw_node(grad_inputs, grad_outputs):     # dW = dYᵀ·X
+            def dw_node(grad_inputs, grad_outputs):  # dW = dYᵀ·X
                 dw, dy = grad_inputs[0], seen["dy"]
 
                 def grad_weight():
                     r = dy.sum(1)
                     return dw.sum(0), torch.mv(x2.t(), r), seen["fx"].expand(x2.shape[1]), seen["norm"]
+
                 self._add(grad_weight)
 
         node.register_hook(gemm_node)
@@ -156,12 +158,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--hooks-only", action="store_true", help="ABFT records no check (analysis)")
-    parser.add_argument("--floor", action="store_true",
-                        help="add a row: ABFT's column-check reductions alone, no bookkeeping (analysis)")
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
-                        help="subset of: " + "; ".join(CONFIGS).replace("%", "%%"))
-    parser.add_argument("--workload", choices=("gpt", "cnn"), default="gpt",
-                        help="cnn: the LeNet-style CNN (its convolutions are in every config with ABFT's default kinds)")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="add a row: ABFT's column-check reductions alone, no bookkeeping (analysis)",
+    )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=list(CONFIGS),
+        default=list(CONFIGS),
+        metavar="NAME",
+        help="subset of: " + "; ".join(CONFIGS).replace("%", "%%"),
+    )
+    parser.add_argument(
+        "--workload",
+        choices=("gpt", "cnn"),
+        default="gpt",
+        help="cnn: the LeNet-style CNN (its convolutions are in every config with ABFT's default kinds)",
+    )
     args = parser.parse_args()
     global WORKLOAD
     WORKLOAD = args.workload
@@ -172,10 +187,13 @@ def main() -> None:
     summary = []
     for preset in args.presets:
         base = trainer(preset, None)
-        noise, tb, _ = interleaved_ratio(base.train_step, base.train_step, rounds=args.rounds, inner=1,
-                                         warmup=2, clock=args.clock)
-        print(f"{preset:5s} {'noise floor (baseline vs itself)':30s} baseline {tb * 1e3:7.2f} ms  "
-              f"{'':17s}overhead {100 * (noise - 1):+6.2f}%")
+        noise, tb, _ = interleaved_ratio(
+            base.train_step, base.train_step, rounds=args.rounds, inner=1, warmup=2, clock=args.clock
+        )
+        print(
+            f"{preset:5s} {'noise floor (baseline vs itself)':30s} baseline {tb * 1e3:7.2f} ms  "
+            f"{'':17s}overhead {100 * (noise - 1):+6.2f}%"
+        )
         rows = [(name, lambda name=name: trainer(preset, CONFIGS[name])) for name in args.configs]
         if args.floor:
             rows.append(("reductions only (floor)", lambda: _with_reductions(trainer(preset, None))))
@@ -183,10 +201,13 @@ def main() -> None:
             rows.append(("each result read once (bound)", lambda: _with_reductions(trainer(preset, None), True)))
         for name, build in rows:
             tool = build()
-            ratio, tb, tt = interleaved_ratio(base.train_step, tool.train_step, rounds=args.rounds,
-                                              inner=1, warmup=2, clock=args.clock)
-            print(f"{preset:5s} {name:30s} baseline {tb * 1e3:7.2f} ms  guarded {tt * 1e3:7.2f} ms  "
-                  f"overhead {100 * (ratio - 1):+6.2f}%")
+            ratio, tb, tt = interleaved_ratio(
+                base.train_step, tool.train_step, rounds=args.rounds, inner=1, warmup=2, clock=args.clock
+            )
+            print(
+                f"{preset:5s} {name:30s} baseline {tb * 1e3:7.2f} ms  guarded {tt * 1e3:7.2f} ms  "
+                f"overhead {100 * (ratio - 1):+6.2f}%"
+            )
             summary.append(f"{preset}/{name} {100 * (ratio - 1):+.1f}%")
     print("guard overhead per step: " + "; ".join(summary))
 

@@ -28,10 +28,20 @@ def faults(step: int) -> dict[str, dict]:
         "dW v_proj bit 30": {"site": "gemm.grad_weight", "target": "blocks.1.attn.v_proj", "seed": 4, **flip},
         "scores bit 30": {"site": "gemm.forward", "target": "blocks.0.attn.score", "seed": 5, **flip},
         "weight fc bit 30": {"site": "weight", "target": "blocks.0.mlp.fc.weight", "seed": 6, **flip},
-        "Adam v bit 30": {"site": "optimizer_state", "target": "blocks.1.mlp.proj.weight",
-                          "state_key": "exp_avg_sq", "seed": 7, **flip},
-        "Adam m bit 30": {"site": "optimizer_state", "target": "blocks.0.attn.k_proj.weight",
-                          "state_key": "exp_avg", "seed": 8, **flip},
+        "Adam v bit 30": {
+            "site": "optimizer_state",
+            "target": "blocks.1.mlp.proj.weight",
+            "state_key": "exp_avg_sq",
+            "seed": 7,
+            **flip,
+        },
+        "Adam m bit 30": {
+            "site": "optimizer_state",
+            "target": "blocks.0.attn.k_proj.weight",
+            "state_key": "exp_avg",
+            "seed": 8,
+            **flip,
+        },
     }
 
 
@@ -68,10 +78,14 @@ def main() -> None:
         derailed += hurt
         repaired += hurt and ok
         within += ok
-        print(f"{name:20s} {bad:10.4f} {good:10.4f} {n_events:6d}  {'yes' if ok else 'NO'}"
-              f"{'  (unguarded derailed)' if hurt else ''}")
-    print(f"golden {golden:.4f}: {within}/{len(rows)} guarded runs within 0.5% of golden; "
-          f"{repaired}/{derailed} faults that derailed the unguarded run repaired")
+        print(
+            f"{name:20s} {bad:10.4f} {good:10.4f} {n_events:6d}  {'yes' if ok else 'NO'}"
+            f"{'  (unguarded derailed)' if hurt else ''}"
+        )
+    print(
+        f"golden {golden:.4f}: {within}/{len(rows)} guarded runs within 0.5% of golden; "
+        f"{repaired}/{derailed} faults that derailed the unguarded run repaired"
+    )
 
 
 if __name__ == "__main__":

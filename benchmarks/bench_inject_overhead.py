@@ -15,7 +15,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import interleaved_ratio  # noqa: E402
-
 from sdcscope.engine import TrainConfig, Trainer  # noqa: E402
 from sdcscope.faults import FaultSpec  # noqa: E402
 from sdcscope.inject import Injector  # noqa: E402
@@ -30,8 +29,16 @@ ARMED = [
     {"site": "optimizer_state", "target": "blocks.*.weight", "model": "bitflip", "bits": [30], "schedule": NEVER},
     {"site": "activation", "target": "blocks.*", "model": "bitflip", "bits": [30], "schedule": NEVER},
 ]
-FIRING = [{"site": "gemm.forward", "target": "blocks.0.attn.q_proj", "model": "bitflip", "bits": [3],
-           "pattern": {"kind": "element", "index": 5}, "schedule": {"kind": "permanent", "start": 0}}]
+FIRING = [
+    {
+        "site": "gemm.forward",
+        "target": "blocks.0.attn.q_proj",
+        "model": "bitflip",
+        "bits": [3],
+        "pattern": {"kind": "element", "index": 5},
+        "schedule": {"kind": "permanent", "start": 0},
+    }
+]
 
 
 def trainer_with(specs):
@@ -54,8 +61,7 @@ def main() -> None:
         ratio, tb, tt = interleaved_ratio(base.train_step, tool.train_step, rounds=args.rounds)
         results[name] = ratio
         print(f"{name:24s} baseline {tb * 1e3:6.2f} ms  tool {tt * 1e3:6.2f} ms  overhead {100 * (ratio - 1):+.2f}%")
-    print("injector overhead per tiny-GPT step: "
-          + ", ".join(f"{k} {100 * (v - 1):+.2f}%" for k, v in results.items()))
+    print("injector overhead per tiny-GPT step: " + ", ".join(f"{k} {100 * (v - 1):+.2f}%" for k, v in results.items()))
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from sdcscope.detect.invariants import InvariantChecker, TraceRecorder, infer_invariants
 from sdcscope.engine import TrainConfig, Trainer
+from sdcscope.invariants import InvariantChecker, TraceRecorder, infer_invariants
 from sdcscope.workloads import WorkloadConfig, make_workload
 
 MODES = ("bare", "check", "trace")
@@ -61,8 +61,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=300, help="timed steps per mode")
     ap.add_argument("--ref-steps", type=int, default=40, help="steps of each reference run")
-    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                    help="wall: perf_counter; cpu: thread CPU time with one torch thread")
+    ap.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="wall: perf_counter; cpu: thread CPU time with one torch thread",
+    )
     args = ap.parse_args()
     clock = time.perf_counter
     if args.clock == "cpu":
@@ -84,24 +88,30 @@ def main() -> None:
                 tr.train_step()
         times: dict[str, list[float]] = {m: [] for m in MODES}
         for r in range(args.rounds):
-            for mode in MODES[r % 3:] + MODES[:r % 3]:
+            for mode in MODES[r % 3 :] + MODES[: r % 3]:
                 times[mode].append(timed_step(trainers[mode], clock))
         checker.detach()
         recorder.detach()
     ratios = {m: [t / b for t, b in zip(times[m], times["bare"])] for m in ("check", "trace")}
     median = {m: statistics.median(r) for m, r in ratios.items()}
     added = {m: statistics.median(t - b for t, b in zip(times[m], times["bare"])) * 1e3 for m in ratios}
-    print(f"tiny GPT, {args.rounds} rounds, {args.clock} clock, {torch.get_num_threads()} torch thread(s): "
-          f"bare step {statistics.median(times['bare']) * 1e3:.2f} ms; "
-          f"{len(invariants)} invariants inferred from 2 x {args.ref_steps} clean steps")
+    print(
+        f"tiny GPT, {args.rounds} rounds, {args.clock} clock, {torch.get_num_threads()} torch thread(s): "
+        f"bare step {statistics.median(times['bare']) * 1e3:.2f} ms; "
+        f"{len(invariants)} invariants inferred from 2 x {args.ref_steps} clean steps"
+    )
     for m in ("check", "trace"):
         q = statistics.quantiles(ratios[m], n=4)
-        print(f"  {m:5s} step {statistics.median(times[m]) * 1e3:.2f} ms, median ratio {median[m]:.4f} "
-              f"(quartiles {q[0]:.3f} .. {q[2]:.3f}), median added time {added[m]:.3f} ms/step")
+        print(
+            f"  {m:5s} step {statistics.median(times[m]) * 1e3:.2f} ms, median ratio {median[m]:.4f} "
+            f"(quartiles {q[0]:.3f} .. {q[2]:.3f}), median added time {added[m]:.3f} ms/step"
+        )
     print(f"  violations raised while checking {args.rounds + 5} clean steps: {len(checker.violations)}")
-    print(f"checking overhead {100 * (median['check'] - 1):+.2f}% per step ({added['check']:+.2f} ms; "
-          f"target <= 3%), tracing overhead {100 * (median['trace'] - 1):+.2f}% per step "
-          f"({added['trace']:+.2f} ms; target <= 20%)")
+    print(
+        f"checking overhead {100 * (median['check'] - 1):+.2f}% per step ({added['check']:+.2f} ms; "
+        f"target <= 3%), tracing overhead {100 * (median['trace'] - 1):+.2f}% per step "
+        f"({added['trace']:+.2f} ms; target <= 20%)"
+    )
 
 
 if __name__ == "__main__":

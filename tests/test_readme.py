@@ -2,6 +2,9 @@
 
 from pathlib import Path
 
+import pytest
+from packaging.requirements import Requirement  # a dependency of pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,5 +24,23 @@ def test_ci_runs_the_readme_test_command():
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-def test_constraints_pin_cpu_torch():
-    assert "torch==2.13.0" in (ROOT / "constraints-cpu.txt").read_text()
+def test_constraints_pin_exact_versions_that_pyproject_accepts():
+    """The README installs with ``-c constraints-cpu.txt``: each line pins one dependency of sdcscope
+    (torch among them) to an exact version its pyproject requirement accepts, or pip refuses the install."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    required = {
+        Requirement(r).name: Requirement(r)
+        for r in project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    }
+    pins = [
+        Requirement(line)
+        for line in (ROOT / "constraints-cpu.txt").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert "torch" in {pin.name for pin in pins}
+    for pin in pins:
+        (spec,) = pin.specifier
+        assert spec.operator == "==", pin
+        assert pin.name in required, f"{pin} pins no dependency of sdcscope"
+        assert required[pin.name].specifier.contains(spec.version), f"{pin} is outside pyproject's {required[pin.name]}"

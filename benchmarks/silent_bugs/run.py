@@ -29,8 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scenarios import BUGS, FAMILIES, VARIANTS, Bug, Variant  # noqa: E402
 
-from sdcscope.detect.invariants import (  # noqa: E402
-    InvariantChecker, Invariant, TraceRecorder, infer_invariants, save_invariants,
+from sdcscope.invariants import (  # noqa: E402
+    Invariant,
+    InvariantChecker,
+    TraceRecorder,
+    infer_invariants,
+    save_invariants,
 )
 
 
@@ -58,12 +62,14 @@ class VariantResult:
 def recorder(out: Path):
     def attach(model, optimizer, **kw):
         return TraceRecorder(model, optimizer, out=out, **kw).attach()
+
     return attach
 
 
 def checker(invariants: list[Invariant], run_dir: Path):
     def attach(model, optimizer, **kw):
         return InvariantChecker(model, optimizer, invariants, run_dir=run_dir, **kw).attach()
+
     return attach
 
 
@@ -80,8 +86,9 @@ def infer_family(name: str, out: Path) -> list[Invariant]:
     return invariants
 
 
-def run_benchmark(bugs: list[Bug], out: Path, log=print,
-                  variants: Sequence[Variant] = ()) -> tuple[list[Result], list[VariantResult]]:
+def run_benchmark(
+    bugs: list[Bug], out: Path, log=print, variants: Sequence[Variant] = ()
+) -> tuple[list[Result], list[VariantResult]]:
     invariants = {}
     for fam in dict.fromkeys(x.family for x in [*bugs, *variants]):
         invariants[fam] = infer_family(fam, out)
@@ -90,16 +97,30 @@ def run_benchmark(bugs: list[Bug], out: Path, log=print,
 
     def check(family: str, name: str, seed: int, bug: str | None, config: dict[str, Any]):
         run_dir = out / family / name
-        return FAMILIES[family].script(seed=seed, bug=bug, attach=checker(invariants[family], run_dir),
-                                       **FAMILIES[family].checked, **config).violations
+        return (
+            FAMILIES[family]
+            .script(
+                seed=seed, bug=bug, attach=checker(invariants[family], run_dir), **FAMILIES[family].checked, **config
+            )
+            .violations
+        )
 
     results = []
     for bug in bugs:
         seed = 100 + BUGS.index(bug)
-        results.append(Result(bug, *(check(bug.family, f"{bug.name}_{'bug' if which else 'clean'}", seed,
-                                           which, bug.config) for which in (bug.name, None))))
-    variant_results = [VariantResult(v, check(v.family, f"variant_{v.name}", 200 + VARIANTS.index(v), None,
-                                              v.config)) for v in variants]
+        results.append(
+            Result(
+                bug,
+                *(
+                    check(bug.family, f"{bug.name}_{'bug' if which else 'clean'}", seed, which, bug.config)
+                    for which in (bug.name, None)
+                ),
+            )
+        )
+    variant_results = [
+        VariantResult(v, check(v.family, f"variant_{v.name}", 200 + VARIANTS.index(v), None, v.config))
+        for v in variants
+    ]
     return results, variant_results
 
 
@@ -111,21 +132,30 @@ def table(results: list[Result], variant_results: Sequence[VariantResult] = ()) 
     rows = [("bug", "family", "detected", "first step", "first violated invariant", "#inv", "clean twin")]
     for r in results:
         f = r.first
-        rows.append((r.bug.name, r.bug.family, "yes" if r.detected else "NO",
-                     str(f["step"]) if f else "-", f"{f['verdict']} @ {f['module']}" if f else "-",
-                     str(len({e["verdict"] for e in r.violations})), _alarms(r.clean_violations)))
+        rows.append(
+            (
+                r.bug.name,
+                r.bug.family,
+                "yes" if r.detected else "NO",
+                str(f["step"]) if f else "-",
+                f"{f['verdict']} @ {f['module']}" if f else "-",
+                str(len({e["verdict"] for e in r.violations})),
+                _alarms(r.clean_violations),
+            )
+        )
     if variant_results:
         rows.append(("clean variant", "family", "", "", "what", "", "violations"))
-        rows += [(v.variant.name, v.variant.family, "", "", v.variant.what, "", _alarms(v.violations))
-                 for v in variant_results]
+        rows += [
+            (v.variant.name, v.variant.family, "", "", v.variant.what, "", _alarms(v.violations))
+            for v in variant_results
+        ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bugs", default="", help="comma-separated subset of bugs and clean variants "
-                                               "(default: all)")
+    ap.add_argument("--bugs", default="", help="comma-separated subset of bugs and clean variants (default: all)")
     ap.add_argument("--out", type=Path, default=None, help="keep run directories here")
     args = ap.parse_args()
     names = [n for n in args.bugs.split(",") if n]

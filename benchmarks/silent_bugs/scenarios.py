@@ -73,15 +73,15 @@ def _gpt(dropout: float = 0.0) -> GPT:
     return GPT(GPTConfig(n_layer=2, n_head=2, d_model=64, block_size=64, dropout=dropout))
 
 
-def gpt_loop(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 24,
-             eval_every: int = 8):
+def gpt_loop(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 24, eval_every: int = 8):
     torch.manual_seed(seed)
     data = _gpt_data()
     model = _gpt(dropout=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     warm = 5
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
     tool = attach(model, opt, schedulers=[sched])
     clipped = model.blocks.parameters if bug == "clip_wrong_params" else model.parameters
     for step in range(steps):
@@ -125,7 +125,7 @@ def gpt_amp(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, ste
     data = _gpt_data()
     model = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     tool = attach(model, opt, scaler=scaler)
     for step in range(steps):
         tool.step_begin(step)
@@ -147,8 +147,7 @@ def gpt_amp(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, ste
     return tool
 
 
-def cnn_epochs(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 26,
-               batch: int = 128):
+def cnn_epochs(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 26, batch: int = 128):
     x_train, y_train, _, _ = _digits()
     torch.manual_seed(seed)
     model = LeNet(cnn_preset("tiny"))
@@ -166,8 +165,8 @@ def cnn_epochs(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, 
         for b in range(per_epoch):
             if step == steps:
                 break
-            idx = perm[b * batch:(b + 1) * batch]
-            labels = y_train[label_perm[b * batch:(b + 1) * batch]] if bug == "labels_misaligned" else y_train[idx]
+            idx = perm[b * batch : (b + 1) * batch]
+            labels = y_train[label_perm[b * batch : (b + 1) * batch]] if bug == "labels_misaligned" else y_train[idx]
             tool.step_begin(step)
             opt.zero_grad()
             F.cross_entropy(model(x_train[idx]), labels).backward()
@@ -192,13 +191,16 @@ class _DecayOnlyGPT(GPTWorkload):
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         decay = [p for p in model.parameters() if p.dim() >= 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": self.config.weight_decay}],
-                                 lr=self.config.lr, betas=(0.9, 0.95), foreach=True)
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.config.weight_decay}],
+            lr=self.config.lr,
+            betas=(0.9, 0.95),
+            foreach=True,
+        )
 
 
 def engine(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 16):
-    kind = {None: GPTWorkload, "frozen_layer": _FrozenLayerGPT,
-            "param_not_in_optimizer": _DecayOnlyGPT}[bug]
+    kind = {None: GPTWorkload, "frozen_layer": _FrozenLayerGPT, "param_not_in_optimizer": _DecayOnlyGPT}[bug]
     trainer = Trainer(kind(WorkloadConfig(workload="gpt", preset="tiny", lr=lr)), TrainConfig(seed=seed))
     tool = attach(trainer.model, trainer.optimizer)
     trainer.add_callback(tool)
@@ -220,8 +222,7 @@ class Replicas(nn.Module):
         return [r(x) for r, x in zip(self.replicas, shards)]
 
 
-def replicas(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 16,
-             lose_sync_at: int = 6):
+def replicas(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 16, lose_sync_at: int = 6):
     torch.manual_seed(seed)
     data = _gpt_data()
     model = Replicas(_gpt())
@@ -253,16 +254,30 @@ def _groups(model: nn.Module, lr: float, weight_decay: float, bug: str | None) -
     no_decay = {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}
     if bug == "decay_on_norms":  # a name filter meant to exclude biases and LayerNorms only excludes biases
         named = list(model.named_parameters())
-        return [{"params": [p for n, p in named if not n.endswith(".bias")], "weight_decay": weight_decay},
-                {"params": [p for n, p in named if n.endswith(".bias")], "weight_decay": 0.0}]
+        return [
+            {"params": [p for n, p in named if not n.endswith(".bias")], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if n.endswith(".bias")], "weight_decay": 0.0},
+        ]
     if bug == "group_lr_10x":  # a per-group learning rate meant for another base rate
         no_decay["lr"] = lr * 10
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay}, no_decay]
 
 
-def gpt_groups(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 24,
-               eval_every: int = 8, accum: int = 1, clear: str = "first", backward: str = "tensor",
-               clip: str = "module", step_style: str = "plain", loss_style: str = "functional"):
+def gpt_groups(
+    seed: int,
+    bug: str | None,
+    attach: Attach,
+    *,
+    lr: float = 3e-3,
+    steps: int = 24,
+    eval_every: int = 8,
+    accum: int = 1,
+    clear: str = "first",
+    backward: str = "tensor",
+    clip: str = "module",
+    step_style: str = "plain",
+    loss_style: str = "functional",
+):
     """``accum`` micro-batches per step; ``clear``: where and how the gradients are cleared
     (``first``: optimizer.zero_grad() before the forward, ``after_step``: at the end of the step,
     ``keep_tensors``: zero_grad(set_to_none=False), ``model``: model.zero_grad(), ``by_hand``:
@@ -285,7 +300,8 @@ def gpt_groups(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, 
     wd, warm = 0.1, 5
     opt = torch.optim.AdamW(_groups(model, lr, wd, bug), lr=lr, maximize=bug == "gradient_ascent")
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
     if bug == "scheduler_stale_optimizer":  # the optimizer rebuilt after the scheduler (resume code)
         opt = torch.optim.AdamW(_groups(model, lr, wd, None), lr=lr)
     tool = attach(model, opt, schedulers=[sched])
@@ -407,11 +423,18 @@ BUGS = [
     Bug("param_not_in_optimizer", "engine", "no-decay parameters never given to the optimizer"),
     Bug("replica_diverges", "replicas", "gradient all-reduce lost from step 6: replicas diverge"),
     Bug("weight_decay_twice", "gpt_groups", "weight decay applied by hand after AdamW's own"),
-    Bug("scheduler_stale_optimizer", "gpt_groups",
-        "optimizer rebuilt after the scheduler: the learning rate never follows the schedule"),
+    Bug(
+        "scheduler_stale_optimizer",
+        "gpt_groups",
+        "optimizer rebuilt after the scheduler: the learning rate never follows the schedule",
+    ),
     Bug("group_lr_10x", "gpt_groups", "the no-decay group's learning rate set 10x the base rate"),
-    Bug("zero_grad_in_accum", "gpt_groups", "zero_grad() inside the accumulation loop: only the last "
-        "micro-batch counts", config={"accum": 2}),
+    Bug(
+        "zero_grad_in_accum",
+        "gpt_groups",
+        "zero_grad() inside the accumulation loop: only the last micro-batch counts",
+        config={"accum": 2},
+    ),
     Bug("targets_equal_inputs", "gpt_groups", "the targets are the inputs: the model learns to copy"),
     Bug("labels_shifted_by_2", "gpt_groups", "targets two tokens ahead of the inputs instead of one"),
     Bug("gradient_ascent", "gpt_groups", "AdamW(maximize=True): the loss is climbed, not descended"),
@@ -421,8 +444,12 @@ BUGS = [
     Bug("labels_misaligned", "cnn_epochs", "inputs and labels shuffled by separate permutations"),
     Bug("residual_detached", "gpt_groups", "residual stream detached in every block"),
     Bug("no_causal_mask", "gpt_groups", "attention mask all ones: tokens see the future"),
-    Bug("accum_loss_not_averaged", "gpt_groups", "micro-batch losses not divided by the accumulation",
-        config={"accum": 4}),
+    Bug(
+        "accum_loss_not_averaged",
+        "gpt_groups",
+        "micro-batch losses not divided by the accumulation",
+        config={"accum": 4},
+    ),
     Bug("sched_per_micro", "gpt_groups", "scheduler stepped once per micro-batch", config={"accum": 2}),
     Bug("decay_on_norms", "gpt_groups", "LayerNorm weights put in the weight-decay group"),
     Bug("same_batch_every_step", "gpt_groups", "the step index is not passed to the data: same batch"),
@@ -441,23 +468,45 @@ class Variant:
 
 
 VARIANTS = [
-    Variant("zero_grad_after_step", "gpt_groups", "gradients cleared at the end of the step",
-            {"clear": "after_step"}),
-    Variant("grads_none_by_hand", "gpt_groups", "p.grad = None for every parameter instead of zero_grad()",
-            {"clear": "by_hand"}),
+    Variant("zero_grad_after_step", "gpt_groups", "gradients cleared at the end of the step", {"clear": "after_step"}),
+    Variant(
+        "grads_none_by_hand",
+        "gpt_groups",
+        "p.grad = None for every parameter instead of zero_grad()",
+        {"clear": "by_hand"},
+    ),
     Variant("zero_grad_keep_tensors", "gpt_groups", "zero_grad(set_to_none=False)", {"clear": "keep_tensors"}),
-    Variant("model_zero_grad", "gpt_groups", "model.zero_grad() instead of optimizer.zero_grad()",
-            {"clear": "model"}),
+    Variant("model_zero_grad", "gpt_groups", "model.zero_grad() instead of optimizer.zero_grad()", {"clear": "model"}),
     Variant("autograd_backward", "gpt_groups", "torch.autograd.backward(loss)", {"backward": "autograd"}),
-    Variant("imported_clip", "gpt_groups", "clip_grad_norm_ imported under its own name before attaching",
-            {"clip": "imported"}),
+    Variant(
+        "imported_clip",
+        "gpt_groups",
+        "clip_grad_norm_ imported under its own name before attaching",
+        {"clip": "imported"},
+    ),
     Variant("accum_2", "gpt_groups", "2 micro-batches per step (references: 1)", {"accum": 2}),
-    Variant("accum_3_cleared_after_step", "gpt_groups", "3 micro-batches, gradients cleared after the step",
-            {"accum": 3, "clear": "after_step"}),
-    Variant("closure_step", "gpt_groups", "optimizer.step(closure): zero_grad, forward, backward, clip inside",
-            {"step_style": "closure"}),
-    Variant("accum_one_backward", "gpt_groups", "2 micro-batch losses summed, one backward per step",
-            {"accum": 2, "backward": "once"}),
-    Variant("ce_module_inference_mode", "gpt_groups", "nn.CrossEntropyLoss module, eval under inference_mode",
-            {"loss_style": "module"}),
+    Variant(
+        "accum_3_cleared_after_step",
+        "gpt_groups",
+        "3 micro-batches, gradients cleared after the step",
+        {"accum": 3, "clear": "after_step"},
+    ),
+    Variant(
+        "closure_step",
+        "gpt_groups",
+        "optimizer.step(closure): zero_grad, forward, backward, clip inside",
+        {"step_style": "closure"},
+    ),
+    Variant(
+        "accum_one_backward",
+        "gpt_groups",
+        "2 micro-batch losses summed, one backward per step",
+        {"accum": 2, "backward": "once"},
+    ),
+    Variant(
+        "ce_module_inference_mode",
+        "gpt_groups",
+        "nn.CrossEntropyLoss module, eval under inference_mode",
+        {"loss_style": "module"},
+    ),
 ]

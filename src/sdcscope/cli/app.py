@@ -22,13 +22,21 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version and exit.")) -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """sdcscope: silent data corruption in LLM training."""
 
 
 from sdcscope.cli import (  # noqa: E402,F401  (registers commands)
-    campaign_cmd, demo_cmd, inject_cmd, invariants_cmd, report_cmd, train_cmd,
+    campaign_cmd,
+    demo_cmd,
+    inject_cmd,
+    invariants_cmd,
+    report_cmd,
+    train_cmd,
 )
 
 

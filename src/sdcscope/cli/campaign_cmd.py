@@ -1,8 +1,8 @@
 """``sdcscope campaign init|run|status``: fault-injection campaigns, resumable.
 
-    sdcscope campaign init runs/bits --spec examples/campaigns/gpt_bits.yaml
-    sdcscope campaign run runs/bits --workers 2      # again after a kill: resumes
-    sdcscope report runs/bits
+sdcscope campaign init runs/bits --spec examples/campaigns/gpt_bits.yaml
+sdcscope campaign run runs/bits --workers 2      # again after a kill: resumes
+sdcscope report runs/bits
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import typer
 from sdcscope.cli.app import app
 from sdcscope.cli.common import CLIError, err_console, out_console, path_argument, path_option, user_errors
 
-campaign_app = typer.Typer(help="Fault-injection campaigns: plan, run and resume, status.",
-                           no_args_is_help=True)
+campaign_app = typer.Typer(help="Fault-injection campaigns: plan, run and resume, status.", no_args_is_help=True)
 app.add_typer(campaign_app, name="campaign")
 
 DIR_ARG = path_argument(..., help="Campaign directory (campaign.yaml, results.sqlite, golden/, report.html).")
@@ -33,8 +32,14 @@ def campaign_progress() -> Iterator:
     if not sys.stderr.isatty():
         yield None
         return
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=err_console, transient=True) as bar:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=True,
+    ) as bar:
         tasks: dict[str, int] = {}
 
         def update(phase: str, done: int, total: int) -> None:
@@ -52,23 +57,31 @@ def _print_counts(summary: dict) -> None:
 
 
 @campaign_app.command()
-def init(directory: Path = DIR_ARG,
-         spec: Path = path_option(..., "--spec", help="Campaign spec (YAML) to copy in as campaign.yaml.")) -> None:
+def init(
+    directory: Path = DIR_ARG,
+    spec: Path = path_option(..., "--spec", help="Campaign spec (YAML) to copy in as campaign.yaml."),
+) -> None:
     """Validate a campaign spec and create its directory (nothing is written on an error)."""
     with user_errors():
         from sdcscope.study import init_campaign
 
         cspec, plan = init_campaign(directory, spec)
-    out_console.print(f"campaign {cspec.name!r}: {len(plan)} trials planned in {directory} "
-                      f"(spec hash {cspec.hash[:12]}); run it with: sdcscope campaign run {directory}")
+    out_console.print(
+        f"campaign {cspec.name!r}: {len(plan)} trials planned in {directory} "
+        f"(spec hash {cspec.hash[:12]}); run it with: sdcscope campaign run {directory}"
+    )
 
 
 @campaign_app.command()
-def run(directory: Path = DIR_ARG,
-        workers: Optional[int] = typer.Option(None, "--workers", "-j",
-                                              help="Worker processes (default: one per CPU core; 0: in this process)."),
-        ray_address: Optional[str] = typer.Option(None, "--ray-address",
-                                                  help="Run the trials on a Ray cluster (e.g. auto or ray://host:10001).")) -> None:
+def run(
+    directory: Path = DIR_ARG,
+    workers: Optional[int] = typer.Option(
+        None, "--workers", "-j", help="Worker processes (default: one per CPU core; 0: in this process)."
+    ),
+    ray_address: Optional[str] = typer.Option(
+        None, "--ray-address", help="Run the trials on a Ray cluster (e.g. auto or ray://host:10001)."
+    ),
+) -> None:
     """Run or resume a campaign: golden run, healthy baselines, then every trial not yet in results.sqlite."""
     with user_errors(), campaign_progress() as progress:
         from sdcscope.study import run_campaign
@@ -96,5 +109,4 @@ def status(directory: Path = DIR_ARG) -> None:
         with ResultsDB(directory / DB_FILE, spec) as db:
             rows = db.trials()
             planned = db.meta().get("plan_size")
-    _print_counts({"trials": planned, "done": len(rows),
-                   "outcomes": dict(Counter(r["outcome"] for r in rows))})
+    _print_counts({"trials": planned, "done": len(rows), "outcomes": dict(Counter(r["outcome"] for r in rows))})

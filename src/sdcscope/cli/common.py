@@ -20,7 +20,7 @@ class CLIError(Exception):
     """A user error the CLI reports as one line with exit code 2."""
 
 
-def fail(message: str) -> "typer.Exit":
+def fail(message: str) -> typer.Exit:
     err_console.print("[bold red]error:[/] ", end="", highlight=False)
     err_console.print(message, markup=False, highlight=False, soft_wrap=True)  # "[out, in]" is text
     return typer.Exit(code=2)
@@ -70,7 +70,7 @@ _ABSENT = object()
 def _short(value: Any, limit: int = 40) -> str:
     """``value`` as JSON on one line, cut to ``limit`` characters."""
     text = "(absent)" if value is _ABSENT else json.dumps(value, separators=(", ", ": "), default=str)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def first_difference(given: Any, recorded: Any, path: str) -> tuple[str, str, str] | None:
@@ -85,8 +85,9 @@ def first_difference(given: Any, recorded: Any, path: str) -> tuple[str, str, st
         return None
     if isinstance(given, list) and isinstance(recorded, list):
         for i in range(max(len(given), len(recorded))):
-            got = first_difference(given[i] if i < len(given) else _ABSENT,
-                                   recorded[i] if i < len(recorded) else _ABSENT, f"{path}[{i}]")
+            got = first_difference(
+                given[i] if i < len(given) else _ABSENT, recorded[i] if i < len(recorded) else _ABSENT, f"{path}[{i}]"
+            )
             if got is not None:
                 return got
         return None
@@ -113,9 +114,15 @@ def step_progress(total: int, done: int = 0, label: str = "training") -> Iterato
     if not sys.stderr.isatty() or total - done < 50:
         yield lambda metrics: None
         return
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn(),
-                  console=err_console, transient=True) as progress:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=True,
+    ) as progress:
         task = progress.add_task(label, total=total, completed=done, loss="-")
 
         def advance(metrics: dict) -> None:
@@ -127,3 +134,15 @@ def step_progress(total: int, done: int = 0, label: str = "training") -> Iterato
 def fmt_loss(value) -> str:
     """A loss for the console: 4 decimals, or as recorded when not a number ("nan", a crash)."""
     return format(value, ".4f") if isinstance(value, float) else str(value)
+
+
+def print_summary(out: Path, summary: dict) -> None:
+    """A finished run's outcome, losses and run directory, on the console."""
+    loss = summary["final_train_loss"]
+    out_console.print(
+        f"[bold]{summary['outcome']}[/] after {summary['steps']} steps: "
+        + ("no step trained" if loss is None else f"train loss {fmt_loss(loss)}")
+        + f", val loss {fmt_loss(summary['final_val_loss'])}"
+        + (f", val acc {summary['final_val_acc']:.3f}" if "final_val_acc" in summary else "")
+    )
+    out_console.print(f"run directory: {out}  (config.json, metrics.jsonl, summary.json, checkpoint/)")

@@ -16,7 +16,7 @@ import typer
 
 from sdcscope.cli.app import app
 from sdcscope.cli.common import fmt_loss, out_console, path_option, step_progress, user_errors
-from sdcscope.cli.train_cmd import build_configs
+from sdcscope.cli.options import build_configs
 
 DEMO_MARKER = "demo.json"
 DEMO_FAULT = """\
@@ -42,9 +42,11 @@ def prepare_demo_dir(out: Path) -> None:
     if (out / DEMO_MARKER).is_file():
         foreign = sorted(p.name for p in out.iterdir() if p.name not in DEMO_OUTPUTS)
         if foreign:
-            raise ValueError(f"--out {str(out)!r} holds an earlier demo and other files ({', '.join(foreign[:5])}"
-                             f"{', ...' if len(foreign) > 5 else ''}), which the demo does not replace; give a "
-                             "new or empty folder")
+            raise ValueError(
+                f"--out {str(out)!r} holds an earlier demo and other files ({', '.join(foreign[:5])}"
+                f"{', ...' if len(foreign) > 5 else ''}), which the demo does not replace; give a "
+                "new or empty folder"
+            )
         for name in DEMO_OUTPUTS:
             target = out / name
             if target.is_dir() and not target.is_symlink():
@@ -54,8 +56,7 @@ def prepare_demo_dir(out: Path) -> None:
     check_new_run_dir(out)
 
 
-def plot_losses(out: Path, labels: list[str], fault_step: int | None = None,
-                detections: list[int] = ()) -> Path:
+def plot_losses(out: Path, labels: list[str], fault_step: int | None = None, detections: list[int] = ()) -> Path:
     """``loss_curves.png``: the training losses of the runs in ``labels`` (the first is the
     reference) and, below, each other run's difference from the reference, where a fault's
     effect shows even when the curves overlap; the fault's step and the guard's detections
@@ -79,22 +80,32 @@ def plot_losses(out: Path, labels: list[str], fault_step: int | None = None,
         top.plot(steps, [curves[label][s] for s in steps], styles[i % 3], label=label, color=f"C{i}")
         if i:
             shared = [s for s in steps if s in ref]
-            bottom.plot(shared, [curves[label][s] - ref[s] for s in shared], styles[i % 3],
-                        label=f"{label} − {labels[0]}", color=f"C{i}")
+            bottom.plot(
+                shared,
+                [curves[label][s] - ref[s] for s in shared],
+                styles[i % 3],
+                label=f"{label} − {labels[0]}",
+                color=f"C{i}",
+            )
     for ax in (top, bottom):
         if fault_step is not None:
             ax.axvline(fault_step, color="grey", lw=0.8, ls="-.")
         for j, s in enumerate(detections):
-            ax.axvline(s, color="C3", lw=0.8, alpha=0.6,
-                       label="guard detection" if ax is bottom and j == 0 else None)
+            ax.axvline(s, color="C3", lw=0.8, alpha=0.6, label="guard detection" if ax is bottom and j == 0 else None)
     if fault_step is not None:
-        top.annotate("fault", (fault_step, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
-                     textcoords="offset points", color="grey")
+        top.annotate(
+            "fault",
+            (fault_step, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -12),
+            textcoords="offset points",
+            color="grey",
+        )
     top.set_ylabel("training loss")
     top.set_yscale("log")
     top.legend()
     top.set_title(f"tiny GPT: {' vs '.join(labels)}")
-    bottom.set_yscale("symlog", linthresh=1e-4)   # a bitwise-equal run stays at 0
+    bottom.set_yscale("symlog", linthresh=1e-4)  # a bitwise-equal run stays at 0
     bottom.set_xlabel("step")
     bottom.set_ylabel(f"loss − {labels[0]} loss")
     bottom.legend()
@@ -126,18 +137,23 @@ def demo(
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / DEMO_MARKER, {"command": "sdcscope demo", "steps": steps})
     source = experiment.golden.workload.describe()["corpus_source"]
-    out_console.print(f"tiny byte-level GPT on {source}: {steps} steps × 3 runs; "
-                      f"fault: bit 30 flip in blocks.0.attn.q_proj's forward GEMM at step {steps // 2}")
+    out_console.print(
+        f"tiny byte-level GPT on {source}: {steps} steps × 3 runs; "
+        f"fault: bit 30 flip in blocks.0.attn.q_proj's forward GEMM at step {steps // 2}"
+    )
     c = experiment.run(steps, progress=lambda label, total: step_progress(total, label=label))
     g = c["guarded"]
     out_console.print(f"golden   val loss {fmt_loss(c['val_loss_golden'])}")
-    out_console.print(f"faulty   val loss {fmt_loss(c['val_loss_faulty'])} → [bold]{c['outcome']}[/] "
-                      f"(diverged at step {c['first_divergence_step']})")
+    out_console.print(
+        f"faulty   val loss {fmt_loss(c['val_loss_faulty'])} → [bold]{c['outcome']}[/] "
+        f"(diverged at step {c['first_divergence_step']})"
+    )
     out_console.print(f"guarded  val loss {fmt_loss(g['val_loss_faulty'])} → [bold]{g['outcome']}[/] vs golden")
     for e in g["events"]:
-        out_console.print(f"  step {e['step']}: {e['detector']} found {e['evidence'].get('finding')} "
-                          f"in {e.get('module') or '-'} {e.get('gemm') or ''}; replay: {e['verdict']} "
-                          f"→ {e['action']}")
-    plot = plot_losses(out, ["golden", "faulty", "guarded"], steps // 2,
-                       sorted({int(e["step"]) for e in g["events"]}))
+        out_console.print(
+            f"  step {e['step']}: {e['detector']} found {e['evidence'].get('finding')} "
+            f"in {e.get('module') or '-'} {e.get('gemm') or ''}; replay: {e['verdict']} "
+            f"→ {e['action']}"
+        )
+    plot = plot_losses(out, ["golden", "faulty", "guarded"], steps // 2, sorted({int(e["step"]) for e in g["events"]}))
     out_console.print(f"outputs: {out}/golden, faulty, guarded (run directories), comparison.json, {plot.name}")

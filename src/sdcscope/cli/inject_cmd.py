@@ -5,12 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import typer
-
 from sdcscope.cli.app import app
 from sdcscope.cli.common import fmt_loss, load_fault_file, out_console, path_option, step_progress, user_errors
-from sdcscope.cli.guard_opts import GUARD_CONFIG_OPT, GUARD_OPT, guard_config
-from sdcscope.cli.train_cmd import PRESET_OPT, SEED_OPT, STEPS_OPT, WORKLOAD_OPT, build_configs, check_steps
+from sdcscope.cli.options import (
+    BATCH_SIZE_OPT,
+    CORPUS_OPT,
+    GRAD_ACCUM_OPT,
+    GUARD_CONFIG_OPT,
+    GUARD_OPT,
+    LR_OPT,
+    PRESET_OPT,
+    SEED_OPT,
+    STEPS_OPT,
+    WORKLOAD_OPT,
+    build_configs,
+    check_steps,
+    guard_config,
+)
 
 
 def print_comparison(out: Path, c: dict) -> None:
@@ -25,11 +36,15 @@ def print_comparison(out: Path, c: dict) -> None:
     )
     if "guarded" in c:
         g = c["guarded"]
-        out_console.print(f"[bold]guarded[/]: {len(g['events'])} event(s); outcome vs golden {g['outcome']}; "
-                          f"val loss {fmt_loss(g['val_loss_faulty'])} (golden {fmt_loss(c['val_loss_golden'])})")
+        out_console.print(
+            f"[bold]guarded[/]: {len(g['events'])} event(s); outcome vs golden {g['outcome']}; "
+            f"val loss {fmt_loss(g['val_loss_faulty'])} (golden {fmt_loss(c['val_loss_golden'])})"
+        )
         for e in g["events"][:5]:
-            out_console.print(f"  step {e['step']}: {e['detector']} {e['verdict']} "
-                              f"{e.get('module') or ''} {e.get('gemm') or ''} → {e['action']}")
+            out_console.print(
+                f"  step {e['step']}: {e['detector']} {e['verdict']} "
+                f"{e.get('module') or ''} {e.get('gemm') or ''} → {e['action']}"
+            )
     runs = ", ".join(str(out / r) for r in ("golden", "faulty", "guarded") if (out / r).is_dir())
     out_console.print(f"runs: {runs}; comparison: {out / 'comparison.json'}")
 
@@ -42,10 +57,10 @@ def inject(
     preset: str = PRESET_OPT,
     steps: int = STEPS_OPT,
     seed: int = SEED_OPT,
-    corpus: Optional[Path] = path_option(None, "--corpus", help="Text file or folder (gpt)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
-    lr: Optional[float] = typer.Option(None, "--lr"),
-    grad_accum: int = typer.Option(1, "--grad-accum"),
+    corpus: Optional[Path] = CORPUS_OPT,
+    batch_size: Optional[int] = BATCH_SIZE_OPT,
+    lr: Optional[float] = LR_OPT,
+    grad_accum: int = GRAD_ACCUM_OPT,
     guard: bool = GUARD_OPT,
     guard_config_path: Optional[Path] = GUARD_CONFIG_OPT,
 ) -> None:
@@ -55,8 +70,9 @@ def inject(
         from sdcscope.study.experiment import Experiment
 
         specs = load_fault_file("--spec", spec)
-        wcfg, tcfg = build_configs(workload, preset, seed, corpus=corpus, batch_size=batch_size,
-                                   lr=lr, grad_accum=grad_accum)
+        wcfg, tcfg = build_configs(
+            workload, preset, seed, corpus=corpus, batch_size=batch_size, lr=lr, grad_accum=grad_accum
+        )
         experiment = Experiment(out, wcfg, tcfg, specs, guard=guard_config(guard, guard_config_path), steps=steps)
     comparison = experiment.run(steps, progress=lambda label, total: step_progress(total, label=label))
     print_comparison(out, comparison)

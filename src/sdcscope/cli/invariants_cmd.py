@@ -15,12 +15,29 @@ from typing import Optional
 
 import typer
 
-from sdcscope._io import file_in_the_way
 from sdcscope.cli.app import app
-from sdcscope.cli.common import CLIError, out_console, path_argument, path_option, step_progress, user_errors
-from sdcscope.cli.train_cmd import (
-    PRESET_OPT, SEED_OPT, STEPS_OPT, WORKLOAD_OPT, build_configs, check_steps, print_summary,
+from sdcscope.cli.common import (
+    CLIError,
+    out_console,
+    path_argument,
+    path_option,
+    print_summary,
+    step_progress,
+    user_errors,
 )
+from sdcscope.cli.options import (
+    BATCH_SIZE_OPT,
+    EVAL_EVERY_OPT,
+    GRAD_ACCUM_OPT,
+    LR_OPT,
+    PRESET_OPT,
+    SEED_OPT,
+    STEPS_OPT,
+    WORKLOAD_OPT,
+    build_configs,
+    check_steps,
+)
+from sdcscope.common.io import file_in_the_way
 
 invariants_app = typer.Typer(
     help="Infer training invariants from clean runs and check runs against them.",
@@ -38,21 +55,23 @@ def trace(
     steps: int = STEPS_OPT,
     seed: int = SEED_OPT,
     out: Path = path_option(..., "--out", "-o", help="New run directory (gets trace.jsonl)."),
-    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences / images per micro-batch."),
-    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
-    eval_every: int = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at the end)."),
-    invariants: Optional[Path] = path_option(None, "--invariants", "-i",
-                                              help="Also check these invariants online (events.jsonl)."),
+    lr: Optional[float] = LR_OPT,
+    batch_size: Optional[int] = BATCH_SIZE_OPT,
+    grad_accum: int = GRAD_ACCUM_OPT,
+    eval_every: int = EVAL_EVERY_OPT,
+    invariants: Optional[Path] = path_option(
+        None, "--invariants", "-i", help="Also check these invariants online (events.jsonl)."
+    ),
 ) -> None:
     """Train a reference workload with the trace recorder attached (and optionally a checker)."""
     with user_errors():
         check_steps(steps)
-        from sdcscope.detect.invariants import InvariantChecker, TraceRecorder
         from sdcscope.engine import Run
+        from sdcscope.invariants import InvariantChecker, TraceRecorder
 
-        wcfg, tcfg = build_configs(workload, preset, seed, batch_size=batch_size, lr=lr,
-                                   grad_accum=grad_accum, eval_every=eval_every)
+        wcfg, tcfg = build_configs(
+            workload, preset, seed, batch_size=batch_size, lr=lr, grad_accum=grad_accum, eval_every=eval_every
+        )
         run = Run(out, wcfg, tcfg)
         model, optimizer = run.trainer.model, run.trainer.optimizer
         checker = None if invariants is None else InvariantChecker(model, optimizer, invariants, run_dir=out)
@@ -68,8 +87,11 @@ def trace(
     out_console.print(f"trace: {out / 'trace.jsonl'}")
     if checker is not None:
         n = len(checker.violations)
-        out_console.print(f"[bold]{n}[/] invariant violation(s) reported to {out / 'events.jsonl'}"
-                          if n else "no invariant violations")
+        out_console.print(
+            f"[bold]{n}[/] invariant violation(s) reported to {out / 'events.jsonl'}"
+            if n
+            else "no invariant violations"
+        )
 
 
 def _check_out_file(path: Path, force: bool) -> None:
@@ -94,12 +116,11 @@ def infer(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --out file."),
     margin: float = typer.Option(10.0, "--margin", help="Widening factor of learned numeric bounds."),
     min_support: int = typer.Option(3, "--min-support", help="Observations an invariant needs."),
-    relation: Optional[list[str]] = typer.Option(None, "--relation", "-r",
-                                                 help="Only this relation (repeatable)."),
+    relation: Optional[list[str]] = typer.Option(None, "--relation", "-r", help="Only this relation (repeatable)."),
 ) -> None:
     """Infer the invariants that hold in every given clean run."""
     with user_errors():
-        from sdcscope.detect.invariants import InferConfig, infer_invariants, save_invariants
+        from sdcscope.invariants import InferConfig, infer_invariants, save_invariants
 
         config = InferConfig(margin=margin, min_support=min_support, relations=tuple(relation or ()))
         _check_out_file(out, force)
@@ -149,13 +170,14 @@ def _evidence(ev: dict) -> str:
 def check(
     run_dir: Path = path_argument(..., help="Run directory holding trace.jsonl."),
     invariants: Path = INVARIANTS_OPT,
-    events: bool = typer.Option(True, "--events/--no-events",
-                                help="Write violations to RUN_DIR/events.jsonl (first per invariant and tensor)."),
+    events: bool = typer.Option(
+        True, "--events/--no-events", help="Write violations to RUN_DIR/events.jsonl (first per invariant and tensor)."
+    ),
 ) -> None:
     """Check a recorded trace offline; exit code 1 when any invariant is violated."""
     with user_errors():
-        from sdcscope.detect.invariants import EVENTS_FILE, check_trace, load_invariants, load_trace
         from sdcscope.engine import JsonlWriter, read_jsonl
+        from sdcscope.invariants import EVENTS_FILE, check_trace, load_invariants, load_trace
 
         trace_data = load_trace(run_dir)
         invs = load_invariants(invariants)
@@ -184,9 +206,9 @@ def check(
     table.add_column("steps", justify="right")
     table.add_column("evidence (first)", overflow="fold")
     for (verdict, module), group in sorted(groups.items(), key=lambda kv: kv[1][0]["step"]):
-        table.add_row(verdict, str(module), str(group[0]["step"]), str(len(group)),
-                      _evidence(group[0]["evidence"]))
+        table.add_row(verdict, str(module), str(group[0]["step"]), str(len(group)), _evidence(group[0]["evidence"]))
     out_console.print(table)
-    out_console.print(f"{len(groups)} violation(s) of {len({v for v, _ in groups})} of {len(invs)} "
-                      f"invariants in {n_records} records")
+    out_console.print(
+        f"{len(groups)} violation(s) of {len({v for v, _ in groups})} of {len(invs)} invariants in {n_records} records"
+    )
     raise typer.Exit(code=1)

@@ -17,22 +17,28 @@ def report_dirs(directory: Path) -> list[Path]:
     """The directories to report: ``directory`` itself, or the runs a folder of runs (``inject``,
     ``demo``) holds."""
     if not directory.exists():
-        raise FileNotFoundError(f"{str(directory)!r} does not exist; give a campaign directory "
-                                "(sdcscope campaign init) or a run directory (sdcscope train/inject --out)")
+        raise FileNotFoundError(
+            f"{str(directory)!r} does not exist; give a campaign directory "
+            "(sdcscope campaign init) or a run directory (sdcscope train/inject --out)"
+        )
     if not directory.is_dir():
         raise ValueError(f"{str(directory)!r} is a file; give a campaign directory or a run directory")
     if any((directory / name).exists() for name in MARKERS[:2]):
         return [directory]
     if (directory / "config.json").exists():
         if _foreign(directory / "config.json"):
-            raise ValueError(f"{str(directory / 'config.json')!r} is not an sdcscope run's (it has no 'workload'): "
-                             f"{str(directory)!r} is no run directory; give a campaign directory or a run directory "
-                             "(sdcscope train/inject --out)")
+            raise ValueError(
+                f"{str(directory / 'config.json')!r} is not an sdcscope run's (it has no 'workload'): "
+                f"{str(directory)!r} is no run directory; give a campaign directory or a run directory "
+                "(sdcscope train/inject --out)"
+            )
         return [directory]
     runs = sorted(p.parent for p in directory.glob("*/config.json") if not _foreign(p))
     if not runs:
-        raise ValueError(f"{str(directory)!r} is neither a campaign directory ({', '.join(MARKERS[:2])}) nor a "
-                         "run directory (config.json), nor a folder of runs (DIR/*/config.json)")
+        raise ValueError(
+            f"{str(directory)!r} is neither a campaign directory ({', '.join(MARKERS[:2])}) nor a "
+            "run directory (config.json), nor a folder of runs (DIR/*/config.json)"
+        )
     return runs
 
 
@@ -50,9 +56,14 @@ def _foreign(config: Path) -> bool:
 
 
 @app.command()
-def report(directory: Path = path_argument(..., help="Campaign directory (results.sqlite), run directory "
-                                                     "(config.json, from sdcscope train), or a folder of runs "
-                                                     "(from sdcscope inject / demo: each run is reported).")) -> None:
+def report(
+    directory: Path = path_argument(
+        ...,
+        help="Campaign directory (results.sqlite), run directory "
+        "(config.json, from sdcscope train), or a folder of runs "
+        "(from sdcscope inject / demo: each run is reported).",
+    ),
+) -> None:
     """Write DIR/report.html and DIR/report.md: a campaign's results, or a run's per-rank timelines."""
     with user_errors():
         from sdcscope.study import build_report, write_report

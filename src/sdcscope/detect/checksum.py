@@ -1,7 +1,6 @@
 r"""Row/column checksums of one GEMM and the rounding-error model that sets their thresholds.
 
-For C = A·B (+ bias), A: (..., n, k), B: (..., k, m), C: (..., n, m) (Huang & Abraham 1984;
-production_sdc.md §5)::
+For C = A·B (+ bias), A: (..., n, k), B: (..., k, m), C: (..., n, m) (Huang & Abraham 1984)::
 
     column checksum  1ᵀC  vs (1ᵀA)·B + n·bias       one value per output column j
     row checksum     C·1  vs A·(B·1) + Σ bias        one value per output row i
@@ -12,7 +11,7 @@ the row and column residuals that exceed their thresholds intersect at the eleme
 Threshold model
 ---------------
 Checksums are formed in ``checksum_dtype`` (fp32 by default — AEGIS's "take checksums from FP32
-accumulators", production_sdc.md §7 anchors; fp64 on request). The residual of a correct GEMM is
+accumulators"; fp64 on request). The residual of a correct GEMM is
 its own rounding error summed over the checksum line, plus the rounding of the checksum
 arithmetic. With unit roundoff u of each stage (fp32 2⁻²⁴, TF32 2⁻¹¹, bf16 2⁻⁸, fp16 2⁻¹¹):
 
@@ -22,7 +21,7 @@ arithmetic. With unit roundoff u of each stage (fp32 2⁻²⁴, TF32 2⁻¹¹, b
   elements are independent, so the column-j checksum error has std ≤ u·√k·‖A‖_F·‖B_{:,j}‖ and
   the row-i checksum error std ≤ u·√k·‖A_{i,:}‖·‖B‖_F. This is the usual worst-case bound
   γ_k·|A||B| (τ = c·u·k·(|a|ᵀ|b|), Higham) with k replaced by √k (probabilistic rounding, as in
-  V-ABFT's variance-based bound, production_sdc.md §5) and |a|ᵀ|b| by norms so that the bound
+  V-ABFT's variance-based bound) and |a|ᵀ|b| by norms so that the bound
   costs O(nk + km) instead of a second GEMM. Rows that repeat (dY of a mean-pooled output, a
   broadcast input) make equal errors, which add linearly: n equal rows aᵢ = a sum to
   n·u√k‖a‖‖bⱼ‖ = u√k‖1ᵀA‖‖bⱼ‖, so the model adds u√k‖1ᵀA‖‖B_{:,j}‖ (‖1ᵀA‖ is computed anyway;
@@ -32,13 +31,11 @@ arithmetic. With unit roundoff u of each stage (fp32 2⁻²⁴, TF32 2⁻¹¹, b
 * **output rounding** (to bf16/fp16, or of the final fp32 add): each element is off by
   ≤ u_out·|ĉᵢⱼ|. Independent errors give a column std ≤ u_out·‖Ĉ_{:,j}‖₂, but they are *not*
   independent when a column's values cluster within an ulp of a common value (a bias- or
-  mean-dominated column rounds the same way in every row): measured on a bf16 GPT, such
-  columns reached 7× the independent model. The correlated part is bounded by the common
-  component, u_out·|Σᵢ ĉᵢⱼ| (the checksum itself, free), so the output term is
-  u_out·(‖Ĉ_{:,j}‖₂ + |1ᵀĈ_{:,j}|); with it the largest clean ratio fell to ≤ 1.9. The common
-  component of a (batch, sequence, ·) output is also taken per sequence, Σ_b|Σ_t ĉ_btj|, so rows
-  repeated within each sequence (mean pooling) are covered even when the sequences' sums cancel
-  (clean ratios fell from 12.5 to ≤ 1.3 on such a model, T = 1024). The 2-norm is
+  mean-dominated column rounds the same way in every row, far beyond the independent model).
+  The correlated part is bounded by the common component, u_out·|Σᵢ ĉᵢⱼ| (the checksum itself,
+  free), so the output term is u_out·(‖Ĉ_{:,j}‖₂ + |1ᵀĈ_{:,j}|). The common component of a
+  (batch, sequence, ·) output is also taken per sequence, Σ_b|Σ_t ĉ_btj|, so rows repeated within
+  each sequence (mean pooling) are covered even when the sequences' sums cancel. The 2-norm is
   read from the output clamped to the Cauchy-Schwarz bound 2·(maxᵢ‖aᵢ‖·maxⱼ‖bⱼ‖ + max|bias|),
   so a corrupted element (up to 3e38) cannot inflate its own threshold: it adds at most
   2c·u_out·|δ| ≪ |δ|. For fp32 outputs the 2-norm part is bounded by ‖A‖_F‖B_{:,j}‖ instead (no
@@ -49,9 +46,8 @@ arithmetic. With unit roundoff u of each stage (fp32 2⁻²⁴, TF32 2⁻¹¹, b
 * **checksum arithmetic** (u_cs of ``checksum_dtype``): the sum of n outputs adds
   ≤ u_cs·√n·(‖A‖_F‖B_{:,j}‖ + |1ᵀĈ_{:,j}|); forming 1ᵀA adds ≤ u_cs·√n·(‖A‖_F + ‖1ᵀA‖)·‖B_{:,j}‖ and
   the GEMV (1ᵀA)·B another u_cs·√k·‖1ᵀA‖·‖B_{:,j}‖ (same √-model; ‖1ᵀA‖ is computed, not bounded).
-  In fp32 these terms dominate the threshold of an fp32 GEMM (a 1024×64×256 GEMM: column
-  threshold 36× wider than with fp64 checksums; largest clean ratio on the tiny GPT 0.34):
-  calibration (``ABFTConfig.calibration_steps``) recovers much of the sensitivity. Negligible
+  In fp32 these terms dominate the threshold of an fp32 GEMM (far wider than with fp64
+  checksums): calibration (``ABFTConfig.calibration_steps``) recovers much of the sensitivity. Negligible
   in fp64 and for bf16/fp16 GEMMs.
 
 The threshold is τ = c · (sum of the stds above) with c = ``ABFTConfig.c`` (default 8: the model
@@ -65,9 +61,9 @@ ingredients of their model std, all small vectors. The per-operand statistics (s
 axis, row/column norms, Frobenius norm) live in an :class:`Operand` that computes each one at
 most once, so a tensor used by several GEMMs (the input of q/k/v projections, X in both the
 forward and the dW check, dY in dX and dW) is read once per statistic. :func:`line_ratios`
-then turns any number of lines into their ratios with a fixed handful of fused operations. On clean training of the 2-layer byte-level GPT (80 fp32 steps, 25 bf16 steps; every
-GEMM forward and backward) the largest residual was 0.34 model std in fp32 and 1.9 in bf16: a
-margin of 4× or more; calibration can tighten c per layer.
+then turns any number of lines into their ratios with a fixed handful of fused operations. Clean
+training stays well below c (``benchmarks/`` measures the margin); calibration can tighten c per
+layer.
 """
 
 from __future__ import annotations
@@ -78,24 +74,39 @@ from dataclasses import dataclass
 
 import torch
 
-from sdcscope.observe._util import no_autocast
+from sdcscope.common.tensors import no_autocast
 
 UNIT_ROUNDOFF: dict[torch.dtype, float] = {
-    torch.float64: 2.0 ** -53,
-    torch.float32: 2.0 ** -24,
-    torch.bfloat16: 2.0 ** -8,
-    torch.float16: 2.0 ** -11,
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
 }
-for _name, _u in (("float8_e4m3fn", 2.0 ** -4), ("float8_e5m2", 2.0 ** -3),
-                  ("float8_e4m3fnuz", 2.0 ** -4), ("float8_e5m2fnuz", 2.0 ** -3)):
+for _name, _u in (
+    ("float8_e4m3fn", 2.0**-4),
+    ("float8_e5m2", 2.0**-3),
+    ("float8_e4m3fnuz", 2.0**-4),
+    ("float8_e5m2fnuz", 2.0**-3),
+):
     if hasattr(torch, _name):
         UNIT_ROUNDOFF[getattr(torch, _name)] = _u
-TF32_ROUNDOFF = 2.0 ** -11
+TF32_ROUNDOFF = 2.0**-11
 _TINY = torch.finfo(torch.float32).tiny
 
 # what GemmCheck.locate() reports (host values), in this order
-SUMMARY = ("judged", "ratio", "batch", "row", "row_ratio", "row_residual", "row_threshold",
-           "col", "col_ratio", "col_residual", "col_threshold")
+SUMMARY = (
+    "judged",
+    "ratio",
+    "batch",
+    "row",
+    "row_ratio",
+    "row_residual",
+    "row_threshold",
+    "col",
+    "col_ratio",
+    "col_residual",
+    "col_threshold",
+)
 
 
 @dataclass(frozen=True)
@@ -115,12 +126,14 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     try:
         return UNIT_ROUNDOFF[dtype]
     except KeyError:
-        raise ValueError(f"no unit roundoff for dtype {dtype}; floating dtypes: "
-                         f"{', '.join(str(d) for d in UNIT_ROUNDOFF)}") from None
+        raise ValueError(
+            f"no unit roundoff for dtype {dtype}; floating dtypes: {', '.join(str(d) for d in UNIT_ROUNDOFF)}"
+        ) from None
 
 
-def rounding_model(compute_dtype: torch.dtype, device: torch.device | str,
-                   checksum_dtype: torch.dtype) -> RoundingModel:
+def rounding_model(
+    compute_dtype: torch.dtype, device: torch.device | str, checksum_dtype: torch.dtype
+) -> RoundingModel:
     """The model for a GEMM computing in ``compute_dtype`` on ``device`` under the current
     torch settings (TF32, float32 matmul precision, reduced-precision reductions)."""
     dev = torch.device(device).type
@@ -138,8 +151,11 @@ def rounding_model(compute_dtype: torch.dtype, device: torch.device | str,
     u_out = u
     if dev == "cuda":
         m = torch.backends.cuda.matmul
-        reduced = (m.allow_bf16_reduced_precision_reduction if compute_dtype == torch.bfloat16
-                   else m.allow_fp16_reduced_precision_reduction)
+        reduced = (
+            m.allow_bf16_reduced_precision_reduction
+            if compute_dtype == torch.bfloat16
+            else m.allow_fp16_reduced_precision_reduction
+        )
         if reduced:
             u_out = 2 * u
     return RoundingModel(compute_dtype, 0.0, UNIT_ROUNDOFF[torch.float32], u_out, u_cs, narrow=True)
@@ -164,17 +180,27 @@ class Operand:
 
     __slots__ = ("t", "cs", "flat", "bound", "src", "_cache", "_flip", "__weakref__")
 
-    def __init__(self, t: torch.Tensor, cs: torch.dtype, *, flat: bool = False, bound: bool = False,
-                 src: torch.Tensor | None = None, _cache: dict | None = None, _flip: bool = False) -> None:
+    def __init__(
+        self,
+        t: torch.Tensor,
+        cs: torch.dtype,
+        *,
+        flat: bool = False,
+        bound: bool = False,
+        src: torch.Tensor | None = None,
+        _cache: dict | None = None,
+        _flip: bool = False,
+    ) -> None:
         self.t, self.cs, self.flat, self.bound = t, cs, flat, bound
         self.src = src  # the tensor ``t`` was cast from, kept alive with it
         self._cache = {} if _cache is None else _cache
         self._flip = _flip
 
     @property
-    def T(self) -> "Operand":
-        return Operand(self.t, self.cs, flat=self.flat, bound=self.bound, src=self.src, _cache=self._cache,
-                       _flip=not self._flip)
+    def T(self) -> Operand:
+        return Operand(
+            self.t, self.cs, flat=self.flat, bound=self.bound, src=self.src, _cache=self._cache, _flip=not self._flip
+        )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -210,7 +236,7 @@ class Operand:
         orders of magnitude above."""
         key = self._SWAP.get(key, key) if self._flip else key
         if key == "cn" and self.bound and self.flat:
-            key = "fn"   # bounded by the Frobenius norm
+            key = "fn"  # bounded by the Frobenius norm
         t = self.t
         c = t.shape[-1]
         r = t.numel() // max(c, 1) if self.flat else t.shape[-2]
@@ -234,7 +260,7 @@ class Operand:
             if got is None:
                 got = self._cache[inner] = _reduce(t, False, inner, cs)
             return torch.linalg.vector_norm(got, dim=-1)
-        if key == "x":   # batched operands keep their batch dims: reshaping a strided one copies it
+        if key == "x":  # batched operands keep their batch dims: reshaping a strided one copies it
             x = t if t.dtype == cs else t.to(cs)
             if self.flat:
                 return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -255,7 +281,7 @@ def _reduce(t: torch.Tensor, flat: bool, key: str, cs: torch.dtype) -> torch.Ten
             got = t.sum(-1, dtype=cs) if key == "s1" else _vec_norms(t, -1)
             return got if t.dim() == 2 else got.reshape(-1)
         if t.dtype != _norm_dtype(t):
-            t = t.to(_norm_dtype(t))   # cn: x·x beats x.square() and a strided vector_norm on CPU
+            t = t.to(_norm_dtype(t))  # cn: x·x beats x.square() and a strided vector_norm on CPU
         return (t * t).sum(lead).sqrt() if lead else t.abs()
     r = t.shape[-2]
     if key == "s0":
@@ -274,11 +300,11 @@ class Line:
     ``(a1·s1[b] + a2·‖v[b]‖)·scale[ℓ] + beta·|act[ℓ]| + extra[ℓ]``, with ``s1`` and ``scale`` (norms)
     at least ``s1_floor`` and ``scale_floor`` (:meth:`Operand.norm_floor`)."""
 
-    act: torch.Tensor          # checksums of the result
-    exp: torch.Tensor          # checksums predicted from the operands
+    act: torch.Tensor  # checksums of the result
+    exp: torch.Tensor  # checksums predicted from the operands
     scale: torch.Tensor
-    s1: torch.Tensor           # (rows,)
-    v: torch.Tensor            # (rows, ·) or 1-D: the checksum vector the GEMV multiplied
+    s1: torch.Tensor  # (rows,)
+    v: torch.Tensor  # (rows, ·) or 1-D: the checksum vector the GEMV multiplied
     a1: float
     a2: float
     beta: float
@@ -293,8 +319,9 @@ class Line:
         shape = (self.rows, self.width)
         s2 = torch.linalg.vector_norm(self.v.reshape(self.rows, -1).float(), dim=-1)
         coef = self.a1 * self.s1.float().clamp_min(self.s1_floor).reshape(-1, 1) + self.a2 * s2.reshape(-1, 1)
-        tau = coef * self.scale.float().clamp_min(self.scale_floor).reshape(shape) \
-            + self.beta * self.act.abs().float().reshape(shape)
+        tau = coef * self.scale.float().clamp_min(self.scale_floor).reshape(
+            shape
+        ) + self.beta * self.act.abs().float().reshape(shape)
         if self.extra is not None:
             tau = tau + self.extra.reshape(shape)
         return (self.act - self.exp).float().reshape(shape), tau.clamp_min(_TINY)
@@ -309,8 +336,10 @@ def line_ratios(lines: list[Line]) -> torch.Tensor:
     if not lines:
         return torch.zeros(0, dtype=torch.float32)
     dev = lines[0].act.device
-    key = (tuple((ln.rows, ln.width, ln.v.numel(), ln.a1, ln.a2, ln.beta, ln.s1_floor, ln.scale_floor)
-                 for ln in lines), dev)
+    key = (
+        tuple((ln.rows, ln.width, ln.v.numel(), ln.a1, ln.a2, ln.beta, ln.s1_floor, ln.scale_floor) for ln in lines),
+        dev,
+    )
     layout = _LAYOUTS.get(key)
     if layout is None:
         if len(_LAYOUTS) > 256:
@@ -326,26 +355,36 @@ def line_ratios(lines: list[Line]) -> torch.Tensor:
             int(sizes.sum()),
             torch.tensor([ln.v.numel() // ln.rows for ln in lines for _ in range(ln.rows)], device=dev),
             torch.tensor([ln.s1_floor for ln in lines for _ in range(ln.rows)], **f32),
-            torch.tensor([ln.scale_floor for ln in lines], **f32).repeat_interleave(sizes))
+            torch.tensor([ln.scale_floor for ln in lines], **f32).repeat_interleave(sizes),
+        )
     a1, a2, reps, beta, seg, total, vlen, s1_floor, scale_floor = layout
     cat = torch.cat
     v = cat([ln.v for ln in lines]).float()
     s2 = torch.segment_reduce(v * v, "sum", lengths=vlen).sqrt()
     coef = a1 * torch.maximum(cat([ln.s1 for ln in lines]).float(), s1_floor) + a2 * s2
-    act = cat([ln.act for ln in lines])        # checksum dtype: act − exp must not round first
+    act = cat([ln.act for ln in lines])  # checksum dtype: act − exp must not round first
     res = (act - cat([ln.exp for ln in lines])).float()
-    tau = torch.addcmul(beta * act.abs().float(), coef.repeat_interleave(reps, output_size=total),
-                        torch.maximum(cat([ln.scale for ln in lines]).float(), scale_floor))
+    tau = torch.addcmul(
+        beta * act.abs().float(),
+        coef.repeat_interleave(reps, output_size=total),
+        torch.maximum(cat([ln.scale for ln in lines]).float(), scale_floor),
+    )
     if any(ln.extra is not None for ln in lines):
-        tau = tau + cat([ln.extra if ln.extra is not None else torch.zeros_like(ln.scale)
-                         for ln in lines]).float()
+        tau = tau + cat([ln.extra if ln.extra is not None else torch.zeros_like(ln.scale) for ln in lines]).float()
     ratio = torch.nan_to_num(res.abs() / tau.clamp_min(_TINY), nan=math.inf)
     # fp32 like ``ratio``, whatever torch's default dtype (a float64 default would refuse the scatter)
     return torch.full((len(lines),), -1.0, device=dev, dtype=torch.float32).scatter_reduce_(0, seg, ratio, "amax")
 
 
-def gemm_lines(a: Operand, b: Operand, c: torch.Tensor, *, model: RoundingModel,
-               bias: torch.Tensor | None = None, which: str = "both") -> list[Line]:
+def gemm_lines(
+    a: Operand,
+    b: Operand,
+    c: torch.Tensor,
+    *,
+    model: RoundingModel,
+    bias: torch.Tensor | None = None,
+    which: str = "both",
+) -> list[Line]:
     """The row and/or column lines of C = A·B (+ bias). Flat operands: C is (…, m) with every
     leading index a row; batched ones: A (…, n, k), B (…, k, m), C (…, n, m)."""
     with no_autocast(c.device):  # hooks run inside the model's autocast region
@@ -392,35 +431,49 @@ def _gemm_lines(a, b, c, model, bias, which) -> list[Line]:
     for side in SIDES[which]:
         col = side == "col"
         act = _reduce(c, flat, "s0" if col else "s1", cs)
-        if col:   # 1ᵀC vs (1ᵀA)·B + n·bias
+        if col:  # 1ᵀC vs (1ᵀA)·B + n·bias
             v, mat, summed, out = a.stat("s0"), b.stat("xt"), n, m
             add = None if bias is None else (bias, n)
-        else:     # C·1 vs A·(B·1) + Σ bias
+        else:  # C·1 vs A·(B·1) + Σ bias
             v, mat, summed, out = b.stat("s1"), a.stat("x"), m, n
             add = None if bias is None else (bias.sum(dtype=cs).expand(n), 1)
         exp = _matvec(mat, v, add)
         # + half a subnormal spacing per summed result: below the smallest normal the error of a
         # rounded result is absolute, not u_out-relative (fp16 gradients of 1e-6)
-        ext = None if cc is None else model.u_out * _reduce(cc, flat, "cn" if col else "rn", cs) \
-            + summed * subnormal_error(c.dtype)
+        ext = (
+            None
+            if cc is None
+            else model.u_out * _reduce(cc, flat, "cn" if col else "rn", cs) + summed * subnormal_error(c.dtype)
+        )
         if cc is not None and col and flat and c.dim() > 2:  # rows repeated within a sequence
             ext = ext + model.u_out * cc.sum(-2).abs().sum(tuple(range(c.dim() - 2)))
         scale_op, scale_key, s1_op = (b, "cn", a) if col else (a, "rn", b)
         scale, s1 = scale_op.stat(scale_key), s1_op.stat("fn")
         kk = k
-        if bias is not None and not col:   # (a Linear's: flat)
+        if bias is not None and not col:  # (a Linear's: flat)
             scale, s1, v, kk = bias_augmented(bias.detach().to(cs).reshape(1, -1), scale, s1, v.reshape(1, -1), k)
             v = v.reshape(-1)
-        lines.append(Line(act if flat else act.reshape(-1), exp if flat else exp.reshape(-1),
-                          scale if flat else scale.reshape(-1), s1, v if flat else v.reshape(-1),
-                          *line_coefs(model, summed, kk), rows, out,
-                          s1_op.norm_floor("fn"), scale_op.norm_floor(scale_key),
-                          None if ext is None else ext.reshape(-1)))
+        lines.append(
+            Line(
+                act if flat else act.reshape(-1),
+                exp if flat else exp.reshape(-1),
+                scale if flat else scale.reshape(-1),
+                s1,
+                v if flat else v.reshape(-1),
+                *line_coefs(model, summed, kk),
+                rows,
+                out,
+                s1_op.norm_floor("fn"),
+                scale_op.norm_floor(scale_key),
+                None if ext is None else ext.reshape(-1),
+            )
+        )
     return lines
 
 
-def bias_augmented(bias: torch.Tensor, scale: torch.Tensor, s1: torch.Tensor, v: torch.Tensor,
-                   k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def bias_augmented(
+    bias: torch.Tensor, scale: torch.Tensor, s1: torch.Tensor, v: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """A row line's terms of C = A·B + bias as the GEMM of A' = [A, 1] and B' = [B; bias]: A's
     row norms with 1, ‖B‖_F with ‖bias‖, v = B·1 with Σ bias, k + 1. CPU kernels start each dot
     product's accumulator at its bias, so it rounds with the other k terms; a row checksum sums
@@ -428,8 +481,12 @@ def bias_augmented(bias: torch.Tensor, scale: torch.Tensor, s1: torch.Tensor, v:
     without this, clean fp32 rows of a Linear(2, 8) reached 80 model stds, a grouped Conv1d's
     forward 10. (A column sums one output over the rows: its bias adds up, |Σ C| covers it.)
     ``bias`` (rows, outputs) and ``v`` (rows, k): one row per row of the line (a conv's groups)."""
-    return ((scale * scale + 1).sqrt(), torch.hypot(s1, torch.linalg.vector_norm(bias, dim=1).reshape(s1.shape)),
-            torch.cat([v, bias.sum(1, keepdim=True).to(v)], 1), k + 1)
+    return (
+        (scale * scale + 1).sqrt(),
+        torch.hypot(s1, torch.linalg.vector_norm(bias, dim=1).reshape(s1.shape)),
+        torch.cat([v, bias.sum(1, keepdim=True).to(v)], 1),
+        k + 1,
+    )
 
 
 class GemmCheck:
@@ -469,17 +526,28 @@ class GemmCheck:
         score = torch.stack([d[2].amax(-1) for d in details.values()]).amax(0)
         bi = int(score.argmax())
         judged = all(bool(torch.isfinite(ln.exp).all()) for ln in self.lines.values())
-        out = {"judged": float(judged), "ratio": float(score[bi]) if judged else 0.0,
-               "batch": float(bi)}
+        out = {"judged": float(judged), "ratio": float(score[bi]) if judged else 0.0, "batch": float(bi)}
         for name in ("row", "col"):
             if name not in details:
-                out.update({name: math.nan, f"{name}_ratio": math.nan,
-                            f"{name}_residual": math.nan, f"{name}_threshold": math.nan})
+                out.update(
+                    {
+                        name: math.nan,
+                        f"{name}_ratio": math.nan,
+                        f"{name}_residual": math.nan,
+                        f"{name}_threshold": math.nan,
+                    }
+                )
                 continue
             res, tau, q = details[name]
             i = int(q[bi].argmax())
-            out.update({name: float(i), f"{name}_ratio": float(q[bi, i]),
-                        f"{name}_residual": float(res[bi, i]), f"{name}_threshold": float(tau[bi, i])})
+            out.update(
+                {
+                    name: float(i),
+                    f"{name}_ratio": float(q[bi, i]),
+                    f"{name}_residual": float(res[bi, i]),
+                    f"{name}_threshold": float(tau[bi, i]),
+                }
+            )
         return out
 
 
@@ -494,7 +562,7 @@ def _vec_norms(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def frobenius(t: torch.Tensor) -> torch.Tensor:
     """‖t‖_F as a 1-element tensor in fp32 (fp64 for fp64 tensors)."""
-    if t.dtype == _norm_dtype(t) and t.is_contiguous():   # a BLAS dot: ~2x faster on CPU
+    if t.dtype == _norm_dtype(t) and t.is_contiguous():  # a BLAS dot: faster on CPU
         f = t.view(-1)
         return torch.dot(f, f).sqrt().view(1)
     return torch.linalg.vector_norm(t, dtype=_norm_dtype(t)).view(1)
@@ -543,6 +611,5 @@ def gemm_check(
     a3 = Operand(a.expand(*lead, *a.shape[-2:]), checksum_dtype)
     b3 = Operand(b.expand(*lead, *b.shape[-2:]), checksum_dtype)
     with torch.no_grad():
-        lines = gemm_lines(a3, b3, c.expand(*lead, *c.shape[-2:]), model=model, bias=bias,
-                           which=which)
+        lines = gemm_lines(a3, b3, c.expand(*lead, *c.shape[-2:]), model=model, bias=bias, which=which)
     return GemmCheck(lines, SIDES[which])

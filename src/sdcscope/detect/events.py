@@ -35,11 +35,29 @@ class Event:
         if self.gemm is not None and self.gemm not in GEMMS:
             raise ValueError(f"gemm={self.gemm!r}; allowed: {', '.join(GEMMS)}")
 
+    @property
+    def actions(self) -> list[str]:
+        """The actions taken on this finding, most decisive first (:func:`actions_of`)."""
+        return actions_of({"action": self.action})
+
     def to_dict(self) -> dict[str, Any]:
         """Strict-JSON dict for ``events.jsonl`` (non-finite floats as ``"nan"``/``"inf"``)."""
-        return jsonable({
-            "step": self.step, "detector": self.detector, "verdict": self.verdict,
-            "module": self.module, "gemm": self.gemm, "rank": self.rank,
-            "index": None if self.index is None else list(self.index),
-            "evidence": dict(self.evidence), "action": self.action,
-        })
+        return jsonable(
+            {
+                "step": self.step,
+                "detector": self.detector,
+                "verdict": self.verdict,
+                "module": self.module,
+                "gemm": self.gemm,
+                "rank": self.rank,
+                "index": None if self.index is None else list(self.index),
+                "evidence": dict(self.evidence),
+                "action": self.action,
+            }
+        )
+
+
+def actions_of(record: dict[str, Any]) -> list[str]:
+    """The actions an ``events.jsonl`` record says were taken: its ``action`` field names them,
+    comma-separated, most decisive first (``report`` when none)."""
+    return [a.strip() for a in (record.get("action") or "report").split(",") if a.strip()] or ["report"]

@@ -3,8 +3,8 @@
 The per-gradient max-abs (``torch._foreach_norm(grads, inf)``, one fused pass that cannot
 overflow the way a sum of squares can) and the loss are stacked and reduced on device into one
 ``all finite`` flag; :meth:`NonFiniteDetector.check` reads it with a single ``.item()``. Only when
-it is false does a second read name the offending parameters (production_sdc.md §7 anchors:
-gate the optimizer on a finiteness flag; Megatron checks loss and grads before the DP reduce).
+it is false does a second read name the offending parameters (the optimizer is gated on a
+finiteness flag, as Megatron checks loss and grads before the DP reduce).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sdcscope._validate import check_bool, check_positive
+from sdcscope.common.tensors import dense_values
+from sdcscope.common.validate import check_bool, check_positive
 from sdcscope.detect.events import Event
-from sdcscope.observe._util import dense_values
 
 
 @dataclass(kw_only=True)
@@ -38,11 +38,10 @@ class NonFiniteDetector:
 
     name = "nonfinite"
 
-    def __init__(self, model: nn.Module, config: NonFiniteConfig | None = None, *,
-                 rank: int | None = None) -> None:
+    def __init__(self, model: nn.Module, config: NonFiniteConfig | None = None, *, rank: int | None = None) -> None:
         self.config = config or NonFiniteConfig()
         self.rank = rank
-        self._named = list(model.named_parameters())   # those with a gradient, frozen at first or not
+        self._named = list(model.named_parameters())  # those with a gradient, frozen at first or not
 
     def _maxabs(self) -> tuple[list[str], torch.Tensor | None]:
         named = [(n, p.grad) for n, p in self._named if p.grad is not None]
@@ -72,8 +71,9 @@ class NonFiniteDetector:
         names, maxabs = self._maxabs() if cfg.check_grads else ([], None)
         loss_t = None
         if cfg.check_loss and loss is not None:
-            loss_t = loss.detach().float().reshape(-1)[:1] if isinstance(loss, torch.Tensor) \
-                else torch.tensor([float(loss)])
+            loss_t = (
+                loss.detach().float().reshape(-1)[:1] if isinstance(loss, torch.Tensor) else torch.tensor([float(loss)])
+            )
         parts = [t for t in (loss_t, maxabs) if t is not None]
         if not parts:
             return []
@@ -86,8 +86,9 @@ class NonFiniteDetector:
         if loss_t is not None:
             lv = values.pop(0)
             if not math.isfinite(lv):
-                events.append(Event(step, self.name, "nonfinite", rank=self.rank,
-                                    evidence={"what": "loss", "value": lv}))
+                events.append(
+                    Event(step, self.name, "nonfinite", rank=self.rank, evidence={"what": "loss", "value": lv})
+                )
         # nearest the output first (registration order reversed): gradients flow from the output
         # back, so a value that went non-finite in the backward pass leaves the layers after it
         # finite, and the last non-finite one in forward order is where it entered (when the loss
@@ -95,10 +96,20 @@ class NonFiniteDetector:
         bad = [(n, v) for n, v in zip(names, values) if not math.isfinite(v)][::-1]
         if bad:
             first = bad[0][0]
-            events.append(Event(
-                step, self.name, "nonfinite", module=first.rpartition(".")[0] or first,
-                rank=self.rank,
-                evidence={"what": "grad", "count": len(bad), "of": len(names),
-                          "params": [n for n, _ in bad[:cfg.max_listed]],
-                          "values": [v for _, v in bad[:cfg.max_listed]]}))
+            events.append(
+                Event(
+                    step,
+                    self.name,
+                    "nonfinite",
+                    module=first.rpartition(".")[0] or first,
+                    rank=self.rank,
+                    evidence={
+                        "what": "grad",
+                        "count": len(bad),
+                        "of": len(names),
+                        "params": [n for n, _ in bad[: cfg.max_listed]],
+                        "values": [v for _, v in bad[: cfg.max_listed]],
+                    },
+                )
+            )
         return events

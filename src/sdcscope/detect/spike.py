@@ -1,7 +1,6 @@
 """Spike detection on a scalar training signal (loss, global grad norm) with robust running stats.
 
-Statistics are kept in log space by default (spikes are multiplicative; instability.md §1.1,
-§2). Two estimators (research digest table in instability.md §2):
+Statistics are kept in log space by default (spikes are multiplicative). Two estimators:
 
 * ``'mad'`` (default): median and MAD of the last ``window`` accepted values;
   z = (x − median) / (1.4826 · MAD). Robust to heavy tails (K2-V2 style).
@@ -16,11 +15,9 @@ Two thresholds, kept apart on purpose:
   mean/std of 1000 values; a MAD-based σ is smaller than a std on heavy-tailed signals, so the
   alarm default is one σ more conservative, and an alarm also needs the value to be at least
   ``min_ratio`` × the baseline (a 7σ wiggle of a nearly noise-free loss is not a spike).
-  Calibration: two clean 1500-step runs of the 2-layer byte-level GPT (lr 3e-3 and 1e-2, AdamW,
-  clip 1.0) gave robust z ≤ 3.6 and ratio ≤ 1.19 on the loss, z ≤ 7.2 and ratio ≤ 3.7 on the
-  grad norm (windows 100 and 200, MAD and EMA), so :meth:`SpikeConfig.loss` (z 8, ×1.5) and
-  :meth:`SpikeConfig.grad_norm` (z 8, ×5) raise no alarm there, while a 10× spike is far above
-  both. About 4 % of grad-norm steps and < 1 % of loss steps cross ZClip's 2.5.
+  The defaults (:meth:`SpikeConfig.loss`: z 8, ×1.5; :meth:`SpikeConfig.grad_norm`: z 8, ×5) sit
+  above what clean runs of the reference GPT reach (``benchmarks/bench_guard_clean.py``), while
+  a 10× spike is far above both.
 
 Spiked values are not absorbed: a value beyond ``clip_z`` enters the statistics winsorised at
 baseline ± clip_z·σ (ZClip updates its EMA with the clipped value), so a spike cluster cannot
@@ -39,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sdcscope._validate import check_bool, check_choice, check_float, check_non_negative, check_positive
+from sdcscope.common.validate import check_bool, check_choice, check_float, check_non_negative, check_positive
 from sdcscope.detect.events import Event
 
 SPIKE_METHODS = ("mad", "ema")
@@ -148,8 +145,11 @@ class SpikeDetector:
         s = self._sorted
         med = _median(s)
         n = len(s)
-        mad = _kth_deviation(s, med, n // 2) if n % 2 else \
-            0.5 * (_kth_deviation(s, med, n // 2 - 1) + _kth_deviation(s, med, n // 2))
+        mad = (
+            _kth_deviation(s, med, n // 2)
+            if n % 2
+            else 0.5 * (_kth_deviation(s, med, n // 2 - 1) + _kth_deviation(s, med, n // 2))
+        )
         return med, _MAD_TO_SIGMA * mad
 
     def _absorb(self, x: float) -> None:
@@ -206,7 +206,7 @@ class SpikeDetector:
         far = ratio >= cfg.min_ratio or (cfg.two_sided and ratio <= 1 / cfg.min_ratio)
         st.clip = z > cfg.clip_z
         if st.clip:
-            st.clip_to = self._from_space(center + cfg.clip_z ** 2 * sigma / z)
+            st.clip_to = self._from_space(center + cfg.clip_z**2 * sigma / z)
         st.alarm = score > cfg.alarm_z and far
         # winsorise before absorbing: a spike never raises its own baseline
         bound = cfg.clip_z * sigma
@@ -220,9 +220,22 @@ class SpikeDetector:
     def _event(self, step: int, ratio: float, **detail) -> Event:
         """The alarm on the value :attr:`state` holds, with the ``detail`` of the test that fired."""
         cfg, st = self.config, self.state
-        return Event(step, self.name, "spike", rank=self.rank, evidence={
-            "signal": cfg.signal, "value": st.value, "baseline": st.baseline, "ratio": ratio, **detail,
-            "method": cfg.method, "log_space": cfg.log_space, "consecutive": st.consecutive})
+        return Event(
+            step,
+            self.name,
+            "spike",
+            rank=self.rank,
+            evidence={
+                "signal": cfg.signal,
+                "value": st.value,
+                "baseline": st.baseline,
+                "ratio": ratio,
+                **detail,
+                "method": cfg.method,
+                "log_space": cfg.log_space,
+                "consecutive": st.consecutive,
+            },
+        )
 
 
 def _median(s: list[float]) -> float:
@@ -236,16 +249,16 @@ def _kth_deviation(s: list[float], center: float, k: int) -> float:
     the deviations below ``center`` (read downwards) and above it (read upwards) are two sorted
     runs, and the k + 1 smallest take some ``a`` from the first and ``k + 1 - a`` from the second;
     bisect on ``a``. (A full sort of the deviations costs a few hundred Python operations a step.)"""
-    p = bisect.bisect_left(s, center)          # s[:p] < center <= s[p:]
+    p = bisect.bisect_left(s, center)  # s[:p] < center <= s[p:]
     below, above = p, len(s) - p
     lo, hi = max(0, k + 1 - above), min(k + 1, below)
-    while lo < hi:                              # smallest a with L[a] >= R[k - a] (or a = below)
+    while lo < hi:  # smallest a with L[a] >= R[k - a] (or a = below)
         a = (lo + hi) // 2
         if center - s[p - 1 - a] < s[p + k - a] - center:
             lo = a + 1
         else:
             hi = a
     a, b = lo, k + 1 - lo
-    left = center - s[p - a] if a else -math.inf   # L[a - 1]
+    left = center - s[p - a] if a else -math.inf  # L[a - 1]
     right = s[p + b - 1] - center if b else -math.inf  # R[b - 1]
     return max(left, right)

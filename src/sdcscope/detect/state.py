@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sdcscope._validate import check_bool, check_positive
+from sdcscope.common.validate import check_bool, check_positive
 from sdcscope.detect.events import Event
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -41,8 +41,14 @@ class StateChecksum:
 
     name = "state_checksum"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 config: StateChecksumConfig | None = None, *, rank: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        config: StateChecksumConfig | None = None,
+        *,
+        rank: int | None = None,
+    ) -> None:
         self.config = config or StateChecksumConfig()
         self.model, self.optimizer, self.rank = model, optimizer, rank
         self._names: list[str] = []
@@ -84,7 +90,14 @@ class StateChecksum:
         if names != self._names:  # state grew (first Adam step) or shrank: nothing to compare
             return []
         changed = (sums != self._sums).nonzero().flatten().tolist()  # the one host sync
-        return [Event(step, self.name, "corrupt", module=names[i].split(":")[0], rank=self.rank,
-                      evidence={"tensor": names[i], "checksum_before": int(self._sums[i]),
-                                "checksum_now": int(sums[i])})
-                for i in changed]
+        return [
+            Event(
+                step,
+                self.name,
+                "corrupt",
+                module=names[i].split(":")[0],
+                rank=self.rank,
+                evidence={"tensor": names[i], "checksum_before": int(self._sums[i]), "checksum_now": int(sums[i])},
+            )
+            for i in changed
+        ]

@@ -1,6 +1,8 @@
 """A small deterministic training loop with callbacks, snapshots and verified checkpoints; its
-data-parallel form under ``torch.distributed`` (:mod:`sdcscope.engine.ddp`)."""
+data-parallel form under ``torch.distributed`` (:mod:`sdcscope.engine.ddp`, with the cross-rank
+plumbing in :mod:`~sdcscope.engine.dist` and the gradient-bucket hook in :mod:`~sdcscope.engine.buckets`)."""
 
+from sdcscope.engine.run import CHECKPOINT_DIR, Run
 from sdcscope.engine.rundir import JsonlWriter, check_new_run_dir, read_jsonl, write_json
 from sdcscope.engine.state import (
     CheckpointError,
@@ -11,25 +13,50 @@ from sdcscope.engine.state import (
     verify_checkpoint,
 )
 from sdcscope.engine.trainer import CALLBACK_POINTS, StepContext, TrainConfig, Trainer
-from sdcscope.engine.run import CHECKPOINT_DIR, Run
 
 __all__ = [
-    "Run", "CHECKPOINT_DIR", "Trainer", "TrainConfig", "StepContext", "CALLBACK_POINTS", "TrainState", "CheckpointError",
-    "save_checkpoint", "load_checkpoint", "verify_checkpoint", "param_sha256",
-    "JsonlWriter", "read_jsonl", "write_json", "check_new_run_dir",
-    "DDPTrainer", "DDPRun", "DistConfig", "DistributedError", "BucketHook", "BucketView", "bucket_hook",
-    "gather_rows", "init_distributed", "launch", "spawn",
+    "Run",
+    "CHECKPOINT_DIR",
+    "Trainer",
+    "TrainConfig",
+    "StepContext",
+    "CALLBACK_POINTS",
+    "TrainState",
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "verify_checkpoint",
+    "param_sha256",
+    "JsonlWriter",
+    "read_jsonl",
+    "write_json",
+    "check_new_run_dir",
+    "DDPTrainer",
+    "DDPRun",
+    "DistConfig",
+    "DistributedError",
+    "BucketHook",
+    "BucketView",
+    "bucket_hook",
+    "gather_rows",
+    "init_distributed",
+    "spawn",
 ]
 
-_DISTRIBUTED = frozenset(__all__[__all__.index("DDPTrainer"):])
+_DISTRIBUTED = {  # name: module
+    "DDPTrainer": "ddp",
+    "DDPRun": "ddp",
+    "BucketHook": "buckets",
+    "BucketView": "buckets",
+    "bucket_hook": "buckets",
+    **dict.fromkeys(("DistConfig", "DistributedError", "gather_rows", "init_distributed", "spawn"), "dist"),
+}
 
 
 def __getattr__(name: str):
-    """The data-parallel names load on first use: ``python -m sdcscope.engine.ddp`` (every
-    torchrun rank) must find the module not yet imported, and single-process users skip
-    ``torch.distributed``."""
+    """The data-parallel names load on first use: single-process users skip ``torch.distributed``."""
     if name in _DISTRIBUTED:
-        from sdcscope.engine import ddp
+        import importlib
 
-        return getattr(ddp, name)
+        return getattr(importlib.import_module(f"sdcscope.engine.{_DISTRIBUTED[name]}"), name)
     raise AttributeError(f"module 'sdcscope.engine' has no attribute {name!r}")

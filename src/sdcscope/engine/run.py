@@ -19,9 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from sdcscope import __version__
-from sdcscope._validate import build_config
+from sdcscope.common.validate import build_config
 from sdcscope.engine.rundir import (
-    CHECKPOINT_DIR, LOG_FILES, JsonlWriter, as_written, check_new_run_dir, has_checkpoint, read_json, read_jsonl,
+    CHECKPOINT_DIR,
+    LOG_FILES,
+    JsonlWriter,
+    as_written,
+    check_new_run_dir,
+    has_checkpoint,
+    read_json,
+    read_jsonl,
     write_json,
 )
 from sdcscope.engine.state import CheckpointError, load_checkpoint, param_sha256, read_manifest, save_checkpoint
@@ -42,7 +49,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _stop_requests() -> Iterator[list[int]]:
+def stop_requests() -> Iterator[list[int]]:
     """Collect SIGINT/SIGTERM while training (the list of signals received), so the loop stops at
     a step boundary; a second signal acts at once. Only handlers still at Python's defaults are
     replaced, and only in the main thread (the only one that may set them)."""
@@ -72,8 +79,11 @@ def _stop_requests() -> Iterator[list[int]]:
 def _differences(a: Any, b: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
     """``{dotted key: (a's value, b's value)}`` wherever two JSON values differ."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return {k: v for key in sorted(a.keys() | b.keys(), key=str)
-                for k, v in _differences(a.get(key), b.get(key), f"{prefix}{key}.").items()}
+        return {
+            k: v
+            for key in sorted(a.keys() | b.keys(), key=str)
+            for k, v in _differences(a.get(key), b.get(key), f"{prefix}{key}.").items()
+        }
     return {} if a == b else {prefix[:-1]: (a, b)}
 
 
@@ -87,8 +97,15 @@ def _identity(config: dict[str, Any]) -> dict[str, Any]:
 class Run:
     """Train a workload into ``out``; ``Run.resume(out)`` continues a run from its checkpoint."""
 
-    def __init__(self, out: str | Path, workload: WorkloadConfig, train: TrainConfig, *,
-                 extra_config: dict[str, Any] | None = None, _config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        out: str | Path,
+        workload: WorkloadConfig,
+        train: TrainConfig,
+        *,
+        extra_config: dict[str, Any] | None = None,
+        _config: dict[str, Any] | None = None,
+    ) -> None:
         self.out = Path(out)
         if _config is None:
             check_new_run_dir(self.out)
@@ -105,7 +122,7 @@ class Run:
         self.summary: dict[str, Any] = {}
 
     @classmethod
-    def resume(cls, out: str | Path) -> "Run":
+    def resume(cls, out: str | Path) -> Run:
         """The run in ``out`` at its checkpoint; refused (ValueError) unless config.json, the data
         and the checkpoint agree."""
         out = Path(out)
@@ -115,9 +132,11 @@ class Run:
         config = read_json(path)
         world = config.get("world_size", 1)
         if world != 1:
-            raise ValueError(f"--resume {str(out)!r}: the run was trained on {world} ranks (world_size in "
-                             f"{str(path)!r}) and resuming a distributed run is not supported; start a new "
-                             f"one with --nproc {world} --out NEW")
+            raise ValueError(
+                f"--resume {str(out)!r}: the run was trained on {world} ranks (world_size in "
+                f"{str(path)!r}) and resuming a distributed run is not supported; start a new "
+                f"one with --nproc {world} --out NEW"
+            )
         try:
             wcfg = build_config(WorkloadConfig, config.get("workload"), "workload")
             tcfg = build_config(TrainConfig, config.get("train"), "train")
@@ -125,30 +144,39 @@ class Run:
             raise ValueError(f"{str(path)!r}: {exc}") from None
         checkpoint = out / CHECKPOINT_DIR
         if not has_checkpoint(out):
-            raise CheckpointError(f"--resume {str(out)!r}: the run saved no checkpoint ({CHECKPOINT_DIR}/ is "
-                                  "missing or incomplete), so it cannot be continued; train it again in a new "
-                                  "or empty folder")
+            raise CheckpointError(
+                f"--resume {str(out)!r}: the run saved no checkpoint ({CHECKPOINT_DIR}/ is "
+                "missing or incomplete), so it cannot be continued; train it again in a new "
+                "or empty folder"
+            )
         recorded = read_manifest(checkpoint).get("run")
         diff = {} if recorded is None else _differences(_identity(config), recorded)
         if diff:
             raise CheckpointError(
                 f"{str(path)!r} does not match the run's checkpoint: "
-                + "; ".join(f"{k} is {reprlib.repr(now)} but the checkpoint was trained with {reprlib.repr(then)}"
-                            for k, (now, then) in diff.items())
-                + " (config.json was edited? a resumed run keeps its configuration)")
+                + "; ".join(
+                    f"{k} is {reprlib.repr(now)} but the checkpoint was trained with {reprlib.repr(then)}"
+                    for k, (now, then) in diff.items()
+                )
+                + " (config.json was edited? a resumed run keeps its configuration)"
+            )
         run = cls(out, wcfg, tcfg, _config=config)
         data = _differences(config.get("data"), as_written(run.workload.describe()))
         if "data" in config and data:
-            raise ValueError(f"{str(path)!r} does not match the workload it describes: "
-                             f"{', '.join(f'data.{k}' for k in data)} differ (config.json was edited, or the "
-                             "data changed since the run started; a resumed run needs the same model and data)")
+            raise ValueError(
+                f"{str(path)!r} does not match the workload it describes: "
+                f"{', '.join(f'data.{k}' for k in data)} differ (config.json was edited, or the "
+                "data changed since the run started; a resumed run needs the same model and data)"
+            )
         state = load_checkpoint(checkpoint)
         try:
             run.trainer.restore(state)
         except (RuntimeError, ValueError, KeyError) as exc:
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            raise CheckpointError(f"the checkpoint in {str(checkpoint)!r} does not fit the model {str(path)!r} "
-                                  f"describes ({lines[-1] if lines else type(exc).__name__})") from None
+            raise CheckpointError(
+                f"the checkpoint in {str(checkpoint)!r} does not fit the model {str(path)!r} "
+                f"describes ({lines[-1] if lines else type(exc).__name__})"
+            ) from None
         if (out / "summary.json").is_file():
             run.summary = read_json(out / "summary.json")
         for name in LOG_FILES:  # a corrupt log is refused before anything is written
@@ -159,9 +187,14 @@ class Run:
         """Whether the run already has ``steps`` steps and their summary (:meth:`train` keeps them)."""
         return self.summary.get("steps") == steps == self.trainer.step
 
-    def train(self, steps: int, *, callbacks: Iterable[object] = (),
-              on_step: Callable[[dict[str, Any]], None] | None = None,
-              stop_on_nonfinite: bool = True) -> dict[str, Any]:
+    def train(
+        self,
+        steps: int,
+        *,
+        callbacks: Iterable[object] = (),
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+        stop_on_nonfinite: bool = True,
+    ) -> dict[str, Any]:
         """Train until ``steps`` optimizer steps in total; write metrics, checkpoint, summary.
 
         A run that already has ``steps`` steps and their summary is left as it is. A non-finite
@@ -176,7 +209,7 @@ class Run:
             raise ValueError(f"steps={steps} is below the {self.trainer.step} steps this run already has")
         if self.reached(steps):
             return self.summary
-        with _stop_requests() as stop:
+        with stop_requests() as stop:
             metrics, last = self._open_logs()  # a corrupt log is refused before config.json changes
             self._write_config(steps)
             for cb in callbacks:
@@ -209,8 +242,12 @@ class Run:
             if outcome == "completed" and 2 * discarded > ran:  # vetoed more often than not: no training
                 outcome = "stalled"
             interrupted = bool(stop) and self.trainer.step < steps
-            self._finish("interrupted" if interrupted and outcome == "completed" else outcome, last,
-                         time.perf_counter() - t0, discarded)
+            self._finish(
+                "interrupted" if interrupted and outcome == "completed" else outcome,
+                last,
+                time.perf_counter() - t0,
+                discarded,
+            )
         if interrupted:
             raise Interrupted(stop[0], self.summary)
         return self.summary
@@ -218,11 +255,15 @@ class Run:
     def _write_config(self, steps: int) -> None:
         """config.json with the target ``steps``; a resumed run appends what changed to ``resumes``."""
         if self._written is not None:
-            changed = {k: new for k, (_, new) in _differences(self._written, as_written(self.config)).items()
-                       if k not in ("steps", "resumes")}
-            self.config["resumes"] = [*self.config.get("resumes", []),
-                                      {"from_step": self.trainer.step, "steps": steps,
-                                       **({"changed": changed} if changed else {})}]
+            changed = {
+                k: new
+                for k, (_, new) in _differences(self._written, as_written(self.config)).items()
+                if k not in ("steps", "resumes")
+            }
+            self.config["resumes"] = [
+                *self.config.get("resumes", []),
+                {"from_step": self.trainer.step, "steps": steps, **({"changed": changed} if changed else {})},
+            ]
         self.config["steps"] = steps
         write_json(self.out / "config.json", self.config)
         self._written = as_written(self.config)

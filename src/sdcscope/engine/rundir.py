@@ -1,4 +1,4 @@
-"""The run directory contract (see DESIGN.md): config.json, metrics.jsonl, injections.jsonl,
+"""The run directory contract (docs/architecture.md): config.json, metrics.jsonl, injections.jsonl,
 events.jsonl, summary.json, and ``checkpoint/`` for resuming."""
 
 from __future__ import annotations
@@ -7,11 +7,22 @@ import os
 import tempfile
 from pathlib import Path
 
-from sdcscope._io import JsonlWriter, as_written, dumps, file_in_the_way, read_json, read_jsonl, write_json
+from sdcscope.common.io import JsonlWriter, as_written, dumps, file_in_the_way, read_json, read_jsonl, write_json
 from sdcscope.engine.state import MANIFEST_FILE
 
-__all__ = ["RUN_FILES", "LOG_FILES", "CHECKPOINT_DIR", "JsonlWriter", "as_written", "dumps", "read_json", "read_jsonl",
-           "write_json", "check_new_run_dir", "has_checkpoint"]
+__all__ = [
+    "RUN_FILES",
+    "LOG_FILES",
+    "CHECKPOINT_DIR",
+    "JsonlWriter",
+    "as_written",
+    "dumps",
+    "read_json",
+    "read_jsonl",
+    "write_json",
+    "check_new_run_dir",
+    "has_checkpoint",
+]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "injections.jsonl", "events.jsonl", "summary.json")
 LOG_FILES = ("metrics.jsonl", "injections.jsonl", "events.jsonl")
@@ -31,8 +42,9 @@ def check_writable(path: Path, flag: str = "--out") -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".sdcscope-probe-", dir=anchor))
     except OSError as exc:
-        raise ValueError(f"{flag} {str(path)!r} cannot be written: {str(anchor)!r} refuses new files "
-                         f"({exc.strerror or exc})") from None
+        raise ValueError(
+            f"{flag} {str(path)!r} cannot be written: {str(anchor)!r} refuses new files ({exc.strerror or exc})"
+        ) from None
 
 
 def check_new_run_dir(path: str | Path) -> Path:
@@ -48,8 +60,12 @@ def check_new_run_dir(path: str | Path) -> Path:
         if not (path / "config.json").exists():
             raise ValueError(f"--out {str(path)!r} already holds other files; give a new or empty folder")
         if has_checkpoint(path):
-            raise ValueError(f"--out {str(path)!r} already holds another run; give a new or empty folder "
-                             f"(or continue that run: sdcscope train --resume {path} --steps N)")
-        raise ValueError(f"--out {str(path)!r} already holds another run, which saved no checkpoint and cannot "
-                         "be resumed; give a new or empty folder (or delete it)")
+            raise ValueError(
+                f"--out {str(path)!r} already holds another run; give a new or empty folder "
+                f"(or continue that run: sdcscope train --resume {path} --steps N)"
+            )
+        raise ValueError(
+            f"--out {str(path)!r} already holds another run, which saved no checkpoint and cannot "
+            "be resumed; give a new or empty folder (or delete it)"
+        )
     return path

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdcscope._io import read_json
+from sdcscope.common.io import read_json
 
 CHECKPOINT_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
@@ -39,9 +39,15 @@ class TrainState:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "optimizer": self.optimizer, "rng": self.rng,
-                "step": self.step, "data_pos": self.data_pos, "lr_scale": self.lr_scale,
-                "extra": self.extra}
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "rng": self.rng,
+            "step": self.step,
+            "data_pos": self.data_pos,
+            "lr_scale": self.lr_scale,
+            "extra": self.extra,
+        }
 
 
 def clone_tree(obj: Any) -> Any:
@@ -57,14 +63,22 @@ def clone_tree(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-def capture(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, data_pos: int,
-            lr_scale: float = 1.0, extra: dict | None = None) -> TrainState:
+def capture(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    data_pos: int,
+    lr_scale: float = 1.0,
+    extra: dict | None = None,
+) -> TrainState:
     """Deep-copy the live training state (tensors cloned, so later updates don't leak in)."""
     return TrainState(
         model={k: v.detach().clone() for k, v in model.state_dict().items()},
         optimizer=clone_tree(optimizer.state_dict()),
         rng=torch.get_rng_state(),
-        step=step, data_pos=data_pos, lr_scale=lr_scale,
+        step=step,
+        data_pos=data_pos,
+        lr_scale=lr_scale,
         extra=copy.deepcopy(extra or {}),
     )
 
@@ -96,8 +110,12 @@ def save_checkpoint(state: TrainState, directory: str | Path, *, run: dict[str, 
     tmp = target.with_suffix(".tmp")
     torch.save(state.to_dict(), tmp)
     os.replace(tmp, target)
-    manifest = {"format": "sdcscope-checkpoint/1", "files": {CHECKPOINT_FILE: _sha256(target)},
-                "step": state.step, **({} if run is None else {"run": run})}
+    manifest = {
+        "format": "sdcscope-checkpoint/1",
+        "files": {CHECKPOINT_FILE: _sha256(target)},
+        "step": state.step,
+        **({} if run is None else {"run": run}),
+    }
     tmp = directory / (MANIFEST_FILE + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, default=str))
     os.replace(tmp, directory / MANIFEST_FILE)
@@ -118,11 +136,17 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     files, step = manifest.get("files"), manifest.get("step")
     bad_step = not isinstance(step, int) or isinstance(step, bool) or step < 0
     if missing or not isinstance(files, dict) or not isinstance(files.get(CHECKPOINT_FILE), str) or bad_step:
-        problem = (f"it lacks {', '.join(map(repr, missing))}" if missing else
-                   f"its 'step' must be a non-negative integer, got {step!r}" if bad_step else
-                   f"its 'files' must map {CHECKPOINT_FILE!r} to its sha256, got {reprlib.repr(files)}")
-        raise CheckpointError(f"corrupt checkpoint manifest {str(manifest_path)!r}: {problem} (keys: "
-                              f"{', '.join(MANIFEST_KEYS)}); refusing a checkpoint that cannot be verified")
+        problem = (
+            f"it lacks {', '.join(map(repr, missing))}"
+            if missing
+            else f"its 'step' must be a non-negative integer, got {step!r}"
+            if bad_step
+            else f"its 'files' must map {CHECKPOINT_FILE!r} to its sha256, got {reprlib.repr(files)}"
+        )
+        raise CheckpointError(
+            f"corrupt checkpoint manifest {str(manifest_path)!r}: {problem} (keys: "
+            f"{', '.join(MANIFEST_KEYS)}); refusing a checkpoint that cannot be verified"
+        )
     return manifest
 
 
@@ -148,19 +172,25 @@ def load_checkpoint(directory: str | Path) -> TrainState:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-        raise CheckpointError(f"checkpoint file {str(path)!r} does not load "
-                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} does not load "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
     keys = {f.name for f in fields(TrainState)}
     required = {f.name for f in fields(TrainState) if f.default is MISSING and f.default_factory is MISSING}
     if not isinstance(data, dict) or not required <= data.keys() <= keys:
         got = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
-        raise CheckpointError(f"checkpoint file {str(path)!r} holds {got}, not a training state (keys: "
-                              f"{', '.join(sorted(required))}; optional: {', '.join(sorted(keys - required))})")
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} holds {got}, not a training state (keys: "
+            f"{', '.join(sorted(required))}; optional: {', '.join(sorted(keys - required))})"
+        )
     state = TrainState(**data)
     recorded = read_manifest(directory)["step"]
     if state.step != recorded:
-        raise CheckpointError(f"checkpoint file {str(path)!r} holds step {state.step}, its manifest says step "
-                              f"{recorded}: refusing a checkpoint that does not match its manifest")
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} holds step {state.step}, its manifest says step "
+            f"{recorded}: refusing a checkpoint that does not match its manifest"
+        )
     return state
 
 

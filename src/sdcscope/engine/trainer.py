@@ -21,14 +21,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdcscope._validate import check_non_negative, check_positive
+from sdcscope.common.validate import check_non_negative, check_positive
 from sdcscope.engine.state import TrainState, apply, capture
 from sdcscope.workloads import Workload
 
 SEED_MAX = 2**64 - 1
 """The largest seed ``torch.manual_seed`` takes."""
-CALLBACK_POINTS = ("before_step", "after_forward", "after_backward", "before_optimizer_step",
-                   "after_step", "before_evaluate", "on_evaluate")
+CALLBACK_POINTS = (
+    "before_step",
+    "after_forward",
+    "after_backward",
+    "before_optimizer_step",
+    "after_step",
+    "before_evaluate",
+    "on_evaluate",
+)
 
 
 @dataclass(kw_only=True)
@@ -53,7 +60,7 @@ class TrainConfig:
 class StepContext:
     """What callbacks see. ``loss`` is the current micro-batch's loss (a tensor)."""
 
-    trainer: "Trainer"
+    trainer: Trainer
     step: int
     data_pos: int
     micro_batch: int = 0
@@ -95,15 +102,13 @@ def _shared_norm(shared, params: list[nn.Parameter], clip: float) -> torch.Tenso
     if clip > 0 and not getattr(torch.nn.utils.clip_grad_norm_, "__module__", "").startswith("torch."):
         return None
     grads, versions, norms = shared
-    if len(grads) != len(params) or any(p.grad is not g or g._version != v
-                                        for p, g, v in zip(params, grads, versions)):
+    if len(grads) != len(params) or any(p.grad is not g or g._version != v for p, g, v in zip(params, grads, versions)):
         return None
     return torch.linalg.vector_norm(norms)
 
 
 class Trainer:
-    def __init__(self, workload: Workload, config: TrainConfig | None = None,
-                 callbacks: Iterable[object] = ()) -> None:
+    def __init__(self, workload: Workload, config: TrainConfig | None = None, callbacks: Iterable[object] = ()) -> None:
         self.workload = workload
         self.config = config or TrainConfig()
         torch.manual_seed(self.config.seed)
@@ -170,8 +175,9 @@ class Trainer:
             group["lr"] = lr
         self._emit("before_optimizer_step", ctx)
         if ctx.restored:
-            ctx.metrics.update(step=ctx.step, loss=float(ctx.step_loss), data_pos=ctx.data_pos,
-                               skipped=True, rolled_back_to=self.step)
+            ctx.metrics.update(
+                step=ctx.step, loss=float(ctx.step_loss), data_pos=ctx.data_pos, skipped=True, rolled_back_to=self.step
+            )
             self._emit("after_step", ctx)
             return ctx.metrics
         loss = ctx.step_loss
@@ -179,16 +185,20 @@ class Trainer:
         clip = self.workload.config.grad_clip
         grad_norm = _shared_norm(ctx.grad_norms, params, clip)
         if grad_norm is None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True) if clip > 0 \
+            grad_norm = (
+                torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+                if clip > 0
                 else total_norm([p.grad for p in params])
+            )
         elif clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm, foreach=True)
         if not ctx.skip_update:
             self.optimizer.step()
         loss_v, norm_v = torch.stack([loss, grad_norm.detach().to(loss.dtype)]).tolist()
         lr = float(self.optimizer.param_groups[0]["lr"])  # as used: a callback may scale it (LR backoff)
-        ctx.metrics.update(step=self.step, loss=loss_v, grad_norm=norm_v, lr=lr,
-                           data_pos=ctx.data_pos, skipped=ctx.skip_update)
+        ctx.metrics.update(
+            step=self.step, loss=loss_v, grad_norm=norm_v, lr=lr, data_pos=ctx.data_pos, skipped=ctx.skip_update
+        )
         self.step += 1
         self.data_pos = ctx.data_pos + 1
         self._emit("after_step", ctx)
@@ -208,8 +218,14 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------------
     def snapshot(self) -> TrainState:
-        return capture(self.model, self.optimizer, self.step, self.data_pos, self.lr_scale,
-                       extra={"skip_data": sorted(self.skip_data)})
+        return capture(
+            self.model,
+            self.optimizer,
+            self.step,
+            self.data_pos,
+            self.lr_scale,
+            extra={"skip_data": sorted(self.skip_data)},
+        )
 
     def restore(self, state: TrainState) -> None:
         apply(state, self.model, self.optimizer)

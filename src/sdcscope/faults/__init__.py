@@ -6,27 +6,19 @@ Pure functions and dataclasses on top of torch; no hooks, no module state. The
 
 from .apply import apply_spec, check_spec
 from .formats import FORMATS, Format, check_bits, fault_format, format_of, get_format
+from .load import load_specs
 from .ops import BIT_MODELS, MODELS, FaultResult, apply_fault, bitflip, random_value, stuck_at, zero
 from .patterns import resolve_indices, sample_bit_errors, swizzle_permutation
 from .schedule import fault_generator, fires
-from .spec import (
-    PATTERN_KINDS,
-    SCHEDULE_KINDS,
-    SITES,
-    STEP_SITES,
-    SWIZZLE_MODES,
-    FaultSpec,
-    FaultSpecError,
-    Pattern,
-    Schedule,
-    load_specs,
-)
+from .spec import FaultSpec, FaultSpecError, Pattern, Schedule
+from .vocab import PATTERN_KINDS, RANDOM, SCHEDULE_KINDS, SITES, STEP_SITES, SWIZZLE_MODES
 
 __all__ = [
     "BIT_MODELS",
     "FORMATS",
     "MODELS",
     "PATTERN_KINDS",
+    "RANDOM",
     "SCHEDULE_KINDS",
     "SITES",
     "STEP_SITES",

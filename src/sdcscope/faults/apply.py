@@ -15,8 +15,14 @@ from .spec import FaultSpec, FaultSpecError
 __all__ = ["apply_spec", "check_spec"]
 
 
-def _locate(spec: FaultSpec, dtype: torch.dtype, shape: Sequence[int] | None, generator: torch.Generator,
-            channel_dim: ChannelDim, step: int | None) -> tuple[Format, torch.Tensor | None]:
+def _locate(
+    spec: FaultSpec,
+    dtype: torch.dtype,
+    shape: Sequence[int] | None,
+    generator: torch.Generator,
+    channel_dim: ChannelDim,
+    step: int | None,
+) -> tuple[Format, torch.Tensor | None]:
     """The format the fault lives in and the flat indices its pattern hits (``None`` for the
     ``tensor`` pattern, which picks bits, or when ``shape`` is unknown). Every way the spec can
     fail to fit the tensor raises :class:`FaultSpecError`."""
@@ -31,8 +37,9 @@ def _locate(spec: FaultSpec, dtype: torch.dtype, shape: Sequence[int] | None, ge
         raise FaultSpecError(str(exc)) from None
 
 
-def check_spec(spec: FaultSpec, dtype: torch.dtype, shape: Sequence[int] | None = None, *,
-               channel_dim: ChannelDim = None) -> int | None:
+def check_spec(
+    spec: FaultSpec, dtype: torch.dtype, shape: Sequence[int] | None = None, *, channel_dim: ChannelDim = None
+) -> int | None:
     """Raise :class:`FaultSpecError` when ``spec`` cannot be applied to a tensor of ``dtype``
     (and ``shape``, when known): the checks :func:`apply_spec` makes, without a tensor. The
     pattern's fixed locations are checked against ``shape``; ``"random"`` ones always fit.
@@ -63,8 +70,6 @@ def apply_spec(
     """
     fmt, index = _locate(spec, tensor.dtype, tensor.shape, generator, channel_dim, step)
     if index is None:  # the tensor pattern: independent bit errors
-        index, masks = sample_bit_errors(
-            spec.pattern.ber, tensor.numel(), fmt, generator, bits=spec.bits
-        )
+        index, masks = sample_bit_errors(spec.pattern.ber, tensor.numel(), fmt, generator, bits=spec.bits)
         return apply_fault(tensor, index, spec.model, masks, fmt=fmt, generator=generator)
     return apply_fault(tensor, index, spec.model, spec.bits, fmt=fmt, generator=generator)

@@ -21,8 +21,8 @@ int32          32     int32   --      --         --
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -150,9 +150,7 @@ def check_bits(bits: Iterable[int], fmt: Format | str | torch.dtype) -> tuple[in
         if isinstance(bit, bool) or not isinstance(bit, int):
             raise TypeError(f"bit positions must be ints, got {bit!r}")
         if not 0 <= bit < fmt.width:
-            raise ValueError(
-                f"bit {bit} is out of range for {fmt.name}; allowed: 0..{fmt.width - 1}"
-            )
+            raise ValueError(f"bit {bit} is out of range for {fmt.name}; allowed: 0..{fmt.width - 1}")
     if len(set(out)) != len(out):
         raise ValueError(f"bit positions must be distinct, got {list(out)}")
     return out

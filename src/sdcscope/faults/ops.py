@@ -12,8 +12,9 @@ element, as :func:`.patterns.sample_bit_errors` returns them).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 import torch
 
@@ -44,9 +45,7 @@ def _mask(bits: Bits, fmt: Format, device: torch.device) -> torch.Tensor:
     """``bits`` as an integer mask tensor of ``fmt.int_dtype`` on ``device``."""
     if isinstance(bits, torch.Tensor):
         if bits.dtype != fmt.int_dtype:
-            raise TypeError(
-                f"a mask tensor for {fmt.name} must have dtype {fmt.int_dtype}, got {bits.dtype}"
-            )
+            raise TypeError(f"a mask tensor for {fmt.name} must have dtype {fmt.int_dtype}, got {bits.dtype}")
         return bits.to(device)
     if len(bits) == 0:
         raise ValueError(f"no bit positions given; allowed: 0..{fmt.width - 1} for {fmt.name}")
@@ -79,7 +78,7 @@ def random_value(values: torch.Tensor, generator: torch.Generator) -> torch.Tens
     draw uses ``generator`` (a CPU generator) only, never torch's global RNG.
     """
     fmt = format_of(values.dtype)
-    if fmt.width == 64:   # randint's bounds are int64 themselves: two 32-bit halves
+    if fmt.width == 64:  # randint's bounds are int64 themselves: two 32-bit halves
         hi = torch.randint(-(1 << 31), 1 << 31, values.shape, generator=generator, dtype=torch.int64)
         ints = (hi << 32) | torch.randint(0, 1 << 32, values.shape, generator=generator, dtype=torch.int64)
     else:
@@ -109,7 +108,7 @@ class FaultResult:
         """Index, before and after as Python lists (floats for float formats)."""
 
         def values(t: torch.Tensor) -> list:
-            return (t if not t.is_floating_point() else t.double()).tolist()   # exact for fp64 too
+            return (t if not t.is_floating_point() else t.double()).tolist()  # exact for fp64 too
 
         return {
             "index": self.index.tolist(),
@@ -118,9 +117,7 @@ class FaultResult:
         }
 
 
-def _faulty(
-    values: torch.Tensor, model: str, bits: Bits | None, generator: torch.Generator | None
-) -> torch.Tensor:
+def _faulty(values: torch.Tensor, model: str, bits: Bits | None, generator: torch.Generator | None) -> torch.Tensor:
     if model in BIT_MODELS:
         if bits is None:
             raise ValueError(f"model {model!r} needs bit positions")
@@ -168,9 +165,7 @@ def apply_fault(
     if bits is not None and not isinstance(bits, torch.Tensor):
         bits = check_bits(bits, compute)
     if index.dtype != torch.long or index.dim() != 1:
-        raise TypeError(
-            f"index must be a 1-D int64 tensor, got {index.dtype} of shape {tuple(index.shape)}"
-        )
+        raise TypeError(f"index must be a 1-D int64 tensor, got {index.dtype} of shape {tuple(index.shape)}")
     numel = tensor.numel()
     if index.numel():
         low, high = int(index.min()), int(index.max())

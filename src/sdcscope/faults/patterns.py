@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -36,8 +36,7 @@ def _pick(what: str, value: int | str, n: int, shape: tuple[int, ...], gen: torc
         return int(torch.randint(n, (1,), generator=gen))
     if not value < n:
         raise ValueError(
-            f"pattern {what} {value} is out of range for a tensor of shape {list(shape)}; "
-            f"allowed: 0..{n - 1}"
+            f"pattern {what} {value} is out of range for a tensor of shape {list(shape)}; allowed: 0..{n - 1}"
         )
     return int(value)
 
@@ -82,8 +81,9 @@ def swizzle_permutation(n: int, seed: int, step: int, role: str) -> torch.Tensor
     return torch.randperm(n, generator=torch.Generator().manual_seed(key))
 
 
-def _mac_cell(pattern: Pattern, shape: tuple[int, ...], generator: torch.Generator,
-              channel_dim: ChannelDim, step: int | None) -> torch.Tensor:
+def _mac_cell(
+    pattern: Pattern, shape: tuple[int, ...], generator: torch.Generator, channel_dim: ChannelDim, step: int | None
+) -> torch.Tensor:
     """Index set of a ``mac_cell`` pattern (see :func:`resolve_indices`)."""
     out_dim, in_dim = _channel_dims(channel_dim, shape)
     axes = ((out_dim, "output_channel", "output", 1), (in_dim, "input_channel", "input", 0))
@@ -94,17 +94,23 @@ def _mac_cell(pattern: Pattern, shape: tuple[int, ...], generator: torch.Generat
                 c = _pick(what, getattr(pattern, what), shape[dim], shape, generator)
                 lanes[dim] = torch.tensor([c], dtype=torch.long)
     else:  # cell (a, b) of an R x C array serves every lane congruent to it
-        cell = {what: (int(torch.randint(pattern.array[axis], (1,), generator=generator))
-                       if getattr(pattern, what) == RANDOM else int(getattr(pattern, what)))
-                for _, what, _, axis in axes}
+        cell = {
+            what: (
+                int(torch.randint(pattern.array[axis], (1,), generator=generator))
+                if getattr(pattern, what) == RANDOM
+                else int(getattr(pattern, what))
+            )
+            for _, what, _, axis in axes
+        }
         for dim, what, _, axis in axes:
             if dim is not None:
                 start = min(cell[what], shape[dim])  # a cell past the last channel is idle
                 lanes[dim] = torch.arange(start, shape[dim], pattern.array[axis], dtype=torch.long)
     if pattern.swizzled:
         if step is None:
-            raise ValueError("pattern swizzle 'per_step' re-maps the channels every step: "
-                             "resolve_indices needs step= (an int >= 0)")
+            raise ValueError(
+                "pattern swizzle 'per_step' re-maps the channels every step: resolve_indices needs step= (an int >= 0)"
+            )
         for dim, _, role, _ in axes:
             if dim is not None:
                 perm = swizzle_permutation(shape[dim], pattern.swizzle_seed, step, role)
@@ -127,10 +133,7 @@ def _channel_dims(channel_dim: ChannelDim, shape: tuple[int, ...]) -> tuple[int 
     out: list[int | None] = []
     for d in dims:
         if d is not None and not -ndim <= d < ndim:
-            raise ValueError(
-                f"channel dim {d} is out of range for shape {list(shape)}; "
-                f"allowed: {-ndim}..{ndim - 1}"
-            )
+            raise ValueError(f"channel dim {d} is out of range for shape {list(shape)}; allowed: {-ndim}..{ndim - 1}")
         out.append(None if d is None else d % ndim)
     if out[0] is not None and out[0] == out[1]:
         raise ValueError(f"output and input channel dims must differ, got {channel_dim!r}")
@@ -195,17 +198,14 @@ def resolve_indices(
                     f"pattern index {list(pattern.index)} has {len(pattern.index)} dims, "
                     f"the tensor has shape {list(shape)}"
                 )
-            fixed = {d: _pick(f"index[{d}]", i, shape[d], shape, generator)
-                     for d, i in enumerate(pattern.index)}
+            fixed = {d: _pick(f"index[{d}]", i, shape[d], shape, generator) for d, i in enumerate(pattern.index)}
             return _block(shape, fixed)
         flat = _pick("index", pattern.index, numel, shape, generator)
         return torch.tensor([flat], dtype=torch.long)
     if kind == "burst":
         k = pattern.length
         if k > numel:
-            raise ValueError(
-                f"pattern burst length {k} exceeds the {numel} elements of shape {list(shape)}"
-            )
+            raise ValueError(f"pattern burst length {k} exceeds the {numel} elements of shape {list(shape)}")
         start = _pick("burst start", pattern.start, numel - k + 1, shape, generator)
         return torch.arange(start, start + k, dtype=torch.long)
     if kind in ("row", "column"):
@@ -255,9 +255,7 @@ def sample_bit_errors(
     ``fmt.int_dtype`` -- ready for ``apply_fault(tensor, index, model, masks)``.
     """
     fmt = resolve_format(fmt)
-    candidates = torch.tensor(
-        range(fmt.width) if bits is None else check_bits(bits, fmt), dtype=torch.long
-    )
+    candidates = torch.tensor(range(fmt.width) if bits is None else check_bits(bits, fmt), dtype=torch.long)
     total = numel * candidates.numel()
     if not 0 < ber <= 1:
         raise ValueError(f"ber must be in (0, 1], got {ber!r}")
@@ -275,7 +273,7 @@ def sample_bit_errors(
     weight = torch.ones_like(positions) << candidates[positions % candidates.numel()]
     index, inverse = torch.unique_consecutive(element, return_inverse=True)
     masks = torch.zeros(index.numel(), dtype=torch.long).index_add_(0, inverse, weight)
-    if fmt.width < 64:   # as the signed word (int64 masks already wrap)
+    if fmt.width < 64:  # as the signed word (int64 masks already wrap)
         sign = 1 << (fmt.width - 1)
         masks = torch.where(masks >= sign, masks - 2 * sign, masks)
     return index, masks.to(fmt.int_dtype)

@@ -55,9 +55,7 @@ def fires(spec: FaultSpec, step: int, micro_batch: int | None, module: str, rank
     return True
 
 
-def fault_generator(
-    spec: FaultSpec, step: int, micro_batch: int | None, module: str, rank: int
-) -> torch.Generator:
+def fault_generator(spec: FaultSpec, step: int, micro_batch: int | None, module: str, rank: int) -> torch.Generator:
     """A fresh CPU generator for the random draws (indices, values) of one event.
 
     Seeded by a stable hash of (seed, step, micro-batch, module, rank) for a transient

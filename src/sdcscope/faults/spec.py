@@ -1,108 +1,34 @@
-"""``FaultSpec``: what a fault is, where it lands and when it fires.
-
-A fault file is a YAML (or JSON) list of mappings, one per spec::
-
-    - site: gemm.forward            # Y = X Wᵀ of an nn.Linear, in the forward pass
-      target: blocks.0.attn.q_proj  # shell pattern(s) on module names
-      model: bitflip
-      bits: [30]
-      pattern: {kind: element, index: random}
-      schedule: {kind: transient, step: 5}
-      rank: 0
-      seed: 1
+"""``FaultSpec``: what a fault is, where it lands and when it fires (:class:`Pattern`, :class:`Schedule`).
 
 Everything is validated when a spec is built; mistakes raise ``ValueError`` (bad value)
 or ``TypeError`` (bad type) naming the value and what is allowed. Checks that need the
 tensor (its dtype, its shape) are :func:`.apply.check_spec`; a spec that does not fit the
-tensor it is applied to raises :class:`FaultSpecError`.
+tensor it is applied to raises :class:`FaultSpecError`. Fault files: :func:`.load.load_specs`.
 """
 
 from __future__ import annotations
 
-import difflib
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from fnmatch import fnmatchcase
-from typing import Any, Mapping
+from typing import Any
 
-from sdcscope._io import load_yaml, read_text
+from sdcscope.common.validate import check_int, check_keys, check_mapping, choice
 
 from .formats import FORMATS, check_bits, get_format
 from .ops import BIT_MODELS, MODELS
-
-__all__ = [
-    "SITES",
-    "STEP_SITES",
-    "PATTERN_KINDS",
-    "SCHEDULE_KINDS",
-    "RANDOM",
-    "SWIZZLE_MODES",
-    "MAC_CELL_SINGLE_AXIS",
-    "check_site_pattern",
-    "Pattern",
-    "Schedule",
-    "FaultSpec",
-    "FaultSpecError",
-    "load_specs",
-]
-
-SITES: tuple[str, ...] = (
-    "weight",
-    "activation",
-    "gemm.forward",
-    "gemm.grad_input",
-    "gemm.grad_weight",
-    "param_grad",
-    "optimizer_state",
-    "checkpoint",
-    "comm",
+from .vocab import (
+    MAC_CELL_SINGLE_AXIS,
+    PATTERN_KINDS,
+    RANDOM,
+    SCHEDULE_KINDS,
+    SITES,
+    STEP_SITES,
+    SWIZZLE_MODES,
+    check_site_pattern,
 )
-"""Where a fault can land (see DESIGN.md, vocabulary)."""
 
-STEP_SITES: frozenset[str] = frozenset({"param_grad", "optimizer_state", "checkpoint", "comm"})
-"""Sites touched once per optimizer step, so a schedule's ``micro_batch`` means nothing."""
-
-RANDOM = "random"
-"""The value of an index-like pattern field that asks for a draw from the fault generator."""
-
-PATTERN_KINDS: dict[str, tuple[str, ...]] = {
-    "element": ("index",),
-    "burst": ("length", "start"),
-    "row": ("index",),
-    "column": ("index",),
-    "pe": ("array", "pe"),
-    "mac_cell": ("input_channel", "output_channel", "array", "swizzle", "swizzle_seed"),
-    "tensor": ("ber",),
-}
-"""Spatial pattern kinds and the fields each takes."""
-
-SWIZZLE_MODES: tuple[str, ...] = ("none", "per_step")
-"""Channel swizzling of a ``mac_cell`` pattern: ``none`` (logical channel c always runs on
-physical lane c) or ``per_step`` (a fresh permutation of the channels every training step)."""
-
-SCHEDULE_KINDS: dict[str, tuple[str, ...]] = {
-    "transient": ("step", "micro_batch"),
-    "intermittent": ("p", "start", "stop"),
-    "permanent": ("start",),
-}
-"""Temporal schedule kinds and the fields each takes."""
-
-MAC_CELL_SINGLE_AXIS: dict[str, tuple[str, str]] = {
-    "activation": (
-        "input_channel",
-        "a module output holds output channels only (dim 1 of a conv's, the last dim of others: "
-        "cell (a, b) selects output channel b; the input channels were summed over)",
-    ),
-    "gemm.grad_input": (
-        "output_channel",
-        "dX = dY W holds input channels only (dim 1 of a conv's, the last dim of others: cell "
-        "(a, b) selects input channel a; the output channels were summed over)",
-    ),
-}
-"""Sites where a ``mac_cell`` pattern constrains one channel axis only: site -> (the field that
-has no meaning there, why). Every other site a ``mac_cell`` reaches is weight-shaped (``weight``,
-``param_grad``, ``optimizer_state``, ``checkpoint``, ``gemm.grad_weight``, ``gemm.forward``'s
-weight operand) or a ``comm`` parameter gradient, and uses both."""
+__all__ = ["Pattern", "Schedule", "FaultSpec", "FaultSpecError"]
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -112,42 +38,19 @@ class FaultSpecError(ValueError):
     the configuration, never an effect of the fault -- a campaign must not record it as a crash."""
 
 
-def _suggest(value: str, allowed: Any) -> str:
-    close = difflib.get_close_matches(value, [str(a) for a in allowed], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _choice(what: str, value: Any, allowed: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be a str, got {value!r}; allowed: {list(allowed)}")
-    if value not in allowed:
-        raise ValueError(
-            f"unknown {what} {value!r}{_suggest(value, allowed)}; allowed: {list(allowed)}"
-        )
-    return value
-
-
-def _int(what: str, value: Any, minimum: int | None = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
-    return value
-
-
 def _index(what: str, value: Any) -> int | str:
     """An index-like field: ``"random"`` or an int >= 0."""
     if isinstance(value, str):
         if value != RANDOM:
             raise ValueError(f"{what} must be {RANDOM!r} or an int >= 0, got {value!r}")
         return value
-    return _int(what, value)
+    return check_int(what, value)
 
 
 def _int_pair(what: str, value: Any, minimum: int) -> tuple[int, int]:
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         raise TypeError(f"{what} must be a list of two ints, got {value!r}")
-    return (_int(f"{what}[0]", value[0], minimum), _int(f"{what}[1]", value[1], minimum))
+    return (check_int(f"{what}[0]", value[0], minimum), check_int(f"{what}[1]", value[1], minimum))
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -156,29 +59,20 @@ def _set(obj: Any, name: str, value: Any) -> None:
 
 def _check_kind_fields(obj: Any, what: str, kinds: Mapping[str, tuple[str, ...]]) -> str:
     """Validate ``obj.kind`` and that only that kind's fields are set."""
-    kind = _choice(f"{what} kind", obj.kind, kinds)
+    kind = choice(f"{what} kind", obj.kind, kinds)
     for f in fields(obj):
         if f.name != "kind" and f.name not in kinds[kind] and getattr(obj, f.name) is not None:
-            raise ValueError(
-                f"{what} kind {kind!r} does not take {f.name!r}; it takes: {list(kinds[kind])}"
-            )
+            raise ValueError(f"{what} kind {kind!r} does not take {f.name!r}; it takes: {list(kinds[kind])}")
     return kind
 
 
-def _from_mapping(
-    cls: type, data: Any, what: str, kinds: Mapping[str, tuple[str, ...]] | None = None
-) -> Any:
+def _from_mapping(cls: type, data: Any, what: str, kinds: Mapping[str, tuple[str, ...]] | None = None) -> Any:
     """``cls(**data)``, rejecting unknown keys with a close match (among the fields of
     ``data["kind"]`` first, when ``kinds`` maps kinds to their fields)."""
-    if not isinstance(data, Mapping):
-        raise TypeError(f"{what} must be a mapping, got {data!r}")
+    check_mapping(what, data)
     names = [f.name for f in fields(cls)]
     kind = data.get("kind")
-    allowed = ["kind", *kinds[kind]] if kinds and kind in kinds else names
-    for key in data:
-        if key not in names:
-            hint = _suggest(str(key), allowed) or _suggest(str(key), names)
-            raise ValueError(f"unknown {what} key {key!r}{hint}; allowed: {allowed}")
+    check_keys(what, data, names, ["kind", *kinds[kind]] if kinds and kind in kinds else names)
     return cls(**data)
 
 
@@ -189,27 +83,6 @@ def _to_dict(obj: Any, keys: tuple[str, ...]) -> dict[str, Any]:
         if value is not None:
             out[key] = list(value) if isinstance(value, tuple) else value
     return out
-
-
-def check_site_pattern(site: str, pattern: "Pattern") -> None:
-    """Refuse a ``pattern`` field that would be silently ignored on ``site``: a fixed ``mac_cell``
-    channel on the axis the site's tensor does not have (:data:`MAC_CELL_SINGLE_AXIS`:
-    ``input_channel`` on ``activation``, ``output_channel`` on ``gemm.grad_input``). The default,
-    ``"random"``, is accepted there: it asks for nothing."""
-    if pattern.kind != "mac_cell" or site not in MAC_CELL_SINGLE_AXIS:
-        return
-    name, why = MAC_CELL_SINGLE_AXIS[site]
-    value = getattr(pattern, name)
-    if value is None or value == RANDOM:
-        return
-    other = "output_channel" if name == "input_channel" else "input_channel"
-    where = ("site 'gemm.forward' (the weight operand of cell (a, b)) or 'weight'" if site == "activation"
-             else "site 'gemm.grad_weight' or 'gemm.forward' (the weight operand of cell (a, b))")
-    raise ValueError(
-        f"pattern mac_cell {name} {value!r} has no meaning on site {site!r}: {why}, so it would be "
-        f"ignored; leave {name} out (or 'random') and give {other} only, or use {where} for a fault "
-        f"that depends on both channels"
-    )
 
 
 # --------------------------------------------------------------------------- patterns
@@ -279,14 +152,14 @@ class Pattern:
             if kind == "element" and isinstance(index, (list, tuple)):
                 if not index:
                     raise ValueError("pattern index list must not be empty")
-                index = tuple(_int(f"pattern index[{i}]", v) for i, v in enumerate(index))
+                index = tuple(check_int(f"pattern index[{i}]", v) for i, v in enumerate(index))
             else:
                 index = _index("pattern index", index)
             _set(self, "index", index)
         elif kind == "burst":
             if self.length is None:
                 raise ValueError("pattern kind 'burst' needs 'length' (an int >= 1)")
-            _int("pattern length", self.length, 1)
+            check_int("pattern length", self.length, 1)
             start = RANDOM if self.start is None else self.start
             _set(self, "start", _index("pattern start", start))
         elif kind == "pe":
@@ -329,8 +202,7 @@ class Pattern:
                     f"([input-channel rows, output-channel columns]); allowed: 0..{array[axis] - 1}"
                 )
             _set(self, name, value)
-        swizzle = _choice("pattern swizzle", "none" if self.swizzle is None else self.swizzle,
-                          SWIZZLE_MODES)
+        swizzle = choice("pattern swizzle", "none" if self.swizzle is None else self.swizzle, SWIZZLE_MODES)
         _set(self, "swizzle", swizzle)
         if swizzle == "none":
             if self.swizzle_seed is not None:
@@ -340,7 +212,7 @@ class Pattern:
                 )
         else:
             seed = 0 if self.swizzle_seed is None else self.swizzle_seed
-            _set(self, "swizzle_seed", _int("pattern swizzle_seed", seed))
+            _set(self, "swizzle_seed", check_int("pattern swizzle_seed", seed))
 
     @property
     def swizzled(self) -> bool:
@@ -392,11 +264,11 @@ class Schedule:
         if kind == "transient":
             if self.step is None:
                 raise ValueError("schedule kind 'transient' needs 'step' (an int >= 0)")
-            _int("schedule step", self.step)
+            check_int("schedule step", self.step)
             if self.micro_batch is not None:
-                _int("schedule micro_batch", self.micro_batch)
+                check_int("schedule micro_batch", self.micro_batch)
             return
-        _set(self, "start", _int("schedule start", 0 if self.start is None else self.start))
+        _set(self, "start", check_int("schedule start", 0 if self.start is None else self.start))
         if kind == "intermittent":
             p = self.p
             if isinstance(p, bool) or not isinstance(p, (int, float)):
@@ -404,10 +276,8 @@ class Schedule:
             if not 0 <= p <= 1:
                 raise ValueError(f"schedule p must be in [0, 1], got {p!r}")
             _set(self, "p", float(p))
-            if self.stop is not None and _int("schedule stop", self.stop) <= self.start:
-                raise ValueError(
-                    f"schedule stop must be > start ({self.start}) or null, got {self.stop!r}"
-                )
+            if self.stop is not None and check_int("schedule stop", self.stop) <= self.start:
+                raise ValueError(f"schedule stop must be > start ({self.start}) or null, got {self.stop!r}")
 
     def covers(self, step: int) -> bool:
         """Whether the schedule can fire at ``step`` at all (cheap; no hashing)."""
@@ -461,7 +331,7 @@ class FaultSpec:
     """For site ``comm``: corrupt the gradient bucket ``before`` or ``after`` the all-reduce."""
 
     def __post_init__(self) -> None:
-        _choice("site", self.site, SITES)
+        choice("site", self.site, SITES)
         target = (self.target,) if isinstance(self.target, str) else self.target
         if not isinstance(target, (list, tuple)) or not target:
             raise TypeError(f"target must be a str or a non-empty list of str, got {self.target!r}")
@@ -469,7 +339,7 @@ class FaultSpec:
             if not isinstance(t, str) or not t:
                 raise TypeError(f"target patterns must be non-empty str, got {t!r}")
         _set(self, "target", tuple(target))
-        model = _choice("model", self.model, MODELS)
+        model = choice("model", self.model, MODELS)
         for name, cls in (("pattern", Pattern), ("schedule", Schedule)):
             value = getattr(self, name)
             if isinstance(value, Mapping):
@@ -481,20 +351,19 @@ class FaultSpec:
             get_format(self.format)
         self._check_bits(model)
         if self.rank is not None:
-            _int("rank", self.rank)
-        _int("seed", self.seed, None)
+            check_int("rank", self.rank)
+        check_int("seed", self.seed, None)
         if self.state_key is not None:
             if not isinstance(self.state_key, str):
                 raise TypeError(f"state_key must be a str, got {self.state_key!r}")
             if self.site != "optimizer_state":
                 raise ValueError(
-                    f"state_key {self.state_key!r} is only used with site 'optimizer_state', "
-                    f"not {self.site!r}"
+                    f"state_key {self.state_key!r} is only used with site 'optimizer_state', not {self.site!r}"
                 )
         if self.phase is not None:
             if self.site != "comm":
                 raise ValueError(f"phase {self.phase!r} is only used with site 'comm', not {self.site!r}")
-            _choice("phase", self.phase, ("before", "after"))
+            choice("phase", self.phase, ("before", "after"))
         if self.site in STEP_SITES and self.schedule.micro_batch is not None:
             raise ValueError(
                 f"site {self.site!r} runs once per step, so schedule micro_batch "
@@ -506,10 +375,7 @@ class FaultSpec:
         bits, ber = self.bits, self.pattern.kind == "tensor"
         if model not in BIT_MODELS:
             if ber:
-                raise ValueError(
-                    f"pattern 'tensor' flips bits; it needs a model in {list(BIT_MODELS)}, "
-                    f"not {model!r}"
-                )
+                raise ValueError(f"pattern 'tensor' flips bits; it needs a model in {list(BIT_MODELS)}, not {model!r}")
             if bits:
                 raise ValueError(f"model {model!r} takes no bits; bits are for {list(BIT_MODELS)}")
             _set(self, "bits", None)
@@ -558,35 +424,3 @@ class FaultSpec:
                 value = list(value)
             out[f.name] = value
         return out
-
-
-# ---------------------------------------------------------------------------- loading
-
-
-def load_specs(source: str | os.PathLike[str]) -> list[FaultSpec]:
-    """Fault specs from a YAML/JSON file path or from YAML/JSON text.
-
-    The document is a list of mappings, or a single mapping (one spec). A ``str`` without
-    a newline that names an existing file is read as a path; any other ``str`` as text.
-    Errors name the file (or ``<text>``) and the position of the bad spec.
-    """
-    if isinstance(source, os.PathLike) or ("\n" not in source and os.path.isfile(source)):
-        where = os.fspath(source)
-        text = read_text(where)
-    else:
-        where, text = "<text>", source
-    data = load_yaml(text, where)
-    if data is None:
-        return []
-    if isinstance(data, Mapping):
-        data = [data]
-    if not isinstance(data, list):
-        hint = "" if where != "<text>" else " (if this is a path, no such file exists)"
-        raise ValueError(f"{where} must hold a list of fault specs, got {data!r}{hint}")
-    specs = []
-    for i, item in enumerate(data):
-        try:
-            specs.append(FaultSpec.from_dict(item))
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"fault spec #{i} in {where}: {exc}") from exc
-    return specs

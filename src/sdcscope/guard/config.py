@@ -7,18 +7,25 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sdcscope._io import load_yaml, read_text
-from sdcscope._validate import build_config, check_bool, check_float, check_positive
+from sdcscope.common.io import load_yaml, read_text
+from sdcscope.common.validate import build_config, check_bool, check_float, check_positive
 from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
 from sdcscope.detect.state import StateChecksumConfig
 from sdcscope.mitigate import LRBackoffConfig, PolicyConfig, RankGuardConfig, SnapshotConfig, ZClipConfig
 from sdcscope.observe import MetricsConfig
 
 _NESTED = {
-    "metrics": MetricsConfig, "nonfinite": NonFiniteConfig, "loss_spike": SpikeConfig,
-    "grad_spike": SpikeConfig, "abft": ABFTConfig, "state_checksum": StateChecksumConfig,
-    "snapshots": SnapshotConfig, "lr_backoff": LRBackoffConfig, "zclip": ZClipConfig,
-    "policy": PolicyConfig, "ranks": RankGuardConfig,
+    "metrics": MetricsConfig,
+    "nonfinite": NonFiniteConfig,
+    "loss_spike": SpikeConfig,
+    "grad_spike": SpikeConfig,
+    "abft": ABFTConfig,
+    "state_checksum": StateChecksumConfig,
+    "snapshots": SnapshotConfig,
+    "lr_backoff": LRBackoffConfig,
+    "zclip": ZClipConfig,
+    "policy": PolicyConfig,
+    "ranks": RankGuardConfig,
 }
 
 
@@ -33,7 +40,7 @@ def _build_section(cls, value: dict, name: str):
             raise
         try:
             new = type(exc)(f"guard {name}: {msg}")
-        except Exception:   # an exception type that takes other arguments: leave it as it is
+        except Exception:  # an exception type that takes other arguments: leave it as it is
             raise exc from None
         raise new from None
 
@@ -97,7 +104,7 @@ class GuardConfig:
             check_positive("guard stall_after", self.stall_after)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "GuardConfig":
+    def from_dict(cls, data: Mapping[str, Any] | None) -> GuardConfig:
         """From a mapping of sections and knobs (as read from YAML/JSON); missing ones keep their
         defaults. ``None`` -- what an empty YAML file (or one holding only comments or ``null``)
         loads as -- means every default, as ``{}`` does. Anything else that is not a mapping (a
@@ -106,12 +113,14 @@ class GuardConfig:
         if data is None:
             return cls()
         if not isinstance(data, Mapping):
-            raise TypeError(f"guard config must be a mapping of sections (metrics, abft, ...) or null "
-                            f"for the defaults, got {type(data).__name__} {data!r}")
+            raise TypeError(
+                f"guard config must be a mapping of sections (metrics, abft, ...) or null "
+                f"for the defaults, got {type(data).__name__} {data!r}"
+            )
         return build_config(cls, dict(data), "guard config")
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "GuardConfig":
+    def load(cls, path: str | os.PathLike) -> GuardConfig:
         """From a YAML/JSON file; errors name the file and the bad key or value. An empty file
         (or one holding only comments or ``null``) is every default; a document that is not a
         mapping (a list, a string, a number) is refused (see :meth:`from_dict`)."""

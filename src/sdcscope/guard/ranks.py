@@ -46,17 +46,23 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sdcscope.detect import Event
+from sdcscope.guard.actions import PRIORITY
 from sdcscope.guard.config import GuardConfig
-from sdcscope.guard.guard import PRIORITY
 from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
 
 RANK_DETECTORS = ("crossrank", "rank_replay", "replica_hash", "quarantine")
 """Detectors of the rank guard itself: it has decided about their findings already."""
-TO_GUARD = {"transient": "transient", "persistent": "reproducible", "correct_result": "reproducible",
-            "unverified": "unverified"}
+TO_GUARD = {
+    "transient": "transient",
+    "persistent": "reproducible",
+    "correct_result": "reproducible",
+    "unverified": "unverified",
+}
 """A rank replay verdict as the Guard's policy knows replay verdicts."""
-WHY = {"persistent": "the fault acted again on re-execution: a persistent fault",
-       "correct_result": "a peer reproduces it: the data or the optimization, not the hardware"}
+WHY = {
+    "persistent": "the fault acted again on re-execution: a persistent fault",
+    "correct_result": "a peer reproduces it: the data or the optimization, not the hardware",
+}
 
 
 def check_distributed(config: GuardConfig, model: nn.Module, ddp: DDP, rank: int | None) -> int:
@@ -64,8 +70,10 @@ def check_distributed(config: GuardConfig, model: nn.Module, ddp: DDP, rank: int
     if not isinstance(ddp, DDP):
         raise TypeError(f"ddp must be a torch DistributedDataParallel module, got {type(ddp).__name__}")
     if model is not ddp.module:
-        raise ValueError("under DDP the guard watches the wrapped module: pass ddp.module as model (or the "
-                         "DDP module itself as model and leave ddp out)")
+        raise ValueError(
+            "under DDP the guard watches the wrapped module: pass ddp.module as model (or the "
+            "DDP module itself as model and leave ddp out)"
+        )
     check_config(config)
     own = dist.get_rank(ddp.process_group)
     if rank is not None and rank != own:
@@ -76,27 +84,35 @@ def check_distributed(config: GuardConfig, model: nn.Module, ddp: DDP, rank: int
 def check_config(config: GuardConfig) -> None:
     """Raise ValueError for guard settings that cannot run under DDP (before a world exists)."""
     if config.ranks is None:
-        raise ValueError("guard ranks: null cannot watch a data-parallel run: every rank must take the same "
-                         "decision, which the ranks section provides; give ranks: {} for the defaults")
+        raise ValueError(
+            "guard ranks: null cannot watch a data-parallel run: every rank must take the same "
+            "decision, which the ranks section provides; give ranks: {} for the defaults"
+        )
     if config.invariants is not None:
-        raise ValueError("guard invariants are not supported in data-parallel runs yet; drop --invariants "
-                         "(or invariants:) or train with --nproc 1")
+        raise ValueError(
+            "guard invariants are not supported in data-parallel runs yet; drop --invariants "
+            "(or invariants:) or train with --nproc 1"
+        )
     if config.qk_clip is not None:
-        raise ValueError("guard qk_clip is not supported in data-parallel runs: each rank sees only its own "
-                         "attention logits, and rescaling on some ranks would split the replicas; set qk_clip: null")
+        raise ValueError(
+            "guard qk_clip is not supported in data-parallel runs: each rank sees only its own "
+            "attention logits, and rescaling on some ranks would split the replicas; set qk_clip: null"
+        )
 
 
 class GuardRanks:
     """The Guard's rank section: a :class:`RankGuard` plus the shared, identical decision."""
 
-    def __init__(self, guard: Any, ddp: DDP, config: RankGuardConfig, *, run_dir: str | Path | None,
-                 ledger: str | Path | None) -> None:
+    def __init__(
+        self, guard: Any, ddp: DDP, config: RankGuardConfig, *, run_dir: str | Path | None, ledger: str | Path | None
+    ) -> None:
         self.guard = guard
-        self.rank_guard = RankGuard(ddp, guard.optimizer, config=config, run_dir=run_dir, ledger=ledger,
-                                    write_events=False)
+        self.rank_guard = RankGuard(
+            ddp, guard.optimizer, config=config, run_dir=run_dir, ledger=ledger, write_events=False
+        )
         self.rank, self.world = self.rank_guard.rank, self.rank_guard.world
         for e in self.rank_guard.events:  # devices the ledger already calls faulty
-            guard._emit(e, world=True)
+            guard.record(e, world=True)
 
     @property
     def quarantined(self) -> list[int]:
@@ -105,27 +121,34 @@ class GuardRanks:
     def begin(self, step: int) -> None:
         self.rank_guard.begin(step)
 
-    def decide(self, step: int, local: list[Event], replay: Callable[[int], Any] | None) -> list[str]:
-        """The world's actions for ``step`` (the same on every rank), most decisive first; emits
-        the world's events. ``local``: this rank's findings; ``replay(r)``: recompute rank r's
-        local gradient of this step into ``.grad``, without collectives."""
-        g = self.guard
+    def decide(
+        self, step: int, local: list[Event], replay: Callable[[int], Any] | None
+    ) -> tuple[list[str], list[Event], list[Event]]:
+        """The world's decision for ``step`` (the same on every rank): ``(actions, most decisive
+        first; the world's findings; the events of the quarantines taken)``, recorded by the
+        session once it has acted. ``local``: this rank's findings; ``replay(r)``: recompute rank
+        r's local gradient of this step into ``.grad``, without collectives."""
+        g, s = self.guard, self.guard.session
         replayed: list[int] = []
         own_buffers: list = []  # this rank's buffers after its own forward pass of the step
 
         def replay_here(r: int) -> Any:
             if not replayed:
-                own_buffers.extend(g._buffer_values())
+                own_buffers.extend(s.buffer_values())
             replayed.append(r)
-            g._restore_buffers()  # each replay starts from the step's buffers, as its rank did
+            s.restore_buffers()  # each replay starts from the step's buffers, as its rank did
             return replay(r)
 
-        events = self.rank_guard.check(step, replay=replay_here if replay is not None and g.config.replay else None,
-                                       local_events=local, delegate=True)
+        events = self.rank_guard.check(
+            step,
+            replay=replay_here if replay is not None and g.config.replay else None,
+            local_events=local,
+            delegate=True,
+        )
         if replayed:
-            g._restore_buffers(own_buffers)
+            s.restore_buffers(own_buffers)
             if g.abft is not None:  # the replays' GEMM checks are no finding of this step
-                g._safe(lambda: g.abft.check(step), "abft")
+                g.safe(lambda: g.abft.check(step), "abft")
         restored = any(e.action == "rollback" for e in events)
         actions = ["veto"] if self.rank_guard.veto else []
         extra: list[Event] = []
@@ -151,13 +174,7 @@ class GuardRanks:
         final = "veto" if "veto" in actions or "rollback" in actions else "report"
         for e in events:
             e.action = e.action or final
-        if "lr_backoff" in actions:
-            g.backoff.trigger(g._clock)
-        if "skip_batch" in actions:
-            g.skip_batches.add(step)
-        for e in events + extra:
-            g._emit(e, world=True)
-        return sorted(actions, key=PRIORITY.index)
+        return sorted(actions, key=PRIORITY.index), events, extra
 
     def _replay_verdict(self, e: Event) -> None:
         """Replace a shared finding's verdict with its replay verdict (the finding moves to the
@@ -169,8 +186,11 @@ class GuardRanks:
             if blamed:
                 break
         else:
-            kind = "correct_result" if ranks and len(got) == len(ranks) and all(
-                v == "correct_result" for v in got.values()) else "unverified"
+            kind = (
+                "correct_result"
+                if ranks and len(got) == len(ranks) and all(v == "correct_result" for v in got.values())
+                else "unverified"
+            )
             blamed = []
         replay: dict[str, Any] = {"verdict": TO_GUARD[kind], "ranks": got}
         if kind in WHY:
@@ -190,7 +210,7 @@ class GuardRanks:
         rollback of the Guard's own)."""
         events = self.rank_guard.verify(step) if verify else self.rank_guard.end(step)
         for e in events:
-            self.guard._emit(e, world=True)
+            self.guard.record(e, world=True)
 
     def close(self) -> None:
         self.rank_guard.close()

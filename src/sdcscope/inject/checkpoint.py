@@ -31,12 +31,18 @@ def _key(spec: FaultSpec, name: str) -> str | None:
     return module if name.endswith(".weight") and spec.matches(module) else None
 
 
-def checkpoint_faults(specs: list[FaultSpec], names: Iterable[str], step: int,
-                      rank: int = 0) -> list[tuple[int, str, str]]:
+def checkpoint_faults(
+    specs: list[FaultSpec], names: Iterable[str], step: int, rank: int = 0
+) -> list[tuple[int, str, str]]:
     """``(spec index, tensor name, key)`` of every ``checkpoint`` fault that fires in a checkpoint
     of the tensors ``names`` written at ``step`` on ``rank``."""
-    return [(i, name, key) for i, spec in enumerate(specs) if spec.site == "checkpoint"
-            for name in names if (key := _key(spec, name)) is not None and fires(spec, step, None, key, rank)]
+    return [
+        (i, name, key)
+        for i, spec in enumerate(specs)
+        if spec.site == "checkpoint"
+        for name in names
+        if (key := _key(spec, name)) is not None and fires(spec, step, None, key, rank)
+    ]
 
 
 def corrupt_checkpoint_file(path: str | Path, specs: list[FaultSpec], *, rank: int = 0) -> list[dict[str, Any]]:
@@ -47,20 +53,34 @@ def corrupt_checkpoint_file(path: str | Path, specs: list[FaultSpec], *, rank: i
     step = int(state.get("step", 0))
     for i, spec in enumerate(specs):
         if spec.site == "checkpoint" and not any(_key(spec, n) for n in tensors):
-            raise ValueError(f"fault spec #{i}: target {list(spec.target)!r} matches no tensor in "
-                             f"{str(path)!r} (names look like: {', '.join(list(tensors)[:6])} …)")
+            raise ValueError(
+                f"fault spec #{i}: target {list(spec.target)!r} matches no tensor in "
+                f"{str(path)!r} (names look like: {', '.join(list(tensors)[:6])} …)"
+            )
     records, hit = [], set()
     for i, name, key in checkpoint_faults(specs, tensors, step, rank):
         tensor = (i, tensors[name].untyped_storage().data_ptr())
-        if tensor in hit:   # a tied tensor (embedding and output head), saved under each name: once
+        if tensor in hit:  # a tied tensor (embedding and output head), saved under each name: once
             continue
         hit.add(tensor)
         spec = specs[i]
         result = apply_spec(spec, tensors[name], fault_generator(spec, step, None, key, rank), step=step)
-        records.append({"step": step, "micro_batch": 0, "rank": rank, "site": "checkpoint",
-                        "when": "train", "call": None, "module": name, "spec": i, "model": spec.model,
-                        "bits": list(spec.bits) if spec.bits else None,
-                        "count": result.index.numel(), **result.to_dict()})
+        records.append(
+            {
+                "step": step,
+                "micro_batch": 0,
+                "rank": rank,
+                "site": "checkpoint",
+                "when": "train",
+                "call": None,
+                "module": name,
+                "spec": i,
+                "model": spec.model,
+                "bits": list(spec.bits) if spec.bits else None,
+                "count": result.index.numel(),
+                **result.to_dict(),
+            }
+        )
     if records:
         torch.save(state, path)
     return records

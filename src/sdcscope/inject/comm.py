@@ -1,12 +1,12 @@
 """Site ``comm``: corrupt a DDP gradient bucket on one rank, before or after the all-reduce.
 
 A :class:`CommInjector` is a stage of the engine's DDP communication hook
-(:class:`sdcscope.engine.ddp.BucketHook`; it only needs ``before_reduce(view)`` and
+(:class:`sdcscope.engine.buckets.BucketHook`; it only needs ``before_reduce(view)`` and
 ``after_reduce(view)``), so this module imports nothing from the engine.
 
 - **phase** ``before`` (the default): the rank's outgoing bucket is corrupted; the all-reduce
-  then copies the corruption into *every* replica, which stay equal to one another
-  (style_ecosystem.md B4): only pre-reduction signatures or replay can find the rank.
+  then copies the corruption into *every* replica, which stay equal to one another:
+  only pre-reduction signatures or replay can find the rank.
 - **phase** ``after``: the reduced bucket is corrupted on that rank only, so its replica leaves
   the others (a replica hash check, or a post-reduction checksum, sees it).
 
@@ -25,7 +25,6 @@ gradients it lands on.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable, Iterable, Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -34,9 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdcscope._io import JsonlWriter
+from sdcscope.common.io import JsonlWriter
+from sdcscope.common.validate import close_matches
 from sdcscope.faults import FaultSpec, FaultSpecError, apply_spec, check_spec, fault_generator, fires
-from sdcscope.inject.targets import check_schedule
+from sdcscope.inject.validate import check_schedule
 
 PHASES = ("before", "after")
 MAX_RECORDED = 64
@@ -58,8 +58,9 @@ def comm_phase(spec: FaultSpec) -> tuple[FaultSpec, str]:
     if field is not None:
         phases.add(field)
     if len(phases) > 1:
-        raise ValueError(f"comm spec on {list(spec.target)} names several phases {sorted(phases)}; "
-                         "use one spec per phase")
+        raise ValueError(
+            f"comm spec on {list(spec.target)} names several phases {sorted(phases)}; use one spec per phase"
+        )
     phase = phases.pop() if phases else "before"
     if phase not in PHASES:
         raise ValueError(f"unknown comm phase {phase!r}; allowed: {', '.join(PHASES)}")
@@ -70,7 +71,7 @@ def _check_targets(spec: FaultSpec, names: list[str]) -> None:
     for pattern in spec.target:
         if pattern.startswith("bucket.") or any(fnmatchcase(n, pattern) for n in names):
             continue
-        close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
+        close = close_matches(pattern, names, n=5, cutoff=0.5)
         hint = f"; close names: {', '.join(close)}" if close else ""
         raise ValueError(f"comm target {pattern!r} matches no parameter and no 'bucket.<i>'{hint}")
 
@@ -101,9 +102,15 @@ def _check_fit(spec: FaultSpec, params: dict[str, nn.Parameter]) -> None:
                 raise FaultSpecError(f"a gradient bucket (flat, {dtype}, at most {size} elements): {exc}") from None
 
 
-def check_comm_specs(model: nn.Module, specs: Sequence[FaultSpec], *, world_size: int = 1,
-                     steps: int | None = None, grad_accum: int | None = None,
-                     spec_ids: Sequence[int] | None = None) -> list[tuple[int, FaultSpec, str]]:
+def check_comm_specs(
+    model: nn.Module,
+    specs: Sequence[FaultSpec],
+    *,
+    world_size: int = 1,
+    steps: int | None = None,
+    grad_accum: int | None = None,
+    spec_ids: Sequence[int] | None = None,
+) -> list[tuple[int, FaultSpec, str]]:
     """Check ``comm`` specs against ``model`` (the module DDP wraps) before any rank starts;
     return ``(spec id, spec with plain targets, phase)`` of each. ``steps`` and ``grad_accum``,
     when given, refuse a schedule that never fires in the run (as
@@ -134,14 +141,22 @@ class CommInjector:
     ``spec_ids``: the index of each spec in the world's spec list, as recorded (default 0..n-1).
     """
 
-    def __init__(self, model: nn.Module, specs: Iterable[FaultSpec], *, rank: int = 0, world_size: int = 1,
-                 log: str | Path | Callable[[dict], None] | None = None,
-                 spec_ids: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        specs: Iterable[FaultSpec],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        log: str | Path | Callable[[dict], None] | None = None,
+        spec_ids: Sequence[int] | None = None,
+    ) -> None:
         self.rank = rank
         self.specs: list[tuple[int, FaultSpec, str]] = [
-            (i, plain, phase) for i, plain, phase in check_comm_specs(model, list(specs), world_size=world_size,
-                                                                      spec_ids=spec_ids)
-            if plain.rank is None or plain.rank == rank]
+            (i, plain, phase)
+            for i, plain, phase in check_comm_specs(model, list(specs), world_size=world_size, spec_ids=spec_ids)
+            if plain.rank is None or plain.rank == rank
+        ]
         self.step = 0
         self._begun: set[int] = set()
         self._repeat = False
@@ -157,7 +172,7 @@ class CommInjector:
         self.step, self._repeat = step, step in self._begun
         self._begun.add(step)
 
-    def callback(self) -> "CommInjectorCallback":
+    def callback(self) -> CommInjectorCallback:
         return CommInjectorCallback(self)
 
     def before_reduce(self, view) -> None:
@@ -180,10 +195,21 @@ class CommInjector:
 
     def _record(self, i: int, spec: FaultSpec, name: str, phase: str, result) -> None:
         values = result.to_dict()
-        record = {"step": self.step, "micro_batch": None, "rank": self.rank, "site": "comm", "phase": phase,
-                  "when": "train", "call": None, "module": name, "spec": i, "model": spec.model,
-                  "bits": list(spec.bits) if spec.bits else None, "count": len(values["index"]),
-                  **{k: v[:MAX_RECORDED] for k, v in values.items()}}
+        record = {
+            "step": self.step,
+            "micro_batch": None,
+            "rank": self.rank,
+            "site": "comm",
+            "phase": phase,
+            "when": "train",
+            "call": None,
+            "module": name,
+            "spec": i,
+            "model": spec.model,
+            "bits": list(spec.bits) if spec.bits else None,
+            "count": len(values["index"]),
+            **{k: v[:MAX_RECORDED] for k, v in values.items()},
+        }
         self.records.append(record)
         if self._file is not None:
             self._file.write(record)

@@ -1,46 +1,13 @@
 """Attach fault specs to a live model and optimizer through removable hooks.
 
-Sites and how they are reached (all hooks are removed by :meth:`Injector.detach`):
-
-==================  ==========================================================================
-activation          forward hook on the module: its output is replaced (of a tuple, list or dict
-                    output: the first floating-point tensor, :func:`~sdcscope.inject.targets.primary_output`)
-gemm.forward        forward hook on a GEMM module (Linear, Conv, ConvTranspose, ``is_matmul``): Y is
-                    replaced; with pattern ``mac_cell`` (not on ConvTranspose) the *weight operand*
-                    of cell (a, b) is faulted in
-                    the computation only (NVDLA software error model), Y gets exactly that error;
-                    with an ``array`` the random cell is the same for every targeted GEMM, and a
-                    ``swizzle: per_step`` mapping follows the injector's step (evaluation at step
-                    t uses the mapping of step t)
-gemm.grad_input     dX (for ``a @ b``: d a) is replaced by a post-hook on the call's autograd node
-                    that hands it on (:func:`~sdcscope.inject.targets.operand_grad_edge`: the
-                    ``addmm``/``mm`` of an ``nn.Linear``, a Conv's ``Convolution``, ...), in the
-                    GEMM's compute dtype (bf16 under autocast), before any observer of the
-                    operand sees it; the output is left alone, so an in-place op after the
-                    module (``ReLU(inplace=True)``) stays legal. A call autograd does not
-                    record (``torch.no_grad()``, a reentrant checkpoint's first pass) has no dX;
-                    a checkpoint's recompute gets the fault
-gemm.grad_weight    this GEMM's dW: a hook on the call's own autograd node that hands dW to the
-                    weight, before it is summed with the weight's other uses and accumulated
-                    into ``.grad``; for ``a @ b``: d b, as dX above
-weight              memory fault on the parameter, applied before the forward of the event;
-                    a permanent fault is re-applied after every optimizer update
-param_grad          post-accumulate-grad hook of the step's last micro-batch: the ``.grad``
-                    buffer summed over all micro-batches, as clipping and the optimizer read it
-                    (the injector learns ``grad_accum`` from the engine callback, or pass it);
-                    a sparse ``.grad`` (``nn.Embedding(sparse=True)``) is the rows it stores:
-                    the pattern is resolved on its coalesced values, recorded at the
-                    parameter's flat indices
-optimizer_state     memory fault on the state tensors with a value per element (``exp_avg``, …;
-                    never the ``step`` counter) resident between updates, applied at the start
-                    of the step whose update reads them; a permanent fault is re-applied after
-                    every update
-==================  ==========================================================================
+The hooks that reach each site are :mod:`sdcscope.inject.hooks`; all are removed by
+:meth:`Injector.detach`.
 
 Whether a fault fires is :func:`sdcscope.faults.fires` of (spec, step, micro-batch, name, rank).
 A call whose output is empty (an MoE expert routed no token) computes nothing and takes no fault:
 a transient fault waits for the module's next call with work to do. A module called several
-times in one micro-batch (a shared layer) is one site visited several times: a transient or intermittent fault is one event in time and corrupts only the *first* call
+times in one micro-batch (a shared layer) is one site visited several times: a transient or
+intermittent fault is one event in time and corrupts only the *first* call
 of the module at its position (for the backward sites: the first backward call, usually the
 gradient of the module's *last* forward call); a permanent fault (a broken unit) corrupts every
 call, each logged with its ``call`` index. Calls are numbered as ABFT numbers them
@@ -78,21 +45,20 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from sdcscope._io import JsonlWriter
+from sdcscope.common.graph import in_backward
+from sdcscope.common.io import JsonlWriter
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, FaultSpecError, apply_spec, fault_generator, fires
-from sdcscope.inject.targets import (CHANNELS_FIRST, MODULE_SITES, UNREACHED, Target, element_state, in_backward,
-                                     operand_channel_dims, operand_grad_edge, primary_output, validate_specs,
-                                     weight_grad_edge)
+from sdcscope.inject.hooks import MEMORY_SITES, SiteHooks
+from sdcscope.inject.targets import MODULE_SITES, UNREACHED, Target
+from sdcscope.inject.validate import validate_specs
 
 _REEXECUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdcscope_reexecuting", default=False)
 
@@ -109,28 +75,10 @@ def reexecution() -> Iterator[None]:
         _REEXECUTING.reset(token)
 
 
-MEMORY_SITES = ("weight", "optimizer_state")
 MAC_ARRAY = "<mac-array>"
 """The name a ``mac_cell`` pattern with an ``array`` keys its fault generator on (one unit)."""
 MAX_RECORDED = 64
 """Elements listed per record (a row or tensor-wide fault can hit thousands); ``count`` says all."""
-
-
-class _Replace(torch.autograd.Function):
-    """Forward returns the faulty tensor bit for bit; backward passes the gradient straight
-    through (the corruption happened after the operation that produced the value)."""
-
-    @staticmethod
-    def forward(ctx, clean, faulty):  # noqa: D401
-        return faulty.clone()   # a new tensor, not an input: an in-place op after it (ReLU(inplace=True)) is fine
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _replaced(clean: torch.Tensor, faulty: torch.Tensor) -> torch.Tensor:
-    return _Replace.apply(clean, faulty) if clean.requires_grad else faulty
 
 
 def _in_backward() -> bool:
@@ -147,7 +95,7 @@ def _changed(result) -> bool:
     return not torch.equal(before, after)
 
 
-class Injector:
+class Injector(SiteHooks):
     """Holds fault specs for one model (and optimizer) on one rank.
 
     Use as a context manager (``with Injector(model, specs, optimizer) as inj:``) or call
@@ -159,7 +107,7 @@ class Injector:
     started before it are in the restored values already: they are marked in place, not applied
     again, so the resumed run goes on bitwise as the uninterrupted one.
 
-    ``probe``: :func:`~sdcscope.inject.targets.probe_model` of the training's forward (under its
+    ``probe``: :func:`~sdcscope.inject.probe.probe_model` of the training's forward (under its
     autocast, if any), so a spec that does not fit a module's output or input gradient is refused
     here, as the CLI does; without it those are known only when the fault fires, and raise
     :class:`~sdcscope.faults.FaultSpecError` naming the spec, module, dtype and step then.
@@ -172,35 +120,51 @@ class Injector:
     such a trial as ``not_fired``, turns it off.
     """
 
-    def __init__(self, model: nn.Module, specs: Iterable[FaultSpec], optimizer: torch.optim.Optimizer | None = None,
-                 *, rank: int = 0, world_size: int = 1, log: str | Path | Callable[[dict], None] | None = None,
-                 grad_accum: int = 1, resumed_at: int = 0, probe: dict[str, list[Any]] | None = None,
-                 warn_unfired: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        specs: Iterable[FaultSpec],
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        log: str | Path | Callable[[dict], None] | None = None,
+        grad_accum: int = 1,
+        resumed_at: int = 0,
+        probe: dict[str, list[Any]] | None = None,
+        warn_unfired: bool = True,
+        targets: dict[int, list[Target]] | None = None,
+    ) -> None:
         self.model = model
         self.specs = list(specs)
         self.optimizer = optimizer
         self.rank = rank
         self.world_size = world_size
-        self.targets = validate_specs(model, self.specs, optimizer, world_size, probe=probe)
+        # ``targets``: the specs' targets on this model, validated by the caller (:func:`validate_specs`)
+        # for the model as it will train; neither this nor :meth:`attach` checks them again
+        self._checked = targets is not None
+        self.targets = (
+            targets if self._checked else validate_specs(model, self.specs, optimizer, world_size, probe=probe)
+        )
         self.step, self.micro_batch = 0, 0
         self.grad_accum = grad_accum
         """Micro-batches per step: ``param_grad`` fires after the last one (the callback sets it)."""
         self.resumed_at = resumed_at
         self.evaluating = False
-        self._begun: set[int] = set()   # steps whose execution has started at least once
-        self._repeat = False            # this execution of the step is a re-execution
+        self._begun: set[int] = set()  # steps whose execution has started at least once
+        self._repeat = False  # this execution of the step is a re-execution
         self.records: list[dict[str, Any]] = []
         """Every record, as written to the log (``when``: train, after_update or eval)."""
         self._seen: set[tuple] = set()
         self._resident: dict[tuple[int, str], tuple] = {}  # permanent memory faults in place: (id, version, index)
-        self._param_grad_fired: dict[tuple[int, str], int] = {}   # (spec, target) -> step a once-fault hit .grad
+        self._param_grad_fired: dict[tuple[int, str], int] = {}  # (spec, target) -> step a once-fault hit .grad
         self._calls: dict[tuple[int, str], int] = {}  # forward calls of the module met at this position
-        self._acted: set[tuple[int, str]] = set()     # once-faults that acted at this position
+        self._acted: set[tuple[int, str]] = set()  # once-faults that acted at this position
         self._fired_input: dict[tuple[int, str], torch.Tensor] = {}  # input of a once-fault's call
         self._warned_accum = False
         self.warn_unfired = warn_unfired
-        self._covered: dict[int, int] = {}   # module-site spec -> first training step it was live at
-        self._reached: set[int] = set()      # module-site specs that met a call to act on
+        self._covered: dict[int, int] = {}  # module-site spec -> first training step it was live at
+        self._reached: set[int] = set()  # module-site specs that met a call to act on
         self._attached = False
         self._optimizer_handles: list[Any] = []
         self._spec_handles: dict[int, list[Any]] = {}  # hooks of the specs live at this step
@@ -209,7 +173,7 @@ class Injector:
         self.armed = True
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def attach(self) -> "Injector":
+    def attach(self) -> Injector:
         """Arm the injector. Hooks are registered lazily, only for the specs whose schedule can
         fire at the current step, so an injector waiting for a later step costs nothing."""
         if self._attached:
@@ -217,10 +181,12 @@ class Injector:
         # what is known without running the model (parameters, optimizer state, a GEMM's weight
         # operand) is checked again against the tensors as they are now: a model cast or moved
         # since the injector was built (model.to(torch.bfloat16)) fails here, not mid-training
-        validate_specs(self.model, self.specs, self.optimizer, self.world_size)
+        if not self._checked:
+            validate_specs(self.model, self.specs, self.optimizer, self.world_size)
         self._attached = True
-        if self.optimizer is not None and any(s.site in MEMORY_SITES and s.schedule.kind == "permanent"
-                                              for s in self.specs):
+        if self.optimizer is not None and any(
+            s.site in MEMORY_SITES and s.schedule.kind == "permanent" for s in self.specs
+        ):
             self._optimizer_handles = [self.optimizer.register_step_post_hook(self._optimizer_post)]
         self._sync_hooks()
         return self
@@ -239,7 +205,7 @@ class Injector:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> "Injector":
+    def __enter__(self) -> Injector:
         return self.attach()
 
     def __exit__(self, *exc) -> None:
@@ -259,12 +225,18 @@ class Injector:
             moved = True
         self.step, self.micro_batch, self.evaluating = step, micro_batch, evaluating
         self._calls, self._acted, self._fired_input = {}, set(), {}
-        if micro_batch >= self.grad_accum and not self._warned_accum and not evaluating \
-                and any(s.site == "param_grad" for s in self.specs):
+        if (
+            micro_batch >= self.grad_accum
+            and not self._warned_accum
+            and not evaluating
+            and any(s.site == "param_grad" for s in self.specs)
+        ):
             self._warned_accum = True
-            warnings.warn(f"micro-batch {micro_batch} at grad_accum={self.grad_accum}: param_grad faults "
-                          f"fire after micro-batch grad_accum-1 only; pass Injector(grad_accum=...)",
-                          stacklevel=2)
+            warnings.warn(
+                f"micro-batch {micro_batch} at grad_accum={self.grad_accum}: param_grad faults "
+                f"fire after micro-batch grad_accum-1 only; pass Injector(grad_accum=...)",
+                stacklevel=2,
+            )
         if moved:
             self._sync_hooks()
         self._apply_memory_faults()
@@ -272,24 +244,32 @@ class Injector:
     def _live(self, spec: FaultSpec) -> bool:
         """Whether ``spec`` can fire at the current position (rank, schedule window, phase)."""
         once = spec.schedule.kind != "permanent"
-        return (self._attached and (spec.rank is None or spec.rank == self.rank)
-                and spec.schedule.covers(self.step)
-                and not (once and (self.evaluating or self._repeat or _REEXECUTING.get())))
+        return (
+            self._attached
+            and (spec.rank is None or spec.rank == self.rank)
+            and spec.schedule.covers(self.step)
+            and not (once and (self.evaluating or self._repeat or _REEXECUTING.get()))
+        )
 
     def _warn_unfired(self) -> None:
         for i, step in self._covered.items():
             if i in self._reached:
                 continue
             spec = self.specs[i]
-            why = UNREACHED[spec.site] + (" (or the intermittent schedule drew no event)"
-                                          if spec.schedule.kind == "intermittent" else "")
+            why = UNREACHED[spec.site] + (
+                " (or the intermittent schedule drew no event)" if spec.schedule.kind == "intermittent" else ""
+            )
             if spec.site != "gemm.grad_input":
-                why += ("; a Linear its parent applies with F.linear (nn.MultiheadAttention's out_proj) never "
-                        "runs its own forward")
-            warnings.warn(f"fault spec #{i} ({spec.site} on {', '.join(repr(t.name) for t in self.targets[i])}) never "
-                          f"fired, though its schedule covered step {step} on: the module {why}. Check specs "
-                          "before training: Injector(..., probe=sdcscope.inject.targets.probe_model(model, forward))",
-                          stacklevel=3)
+                why += (
+                    "; a Linear its parent applies with F.linear (nn.MultiheadAttention's out_proj) never "
+                    "runs its own forward"
+                )
+            warnings.warn(
+                f"fault spec #{i} ({spec.site} on {', '.join(repr(t.name) for t in self.targets[i])}) never "
+                f"fired, though its schedule covered step {step} on: the module {why}. Check specs "
+                "before training: Injector(..., probe=sdcscope.inject.probe_model(model, forward))",
+                stacklevel=3,
+            )
         self._covered = {}
 
     def _sync_hooks(self) -> None:
@@ -303,35 +283,16 @@ class Injector:
                 for h in self._spec_handles.pop(i):
                     h.remove()
 
-    def callback(self) -> "InjectorCallback":
+    def callback(self) -> InjectorCallback:
         return InjectorCallback(self)
-
-    # -- hooks -------------------------------------------------------------------------------
-    def _attach_one(self, i: int, spec: FaultSpec, t: Target):
-        """Register the hook that reaches ``spec``'s site on target ``t``, ahead of other hooks
-        (the hardware corrupts the value before any observer sees it). None: no hook needed:
-        weight faults are applied in set_position, optimizer_state in the optimizer pre-hook,
-        checkpoint faults by corrupt_checkpoint_file."""
-        site = spec.site
-        if site == "activation" or (site == "gemm.forward" and spec.pattern.kind != "mac_cell"):
-            return t.module.register_forward_hook(self._output_hook(i, spec, t), prepend=True)
-        if site == "gemm.forward":
-            return t.module.register_forward_hook(self._mac_cell_hook(i, spec, t), prepend=True)
-        if site == "gemm.grad_input" or (site == "gemm.grad_weight" and getattr(t.module, "is_matmul", False)):
-            position = 1 if site == "gemm.grad_weight" else 0   # d b of a @ b
-            return t.module.register_forward_hook(self._operand_grad_hook(i, spec, t, position), prepend=True)
-        if site == "gemm.grad_weight":
-            return t.module.register_forward_hook(self._grad_weight_hook(i, spec, t), prepend=True)
-        if site == "param_grad":
-            return t.param.register_post_accumulate_grad_hook(self._param_grad_hook(i, spec, t))
-        return None
 
     def _event_micro_batch(self, spec: FaultSpec) -> int | None:
         return None if spec.site in STEP_SITES else self.micro_batch  # once per step: micro-batch 0
 
     def _fires(self, spec: FaultSpec, t: Target) -> bool:
-        return self.armed and self._live(spec) and fires(spec, self.step, self._event_micro_batch(spec),
-                                                         t.key, self.rank)
+        return (
+            self.armed and self._live(spec) and fires(spec, self.step, self._event_micro_batch(spec), t.key, self.rank)
+        )
 
     def _index(self, i: int, t: Target) -> int | None:
         """The index of this forward call of ``t``'s module within the micro-batch (0-based, in
@@ -345,8 +306,9 @@ class Injector:
         self._calls[key] = k + 1
         return k
 
-    def _call(self, i: int, spec: FaultSpec, t: Target, index: int | None, x=None, *,
-              backward: bool = False) -> bool | None:
+    def _call(
+        self, i: int, spec: FaultSpec, t: Target, index: int | None, x=None, *, backward: bool = False
+    ) -> bool | None:
         """Whether ``spec`` acts on this call of ``t``'s module (``index``: :meth:`_index` of its
         forward call): None if not, else whether to log it (False: corrupt without a record, as
         in a checkpoint recompute or a re-execution). ``x``: the forward call's input;
@@ -363,9 +325,12 @@ class Injector:
             if key not in self._fired_input:  # the fault was not met in the forward pass
                 return None
             ref = self._fired_input[key]
-            same = (self._calls.get(key, 0) == 1 or not isinstance(x, torch.Tensor)
-                    or not isinstance(ref, torch.Tensor)
-                    or (ref.shape == x.shape and ref.dtype == x.dtype and torch.equal(ref, x)))
+            same = (
+                self._calls.get(key, 0) == 1
+                or not isinstance(x, torch.Tensor)
+                or not isinstance(ref, torch.Tensor)
+                or (ref.shape == x.shape and ref.dtype == x.dtype and torch.equal(ref, x))
+            )
             return False if same else None
         if once:
             if key in self._acted:  # one event in time: the first call only
@@ -375,15 +340,24 @@ class Injector:
                 self._fired_input[key] = x.detach() if isinstance(x, torch.Tensor) else None
         return True
 
-    def _apply(self, spec: FaultSpec, t: Target, tensor: torch.Tensor, *, suffix: str = "", channel_dim=None,
-               step: int | None = None) -> FaultResult:
+    def _apply(
+        self,
+        spec: FaultSpec,
+        t: Target,
+        tensor: torch.Tensor,
+        *,
+        suffix: str = "",
+        channel_dim=None,
+        step: int | None = None,
+    ) -> FaultResult:
         """Apply this event's fault of ``spec`` to ``tensor`` in place (``step``: the one whose
         channel swizzle a ``mac_cell`` follows; default the current one)."""
         # A mac_cell on an array is one physical cell of the unit that runs every targeted GEMM:
         # its random cell (and value) is drawn once for the unit, not per module.
         unit = spec.pattern.kind == "mac_cell" and spec.pattern.array is not None
-        gen = fault_generator(spec, self.step, self._event_micro_batch(spec),
-                              MAC_ARRAY if unit else t.key + suffix, self.rank)
+        gen = fault_generator(
+            spec, self.step, self._event_micro_batch(spec), MAC_ARRAY if unit else t.key + suffix, self.rank
+        )
         try:
             return apply_spec(spec, tensor, gen, channel_dim=channel_dim, step=self.step if step is None else step)
         except FaultSpecError as exc:  # a tensor only known when it runs (a module output, dX, dW under autocast)
@@ -391,187 +365,31 @@ class Injector:
             raise FaultSpecError(
                 f"fault spec #{i} ({spec.site} on {t.name + suffix!r}) does not fit the {str(tensor.dtype)[6:]} "
                 f"tensor of shape {list(tensor.shape)} it landed on at step {self.step}: {exc} (check it before "
-                "training: Injector(..., probe=sdcscope.inject.targets.probe_model(model, forward)))") from None
+                "training: Injector(..., probe=sdcscope.inject.probe_model(model, forward)))"
+            ) from None
 
-    def _corrupt(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, *, suffix: str = "",
-                 channel_dim=None, call: int | None = None, when: str | None = None, log: bool = True) -> FaultResult:
+    def _corrupt(
+        self,
+        i: int,
+        spec: FaultSpec,
+        t: Target,
+        tensor: torch.Tensor,
+        *,
+        suffix: str = "",
+        channel_dim=None,
+        call: int | None = None,
+        when: str | None = None,
+        log: bool = True,
+    ) -> FaultResult:
         result = self._apply(spec, t, tensor, suffix=suffix, channel_dim=channel_dim)
         if log:
             self._record(i, spec, t.name + suffix, result, call=call, when=when)
         return result
 
-    def _output_hook(self, i, spec, t: Target):
-        channel_dim = 1 if isinstance(t.module, CHANNELS_FIRST) else -1
-
-        def hook(module, args, output):
-            index = self._index(i, t)
-            tensor, rebuild = primary_output(output)
-            if tensor is None or tensor.numel() == 0:   # an idle expert: nothing computed, nothing to hit
-                return None
-            log = self._call(i, spec, t, index, args[0] if args else None)
-            if log is None:
-                return None
-            faulty = tensor.detach().clone()
-            self._corrupt(i, spec, t, faulty, channel_dim=channel_dim, call=index, log=log)
-            return rebuild(_replaced(tensor, faulty))
-        return hook
-
-    def _mac_cell_hook(self, i, spec, t: Target):
-        """Y' = Y + op(x, W' − W): the GEMM ran with weight[b, a] faulted in the MAC cell."""
-        def hook(module, args, output):
-            index = self._index(i, t)
-            if output.numel() == 0:
-                return None
-            log = self._call(i, spec, t, index, args[0])
-            if log is None:
-                return None
-            w = module.weight.detach()
-            faulty_w = w.clone()
-            self._corrupt(i, spec, t, faulty_w, call=index, log=log)
-            delta = (faulty_w - w).to(output.dtype)
-            x = args[0].detach()
-            if isinstance(module, nn.Linear):
-                err = F.linear(x, delta)
-            else:  # the module's own padding (padding_mode 'circular', 'reflect', ... included)
-                err = module._conv_forward(x, delta, None)
-            return _replaced(output, output.detach() + err)
-        return hook
-
-    def _operand_grad_hook(self, i, spec, t: Target, position: int):
-        """Forward hook: corrupt the gradient this call hands on to its operand ``position`` (dX;
-        d b of ``a @ b``) where its autograd node produces it (:func:`operand_grad_edge`). A full
-        backward hook would reach it too, but makes the module's output a view that an in-place op
-        after it (``ReLU(inplace=True)``) may not modify."""
-        channel_dim = operand_channel_dims(t.module, position)
-
-        def hook(module, args, output):
-            index = self._index(i, t)   # this call's: its dX is call `index` too
-            try:
-                edge = operand_grad_edge(module, output, args, position)
-            except ValueError as exc:
-                raise RuntimeError(f"{spec.site} on {t.name!r}: {exc}") from None
-            if edge is None:   # no gradient flows to the operand in this call
-                return None
-
-            def corrupt(grad_inputs, grad_outputs):
-                g = grad_inputs[edge.index]
-                if g is None or g.numel() == 0 or (log := self._call(i, spec, t, index, backward=True)) is None:
-                    return None
-                faulty = g.clone(memory_format=torch.contiguous_format)   # a Linear's (tokens, in): as X
-                self._corrupt(i, spec, t, faulty.view(edge.shape), channel_dim=channel_dim, call=index, log=log)
-                return tuple(faulty if k == edge.index else gi for k, gi in enumerate(grad_inputs))
-            edge.node.register_hook(corrupt)
-            return None
-        return hook
-
-    def _grad_weight_hook(self, i, spec, t: Target):
-        """Forward hook: reach this call's dW through its autograd node (weight_grad_edge)."""
-        def hook(module, args, output):
-            index = self._index(i, t)   # this call's: its dW is call `index` too
-            if not isinstance(output, torch.Tensor) or not output.requires_grad or output.numel() == 0:
-                return None   # (no tokens: dW = dYᵀX sums over none, no product computed)
-            edge = weight_grad_edge(output, module.weight)
-            if edge is None:
-                raise RuntimeError(f"gemm.grad_weight on {t.name!r}: the weight's gradient does not "
-                                   f"come from this call's autograd graph (a flattened or wrapped parameter?)")
-            node, at = edge
-
-            def corrupt(grad_inputs, grad_outputs):
-                g = grad_inputs[at]
-                if g is None or (log := self._call(i, spec, t, index, backward=True)) is None:
-                    return None
-                faulty = g.clone()
-                self._corrupt(i, spec, t, faulty, call=index, log=log)
-                return tuple(faulty if k == at else gi for k, gi in enumerate(grad_inputs))
-            node.register_hook(corrupt)
-            return None
-        return hook
-
-    def _param_grad_hook(self, i, spec, t: Target):
-        def hook(param):
-            # once per step, on the sum over all micro-batches: after the last one's backward (a
-            # loop calling backward() twice there accumulates twice: a transient fault acts once)
-            if param.grad is None or self.micro_batch != self.grad_accum - 1 or not self._fires(spec, t):
-                return
-            if spec.schedule.kind != "permanent":
-                if self._param_grad_fired.get((i, t.name)) == self.step:
-                    return
-                self._param_grad_fired[(i, t.name)] = self.step
-            if param.grad.is_sparse:
-                self._corrupt_sparse_grad(i, spec, t, param)
-            else:
-                self._corrupt(i, spec, t, param.grad)
-        return hook
-
-    def _corrupt_sparse_grad(self, i: int, spec: FaultSpec, t: Target, param: torch.Tensor) -> None:
-        """A sparse gradient is in memory as the values of the rows it holds: the fault lands on
-        its coalesced values (``[rows, *dense dims]``, the pattern resolved on them), written back
-        as ``.grad``; the record gives the elements' flat indices in the parameter."""
-        grad = param.grad.coalesce()
-        values = grad.values()
-        result = self._apply(spec, t, values)
-        row = math.prod(values.shape[1:])
-        sparse_shape = grad.shape[:grad.sparse_dim()]
-        strides = torch.tensor([math.prod(sparse_shape[d + 1:]) for d in range(len(sparse_shape))])
-        rows = (grad.indices().cpu() * strides.unsqueeze(1)).sum(0)   # flat index of each stored row
-        index = rows[result.index // row] * row + result.index % row
-        param.grad = grad
-        self._record(i, spec, t.name, FaultResult(index, result.before, result.after))
-
-    def _active(self, site: str):
-        """(index, spec) of the specs for ``site`` that can fire at the current position."""
-        for i, spec in enumerate(self.specs):
-            if spec.site == site and self._live(spec):
-                yield i, spec
-
-    def _apply_memory_faults(self, after_update: bool = False) -> None:
-        """Weights and optimizer state are memory: a fault there is applied to the resident
-        tensor (optimizer state once per step, at micro-batch 0). ``after_update``: re-apply
-        the permanent ones to the values the update just wrote."""
-        when = "after_update" if after_update else None
-        for site in MEMORY_SITES:
-            for i, spec in self._active(site):
-                permanent = spec.schedule.kind == "permanent"
-                if after_update and not permanent:
-                    continue
-                for t in self.targets[i]:
-                    if not self._fires(spec, t):
-                        continue
-                    if site == "weight":   # .data: the write leaves param._version to the optimizer's
-                        self._corrupt_resident(i, spec, t, t.param.data, t.param, "", when, permanent)
-                    elif (after_update or self.micro_batch == 0) and self.optimizer is not None:
-                        state = self.optimizer.state.get(t.param, {})
-                        for key in element_state(state, t.param):
-                            if spec.state_key in (None, key):
-                                self._corrupt_resident(i, spec, t, state[key], state[key], f":{key}", when, permanent)
-
-    def _corrupt_resident(self, i: int, spec: FaultSpec, t: Target, tensor: torch.Tensor, owner: torch.Tensor,
-                          suffix: str, when: str | None, permanent: bool) -> None:
-        """Corrupt a tensor held in memory. A permanent fault acts on each value written there
-        (by an update) once: while ``owner``'s version says nothing rewrote it since the fault
-        went in, it is in place -- applying it again would undo a bit flip. A resumed run meets
-        the faults that started before it in place (see ``resumed_at``): where they lie is where
-        their last application, at step ``resumed_at - 1``, put them."""
-        key = (i, t.name + suffix)
-        got = self._resident.get(key)
-        if permanent and got is None and spec.schedule.start < self.resumed_at:
-            index = self._apply(spec, t, tensor.clone(), suffix=suffix, step=self.resumed_at - 1).index
-            got = self._resident[key] = (id(owner), owner._version, index)
-        if permanent and got is not None and got[:2] == (id(owner), owner._version):
-            values = tensor.reshape(-1)[got[2]].clone()   # in place: logged as such (before == after)
-            self._record(i, spec, t.name + suffix, FaultResult(got[2], values, values), when=when)
-            return
-        result = self._corrupt(i, spec, t, tensor, suffix=suffix, when=when)
-        if permanent:
-            self._resident[key] = (id(owner), owner._version, result.index)
-
-    def _optimizer_post(self, optimizer, args, kwargs) -> None:
-        """A permanent memory fault survives the update: re-apply it to the new values."""
-        self._apply_memory_faults(after_update=True)
-
     # -- records -----------------------------------------------------------------------------
-    def _record(self, i: int, spec: FaultSpec, name: str, result, *, call: int | None = None,
-                when: str | None = None) -> None:
+    def _record(
+        self, i: int, spec: FaultSpec, name: str, result, *, call: int | None = None, when: str | None = None
+    ) -> None:
         site = spec.site
         if _REEXECUTING.get():  # a replay: the permanent faults acting again were logged
             return
@@ -585,8 +403,15 @@ class Injector:
         self._seen.add(key)
         values = result.to_dict()
         record = {
-            "step": self.step, "micro_batch": self.micro_batch, "rank": self.rank, "site": site,
-            "when": when, "call": call, "module": name, "spec": i, "model": spec.model,
+            "step": self.step,
+            "micro_batch": self.micro_batch,
+            "rank": self.rank,
+            "site": site,
+            "when": when,
+            "call": call,
+            "module": name,
+            "spec": i,
+            "model": spec.model,
             "bits": list(spec.bits) if spec.bits else None,
             "count": len(values["index"]),
             **{k: vals[:MAX_RECORDED] for k, vals in values.items()},

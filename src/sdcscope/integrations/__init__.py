@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sdcscope.guard import Guard, GuardConfig
+from sdcscope.guard.actions import Applied, Loop
 
 __all__ = ["GuardSession", "Patches", "load_config", "open_guard"]
 
@@ -38,12 +39,15 @@ def load_config(config: GuardConfig | str | os.PathLike | Mapping | None) -> Gua
         return GuardConfig.load(config)
     if isinstance(config, Mapping):
         return GuardConfig.from_dict(config)
-    raise TypeError(f"guard config must be a GuardConfig, a YAML/JSON file path, a mapping or None, "
-                    f"got {type(config).__name__} {config!r}")
+    raise TypeError(
+        f"guard config must be a GuardConfig, a YAML/JSON file path, a mapping or None, "
+        f"got {type(config).__name__} {config!r}"
+    )
 
 
-def open_guard(model, optimizer, config: GuardConfig, run_dir: str | os.PathLike,
-               on_event: Callable[[dict], None] | None = None) -> Guard:
+def open_guard(
+    model, optimizer, config: GuardConfig, run_dir: str | os.PathLike, on_event: Callable[[dict], None] | None = None
+) -> Guard:
     """An attached Guard writing ``run_dir/events.jsonl`` and, unless the config names another
     file, ``run_dir/metrics.jsonl`` (the user's config object is left as it is)."""
     run_dir = Path(run_dir)
@@ -53,8 +57,17 @@ def open_guard(model, optimizer, config: GuardConfig, run_dir: str | os.PathLike
     return Guard(model, optimizer, config, run_dir=run_dir, on_event=on_event).attach()
 
 
+class ClearingLoop(Loop):
+    """A library trainer's side of the discarding actions: the guard restores its own snapshot,
+    and a discarded step leaves no gradients for the library to clip or apply."""
+
+    def drop_update(self) -> None:
+        self.session.clear_grads()
+
+
 class GuardSession:
-    """:meth:`Guard.optimizer_step` cut in two, for a loop that is not ours.
+    """The guard's step protocol (:class:`~sdcscope.guard.StepSession`) at the points a library's
+    trainer lets an adapter in.
 
     A library's trainer runs forward/backward, then clips the gradients, then steps the optimizer,
     and offers a way in between each. The guard takes its part at each point:
@@ -72,46 +85,47 @@ class GuardSession:
 
     def __init__(self, guard: Guard) -> None:
         self.guard = guard
-        self.open = False      # begun, its update not yet reached
-        self.discard = False   # this step's update must not be applied
+        self.session = guard.session
+        self.open = False  # begun, its update not yet reached
+        self.discard = False  # this step's update must not be applied
         self.loss: Any = None
 
     def begin(self, step: int) -> None:
         self.open, self.discard, self.loss = True, False, None
-        self.guard._safe(lambda: self.guard.begin(step), "begin")
+        self.guard.safe(lambda: self.session.begin(step), "begin")
 
     def decide(self, loss: Any, rerun: Callable[[], Any] | None) -> Any:
         """Check the finished backward, replay with ``rerun()`` (zero the gradients, run the
         step's forward and backward again, return its loss) if anything fired, and act on the
         policy's answer; returns the step's loss (a recompute's, if the replay was kept)."""
-        g = self.guard
+        s = self.session
         if not self.open:
             return loss
-        actions, self.loss = g._safe(lambda: g.decide(loss, rerun), "decide", default=([], loss))
-        if "rollback" in actions and g._safe(g._rollback, "rollback", default=False):
-            self.discard = True
-        elif "rollback" in actions or "veto" in actions:   # a veto, or a rollback that failed (reported)
-            g._restore_buffers()
-            self.discard = True
+        applied, self.loss = self.guard.safe(
+            lambda: s.check(loss, rerun, ClearingLoop(s)), "decide", default=(Applied(), loss)
+        )
+        self.discard = applied.discarded
         if self.discard:
-            g._clear_grads()   # nothing left for the library to clip or apply
-            g._after_update(applied=False)
+            s.clear_grads()  # nothing left for the library to clip or apply
+            s.end(applied=False)
         else:
-            g.before_update()
+            s.before_update()
         return self.loss
 
     def update(self, apply: Callable[[], Any]) -> Any:
         """``apply()`` (the optimizer's real step) unless this step is discarded."""
-        g = self.guard
-        if not self.open:   # a step the guard did not see begin: not its to judge
+        if not self.open:  # a step the guard did not see begin: not its to judge
             return apply()
         self.open = False
         if self.discard:
             return None
-        g.update_imminent()   # after the library's clipping
-        out, row = g._apply_update(apply, self.loss)
-        g._after_update(applied=True, row=row, logged=None if self.loss is None else {"loss": self.loss})
+        out, row = self.session.update(apply, self.loss)  # after the library's clipping
+        self.session.end(applied=True, row=row, logged=None if self.loss is None else {"loss": self.loss})
         return out
+
+    def clear_grads(self) -> None:
+        """Zero every gradient before the adapter re-runs the step's forward and backward."""
+        self.session.clear_grads()
 
 
 class Patches:

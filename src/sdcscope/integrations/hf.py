@@ -49,8 +49,10 @@ try:
     from accelerate.optimizer import AcceleratedOptimizer
     from transformers import Trainer, TrainerCallback
 except ImportError as exc:
-    raise ImportError("sdcscope.integrations.hf needs the 'transformers' package (with 'accelerate'): "
-                      "pip install 'sdcscope[transformers]'") from exc
+    raise ImportError(
+        "sdcscope.integrations.hf needs the 'transformers' package (with 'accelerate'): "
+        "pip install 'sdcscope[transformers]'"
+    ) from exc
 
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
@@ -58,9 +60,13 @@ from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
 __all__ = ["SDCGuardCallback", "guard_trainer"]
 
 
-def guard_trainer(trainer: Trainer, config: GuardConfig | str | os.PathLike | Mapping | None = None, *,
-                  run_dir: str | os.PathLike | None = None,
-                  on_event: Callable[[dict], None] | None = None) -> SDCGuardCallback:
+def guard_trainer(
+    trainer: Trainer,
+    config: GuardConfig | str | os.PathLike | Mapping | None = None,
+    *,
+    run_dir: str | os.PathLike | None = None,
+    on_event: Callable[[dict], None] | None = None,
+) -> SDCGuardCallback:
     """Guard ``trainer``'s training: build the callback (config and settings checked now) and add
     it to the trainer. ``run_dir`` (default ``<output_dir>/sdcscope``) gets ``events.jsonl`` and
     ``metrics.jsonl``; ``on_event(record)`` is called for every event as well."""
@@ -75,9 +81,14 @@ class SDCGuardCallback(TrainerCallback):
     """The Guard's protocol in ``transformers.Trainer``; build it with :func:`guard_trainer`
     (constructed alone, it does nothing until ``trainer.add_callback(it)``)."""
 
-    def __init__(self, trainer: Trainer, config: GuardConfig | str | os.PathLike | Mapping | None = None, *,
-                 run_dir: str | os.PathLike | None = None,
-                 on_event: Callable[[dict], None] | None = None) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        config: GuardConfig | str | os.PathLike | Mapping | None = None,
+        *,
+        run_dir: str | os.PathLike | None = None,
+        on_event: Callable[[dict], None] | None = None,
+    ) -> None:
         if not isinstance(trainer, Trainer):
             raise TypeError(f"SDCGuardCallback needs a transformers.Trainer, got {type(trainer).__name__}")
         if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
@@ -92,7 +103,7 @@ class SDCGuardCallback(TrainerCallback):
         self.guard: Guard | None = None
         """The guard of the current (or last) ``train()``: built when training begins."""
         self._session: GuardSession | None = None
-        self._micro: list[tuple[tuple, dict, torch.Tensor]] = []   # the open step's micro-batches
+        self._micro: list[tuple[tuple, dict, torch.Tensor]] = []  # the open step's micro-batches
         self._patches = Patches()
 
     @property
@@ -102,7 +113,7 @@ class SDCGuardCallback(TrainerCallback):
     # -- TrainerCallback ---------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs) -> None:
         """The optimizer exists from here on (the Trainer builds and wraps it in ``train()``)."""
-        self._close()   # a train() again, or one retried by auto_find_batch_size
+        self._close()  # a train() again, or one retried by auto_find_batch_size
         trainer = self.trainer
         _check_supported(trainer)
         optimizer = trainer.optimizer
@@ -131,6 +142,7 @@ class SDCGuardCallback(TrainerCallback):
     def _wrap_optimizer_step(self, step: Callable) -> Callable:
         def guarded(*args, **kwargs):
             return self._session.update(lambda: step(*args, **kwargs))
+
         return guarded
 
     def _wrap_training_step(self, training_step: Callable) -> Callable:
@@ -141,7 +153,7 @@ class SDCGuardCallback(TrainerCallback):
                 session.begin(trainer.state.global_step)
             loss = training_step(model, inputs, *args, **kwargs)
             self._micro.append(((model, inputs, *args), kwargs, loss))
-            if not trainer.accelerator.sync_gradients:   # more micro-batches to come
+            if not trainer.accelerator.sync_gradients:  # more micro-batches to come
                 return loss
             earlier = [m[2] for m in self._micro[:-1]]
             total = torch.stack([*earlier, loss]).sum()
@@ -150,11 +162,12 @@ class SDCGuardCallback(TrainerCallback):
                 return loss
             # the Trainer sums what training_step returns: make the step's sum the recomputed loss
             return clean - torch.stack(earlier).sum() if earlier else clean
+
         return guarded
 
     def _rerun(self, training_step: Callable) -> torch.Tensor:
         """The whole step again: every micro-batch, from zeroed gradients."""
-        self.guard._clear_grads()
+        self._session.clear_grads()
         return torch.stack([training_step(*args, **kwargs) for args, kwargs, _ in self._micro]).sum()
 
 
@@ -167,17 +180,19 @@ def _check_supported(trainer: Trainer) -> None:
     if getattr(trainer, "is_fsdp_enabled", False):
         problems.append("FSDP (TrainingArguments.fsdp): parameters and gradients are sharded across ranks")
     if args.world_size > 1:
-        problems.append(f"distributed training (world_size={args.world_size}): each rank would decide alone; "
-                        f"data-parallel runs need the Guard's ddp= mode, which this adapter does not set up")
+        problems.append(
+            f"distributed training (world_size={args.world_size}): each rank would decide alone; "
+            f"data-parallel runs need the Guard's ddp= mode, which this adapter does not set up"
+        )
     if args.n_gpu > 1:
         problems.append(f"DataParallel over n_gpu={args.n_gpu} GPUs: run one process per GPU")
     if args.fp16 or getattr(trainer.accelerator, "scaler", None) is not None:
-        problems.append("fp16 mixed precision (TrainingArguments.fp16): its GradScaler steps the optimizer; "
-                        "use bf16=True or fp32")
+        problems.append(
+            "fp16 mixed precision (TrainingArguments.fp16): its GradScaler steps the optimizer; use bf16=True or fp32"
+        )
     if args.torch_compile:
         problems.append("torch_compile=True: the guard's hooks on the model's modules need eager mode")
     if str(getattr(args.optim, "value", args.optim)) in ("lomo", "adalomo"):
         problems.append(f"optim={args.optim!r}: LOMO updates the weights inside backward, before any check")
     if problems:
         raise ValueError("SDCGuardCallback cannot guard this Trainer: " + "; ".join(problems))
-

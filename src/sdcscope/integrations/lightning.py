@@ -53,8 +53,10 @@ except ImportError:
     try:
         import pytorch_lightning as pl
     except ImportError as exc:
-        raise ImportError("sdcscope.integrations.lightning needs the 'lightning' package (or "
-                          "'pytorch_lightning'): pip install 'sdcscope[lightning]'") from exc
+        raise ImportError(
+            "sdcscope.integrations.lightning needs the 'lightning' package (or "
+            "'pytorch_lightning'): pip install 'sdcscope[lightning]'"
+        ) from exc
 
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
@@ -67,9 +69,13 @@ class SDCGuardCallback(pl.Callback):
     ``metrics.jsonl``; ``on_event(record)`` is called for every event as well. The config is
     loaded and validated here, the trainer's settings when fitting starts."""
 
-    def __init__(self, config: GuardConfig | str | os.PathLike | Mapping | None = None, *,
-                 run_dir: str | os.PathLike | None = None,
-                 on_event: Callable[[dict], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: GuardConfig | str | os.PathLike | Mapping | None = None,
+        *,
+        run_dir: str | os.PathLike | None = None,
+        on_event: Callable[[dict], None] | None = None,
+    ) -> None:
         if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
             raise TypeError(f"run_dir must be a directory path or None, got {run_dir!r}")
         if on_event is not None and not callable(on_event):
@@ -80,7 +86,7 @@ class SDCGuardCallback(pl.Callback):
         self.guard: Guard | None = None
         """The guard of the current (or last) fit: built when training starts."""
         self._session: GuardSession | None = None
-        self._closure: Callable[[], Any] | None = None   # the open step's training_step + backward
+        self._closure: Callable[[], Any] | None = None  # the open step's training_step + backward
         self._loss: torch.Tensor | None = None
         self._replaying = False
         self._patches = Patches()
@@ -101,7 +107,7 @@ class SDCGuardCallback(pl.Callback):
         optimizers = trainer.optimizers
         if len(optimizers) != 1:
             raise ValueError(f"SDCGuardCallback guards one optimizer, got {len(optimizers)}")
-        (optimizer,) = optimizers   # (one the Guard cannot drive, LBFGS, the Guard refuses)
+        (optimizer,) = optimizers  # (one the Guard cannot drive, LBFGS, the Guard refuses)
         run_dir = self.run_dir if self.run_dir is not None else Path(trainer.default_root_dir) / "sdcscope"
         self.guard = open_guard(pl_module, optimizer, self.config, run_dir, self.on_event)
         self._session = GuardSession(self.guard)
@@ -109,12 +115,12 @@ class SDCGuardCallback(pl.Callback):
         self._patches.set(optimizer, "step", self._wrap_optimizer_step)
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
-        if not self._session.open:   # the step's first micro-batch
+        if not self._session.open:  # the step's first micro-batch
             self._loss = None
             self._session.begin(trainer.global_step)
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
-        if not self._replaying:   # a replay's loss is the closure's return value
+        if not self._replaying:  # a replay's loss is the closure's return value
             loss = loss.detach()
             self._loss = loss if self._loss is None else self._loss + loss
 
@@ -143,18 +149,21 @@ class SDCGuardCallback(pl.Callback):
     def _wrap_module_optimizer_step(self, optimizer_step: Callable) -> Callable:
         """``LightningModule.optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)``:
         the one place that is handed the step's closure."""
+
         def guarded(*args, **kwargs):
             self._closure = args[3] if len(args) > 3 else kwargs.get("optimizer_closure")
             try:
                 return optimizer_step(*args, **kwargs)
             finally:
                 self._closure = None
+
         return guarded
 
     def _wrap_optimizer_step(self, step: Callable) -> Callable:
         """The torch optimizer's ``step(closure)``: the closure (forward, backward, the guard's
         decision, clipping) runs first, as the optimizer itself would run it; the update follows
         unless the step is discarded."""
+
         def guarded(closure=None, **kwargs):
             if closure is None:
                 return self._session.update(lambda: step(**kwargs))
@@ -162,13 +171,14 @@ class SDCGuardCallback(pl.Callback):
                 result = closure()
             self._session.update(lambda: step(**kwargs))
             return result
+
         return guarded
 
     def _rerun(self) -> torch.Tensor:
-        self.guard._clear_grads()
+        self._session.clear_grads()
         self._replaying = True
         try:
-            return self._closure()   # Lightning's closure returns the step's loss, detached
+            return self._closure()  # Lightning's closure returns the step's loss, detached
         finally:
             self._replaying = False
 
@@ -176,18 +186,24 @@ class SDCGuardCallback(pl.Callback):
         """Refuse, naming the setting, what the callback cannot guard correctly."""
         problems = []
         if not pl_module.automatic_optimization:
-            problems.append("manual optimization (automatic_optimization=False): call the Guard yourself in "
-                            "training_step (guard.step(...), guard.optimizer_step(loss))")
+            problems.append(
+                "manual optimization (automatic_optimization=False): call the Guard yourself in "
+                "training_step (guard.step(...), guard.optimizer_step(loss))"
+            )
         if trainer.world_size > 1:
-            problems.append(f"world_size={trainer.world_size}: each rank would decide alone; data-parallel runs "
-                            f"need the Guard's ddp= mode, which this callback does not set up")
+            problems.append(
+                f"world_size={trainer.world_size}: each rank would decide alone; data-parallel runs "
+                f"need the Guard's ddp= mode, which this callback does not set up"
+            )
         if not any(c.__name__ == "SingleDeviceStrategy" for c in type(trainer.strategy).__mro__):
             problems.append(f"strategy {type(trainer.strategy).__name__}: only single-device strategies are supported")
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             problems.append(f"precision={trainer.precision!r}: its GradScaler steps the optimizer; use bf16 or fp32")
         if self.config.replay and trainer.accumulate_grad_batches > 1:
-            problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} with replay: the step's "
-                            f"closure holds its last micro-batch only; set the guard's replay to false "
-                            f"(findings are then judged unverified) or accumulate_grad_batches=1")
+            problems.append(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} with replay: the step's "
+                f"closure holds its last micro-batch only; set the guard's replay to false "
+                f"(findings are then judged unverified) or accumulate_grad_batches=1"
+            )
         if problems:
             raise ValueError("SDCGuardCallback cannot guard this fit: " + "; ".join(problems))

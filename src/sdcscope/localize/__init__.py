@@ -24,6 +24,21 @@ from sdcscope.localize.ranks import (
     device_id,
 )
 
-__all__ = ["Divergence", "LockstepReport", "Mismatch", "TensorDiff", "diff", "first_divergence", "lockstep",
-           "replica", "LEDGER_FILE", "SUSPICIONS", "VERDICTS", "LedgerConfig", "LocalizeConfig", "RankLedger",
-           "RankLocalizer", "device_id"]
+__all__ = [
+    "Divergence",
+    "LockstepReport",
+    "Mismatch",
+    "TensorDiff",
+    "diff",
+    "first_divergence",
+    "lockstep",
+    "replica",
+    "LEDGER_FILE",
+    "SUSPICIONS",
+    "VERDICTS",
+    "LedgerConfig",
+    "LocalizeConfig",
+    "RankLedger",
+    "RankLocalizer",
+    "device_id",
+]

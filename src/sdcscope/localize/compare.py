@@ -51,8 +51,9 @@ def _differs(s: torch.Tensor, r: torch.Tensor, atol: float, rtol: float) -> torc
     return ~close
 
 
-def diff(suspect: torch.Tensor, reference: torch.Tensor, *, atol: float = 0.0, rtol: float = 0.0,
-         limit: int = 8) -> TensorDiff:
+def diff(
+    suspect: torch.Tensor, reference: torch.Tensor, *, atol: float = 0.0, rtol: float = 0.0, limit: int = 8
+) -> TensorDiff:
     """Compare ``suspect`` with ``reference`` (same shape; a shape mismatch is a full mismatch)."""
     s, r = suspect.detach(), reference.detach().to(suspect.device)
     numel = s.numel()

@@ -93,15 +93,19 @@ class LockstepReport:
         """module -> direction -> {frequency, severity, magnitude} (maxima over its events)."""
         out: dict[str, dict[str, dict[str, float]]] = {}
         for e in self.mismatched:
-            d = out.setdefault(e.module, {}).setdefault(e.direction, {"frequency": 0.0, "severity": 0.0,
-                                                                      "magnitude": 0.0})
+            d = out.setdefault(e.module, {}).setdefault(
+                e.direction, {"frequency": 0.0, "severity": 0.0, "magnitude": 0.0}
+            )
             for k in d:
                 d[k] = max(d[k], getattr(e, k))
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"first": None if self.first is None else self.first.to_dict(),
-                "mismatched": [e.to_dict() for e in self.mismatched], "events": len(self.events)}
+        return {
+            "first": None if self.first is None else self.first.to_dict(),
+            "mismatched": [e.to_dict() for e in self.mismatched],
+            "events": len(self.events),
+        }
 
 
 class _Overwrite(torch.autograd.Function):
@@ -136,8 +140,18 @@ def _label(kind: str, value: Any, i: int) -> str:
 class _Session:
     """Hooks on one model for one pass: record values, or compare them with recorded ones."""
 
-    def __init__(self, model: nn.Module, names: Sequence[str], record: dict | None, compare: dict | None,
-                 report: LockstepReport | None, sync: bool, atol: float, rtol: float, limit: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        names: Sequence[str],
+        record: dict | None,
+        compare: dict | None,
+        report: LockstepReport | None,
+        sync: bool,
+        atol: float,
+        rtol: float,
+        limit: int,
+    ) -> None:
         self.record, self.compare, self.report = record, compare, report
         self.sync, self.atol, self.rtol, self.limit = sync, atol, rtol, limit
         self.calls: dict[tuple[str, str], int] = {}
@@ -157,22 +171,40 @@ class _Session:
         self.calls[(name, direction)] = n + 1
         return n
 
-    def visit(self, key: tuple, module: nn.Module | None, name: str, direction: str, gemm: str | None,
-              value: torch.Tensor) -> torch.Tensor | None:
+    def visit(
+        self, key: tuple, module: nn.Module | None, name: str, direction: str, gemm: str | None, value: torch.Tensor
+    ) -> torch.Tensor | None:
         """Record or compare one value; returns the reference value when it should replace it."""
         if self.record is not None:
             self.record[key] = value.detach().clone()
             return None
         ref = self.compare.get(key)
-        d: TensorDiff = (diff(value, ref, atol=self.atol, rtol=self.rtol, limit=self.limit) if ref is not None
-                         else TensorDiff(value.numel(), value.numel(), 0.0, 0.0, 0.0, [], None, None))
+        d: TensorDiff = (
+            diff(value, ref, atol=self.atol, rtol=self.rtol, limit=self.limit)
+            if ref is not None
+            else TensorDiff(value.numel(), value.numel(), 0.0, 0.0, 0.0, [], None, None)
+        )
         order = len(self.report.events)
         _, _, tensor, call = key
-        self.report.events.append(Mismatch(order, name, direction, gemm, tensor, call, d.numel, d.count,
-                                           d.frequency, d.severity, d.magnitude))
+        self.report.events.append(
+            Mismatch(order, name, direction, gemm, tensor, call, d.numel, d.count, d.frequency, d.severity, d.magnitude)
+        )
         if d.count and self.report.first is None:
-            self.report.first = Divergence(name, direction, gemm, tensor, call, order, d.index, d.count,
-                                           d.numel, d.magnitude, d.relative, d.reference, d.suspect)
+            self.report.first = Divergence(
+                name,
+                direction,
+                gemm,
+                tensor,
+                call,
+                order,
+                d.index,
+                d.count,
+                d.numel,
+                d.magnitude,
+                d.relative,
+                d.reference,
+                d.suspect,
+            )
         if d.count and self.sync and ref is not None:
             return ref.to(value.dtype, copy=True)
         return None
@@ -190,6 +222,7 @@ class _Session:
             if not changed:
                 return None
             return type(output)(items) if isinstance(output, (tuple, list)) else items[0]
+
         return hook
 
     def _backward(self, name: str):
@@ -202,6 +235,7 @@ class _Session:
                 if ref is not None:
                     items[i], changed = ref, True
             return tuple(items) if changed else None
+
         return hook
 
 
@@ -229,9 +263,18 @@ def _run(fn: Callable[[], Any], models: list[nn.Module], rng: torch.Tensor) -> N
         fn()
 
 
-def lockstep(reference_fn: Callable[[], Any], suspect_fn: Callable[[], Any], reference_model: nn.Module,
-             suspect_model: nn.Module | None = None, *, sync: bool = True, atol: float = 0.0, rtol: float = 0.0,
-             modules: Sequence[str] | None = None, max_indices: int = 8) -> LockstepReport:
+def lockstep(
+    reference_fn: Callable[[], Any],
+    suspect_fn: Callable[[], Any],
+    reference_model: nn.Module,
+    suspect_model: nn.Module | None = None,
+    *,
+    sync: bool = True,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    modules: Sequence[str] | None = None,
+    max_indices: int = 8,
+) -> LockstepReport:
     """Run ``reference_fn`` then ``suspect_fn`` (each one forward + backward, e.g.
     ``lambda: loss_fn(model, batch).backward()``) and compare them submodule by submodule.
 
@@ -243,8 +286,11 @@ def lockstep(reference_fn: Callable[[], Any], suspect_fn: Callable[[], Any], ref
     parameters are not touched by this function (a function that corrupts them must undo that).
     """
     suspect_model = reference_model if suspect_model is None else suspect_model
-    names = [n for n, _ in reference_model.named_modules()
-             if n and (modules is None or any(fnmatchcase(n, p) for p in modules))]
+    names = [
+        n
+        for n, _ in reference_model.named_modules()
+        if n and (modules is None or any(fnmatchcase(n, p) for p in modules))
+    ]
     missing = [n for n in names if n not in dict(suspect_model.named_modules())]
     if missing:
         raise ValueError(f"suspect model lacks submodules of the reference: {missing[:5]}")
@@ -260,8 +306,10 @@ def lockstep(reference_fn: Callable[[], Any], suspect_fn: Callable[[], Any], ref
         finally:
             session.close()
         ref_owners = _param_owners(reference_model)
-        ref_grads = {ref_owners[id(p)][0]: (None if p.grad is None else p.grad.detach().clone())
-                     for p in reference_model.parameters()}
+        ref_grads = {
+            ref_owners[id(p)][0]: (None if p.grad is None else p.grad.detach().clone())
+            for p in reference_model.parameters()
+        }
         session = _Session(suspect_model, names, None, recorded, report, sync, atol, rtol, max_indices)
         try:
             _run(suspect_fn, models, rng)
@@ -284,15 +332,23 @@ def lockstep(reference_fn: Callable[[], Any], suspect_fn: Callable[[], Any], ref
     return report
 
 
-def first_divergence(reference_fn: Callable[[], Any], suspect_fn: Callable[[], Any], reference_model: nn.Module,
-                     suspect_model: nn.Module | None = None, *, atol: float = 0.0, rtol: float = 0.0,
-                     modules: Sequence[str] | None = None) -> Divergence | None:
+def first_divergence(
+    reference_fn: Callable[[], Any],
+    suspect_fn: Callable[[], Any],
+    reference_model: nn.Module,
+    suspect_model: nn.Module | None = None,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    modules: Sequence[str] | None = None,
+) -> Divergence | None:
     """Where the suspect execution first departs from the reference: the submodule, direction
     (``forward``/``backward``), GEMM product, element indices and magnitude; ``None`` when every
     compared value matches. Same arguments as :func:`lockstep` (without synchronization: the first
     divergence is where the corruption entered)."""
-    return lockstep(reference_fn, suspect_fn, reference_model, suspect_model, sync=False, atol=atol,
-                    rtol=rtol, modules=modules).first
+    return lockstep(
+        reference_fn, suspect_fn, reference_model, suspect_model, sync=False, atol=atol, rtol=rtol, modules=modules
+    ).first
 
 
 def replica(model: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Module:

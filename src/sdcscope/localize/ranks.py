@@ -1,9 +1,9 @@
 """Rank localization: which rank, which layer, transient or persistent -- and who keeps failing.
 
-:class:`RankLocalizer` answers a cross-rank alarm the way Megatron's rerun state machine does
-(production_sdc.md §1.1), but in-job and without a checkpoint/restart: the suspect rank
-re-computes its own local gradient of the step, and a healthy **peer** re-computes the suspect's
-micro-batches (a pure function of seed, step and rank, see :mod:`sdcscope.engine.ddp`). Each
+:class:`RankLocalizer` answers a cross-rank alarm the way Megatron's rerun state machine does,
+but in-job and without a checkpoint/restart: the suspect rank re-computes its own local gradient
+of the step, and a healthy **peer** re-computes the suspect's micro-batches (a pure function of
+seed, step and rank, see :mod:`sdcscope.engine.dist`). Each
 replay's per-parameter signatures are compared with what the suspect sent before the reduction:
 
 =====================  ===================  =====================================================
@@ -24,7 +24,7 @@ up everywhere. A replay assumes a deterministic forward (no dropout, or dropout 
 and rank) and equal replicas (:class:`sdcscope.mitigate.quarantine.RankGuard` checks first).
 
 One replay is not a diagnosis: real SDC devices fail intermittently, and a fault that does not
-recur in a single replay is not proof of health (§7 gap 4). :class:`RankLedger` keeps every
+recur in a single replay is not proof of health. :class:`RankLedger` keeps every
 suspicion per **device** (host and device index, not rank) in ``ledger.json`` in the run
 directory; a device with one ``persistent`` verdict, or ``max_suspicions`` suspicions within
 ``window`` steps, is ``faulty``, and a ledger carried into a later job keeps it so.
@@ -46,11 +46,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdcscope._io import write_json
-from sdcscope._validate import check_positive
-from sdcscope.detect.crossrank import MOD32, Gathered, grad_signatures
+from sdcscope.common.io import write_json
+from sdcscope.common.validate import check_positive
 from sdcscope.detect.events import Event
-from sdcscope.engine.ddp import gather_rows
+from sdcscope.detect.signatures import MOD32, Gathered, grad_signatures
+from sdcscope.engine.dist import gather_rows
 
 VERDICTS = ("correct_result", "transient", "persistent", "unverified")
 """What :meth:`RankLocalizer.diagnose` can say about a suspect."""
@@ -90,8 +90,9 @@ class RankLocalizer:
 
     name = "rank_replay"
 
-    def __init__(self, model: nn.Module, config: LocalizeConfig | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, config: LocalizeConfig | None = None, group: dist.ProcessGroup | None = None
+    ) -> None:
         self.config = config or LocalizeConfig()
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -115,8 +116,14 @@ class RankLocalizer:
             pre[slots] = sums[slots].sum() % MOD32  # exact: a bucket's checksum is the sum of its parts'
         return torch.cat([norms, pre])
 
-    def diagnose(self, step: int, reported: Gathered, suspects: Sequence[int], healthy: Sequence[int],
-                 replay: Callable[[int], None]) -> list[Event]:
+    def diagnose(
+        self,
+        step: int,
+        reported: Gathered,
+        suspects: Sequence[int],
+        healthy: Sequence[int],
+        replay: Callable[[int], None],
+    ) -> list[Event]:
         """Verdicts for ``suspects`` at ``step``. ``reported``: the signatures every rank sent;
         ``replay(r)``: recompute rank r's local gradient of this step into ``.grad`` on this rank
         (e.g. :meth:`sdcscope.engine.ddp.DDPTrainer.local_gradients`)."""
@@ -129,15 +136,15 @@ class RankLocalizer:
                 for slot, who in ((2 * i, s), (2 * i + 1, peers[s])):
                     if who == self.rank:
                         replay(s)
-                        row[slot * 2 * p:(slot + 1) * 2 * p] = self._signatures(reported.buckets)
+                        row[slot * 2 * p : (slot + 1) * 2 * p] = self._signatures(reported.buckets)
         finally:
             for q, g in zip(self.params, saved):
                 q.grad = g
         rows = gather_rows(row.to(self.params[0].device), self.group).cpu()
         results = []
         for i, s in enumerate(suspects):
-            own = rows[s, 2 * i * 2 * p:(2 * i + 1) * 2 * p].view(2, p)
-            peer = None if peers[s] is None else rows[peers[s], (2 * i + 1) * 2 * p:(2 * i + 2) * 2 * p].view(2, p)
+            own = rows[s, 2 * i * 2 * p : (2 * i + 1) * 2 * p].view(2, p)
+            peer = None if peers[s] is None else rows[peers[s], (2 * i + 1) * 2 * p : (2 * i + 2) * 2 * p].view(2, p)
             results.append(self._verdict(step, s, peers[s], reported, own, peer))
         return results
 
@@ -152,24 +159,52 @@ class RankLocalizer:
         named = a[0] != b[0]
         return (named if named.any() else buckets).nonzero().flatten().tolist()
 
-    def _verdict(self, step: int, suspect: int, peer: int | None, reported: Gathered,
-                 own: torch.Tensor, theirs: torch.Tensor | None) -> Event:
+    def _verdict(
+        self,
+        step: int,
+        suspect: int,
+        peer: int | None,
+        reported: Gathered,
+        own: torch.Tensor,
+        theirs: torch.Tensor | None,
+    ) -> Event:
         sent = torch.stack([reported.norm[suspect], reported.pre[suspect]])
         evidence: dict[str, Any] = {"peer": peer, "reported_step": reported.step}
         if theirs is None:
-            return Event(step, self.name, "unverified", rank=suspect,
-                         evidence={**evidence, "reason": "no healthy peer to replay on"})
+            return Event(
+                step,
+                self.name,
+                "unverified",
+                rank=suspect,
+                evidence={**evidence, "reason": "no healthy peer to replay on"},
+            )
         differ = self._differs(sent, theirs)
         if not differ:
-            return Event(step, self.name, "correct_result", rank=suspect,
-                         evidence={**evidence, "reason": "a peer reproduces the gradient: data, not device"})
+            return Event(
+                step,
+                self.name,
+                "correct_result",
+                rank=suspect,
+                evidence={**evidence, "reason": "a peer reproduces the gradient: data, not device"},
+            )
         backward = [self.names[k] for k in reversed(differ)]
         reproduces = not self._differs(sent, own)
         k = differ[-1]
-        evidence.update(params=backward[:self.config.max_listed], count=len(differ),
-                        self_reproduces=reproduces, sent_norm=sent[0, k].item(), peer_norm=theirs[0, k].item())
-        return Event(step, self.name, "persistent" if reproduces else "transient",
-                     module=_module(backward[0]), rank=suspect, evidence=evidence)
+        evidence.update(
+            params=backward[: self.config.max_listed],
+            count=len(differ),
+            self_reproduces=reproduces,
+            sent_norm=sent[0, k].item(),
+            peer_norm=theirs[0, k].item(),
+        )
+        return Event(
+            step,
+            self.name,
+            "persistent" if reproduces else "transient",
+            module=_module(backward[0]),
+            rank=suspect,
+            evidence=evidence,
+        )
 
 
 @dataclass(kw_only=True)
@@ -193,9 +228,15 @@ class RankLedger:
     judged faulty then (or caught again after a resume) stays so. Suspicions count once per step.
     """
 
-    def __init__(self, devices: Sequence[str], path: str | Path | None = None,
-                 config: LedgerConfig | None = None, *, writer: bool = True,
-                 entries: dict[str, dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        devices: Sequence[str],
+        path: str | Path | None = None,
+        config: LedgerConfig | None = None,
+        *,
+        writer: bool = True,
+        entries: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
         self.config = config or LedgerConfig()
         self.devices = list(devices)
         self.path = None if path is None else Path(path)
@@ -226,8 +267,9 @@ class RankLedger:
         if event.rank is None or event.verdict not in (*SUSPICIONS, "persistent"):
             return False
         entry = self._entry(event.rank)
-        entry["suspicions"].append({"step": event.step, "detector": event.detector,
-                                    "verdict": event.verdict, "module": event.module})
+        entry["suspicions"].append(
+            {"step": event.step, "detector": event.detector, "verdict": event.verdict, "module": event.module}
+        )
         was = entry["faulty"]
         steps = {s["step"] for s in entry["suspicions"] if event.step - s["step"] < self.config.window}
         entry["faulty"] = was or event.verdict == "persistent" or len(steps) >= self.config.max_suspicions

@@ -7,6 +7,16 @@ from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
 from sdcscope.mitigate.snapshots import SnapshotConfig, SnapshotRing
 
 __all__ = [
-    "ACTIONS", "DEFAULT_RULES", "PolicyConfig", "LRBackoff", "LRBackoffConfig", "ZClip",
-    "ZClipConfig", "qk_clip_", "SnapshotConfig", "SnapshotRing", "RankGuard", "RankGuardConfig",
+    "ACTIONS",
+    "DEFAULT_RULES",
+    "PolicyConfig",
+    "LRBackoff",
+    "LRBackoffConfig",
+    "ZClip",
+    "ZClipConfig",
+    "qk_clip_",
+    "SnapshotConfig",
+    "SnapshotRing",
+    "RankGuard",
+    "RankGuardConfig",
 ]

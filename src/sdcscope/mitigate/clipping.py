@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sdcscope._validate import check_float, check_non_negative, check_positive
+from sdcscope.common.tensors import dense_values
+from sdcscope.common.validate import check_float, check_non_negative, check_positive
 from sdcscope.engine.trainer import total_norm
-from sdcscope.observe._util import dense_values
 
 
 @dataclass(kw_only=True)
@@ -55,7 +55,7 @@ class ZClip:
             return c.max_grad_norm
         std = math.sqrt(self.var)
         z = (norm - self.mean) / (std + 1e-12)
-        limit = self.mean + c.z_threshold ** 2 * std / z if z > c.z_threshold else norm
+        limit = self.mean + c.z_threshold**2 * std / z if z > c.z_threshold else norm
         limit = min(limit, c.max_grad_norm)
         clipped = min(norm, limit)
         self.mean = c.alpha * self.mean + (1 - c.alpha) * clipped

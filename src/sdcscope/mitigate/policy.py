@@ -13,14 +13,12 @@ reported). Unknown detectors, verdicts and actions are refused, naming the allow
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from sdcscope._validate import check_bool, check_choice
+from sdcscope.common.validate import check_bool, check_choice, did_you_mean
 
-ACTIONS = ("none", "veto", "recompute", "rollback", "skip_batch", "lr_backoff", "qk_clip", "quarantine",
-           "report")
+ACTIONS = ("none", "veto", "recompute", "rollback", "skip_batch", "lr_backoff", "qk_clip", "quarantine", "report")
 """veto: skip the optimizer step (parameters and optimizer state untouched); recompute: use the
 verified re-execution of the step; rollback: restore the last verified in-memory snapshot;
 skip_batch: never train on this batch again; lr_backoff: scale the LR down, recovering linearly;
@@ -67,23 +65,24 @@ _ALL_VERDICTS = tuple(dict.fromkeys(v for vs in VERDICTS.values() for v in vs))
 
 def _check_key(key: object) -> str:
     if not isinstance(key, str) or key.count(":") != 1:
-        raise ValueError(f"policy key {key!r} must look like 'detector:verdict' ('*' allowed); "
-                         f"detectors: {', '.join(VERDICTS)}; verdicts: {', '.join(_ALL_VERDICTS)}")
+        raise (ValueError if isinstance(key, str) else TypeError)(
+            f"policy key {key!r} must look like 'detector:verdict' ('*' allowed); "
+            f"detectors: {', '.join(VERDICTS)}; verdicts: {', '.join(_ALL_VERDICTS)}"
+        )
     detector, verdict = (part.strip() for part in key.split(":"))
     if detector != "*" and detector not in VERDICTS:
-        raise ValueError(f"policy key {key!r}: unknown detector {detector!r}{_hint(detector, VERDICTS)}; "
-                         f"allowed: {', '.join(VERDICTS)}, *")
+        raise ValueError(
+            f"policy key {key!r}: unknown detector {detector!r}{did_you_mean(detector, VERDICTS)}; "
+            f"allowed: {', '.join(VERDICTS)}, *"
+        )
     allowed = _ALL_VERDICTS if detector == "*" else VERDICTS[detector]
     if verdict != "*" and verdict not in allowed:
         whose = "" if detector == "*" else f" for detector {detector!r}"
-        raise ValueError(f"policy key {key!r}: unknown verdict {verdict!r}{whose}{_hint(verdict, allowed)}; "
-                         f"allowed: {', '.join(allowed)}, *")
+        raise ValueError(
+            f"policy key {key!r}: unknown verdict {verdict!r}{whose}{did_you_mean(verdict, allowed)}; "
+            f"allowed: {', '.join(allowed)}, *"
+        )
     return f"{detector}:{verdict}"
-
-
-def _hint(name: str, allowed) -> str:
-    close = difflib.get_close_matches(name, list(allowed), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 @dataclass(kw_only=True)
@@ -104,8 +103,10 @@ class PolicyConfig:
             if isinstance(actions, str):
                 actions = [actions]
             if not isinstance(actions, (list, tuple)):
-                raise TypeError(f"policy rule {key!r}: {actions!r} must be an action or a list of actions; "
-                                f"allowed: {', '.join(ACTIONS)}")
+                raise TypeError(
+                    f"policy rule {key!r}: {actions!r} must be an action or a list of actions; "
+                    f"allowed: {', '.join(ACTIONS)}"
+                )
             for action in actions:
                 check_choice(f"policy action in rule {key!r}:", action, ACTIONS)
             if norm in given and norm != key:

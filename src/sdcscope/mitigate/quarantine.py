@@ -2,7 +2,7 @@
 
 :class:`RankGuard` composes the cross-rank detectors (:mod:`sdcscope.detect.crossrank`), rank
 localization and the device ledger (:mod:`sdcscope.localize.ranks`) on the DDP bucket hook
-(:class:`sdcscope.engine.ddp.BucketHook`), and acts without stopping the job:
+(:class:`sdcscope.engine.buckets.BucketHook`), and acts without stopping the job:
 
 - **veto** -- a step with any finding is not applied, on *every* rank: each rank computes the
   verdict from the same gathered numbers, so the decision is identical without another message.
@@ -55,11 +55,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sdcscope._io import JsonlWriter
-from sdcscope._validate import build_config, check_bool
+from sdcscope.common.io import JsonlWriter
+from sdcscope.common.validate import build_config, check_bool
 from sdcscope.detect.crossrank import CrossRankConfig, CrossRankDetector, ReplicaHashCheck
 from sdcscope.detect.events import Event
-from sdcscope.engine.ddp import bucket_hook
+from sdcscope.engine.buckets import bucket_hook
 from sdcscope.engine.state import TrainState, capture, clone_tree
 from sdcscope.localize.ranks import LEDGER_FILE, LedgerConfig, LocalizeConfig, RankLedger, RankLocalizer, device_id
 
@@ -108,9 +108,16 @@ class RankGuard:
     ``run_dir/ledger.json``; a device it already calls faulty is quarantined from the start.
     """
 
-    def __init__(self, ddp: DDP, optimizer: torch.optim.Optimizer, *, config: RankGuardConfig | None = None,
-                 run_dir: str | Path | None = None, ledger: str | Path | None = None,
-                 write_events: bool = True) -> None:
+    def __init__(
+        self,
+        ddp: DDP,
+        optimizer: torch.optim.Optimizer,
+        *,
+        config: RankGuardConfig | None = None,
+        run_dir: str | Path | None = None,
+        ledger: str | Path | None = None,
+        write_events: bool = True,
+    ) -> None:
         self.config = c = config or RankGuardConfig()
         self.model, self.optimizer = ddp.module, optimizer
         group = ddp.process_group
@@ -130,14 +137,22 @@ class RankGuard:
         self.events: list[Event] = []
         self.verdicts: dict[int, Event] = {}
         self.veto = False
-        self._writer = (JsonlWriter(Path(run_dir) / "events.jsonl")
-                        if run_dir is not None and self.rank == 0 and write_events else None)
+        self._writer = (
+            JsonlWriter(Path(run_dir) / "events.jsonl")
+            if run_dir is not None and self.rank == 0 and write_events
+            else None
+        )
         if self._writer is not None:
             self._writer.touch()
         self.ledger.save()
         self._verified: TrainState | None = capture(self.model, optimizer, 0, 0) if c.rollback else None
-        self._emit([self._quarantine(0, r, "faulty in the ledger") for r in range(self.world)
-                    if self.ledger.faulty(r) and c.quarantine])
+        self._emit(
+            [
+                self._quarantine(0, r, "faulty in the ledger")
+                for r in range(self.world)
+                if self.ledger.faulty(r) and c.quarantine
+            ]
+        )
 
     # -- the per-step protocol ---------------------------------------------------------------
     def begin(self, step: int) -> None:
@@ -145,8 +160,14 @@ class RankGuard:
         self.veto = False
         self.detector.begin(step)
 
-    def check(self, step: int, *, replay: Callable[[int], Any] | None = None,
-              local_events: Sequence[Event] | None = None, delegate: bool = False) -> list[Event]:
+    def check(
+        self,
+        step: int,
+        *,
+        replay: Callable[[int], Any] | None = None,
+        local_events: Sequence[Event] | None = None,
+        delegate: bool = False,
+    ) -> list[Event]:
         """After backward, before the optimizer: the world's verdicts on ``step``; sets :attr:`veto`.
 
         ``replay(r)`` recomputes rank r's local gradient of this step into ``.grad`` (needed to
@@ -167,8 +188,12 @@ class RankGuard:
         self.verdicts = {e.rank: e for e in verdicts}
         cleared = {e.rank for e in verdicts if e.verdict == "correct_result"}
         suspects = {r for e in own for r in ([e.rank] if e.rank is not None else e.evidence.get("candidates", []))}
-        natural = bool(own) and all(e.verdict == "grad_outlier" for e in own) and suspects <= cleared and (
-            delegate or len(own) == len(events))
+        natural = (
+            bool(own)
+            and all(e.verdict == "grad_outlier" for e in own)
+            and suspects <= cleared
+            and (delegate or len(own) == len(events))
+        )
         if natural:  # every suspect's gradient reproduces on a peer: the data did it; apply the step
             self.detector.learn()
         self.veto = bool(desync) or (bool(own) and not natural) or (not delegate and len(own) < len(events))
@@ -267,16 +292,27 @@ class RankGuard:
         return event
 
     def _quarantine(self, step: int, rank: int, reason: str) -> Event:
-        evidence = {"device": self.devices[rank], "reason": reason,
-                    "suspicions": len(self.ledger.suspicions(rank))}
+        evidence = {"device": self.devices[rank], "reason": reason, "suspicions": len(self.ledger.suspicions(rank))}
         if len(self.quarantined) + 1 >= self.world:
-            return Event(step, "quarantine", "not_quarantined", rank=rank, action="report",
-                         evidence={**evidence, "why": "it is the last healthy rank"})
+            return Event(
+                step,
+                "quarantine",
+                "not_quarantined",
+                rank=rank,
+                action="report",
+                evidence={**evidence, "why": "it is the last healthy rank"},
+            )
         self.quarantined.add(rank)
         self.hook.exclude(self.quarantined)
         self.detector.excluded = frozenset(self.quarantined)
-        return Event(step, "quarantine", "quarantined", rank=rank, action="quarantine",
-                     evidence={**evidence, "healthy": self.healthy()})
+        return Event(
+            step,
+            "quarantine",
+            "quarantined",
+            rank=rank,
+            action="quarantine",
+            evidence={**evidence, "healthy": self.healthy()},
+        )
 
     def _emit(self, events: list[Event]) -> None:
         self.events += events

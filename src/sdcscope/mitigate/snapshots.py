@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sdcscope._validate import check_positive
+from sdcscope.common.validate import check_positive
 from sdcscope.engine.state import TrainState, apply, capture
 
 
@@ -34,8 +34,15 @@ class SnapshotRing:
     def due(self, step: int) -> bool:
         return step % self.config.every == 0
 
-    def take(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, data_pos: int,
-             lr_scale: float = 1.0, extra: dict | None = None) -> TrainState:
+    def take(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        data_pos: int,
+        lr_scale: float = 1.0,
+        extra: dict | None = None,
+    ) -> TrainState:
         state = capture(model, optimizer, step, data_pos, lr_scale, extra)
         self._ring.append(state)
         return state
@@ -47,8 +54,9 @@ class SnapshotRing:
         """Whether ``optimizer``'s parameter groups differ from the latest snapshot's
         (``add_param_group`` since): that snapshot no longer fits it."""
         latest = self.latest()
-        return latest is not None and _group_sizes(latest.optimizer["param_groups"]) != \
-            _group_sizes(optimizer.param_groups)
+        return latest is not None and _group_sizes(latest.optimizer["param_groups"]) != _group_sizes(
+            optimizer.param_groups
+        )
 
     def restore_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState | None:
         """Load the latest snapshot into ``model`` and ``optimizer``; one that no longer fits them
@@ -71,9 +79,12 @@ def _group_sizes(groups: list[dict]) -> list[int]:
 def _check_fits(state: TrainState, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     then, now = _group_sizes(state.optimizer["param_groups"]), _group_sizes(optimizer.param_groups)
     if then != now:
-        raise ValueError(f"the snapshot of step {state.step} does not fit the optimizer: its parameter groups "
-                         f"held {then} parameters, the optimizer's hold {now} (add_param_group since?)")
+        raise ValueError(
+            f"the snapshot of step {state.step} does not fit the optimizer: its parameter groups "
+            f"held {then} parameters, the optimizer's hold {now} (add_param_group since?)"
+        )
     current = model.state_dict()
     if current.keys() != state.model.keys() or any(current[k].shape != v.shape for k, v in state.model.items()):
-        raise ValueError(f"the snapshot of step {state.step} does not fit the model: its parameters or "
-                         "buffers changed since")
+        raise ValueError(
+            f"the snapshot of step {state.step} does not fit the model: its parameters or buffers changed since"
+        )

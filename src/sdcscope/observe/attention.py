@@ -10,7 +10,7 @@ is on the Python stack (the attention module: ``LlamaAttention``, ``MultiheadAtt
 names the metrics; a call from no module of the model (another model in the process) is not its.
 
 * every step: ``attn/max_logit_bound/<attn>`` = scale · maxᵢ‖qᵢ‖ · maxⱼ‖kⱼ‖ per (batch, key head):
-  two row-norm reductions, no logits (instability.md §1.6). Grouped-query attention pairs each
+  two row-norm reductions, no logits. Grouped-query attention pairs each
   query head with its key head.
 * probe steps: the logits scale·q·kᵀ are formed once (a batched GEMM): ``attn/max_logit/<attn>``
   (before masking, like the MatMul path) and ``attn/entropy/<attn>``, the mean −Σ p log p of the
@@ -36,14 +36,14 @@ import weakref
 import torch
 from torch import nn
 
-from sdcscope.observe._util import no_autocast
+from sdcscope.common.tensors import no_autocast
 
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _MAX_DEPTH = 16
 """Frames searched above the SDPA call for the module that made it."""
 
 _lock = threading.Lock()
-_taps: weakref.WeakSet[SDPATap] = weakref.WeakSet()   # a tap dropped without detach leaves by itself
+_taps: weakref.WeakSet[SDPATap] = weakref.WeakSet()  # a tap dropped without detach leaves by itself
 _original: list = []
 
 
@@ -104,9 +104,8 @@ class SDPATap:
             return
         try:
             self._record(owner[0], q, k, call)
-        except Exception as exc:   # a monitor must not break the model's forward
-            warnings.warn(f"sdcscope: attention metrics of {owner[0]!r} skipped: {exc!r}", RuntimeWarning,
-                          stacklevel=3)
+        except Exception as exc:  # a monitor must not break the model's forward
+            warnings.warn(f"sdcscope: attention metrics of {owner[0]!r} skipped: {exc!r}", RuntimeWarning, stacklevel=3)
 
     def _record(self, name: str, q: torch.Tensor, k: torch.Tensor, call: dict) -> None:
         rec = self._recorder
@@ -122,7 +121,7 @@ class SDPATap:
             if not rec._probe:
                 return
             if q.dim() >= 3 and q.shape[-3] != k.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
-                k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)   # grouped-query heads
+                k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)  # grouped-query heads
             logits = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)).mul_(scale)
             rec._record_max(f"attn/max_logit/{name}", logits.amax())
             mask = call.get("attn_mask")

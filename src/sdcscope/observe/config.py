@@ -1,12 +1,12 @@
 """Configuration of the per-step metrics collector (:class:`~sdcscope.observe.Metrics`).
 
-Tiers follow research/instability.md §5.1: every step (loss, learning rate, gradient norms global
+Tiers (see docs/guard.md): every step (loss, learning rate, gradient norms global
 and per layer, attention-logit bound — a few fused reductions); statistics steps every
 ``stats_every`` (parameter norm, update ratio, cosines, Adam ``g²/v``, output log-sum-exp); probe steps every
 ``probe_every`` (exact attention max logit and entropy, activation kurtosis); and every
 ``stable_rank_every`` steps (weight stable rank by power iteration). Set ``stats_every=1`` to get
-the statistics tier every step (about +10 % step time on a 2-layer CPU GPT, where Python and
-dispatch cost per tensor dominate; far less on large models and GPUs).
+the statistics tier every step (its cost: benchmarks/; it is largest on small models, where Python
+and dispatch cost per tensor dominate).
 
 Module options left at ``None`` use a default that may match nothing (a model without attention
 simply has no attention metrics); a pattern you set must match something, else ``ValueError``.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from sdcscope._validate import check_bool, check_choice, check_positive
+from sdcscope.common.validate import check_bool, check_choice, check_positive
 from sdcscope.observe.sinks import check_sink
 
 UPDATE_RATIO_SOURCES = ("auto", "optimizer", "copy", "off")
@@ -42,7 +42,7 @@ class MetricsConfig:
     ``cos/grad_moment`` (cos(g_t, m_{t-1}) with Adam's exp_avg before this step)."""
     adam_stats: bool = True
     """``adam/g2_over_v`` = Σg²/Σv̂_{t-1} (global and min/max over layers): ≪ 1 for long means the
-    second moment has decoupled from the gradient (instability.md §1.9)."""
+    second moment has decoupled from the gradient."""
     stats_every: int = 25
     """Parameter norm, update ratio, cosines, Adam statistics and the output log-sum-exp on steps with
     ``step % stats_every == 0`` (research tier "every ~10–100 steps")."""
@@ -55,8 +55,8 @@ class MetricsConfig:
     """Power iterations per stable-rank probe of a weight above 2²² elements (smaller ones get the
     exact σ_max from an SVD); the vector is kept between probes (warm start, the first probe runs
     ``10 × power_iters``). A few iterations underestimate σ_max, so they overstate the stable rank,
-    where the top singular values lie close together (up to +43 % on fresh random weights with 2,
-    +11 % with 10)."""
+    where the top singular values lie close together (fresh random weights); more iterations narrow
+    the gap."""
     attn_score: str | None = None
     """Pattern for the attention-score MatMul modules (``forward(q*scale, kᵀ)``); default ``'*score'``."""
     attn_context: str | None = None
@@ -89,7 +89,9 @@ class MetricsConfig:
             check_bool(name, getattr(self, name))
         for name in ("attn_score", "attn_context", "output_module", "path"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name}={value!r} must be a non-empty string or None")
+            if value == "":
                 raise ValueError(f"{name}={value!r} must be a non-empty string or None")
         if self.path is not None:
             check_sink(self.sink, self.path)
@@ -99,7 +101,9 @@ class MetricsConfig:
                 continue
             if isinstance(value, str):
                 value = (value,)
-            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise TypeError(f"{name}={value!r} must be a pattern or a list of non-empty pattern strings")
+            if not all(value):
                 raise ValueError(f"{name}={value!r} must be a pattern or a list of non-empty pattern strings")
             setattr(self, name, tuple(value))
 

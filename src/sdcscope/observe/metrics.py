@@ -17,7 +17,8 @@ Call order in a training loop (each call is optional; a missing one only drops i
 
 ``attach(optimizer_hooks=True)`` registers the two optimizer calls as optimizer step hooks
 instead. Every quantity stays a device tensor until :meth:`Metrics.collect` concatenates them
-into one vector and calls ``.tolist()`` once. Tiers (:class:`MetricsConfig`): every step the loss, learning rate, gradient
+into one vector and calls ``.tolist()`` once. Tiers (:class:`MetricsConfig`): every step the loss,
+learning rate, gradient
 norms and the attention-logit bound; statistics steps (``stats_every``) add the parameter norm,
 update ratio, cosines, Adam statistics and the log-sum-exp; probe steps (``probe_every``) the exact
 attention logit, entropy and kurtosis. Metric names (``<layer>`` is a module name):
@@ -26,12 +27,12 @@ attention logit, entropy and kurtosis. Metric names (``<layer>`` is a module nam
 ``loss``, ``lr``                      the value given to ``collect``; group 0's learning rate
 ``grad_norm``, ``grad_norm/<layer>``  ‖g‖₂ (global, per module), before clipping
 ``param_norm``                        ‖θ‖₂ after the step (statistics steps)
-``update_ratio[/<layer>]``            ‖Δθ‖₂ / ‖θ‖₂ (instability.md §1.4)
+``update_ratio[/<layer>]``            ‖Δθ‖₂ / ‖θ‖₂
 ``cos/update_grad``                   cos(Δθ_t, g_t); a descent step is negative
 ``cos/grad_moment``                   cos(g_t, m_{t-1}) with Adam's ``exp_avg`` before the step
-``adam/g2_over_v[_min|_max]``         Σg² / Σv̂_{t-1} (global; min/max over layers) (§1.9)
+``adam/g2_over_v[_min|_max]``         Σg² / Σv̂_{t-1} (global; min/max over layers)
 ``attn/max_logit_bound[/<attn>]``     max over (batch, head) of maxᵢ‖qᵢ‖·maxⱼ‖kⱼ‖ (q already
-                                      scaled), from the score MatMul's inputs, every step (§1.6);
+                                      scaled), from the score MatMul's inputs, every step;
                                       where the logits are fewer than q's and k's elements
                                       (sequence ≤ 2·head dim) their exact max, which costs less
 ``attn/max_logit[/<attn>]``           exact max of the score MatMul output (probe steps; before
@@ -40,11 +41,11 @@ attention logit, entropy and kurtosis. Metric names (``<layer>`` is a module nam
                                       (:mod:`sdcscope.observe.attention`)
 ``attn/entropy[_min]``, ``/<attn>``   mean −Σ p log p of the probabilities fed to the context
                                       MatMul (probe steps; rows renormalised, so with attention
-                                      dropout it is the entropy of the dropped-out rows) (§1.7)
-``logits/lse_mean``, ``_max``         log Σ exp(logits) of the output module, per token (§1.8)
+                                      dropout it is the entropy of the dropped-out rows)
+``logits/lse_mean``, ``_max``         log Σ exp(logits) of the output module, per token
 ``act/kurtosis[_max]``, ``/<module>`` mean(s⁴)/mean(s²)² with sⱼ the RMS of feature j over
-                                      tokens (He et al.; 1 = no outlier features) (§1.10)
-``stable_rank[_min]``, ``/<param>``   ‖W‖_F² / σ_max², σ_max by warm-started power iteration (§1.11)
+                                      tokens (He et al.; 1 = no outlier features)
+``stable_rank[_min]``, ``/<param>``   ‖W‖_F² / σ_max², σ_max by warm-started power iteration
 ====================================  =============================================================
 
 Forward hooks record only in training mode (``module.training``), so evaluation passes do not
@@ -54,15 +55,14 @@ mean) over micro-batches.
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
 
-from sdcscope.observe._util import dense_values, is_matmul, match_modules, no_autocast
+from sdcscope.common.modules import is_matmul, match_modules
+from sdcscope.common.tensors import dense_values
 from sdcscope.observe.attention import SDPATap
 from sdcscope.observe.config import (
     DEFAULT_ATTN_CONTEXT,
@@ -70,9 +70,10 @@ from sdcscope.observe.config import (
     DEFAULT_OUTPUT_MODULE,
     MetricsConfig,
 )
+from sdcscope.observe.forward_stats import TINY, ForwardStats
+from sdcscope.observe.reduce import dense_grad, grad_sq_norms, prefixed, reconstruct_update, stack, summarize, total_dot
 from sdcscope.observe.sinks import Sink, make_sink
 
-_TINY = 1e-30
 _EXACT_SIGMA = 1 << 22
 """Weights of up to this many elements get the exact σ_max (an SVD) in the stable rank."""
 
@@ -81,25 +82,23 @@ def _parent(name: str) -> str:
     return name.rpartition(".")[0] or name
 
 
-def _first_tensor(out: object) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    return None
-
-
-class Metrics:
+class Metrics(ForwardStats):
     """Collects the metrics of :mod:`sdcscope.observe.metrics` for ``model`` (and ``optimizer``)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 config: MetricsConfig | None = None, *, sinks: Iterable[Sink] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        config: MetricsConfig | None = None,
+        *,
+        sinks: Iterable[Sink] | None = None,
+    ) -> None:
         if config is not None and not isinstance(config, MetricsConfig):
             raise TypeError(f"config must be a MetricsConfig, not {type(config).__name__}")
         self.model = model
         self.optimizer = optimizer
         self.config = cfg = config or MetricsConfig()
-        named = list(model.named_parameters())   # frozen ones too: a loop may unfreeze them later
+        named = list(model.named_parameters())  # frozen ones too: a loop may unfreeze them later
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         layers = [_parent(n) for n in self._names]
@@ -109,26 +108,50 @@ class Metrics:
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
         self._slots: dict[tuple, tuple[list[str], torch.Tensor]] = {}
 
-        self._score = {_parent(n): m for n, m in match_modules(
-            model, [cfg.attn_score or DEFAULT_ATTN_SCORE], where=is_matmul,
-            option="attn_score", strict=cfg.attn_score is not None).items()}
-        self._context = {_parent(n): m for n, m in match_modules(
-            model, [cfg.attn_context or DEFAULT_ATTN_CONTEXT], where=is_matmul,
-            option="attn_context", strict=cfg.attn_context is not None).items()}
+        self._score = {
+            _parent(n): m
+            for n, m in match_modules(
+                model,
+                [cfg.attn_score or DEFAULT_ATTN_SCORE],
+                where=is_matmul,
+                option="attn_score",
+                strict=cfg.attn_score is not None,
+            ).items()
+        }
+        self._context = {
+            _parent(n): m
+            for n, m in match_modules(
+                model,
+                [cfg.attn_context or DEFAULT_ATTN_CONTEXT],
+                where=is_matmul,
+                option="attn_context",
+                strict=cfg.attn_context is not None,
+            ).items()
+        }
         self._sdpa = SDPATap(model, self) if cfg.sdpa else None
-        self._output = match_modules(model, [cfg.output_module or DEFAULT_OUTPUT_MODULE],
-                                     option="output_module", strict=cfg.output_module is not None)
+        self._output = match_modules(
+            model,
+            [cfg.output_module or DEFAULT_OUTPUT_MODULE],
+            option="output_module",
+            strict=cfg.output_module is not None,
+        )
         if cfg.kurtosis_modules is not None:
             self._kurtosis = match_modules(model, cfg.kurtosis_modules, option="kurtosis_modules")
         else:
-            self._kurtosis = {f"{name}.{i}": child for name, lst in model.named_children()
-                              if isinstance(lst, nn.ModuleList) for i, child in enumerate(lst)}
+            self._kurtosis = {
+                f"{name}.{i}": child
+                for name, lst in model.named_children()
+                if isinstance(lst, nn.ModuleList)
+                for i, child in enumerate(lst)
+            }
         two_d = [(n, p) for n, p in named if p.dim() == 2]
         if cfg.stable_rank_params is not None:
             for pat in cfg.stable_rank_params:
                 if not any(fnmatchcase(n, pat) for n, _ in two_d):
-                    raise ValueError(f"stable_rank_params pattern {pat!r} matches no 2-D parameter "
-                                     f"(2-D parameters: {', '.join(n for n, _ in two_d)})")
+                    raise ValueError(
+                        f"stable_rank_params pattern {pat!r} matches no 2-D parameter "
+                        f"(2-D parameters: {', '.join(n for n, _ in two_d)})"
+                    )
             two_d = [(n, p) for n, p in two_d if any(fnmatchcase(n, q) for q in cfg.stable_rank_params)]
         self._sr_params = two_d
         self._sr_vec: dict[str, torch.Tensor] = {}
@@ -163,10 +186,8 @@ class Metrics:
         if optimizer_hooks:
             if self.optimizer is None:
                 raise ValueError("optimizer_hooks=True needs an optimizer")
-            h.append(self.optimizer.register_step_pre_hook(
-                lambda opt, args, kwargs: self.before_optimizer_step()))
-            h.append(self.optimizer.register_step_post_hook(
-                lambda opt, args, kwargs: self.after_optimizer_step()))
+            h.append(self.optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.before_optimizer_step()))
+            h.append(self.optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_optimizer_step()))
         self._sync_tiers()
         return self
 
@@ -199,75 +220,12 @@ class Metrics:
     def __exit__(self, *exc: object) -> None:
         self.detach()
 
-    def _record_max(self, key: str, value: torch.Tensor) -> None:
-        value = value.detach()
-        if value.dtype != torch.float32:
-            value = value.float()
-        prev = self._max.get(key)
-        self._max[key] = value if prev is None else torch.maximum(prev, value)
-
-    def _record_mean(self, key: str, value: torch.Tensor) -> None:
-        value = value.detach().float()
-        prev = self._mean.get(key)
-        self._mean[key] = (value, 1) if prev is None else (prev[0] + value, prev[1] + 1)
-
-    def _score_hook(self, layer: str):
-        bound_key, exact_key = f"attn/max_logit_bound/{layer}", f"attn/max_logit/{layer}"
-
-        def hook(module, args, out):  # every step: one or two reductions, no casts
-            if not module.training or len(args) < 2 or not isinstance(out, torch.Tensor):
-                return
-            a, b, out = args[0].detach(), args[1].detach(), out.detach()
-            short = out.numel() <= a.numel() + b.numel()   # the logits cost less to read than q and k
-            exact = out.amax() if self._probe or short else None
-            if self._probe:
-                self._record_max(exact_key, exact)
-            if short:
-                self._record_max(bound_key, exact)
-                return
-            acc = torch.promote_types(a.dtype, torch.float32)
-            bound = torch.linalg.vector_norm(a, dim=-1, dtype=acc).amax(-1)
-            bound.mul_(torch.linalg.vector_norm(b, dim=-2, dtype=acc).amax(-1))
-            self._record_max(bound_key, bound.amax())
-        return hook
-
-    def _context_pre(self, layer: str):
-        def hook(module, args):
-            if not (module.training and self._probe and args):
-                return
-            with torch.no_grad(), no_autocast(args[0].device):
-                p = args[0].float()
-                p = p / p.sum(-1, keepdim=True).clamp_min(_TINY)
-                ent = -(p * p.clamp_min(_TINY).log()).sum(-1).mean()
-                self._record_mean(f"attn/entropy/{layer}", ent)
-        return hook
-
-    def _lse(self, module, args, out):
-        logits = _first_tensor(out)
-        if not (module.training and self._stats) or logits is None:
-            return
-        with torch.no_grad(), no_autocast(logits.device):
-            lse = torch.logsumexp(logits.detach().float(), dim=-1)
-            self._record_mean("logits/lse_mean", lse.mean())
-            self._record_max("logits/lse_max", lse.amax())
-
-    def _kurt(self, name: str):
-        def hook(module, args, out):
-            x = _first_tensor(out)
-            if not (module.training and self._probe) or x is None or x.dim() == 0:
-                return
-            with torch.no_grad(), no_autocast(x.device):
-                s2 = x.detach().float().reshape(-1, x.shape[-1]).pow(2).mean(0)
-                kurt = s2.pow(2).mean() / s2.mean().pow(2).clamp_min(_TINY)
-                self._record_mean(f"act/kurtosis/{name}", kurt)
-        return hook
-
     # ------------------------------------------------------------- step calls
     def begin_step(self, step: int) -> None:
         """Declare the step the next forward belongs to (``collect`` does it for ``step + 1``)."""
-        if int(step) == self._step:   # collect() already declared it
+        if int(step) == self._step:  # collect() already declared it
             return
-        self.restart_step()   # whatever an uncollected step recorded (a discarded one) is not this one's
+        self.restart_step()  # whatever an uncollected step recorded (a discarded one) is not this one's
         self._step = int(step)
         self._probe = self._step % self.config.probe_every == 0
         self._stats = self._step % self.config.stats_every == 0
@@ -280,7 +238,7 @@ class Metrics:
         """Per-layer sums of per-parameter values ``sq`` (aligned with ``idx``)."""
         key = (tuple(idx), sq.device)
         cached = self._slots.get(key)
-        if cached is None:   # (layer names, each value's layer slot): one index_add per call
+        if cached is None:  # (layer names, each value's layer slot): one index_add per call
             slots = sorted({self._layer_of[i] for i in idx})
             pos = {s: j for j, s in enumerate(slots)}
             slot = torch.tensor([pos[self._layer_of[i]] for i in idx], device=sq.device)
@@ -289,18 +247,9 @@ class Metrics:
         # (not a 0/1 membership GEMV: 0·inf = NaN would spread one layer's inf to every layer)
         return names, sq.new_zeros(len(names)).index_add_(0, slot, sq)
 
-    @staticmethod
-    def _stack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        try:  # the common case: one device, fp32 — no per-tensor conversion calls
-            out = torch.stack(tensors)
-            if out.device == device and out.dtype == torch.float32:
-                return out
-        except RuntimeError:
-            pass
-        return torch.stack([t.to(device=device, dtype=torch.float32) for t in tensors])
-
-    def after_backward(self, grad_sq: tuple[list[int], torch.Tensor | None] | None = None,
-                       grad_norm: float | None = None) -> None:
+    def after_backward(
+        self, grad_sq: tuple[list[int], torch.Tensor | None] | None = None, grad_norm: float | None = None
+    ) -> None:
         """Gradient norms (global and per layer) of the gradients as they are now (pre-clip);
         ``grad_sq``: :func:`grad_sq_norms` of these same gradients (of the model's trainable
         parameters, in order), and ``grad_norm`` their global norm on the host, if already
@@ -341,34 +290,42 @@ class Metrics:
             beta2 = group.get("betas", (0.9, 0.999))[1]
             for p in group["params"]:
                 st = opt.state.get(p, {})
-                if not _dense_grad(p) or "exp_avg" not in st or id(p) not in self._index_of:
+                if not dense_grad(p) or "exp_avg" not in st or id(p) not in self._index_of:
                     continue
-                rows.append((self._index_of[id(p)], p.grad, st["exp_avg"], st.get("exp_avg_sq"),
-                             float(beta2), float(st.get("step", 0))))
+                rows.append(
+                    (
+                        self._index_of[id(p)],
+                        p.grad,
+                        st["exp_avg"],
+                        st.get("exp_avg_sq"),
+                        float(beta2),
+                        float(st.get("step", 0)),
+                    )
+                )
         if not rows:
             return
         dev = rows[0][1].device
-        g_sq = self._stack(list(torch._foreach_norm([r[1] for r in rows])), dev).pow(2)
+        g_sq = stack(list(torch._foreach_norm([r[1] for r in rows])), dev).pow(2)
         if cfg.cosines:
-            m_sq = self._stack(list(torch._foreach_norm([r[2] for r in rows])), dev).pow(2)
-            dot = _total_dot([r[1] for r in rows], [r[2] for r in rows])
-            self._vec["cos/grad_moment"] = ([], dot / (g_sq.sum() * m_sq.sum()).sqrt().clamp_min(_TINY))
+            m_sq = stack(list(torch._foreach_norm([r[2] for r in rows])), dev).pow(2)
+            dot = total_dot([r[1] for r in rows], [r[2] for r in rows])
+            self._vec["cos/grad_moment"] = ([], dot / (g_sq.sum() * m_sq.sum()).sqrt().clamp_min(TINY))
         keep = [j for j, r in enumerate(rows) if r[3] is not None and r[5] >= 1]
         if cfg.adam_stats and keep:
             if len(keep) < len(rows):
                 g_sq = g_sq[torch.tensor(keep, device=dev)]
                 rows = [rows[j] for j in keep]
-            if clip_norm is not None:   # as torch.nn.utils.clip_grad_norm_ will scale them
+            if clip_norm is not None:  # as torch.nn.utils.clip_grad_norm_ will scale them
                 grads = dense_values([self._params[i].grad for i in idx])
-                total = self._stack(list(torch._foreach_norm(grads)), dev).norm()
+                total = stack(list(torch._foreach_norm(grads)), dev).norm()
                 g_sq = g_sq * (clip_norm / (total + 1e-6)).clamp(max=1.0).square()
-            v_sum = self._stack(list(torch._foreach_norm([r[3] for r in rows], 1)), dev)
+            v_sum = stack(list(torch._foreach_norm([r[3] for r in rows], 1)), dev)
             bc = torch.tensor([1.0 - r[4] ** r[5] for r in rows], device=dev)
             v_hat = v_sum / bc
-            self._vec["adam/g2_over_v"] = ([], g_sq.sum() / v_hat.sum().clamp_min(_TINY))
+            self._vec["adam/g2_over_v"] = ([], g_sq.sum() / v_hat.sum().clamp_min(TINY))
             names, g_l = self._layer_sums([r[0] for r in rows], g_sq)
             _, v_l = self._layer_sums([r[0] for r in rows], v_hat)
-            ratio = g_l / v_l.clamp_min(_TINY)
+            ratio = g_l / v_l.clamp_min(TINY)
             self._vec["adam/g2_over_v_min"] = ([], ratio.min())
             self._vec["adam/g2_over_v_max"] = ([], ratio.max())
 
@@ -377,7 +334,8 @@ class Metrics:
         if src == "auto":
             exact = isinstance(self.optimizer, (torch.optim.Adam, torch.optim.SGD)) and not any(
                 (p.grad is not None and p.grad.is_sparse) or p.dtype not in (torch.float32, torch.float64)
-                for p in self._params)
+                for p in self._params
+            )
             src = "optimizer" if exact else "copy"
         return src
 
@@ -393,31 +351,31 @@ class Metrics:
             deltas = (idx, torch._foreach_sub([self._params[i].detach() for i in idx], prev))
             self._prev = None
         elif src == "optimizer" and self.optimizer is not None:
-            deltas = _reconstruct_update(self.optimizer, self._index_of)
+            deltas = reconstruct_update(self.optimizer, self._index_of)
         if not self._stats:
             return
         params = [p.detach() for p in self._params]
         dev = params[0].device if params else torch.device("cpu")
-        p_sq = self._stack(list(torch._foreach_norm(params)), dev).pow(2) if params else None
+        p_sq = stack(list(torch._foreach_norm(params)), dev).pow(2) if params else None
         if p_sq is not None:
             self._vec["param_norm"] = ([], p_sq.sum().sqrt())
         if not deltas or not deltas[0]:
             return
         idx, d = deltas
-        d_sq = self._stack(list(torch._foreach_norm(d)), dev).pow(2)
+        d_sq = stack(list(torch._foreach_norm(d)), dev).pow(2)
         sel = torch.tensor(idx, device=dev)
-        self._vec["update_ratio"] = ([], (d_sq.sum() / p_sq[sel].sum().clamp_min(_TINY)).sqrt())
+        self._vec["update_ratio"] = ([], (d_sq.sum() / p_sq[sel].sum().clamp_min(TINY)).sqrt())
         if self.config.per_layer:
             names, dl = self._layer_sums(idx, d_sq)
             _, pl = self._layer_sums(idx, p_sq[sel])
-            self._vec["update_ratio/"] = (names, (dl / pl.clamp_min(_TINY)).sqrt())
+            self._vec["update_ratio/"] = (names, (dl / pl.clamp_min(TINY)).sqrt())
         if self.config.cosines:
-            pairs = [(self._params[i].grad, t) for i, t in zip(idx, d) if _dense_grad(self._params[i])]
+            pairs = [(self._params[i].grad, t) for i, t in zip(idx, d) if dense_grad(self._params[i])]
             if pairs:
-                g_sq = self._stack(list(torch._foreach_norm([g for g, _ in pairs])), dev).pow(2)
-                dd = self._stack(list(torch._foreach_norm([t for _, t in pairs])), dev).pow(2)
-                dot = _total_dot([g for g, _ in pairs], [t for _, t in pairs])
-                self._vec["cos/update_grad"] = ([], dot / (g_sq.sum() * dd.sum()).sqrt().clamp_min(_TINY))
+                g_sq = stack(list(torch._foreach_norm([g for g, _ in pairs])), dev).pow(2)
+                dd = stack(list(torch._foreach_norm([t for _, t in pairs])), dev).pow(2)
+                dot = total_dot([g for g, _ in pairs], [t for _, t in pairs])
+                self._vec["cos/update_grad"] = ([], dot / (g_sq.sum() * dd.sum()).sqrt().clamp_min(TINY))
 
     def _stable_ranks(self) -> None:
         if not self._sr_params:
@@ -426,8 +384,8 @@ class Metrics:
         with torch.no_grad():
             for name, p in self._sr_params:
                 w = p.detach().float()
-                if w.numel() <= _EXACT_SIGMA:   # exact: cheap at this size, every stable_rank_every steps
-                    vals.append(w.pow(2).sum() / torch.linalg.matrix_norm(w, ord=2).pow(2).clamp_min(_TINY))
+                if w.numel() <= _EXACT_SIGMA:  # exact: cheap at this size, every stable_rank_every steps
+                    vals.append(w.pow(2).sum() / torch.linalg.matrix_norm(w, ord=2).pow(2).clamp_min(TINY))
                     continue
                 v = self._sr_vec.get(name)
                 iters = self.config.power_iters
@@ -438,14 +396,14 @@ class Metrics:
                     iters *= 10
                 for _ in range(iters):
                     u = w @ v
-                    u = u / u.norm().clamp_min(_TINY)
+                    u = u / u.norm().clamp_min(TINY)
                     v = w.t() @ u
-                    v = v / v.norm().clamp_min(_TINY)
+                    v = v / v.norm().clamp_min(TINY)
                 self._sr_vec[name] = v
                 sigma = (w @ v).norm()
-                vals.append(w.pow(2).sum() / sigma.pow(2).clamp_min(_TINY))
+                vals.append(w.pow(2).sum() / sigma.pow(2).clamp_min(TINY))
         dev = vals[0].device
-        self._vec["stable_rank/"] = ([n for n, _ in self._sr_params], self._stack(vals, dev))
+        self._vec["stable_rank/"] = ([n for n, _ in self._sr_params], stack(vals, dev))
 
     # ---------------------------------------------------------------- collect
     def collect(self, step: int, loss: torch.Tensor | float | None = None) -> dict[str, float]:
@@ -453,8 +411,10 @@ class Metrics:
         step = int(step)
         if "param_norm" not in self._vec and self._params and self._stats:
             params = [p.detach() for p in self._params]
-            self._vec["param_norm"] = ([], self._stack(list(torch._foreach_norm(params)),
-                                                       params[0].device).pow(2).sum().sqrt())
+            self._vec["param_norm"] = (
+                [],
+                stack(list(torch._foreach_norm(params)), params[0].device).pow(2).sum().sqrt(),
+            )
         if step % self.config.stable_rank_every == 0:
             self._stable_ranks()
         keys: list[str] = []
@@ -467,7 +427,7 @@ class Metrics:
             else:
                 out["loss"] = float(loss)
         for key, (names, t) in self._vec.items():
-            keys.extend(_prefixed(key, tuple(names)) if names else [key])
+            keys.extend(prefixed(key, tuple(names)) if names else [key])
             parts.append(t.reshape(-1))
         for key, t in self._max.items():
             keys.append(key)
@@ -477,12 +437,11 @@ class Metrics:
             parts.append((total / count).reshape(1))
         if parts:
             dev, f32 = parts[0].device, torch.float32
-            values = torch.cat([t if t.dtype == f32 and t.device == dev else t.to(dev, f32)
-                                for t in parts]).tolist()
+            values = torch.cat([t if t.dtype == f32 and t.device == dev else t.to(dev, f32) for t in parts]).tolist()
             out.update(zip(keys, values))
         if self.optimizer is not None and self.optimizer.param_groups:
             out["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        _summaries(out)
+        summarize(out)
         for sink in self.sinks:
             sink.write(step, out)
         self._reset()
@@ -507,139 +466,3 @@ class Metrics:
         self.detach()
         for sink in self.sinks:
             sink.close()
-
-
-_SUMMARIES = {  # per-layer family -> (summary key, reducer)
-    "attn/max_logit_bound/": ("attn/max_logit_bound", max),
-    "attn/max_logit/": ("attn/max_logit", max),
-    "attn/entropy/": ("attn/entropy_min", min),
-    "act/kurtosis/": ("act/kurtosis_max", max),
-    "stable_rank/": ("stable_rank_min", min),
-}
-
-
-def grad_norms(params: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
-    """(indices of the parameters that have a gradient, their 2-norms as one device vector, as
-    ``torch._foreach_norm`` computes them: what ``clip_grad_norm_`` reduces) in one fused pass;
-    ``None`` when no parameter has a gradient."""
-    idx = [i for i, p in enumerate(params) if p.grad is not None]
-    if not idx:
-        return idx, None
-    grads = dense_values([params[i].grad for i in idx])
-    return idx, Metrics._stack(list(torch._foreach_norm(grads)), grads[0].device)
-
-
-def grad_sq_norms(params: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
-    """:func:`grad_norms` squared in fp64, so that summing them cannot overflow (fp32 squares of
-    norms above ~1.8e19 would). A norm ``torch._foreach_norm`` itself overflowed -- an fp32
-    gradient with an element above ~1.8e19 (an exponent-bit flip), an fp16 one above 65504 -- is
-    infinite already: the guard reports such finite gradients as a ``grad_norm`` overflow."""
-    idx, norms = grad_norms(params)
-    return idx, None if norms is None else norms.double().square()
-
-
-def _total_dot(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
-    """Σᵢ ⟨xᵢ, yᵢ⟩ as a 0-d fp32 tensor on the device of ``xs``: one dot of the concatenations
-    (one copy each) instead of a dot per tensor (dispatch-bound on small models)."""
-    try:
-        x = torch.cat([t.reshape(-1) for t in xs])
-        y = torch.cat([t.reshape(-1) for t in ys]).to(x.dtype)
-        return torch.dot(x, y).float()
-    except RuntimeError:  # tensors on several devices
-        dev = xs[0].device
-        return torch.stack([torch.dot(a.reshape(-1), b.reshape(-1).to(a.dtype)).float().to(dev)
-                            for a, b in zip(xs, ys)]).sum()
-
-
-def _summaries(out: dict[str, float]) -> None:
-    for family, keys in _families(tuple(out)):
-        vals = [out[k] for k in keys]
-        summary, reduce = _SUMMARIES[family]
-        kept = [v for v in vals if not math.isnan(v)]
-        if kept:
-            out[summary] = reduce(kept)
-        if family == "attn/entropy/":
-            out["attn/entropy"] = sum(vals) / len(vals)
-
-
-@functools.lru_cache(maxsize=256)
-def _prefixed(key: str, names: tuple[str, ...]) -> list[str]:
-    return [key + n for n in names]
-
-
-@functools.lru_cache(maxsize=64)
-def _families(keys: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """The per-layer families among ``keys`` with their keys (a family is a key up to its last
-    '/'; module names have none). Cached: a run's rows have the same few key sets."""
-    found: dict[str, list[str]] = {}
-    for k in keys:
-        family = k[:k.rfind("/") + 1]
-        if family in _SUMMARIES:
-            found.setdefault(family, []).append(k)
-    return tuple((f, tuple(ks)) for f, ks in found.items())
-
-
-def _reconstruct_update(opt: torch.optim.Optimizer,
-                        index_of: dict[int, int]) -> tuple[list[int], list[torch.Tensor]]:
-    """Δθ of the step just taken, rebuilt from the optimizer state (Adam/AdamW, SGD).
-
-    Adam: θ_t = θ_{t-1}(1 − η·λ_decoupled) − η/(1−β₁ᵗ) · m_t / (√v_t/√(1−β₂ᵗ) + ε), so
-    θ_{t-1} = (θ_t + u)/(1 − ηλ) and Δθ = θ_t − θ_{t-1}. SGD: Δθ = −η·d with d the momentum
-    buffer (or, without momentum, the gradient plus weight decay). Fused over each group.
-    """
-    idx: list[int] = []
-    deltas: list[torch.Tensor] = []
-    adam = isinstance(opt, torch.optim.Adam)
-    if not (adam or isinstance(opt, torch.optim.SGD)):
-        return idx, deltas
-    with torch.no_grad():
-        for group in opt.param_groups:
-            lr = float(group["lr"])
-            wd = float(group.get("weight_decay", 0.0))
-            rows = [(p, opt.state.get(p, {})) for p in group["params"]
-                    if id(p) in index_of and _dense_grad(p)]
-            if adam:
-                rows = [(p, st) for p, st in rows if "exp_avg" in st and float(st.get("step", 0)) >= 1]
-            if not rows:
-                continue
-            theta = [p.detach() for p, _ in rows]
-            if adam:
-                b1, b2 = (float(b) for b in group["betas"])
-                ts = [float(st["step"]) for _, st in rows]
-                v = [st["max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"] for _, st in rows]
-                denom = torch._foreach_sqrt(v)
-                torch._foreach_div_(denom, [math.sqrt(1 - b2 ** t) for t in ts])
-                torch._foreach_add_(denom, float(group["eps"]))
-                upd = torch._foreach_div([st["exp_avg"] for _, st in rows], denom)
-                torch._foreach_mul_(upd, [lr / (1 - b1 ** t) for t in ts])
-                decoupled = group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW))
-                if decoupled and wd:   # Δθ = θ_t − (θ_t + u)/(1 − ηλ)
-                    old = torch._foreach_add(theta, upd)
-                    torch._foreach_div_(old, 1 - lr * wd)
-                    delta = torch._foreach_sub(theta, old)
-                else:
-                    delta = torch._foreach_neg(upd)
-            else:
-                delta = [_sgd_delta(p, st, group, lr, wd) for p, st in rows]
-            idx += [index_of[id(p)] for p, _ in rows]
-            deltas += list(delta)
-    return idx, deltas
-
-
-def _dense_grad(p: torch.Tensor) -> bool:
-    """``p`` has a dense gradient: the metrics pairing gradients with dense tensors (cosines,
-    reconstructed updates) leave sparse ones (``nn.Embedding(sparse=True)``) out."""
-    return p.grad is not None and not p.grad.is_sparse
-
-
-def _sgd_delta(p: torch.Tensor, st: dict, group: dict, lr: float, wd: float) -> torch.Tensor:
-    theta = p.detach()
-    g = -p.grad if group.get("maximize") else p.grad
-    mom = float(group.get("momentum", 0.0))
-    buf = st.get("momentum_buffer")
-    if mom and buf is not None:
-        if not group.get("nesterov"):
-            return -lr * buf
-        # θ_t = θ_{t-1}(1 − ηλ) − η(g + μ·buf)
-        return theta - (theta + lr * (g + mom * buf)) / (1 - lr * wd)
-    return theta - (theta + lr * g) / (1 - lr * wd)

@@ -8,13 +8,11 @@ extra to install when it is missing; :func:`check_sink` refuses such a sink befo
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from sdcscope._io import file_in_the_way
-from sdcscope.observe._util import jsonable
+from sdcscope.common.io import JsonlWriter, file_in_the_way, jsonable
 
 
 def _missing(what: str, package: str, extra: str) -> str:
@@ -29,32 +27,23 @@ class Sink(Protocol):
 
 
 class JsonlSink:
-    """One strict-JSON object per step, ``{"step": N, ...metrics}``, appended to ``path``.
+    """One strict-JSON object per step, ``{"step": N, ...metrics}``, appended to ``path`` by a
+    :class:`~sdcscope.common.io.JsonlWriter` (created on construction).
 
     Non-finite values are written as the strings ``"nan"``/``"inf"``/``"-inf"``. The file is
     flushed every ``flush_every`` writes (1 = every step, so a crash loses nothing).
     """
 
     def __init__(self, path: str | Path, *, append: bool = True, flush_every: int = 1) -> None:
-        if not isinstance(flush_every, int) or flush_every < 1:
-            raise ValueError(f"flush_every={flush_every!r} must be a positive integer")
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = self.path.open("a" if append else "w", encoding="utf-8")
-        self._flush_every = flush_every
-        self._pending = 0
+        self._writer = JsonlWriter(path, append=append, flush_every=flush_every)
+        self.path = self._writer.path
+        self._writer.touch()
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": int(step), **{k: v for k, v in metrics.items() if k != "step"}}
-        self._fh.write(json.dumps(jsonable(record), allow_nan=False) + "\n")
-        self._pending += 1
-        if self._pending >= self._flush_every:
-            self._fh.flush()
-            self._pending = 0
+        self._writer.write(jsonable({"step": int(step), **{k: v for k, v in metrics.items() if k != "step"}}))
 
     def close(self) -> None:
-        if not self._fh.closed:
-            self._fh.close()
+        self._writer.close()
 
     def __enter__(self) -> JsonlSink:
         return self
@@ -93,8 +82,7 @@ class PrometheusSink:
     is the gauge ``<prefix>step``.
     """
 
-    def __init__(self, *, port: int | None = None, registry: object = None,
-                 prefix: str = "sdcscope_") -> None:
+    def __init__(self, *, port: int | None = None, registry: object = None, prefix: str = "sdcscope_") -> None:
         try:
             import prometheus_client
         except ImportError as exc:
@@ -109,8 +97,9 @@ class PrometheusSink:
     def _gauge(self, name: str, labelled: bool):
         gauge = self._gauges.get(name)
         if gauge is None:
-            gauge = self._prom.Gauge(name, f"sdcscope metric {name}",
-                                     ["layer"] if labelled else [], registry=self._registry)
+            gauge = self._prom.Gauge(
+                name, f"sdcscope metric {name}", ["layer"] if labelled else [], registry=self._registry
+            )
             self._gauges[name] = gauge
         return gauge
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from sdcscope._io import read_json
+from sdcscope.common.io import read_json
 from sdcscope.engine import CHECKPOINT_DIR, load_checkpoint, read_jsonl
 from sdcscope.engine.rundir import write_json
 

@@ -16,12 +16,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 from sdcscope.study.outcomes import NOT_FIRED  # noqa: E402
 from sdcscope.study.stats import pvf_table  # noqa: E402
 
-__all__ = ["outcome_bars", "pvf_heatmap", "loss_curves", "drift_curves", "latency_hist",
-           "fault_present_bars", "COLORS"]
+__all__ = ["outcome_bars", "pvf_heatmap", "loss_curves", "drift_curves", "latency_hist", "fault_present_bars", "COLORS"]
 
-COLORS = {"masked": "#9e9e9e", "benign": "#80cbc4", "detected": "#64b5f6", "recovered": "#1565c0",
-          "crash": "#212121", "sdc:sharp": "#e53935", "sdc:slow": "#fb8c00", "sdc:drift": "#8e24aa",
-          NOT_FIRED: "#eeeeee"}
+COLORS = {
+    "masked": "#9e9e9e",
+    "benign": "#80cbc4",
+    "detected": "#64b5f6",
+    "recovered": "#1565c0",
+    "crash": "#212121",
+    "sdc:sharp": "#e53935",
+    "sdc:slow": "#fb8c00",
+    "sdc:drift": "#8e24aa",
+    NOT_FIRED: "#eeeeee",
+}
 
 
 def label(row: dict[str, Any]) -> str:
@@ -71,10 +78,10 @@ def pvf_heatmap(rows: list[dict]) -> str | None:
         i, j = layers.index(t["target"]), bits.index(t["bit"])
         for k in grids:
             grids[k][i][j] = t[k]
-    fig, axes = plt.subplots(1, 2, figsize=(min(16.0, max(7.0, 3 + 0.5 * len(bits))), 1.4 + 0.32 * len(layers)),
-                             squeeze=False)
-    for ax, key, title in ((axes[0][0], "pvf", "PVF"),
-                           (axes[0][1], "hi", "Wilson 95% upper bound")):
+    fig, axes = plt.subplots(
+        1, 2, figsize=(min(16.0, max(7.0, 3 + 0.5 * len(bits))), 1.4 + 0.32 * len(layers)), squeeze=False
+    )
+    for ax, key, title in ((axes[0][0], "pvf", "PVF"), (axes[0][1], "hi", "Wilson 95% upper bound")):
         im = ax.imshow(grids[key], vmin=0, vmax=1, cmap="magma_r", aspect="auto")
         ax.set_yticks(range(len(layers)), layers, fontsize=7)
         ax.set_xticks(range(len(bits)), [str(b) for b in bits], fontsize=6)
@@ -96,8 +103,10 @@ def loss_curves(golden: list[float], rows: list[dict], baselines: list[dict], li
     for b in baselines:
         s = b["inject_step"]
         ax.plot(range(s, s + len(b["losses"])), b["losses"], color="#bdbdbd", lw=0.8)
-    ranked = sorted((r for r in rows if r["effect"] not in ("masked", NOT_FIRED)),
-                    key=lambda r: -(r["loss_diff_max"] if r["loss_diff_max"] is not None else math.inf))
+    ranked = sorted(
+        (r for r in rows if r["effect"] not in ("masked", NOT_FIRED)),
+        key=lambda r: -(r["loss_diff_max"] if r["loss_diff_max"] is not None else math.inf),
+    )
     for r in ranked[:limit]:
         s = r["inject_step"]
         losses = [x if isinstance(x, (int, float)) else math.nan for x in r["losses"]]
@@ -121,13 +130,13 @@ def drift_curves(rows: list[dict], baselines: list[dict], offsets: list[int]) ->
     """Relative parameter distance to golden after the injection, per trial and healthy runs."""
     fig, ax = plt.subplots(figsize=(7.0, 3.6))
     for b in baselines:
-        ax.plot(offsets[:len(b["drift"])], b["drift"], color="#757575", lw=1.2, ls="--")
+        ax.plot(offsets[: len(b["drift"])], b["drift"], color="#757575", lw=1.2, ls="--")
     for r in rows:
         if r["effect"] == NOT_FIRED:
             continue
         d = [x if isinstance(x, (int, float)) and x > 0 else math.nan for x in r["drift"] or []]
         if d and not all(math.isnan(x) for x in d):
-            ax.plot(offsets[:len(d)], d, color=COLORS[label(r)], lw=0.8, alpha=0.7)
+            ax.plot(offsets[: len(d)], d, color=COLORS[label(r)], lw=0.8, alpha=0.7)
     for name, color in COLORS.items():
         if any(label(r) == name for r in rows):
             ax.plot([], [], color=color, label=name)
@@ -155,8 +164,13 @@ def fault_present_bars(groups: list[dict]) -> str:
     metric = "acc" if all(g["acc_fault"] is not None for g in groups) else "loss"
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(groups) + 2), 3.4))
     width = 0.27
-    for k, (key, name, color) in enumerate((("golden", "golden", "#9e9e9e"), ("fault", "fault present", "#43a047"),
-                                            ("removed", "fault removed", "#e53935"))):
+    for k, (key, name, color) in enumerate(
+        (
+            ("golden", "golden", "#9e9e9e"),
+            ("fault", "fault present", "#43a047"),
+            ("removed", "fault removed", "#e53935"),
+        )
+    ):
         values = [g[f"{metric}_{key}"] for g in groups]
         ax.bar([i + (k - 1) * width for i in range(len(groups))], values, width, label=name, color=color)
     ax.set_xticks(range(len(groups)), [g["group"] for g in groups], fontsize=7, rotation=20)

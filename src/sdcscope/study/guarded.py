@@ -15,11 +15,13 @@ __all__ = ["make_guard", "guard_events"]
 def make_guard(trainer) -> Any:
     """A default-config guard attached to ``trainer`` (raises a clear error without one)."""
     try:
-        from sdcscope.guard import Guard, GuardConfig
+        from sdcscope.guard import GuardConfig
+        from sdcscope.jobs import guard_trainer
     except ImportError as exc:
-        raise ValueError(f"this campaign has guard: true, but sdcscope.guard is not available ({exc}); "
-                         "set guard: false") from None
-    guard = Guard(trainer.model, trainer.optimizer, GuardConfig(), run_dir=None, loss_fn=trainer.workload.loss)
+        raise ValueError(
+            f"this campaign has guard: true, but sdcscope.guard is not available ({exc}); set guard: false"
+        ) from None
+    guard = guard_trainer(trainer, GuardConfig(), run_dir=None, loss_fn=trainer.workload.loss)
     trainer.add_callback(guard.callback(trainer))  # primed now: before the trial's fault
     return guard
 

@@ -46,8 +46,10 @@ def submodule_level(trainer: Trainer, arm: Callable[[int], Injector]) -> dict[st
             injector.close()
 
     report = lockstep(healthy, faulty, model, sync=True)
-    return {"first_divergence": None if report.first is None else report.first.to_dict(),
-            "lockstep": report.by_module()}
+    return {
+        "first_divergence": None if report.first is None else report.first.to_dict(),
+        "lockstep": report.by_module(),
+    }
 
 
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -17,7 +17,8 @@
 - ``benign``: parameters differ from golden but every measure is within healthy variance.
 
 ``outcome`` -- ``effect``, unless the guard is on and emitted an event at or after the step
-the fault first fired on (``detected``; ``latency`` counts from that step): then ``recovered`` when the run ends finite with a validation loss within the
+the fault first fired on (``detected``; ``latency`` counts from that step): then ``recovered`` when
+the run ends finite with a validation loss within the
 healthy bound, else ``detected`` (a ``not_fired`` trial stays ``not_fired``: an event there is a
 false positive). PVF counts ``crash`` and ``sdc`` effects as incorrect among the trials whose
 fault fired.
@@ -59,7 +60,11 @@ def classify(m: dict[str, Any], thresholds: dict[str, float], guard: bool) -> di
         effect = "benign" if kind is None else "sdc"
     outcome = effect
     if guard and m.get("detected"):
-        healthy_end = (not m["crash"] and m["val_delta"] is not None and math.isfinite(m["val_delta"])
-                       and m["val_delta"] <= thresholds["val_delta"])
+        healthy_end = (
+            not m["crash"]
+            and m["val_delta"] is not None
+            and math.isfinite(m["val_delta"])
+            and m["val_delta"] <= thresholds["val_delta"]
+        )
         outcome = "recovered" if healthy_end else "detected"
     return {"effect": effect, "sdc_kind": kind, "outcome": outcome}

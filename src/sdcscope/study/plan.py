@@ -24,7 +24,8 @@ from torch import nn
 
 from sdcscope.faults import BIT_MODELS, FaultSpec
 from sdcscope.inject import resolve_targets
-from sdcscope.inject.targets import evaluated, probe_model, validate_spec
+from sdcscope.inject.probe import evaluated, probe_model
+from sdcscope.inject.validate import validate_spec
 from sdcscope.study.spec import CampaignSpec
 from sdcscope.workloads import make_workload, mix_seed
 
@@ -74,8 +75,10 @@ class Trial:
 
     @property
     def key(self) -> str:
-        return "|".join(f"{k}={getattr(self, k)}" for k in
-                        ("inject_step", "site", "target", "model", "bit", "pattern", "schedule", "repeat"))
+        return "|".join(
+            f"{k}={getattr(self, k)}"
+            for k in ("inject_step", "site", "target", "model", "bit", "pattern", "schedule", "repeat")
+        )
 
     def dimension(self, name: str) -> Any:
         """The value of a fault-space dimension (labels for pattern and schedule)."""
@@ -90,30 +93,50 @@ class Trial:
         template = json.loads(self.schedule)
         kind, s = template["kind"], self.inject_step
         if kind == "transient":
-            schedule = {"kind": kind, "step": s, **({"micro_batch": template["micro_batch"]}
-                                                      if template.get("micro_batch") is not None else {})}
+            schedule = {
+                "kind": kind,
+                "step": s,
+                **({"micro_batch": template["micro_batch"]} if template.get("micro_batch") is not None else {}),
+            }
         elif kind == "permanent":
             schedule = {"kind": kind, "start": s}
         else:
             duration = template.get("duration")
-            schedule = {"kind": kind, "p": template["p"], "start": s,
-                        **({"stop": s + duration} if duration else {})}
-        return FaultSpec(site=self.site, target=self.target.split(TARGET_SEP), model=self.model,
-                         bits=None if self.bit is None else [self.bit], format=format,
-                         pattern=json.loads(self.pattern), schedule=schedule, rank=0, seed=self.fault_seed)
+            schedule = {"kind": kind, "p": template["p"], "start": s, **({"stop": s + duration} if duration else {})}
+        return FaultSpec(
+            site=self.site,
+            target=self.target.split(TARGET_SEP),
+            model=self.model,
+            bits=None if self.bit is None else [self.bit],
+            format=format,
+            pattern=json.loads(self.pattern),
+            schedule=schedule,
+            rank=0,
+            seed=self.fault_seed,
+        )
 
     def to_row(self) -> dict[str, Any]:
-        return {"trial_id": self.trial_id, "key": self.key, "inject_step": self.inject_step, "site": self.site,
-                "target": self.target, "model": self.model, "bit": self.bit,
-                "pattern": self.dimension("pattern"), "schedule": self.dimension("schedule"),
-                "swizzle": int(self.swizzle), "repeat": self.repeat, "fault_seed": self.fault_seed}
+        return {
+            "trial_id": self.trial_id,
+            "key": self.key,
+            "inject_step": self.inject_step,
+            "site": self.site,
+            "target": self.target,
+            "model": self.model,
+            "bit": self.bit,
+            "pattern": self.dimension("pattern"),
+            "schedule": self.dimension("schedule"),
+            "swizzle": int(self.swizzle),
+            "repeat": self.repeat,
+            "fault_seed": self.fault_seed,
+        }
 
 
 def _expand(model: nn.Module, space, site: str) -> list[str]:
     names: list[str] = []
     for entry in space.targets:
         found: list[str] = []
-        for pattern in (entry if isinstance(entry, tuple) else (entry,)):
+        for pattern in entry if isinstance(entry, tuple) else (entry,):
             probe = FaultSpec(site=site, target=pattern, model="zero", schedule={"kind": "transient", "step": 0})
             try:
                 found += [t.key for t in resolve_targets(model, probe)]
@@ -122,8 +145,10 @@ def _expand(model: nn.Module, space, site: str) -> list[str]:
         found = list(dict.fromkeys(found))
         bad = [n for n in found if TARGET_SEP in n]
         if bad:
-            raise ValueError(f"faults.targets {entry!r}: module name {bad[0]!r} contains {TARGET_SEP!r}, "
-                             "which joins the names of a target group")
+            raise ValueError(
+                f"faults.targets {entry!r}: module name {bad[0]!r} contains {TARGET_SEP!r}, "
+                "which joins the names of a target group"
+            )
         names += [TARGET_SEP.join(found)] if isinstance(entry, tuple) else found
     return list(dict.fromkeys(names))
 
@@ -140,12 +165,21 @@ def _points(spec: CampaignSpec, model: nn.Module, optimizer) -> list[dict]:
                     for repeat in range(space.repeats):
                         seed = mix_seed(space.seed, s, site, target, location_json(pattern), repeat)
                         for model_name in space.models:
-                            for bit in (space.bits if model_name in BIT_MODELS else (None,)):
+                            for bit in space.bits if model_name in BIT_MODELS else (None,):
                                 for schedule in space.schedules:
-                                    points.append(dict(inject_step=s, site=site, target=target,
-                                                       model=model_name, bit=bit, pattern=p_json,
-                                                       schedule=json.dumps(schedule, sort_keys=True),
-                                                       repeat=repeat, fault_seed=seed))
+                                    points.append(
+                                        dict(
+                                            inject_step=s,
+                                            site=site,
+                                            target=target,
+                                            model=model_name,
+                                            bit=bit,
+                                            pattern=p_json,
+                                            schedule=json.dumps(schedule, sort_keys=True),
+                                            repeat=repeat,
+                                            fault_seed=seed,
+                                        )
+                                    )
     # One FaultSpec per distinct (site, target, model, pattern, schedule) checks against the model, and
     # against the tensors of one forward pass (and of the evaluation, which a permanent fault on a
     # module output acts in too): a trial's trainer runs from inject_step to + horizon.
@@ -155,15 +189,18 @@ def _points(spec: CampaignSpec, model: nn.Module, optimizer) -> list[dict]:
     workload = make_workload(spec.workload_config())
     batch = workload.batch(spec.seed, spec.inject_steps[0], 0)
     specs = [(p, Trial(trial_id=-1, **p).fault_spec(space.format)) for p in seen.values()]
-    probe = probe_model(model, lambda m: workload.loss(m, batch),
-                        evaluate=workload.evaluate if evaluated([s for _, s in specs]) else None)
+    probe = probe_model(
+        model,
+        lambda m: workload.loss(m, batch),
+        evaluate=workload.evaluate if evaluated([s for _, s in specs]) else None,
+    )
     for p, spec_ in specs:
         try:
-            validate_spec(model, spec_, optimizer, steps=p["inject_step"] + spec.horizon,
-                          grad_accum=spec.grad_accum, probe=probe)
+            validate_spec(
+                model, spec_, optimizer, steps=p["inject_step"] + spec.horizon, grad_accum=spec.grad_accum, probe=probe
+            )
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"fault space point {spec_.site} on {p['target']} "
-                            f"({spec_.schedule.kind}): {exc}") from None
+            raise type(exc)(f"fault space point {spec_.site} on {p['target']} ({spec_.schedule.kind}): {exc}") from None
     return points
 
 
@@ -174,8 +211,10 @@ def _sample(spec: CampaignSpec, points: list[dict]) -> list[int]:
     rng = random.Random(mix_seed("sampling", sampling.seed))
     if sampling.kind == "random":
         if sampling.n > len(points):
-            raise ValueError(f"sampling n={sampling.n} exceeds the {len(points)} points of the fault space; "
-                             "lower n or use kind: exhaustive")
+            raise ValueError(
+                f"sampling n={sampling.n} exceeds the {len(points)} points of the fault space; "
+                "lower n or use kind: exhaustive"
+            )
         return sorted(rng.sample(range(len(points)), sampling.n))
     strata: dict[tuple, list[int]] = {}
     for i, p in enumerate(points):
@@ -199,7 +238,7 @@ def build_plan(spec: CampaignSpec, model: nn.Module, optimizer=None) -> list[Tri
         raise ValueError("sampling selected no trial")
     trials = [Trial(trial_id=k, **points[i]) for k, i in enumerate(chosen)]
     keys = [t.key for t in trials]
-    if len(set(keys)) != len(keys):   # a trial is stored under its key: two could never both finish
+    if len(set(keys)) != len(keys):  # a trial is stored under its key: two could never both finish
         twice = next(k for k in keys if keys.count(k) > 1)
         raise ValueError(f"the fault space holds the same trial twice: {twice}")
     return trials

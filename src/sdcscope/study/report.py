@@ -22,7 +22,8 @@ from typing import Any
 
 import jinja2
 
-from sdcscope._io import read_json, read_jsonl
+from sdcscope.common.io import read_json, read_jsonl
+from sdcscope.detect.events import actions_of
 from sdcscope.study import figures
 from sdcscope.study.runner import SPEC_FILE
 from sdcscope.study.spec import load_campaign
@@ -32,8 +33,14 @@ from sdcscope.study.worker import drift_offsets
 
 __all__ = ["build_report", "build_run_report", "write_report", "EXPECTED_DIRECTION"]
 
-EXPECTED_DIRECTION = {"activation": "forward", "gemm.forward": "forward", "weight": "forward",
-                      "gemm.grad_input": "backward", "gemm.grad_weight": "backward", "param_grad": "backward"}
+EXPECTED_DIRECTION = {
+    "activation": "forward",
+    "gemm.forward": "forward",
+    "weight": "forward",
+    "gemm.grad_input": "backward",
+    "gemm.grad_weight": "backward",
+    "param_grad": "backward",
+}
 
 
 def _fmt(v: Any) -> str:
@@ -50,9 +57,12 @@ def _table(title: str, headers: list[str], rows: list[list[Any]], note: str = ""
 
 def _pvf_section(rows: list[dict], by: str) -> dict[str, Any]:
     t = pvf_table(rows, (by,))
-    return _table(f"PVF by {by}", [by, "incorrect", "trials", "PVF", "95% interval"],
-                  [[r[by], r["incorrect"], r["trials"], r["pvf"], f"[{r['lo']:.3f}, {r['hi']:.3f}]"] for r in t],
-                  note="" if t else "no trial's fault fired (all not_fired): PVF counts only trials whose fault fired")
+    return _table(
+        f"PVF by {by}",
+        [by, "incorrect", "trials", "PVF", "95% interval"],
+        [[r[by], r["incorrect"], r["trials"], r["pvf"], f"[{r['lo']:.3f}, {r['hi']:.3f}]"] for r in t],
+        note="" if t else "no trial's fault fired (all not_fired): PVF counts only trials whose fault fired",
+    )
 
 
 def _permanent(rows: list[dict], refs: dict[int, dict]) -> list[dict]:
@@ -60,17 +70,25 @@ def _permanent(rows: list[dict], refs: dict[int, dict]) -> list[dict]:
     for r in rows:
         if r["val_loss_fault"] is not None:
             groups[(r["site"], r["target"], r["pattern"], r["model"], r["bit"], bool(r["swizzle"]))].append(r)
-    out = []   # each group averages repeats and injection steps of one fault, never two sites or patterns
+    out = []  # each group averages repeats and injection steps of one fault, never two sites or patterns
     for (site, target, pattern, model, bit, swz), rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
         mean = lambda key: statistics.fmean(x[key] for x in rs) if all(x[key] is not None for x in rs) else None  # noqa: E731
         ref = [refs[x["inject_step"]] for x in rs]
-        out.append({"group": f"{site} {target} {pattern} {model}{'' if bit is None else f' b{bit}'}"
-                             f"{' swizzled' if swz else ''}",
-                    "n": len(rs), "acc_golden": statistics.fmean(x["val_acc"] for x in ref)
-                    if all(x["val_acc"] is not None for x in ref) else None,
-                    "acc_fault": mean("val_acc_fault"), "acc_removed": mean("val_acc"),
-                    "loss_golden": statistics.fmean(x["val_loss"] for x in ref),
-                    "loss_fault": mean("val_loss_fault"), "loss_removed": mean("val_loss")})
+        out.append(
+            {
+                "group": f"{site} {target} {pattern} {model}{'' if bit is None else f' b{bit}'}"
+                f"{' swizzled' if swz else ''}",
+                "n": len(rs),
+                "acc_golden": statistics.fmean(x["val_acc"] for x in ref)
+                if all(x["val_acc"] is not None for x in ref)
+                else None,
+                "acc_fault": mean("val_acc_fault"),
+                "acc_removed": mean("val_acc"),
+                "loss_golden": statistics.fmean(x["val_loss"] for x in ref),
+                "loss_fault": mean("val_loss_fault"),
+                "loss_removed": mean("val_loss"),
+            }
+        )
     return out
 
 
@@ -78,8 +96,13 @@ def _levels(rows: list[dict]) -> list[dict[str, Any]]:
     tables = []
     located = [r for r in rows if r["first_divergence"] is not None or r["lockstep"] is not None]
     if located:
-        hits = [r for r in located if r["first_divergence"] and r["first_divergence"]["module"] == r["target"]
-                and r["first_divergence"]["direction"] == EXPECTED_DIRECTION.get(r["site"])]
+        hits = [
+            r
+            for r in located
+            if r["first_divergence"]
+            and r["first_divergence"]["module"] == r["target"]
+            and r["first_divergence"]["direction"] == EXPECTED_DIRECTION.get(r["site"])
+        ]
         active = [r for r in located if r["activated"]]
         lo, hi = wilson_interval(len(hits), len(active)) if active else (None, None)
         freq: dict[tuple, list[float]] = defaultdict(list)
@@ -89,21 +112,30 @@ def _levels(rows: list[dict]) -> list[dict[str, Any]]:
                 for direction, stats in dirs.items():
                     freq[(module, direction)].append(stats["frequency"])
                     sev[(module, direction)].append(stats["severity"])
-        tables.append(_table(
-            "Level (a): submodule lock-step at the injection step",
-            ["submodule", "direction", "trials with a mismatch", "mean mismatch frequency", "mean severity"],
-            [[m, d, len(freq[(m, d)]), statistics.fmean(freq[(m, d)]), statistics.fmean(sev[(m, d)])]
-             for m, d in sorted(freq)],
-            note=f"first divergence = injected module and direction in {len(hits)}/{len(active)} activated trials"
-                 + (f" (95% interval [{lo:.3f}, {hi:.3f}])" if active else "")))
+        tables.append(
+            _table(
+                "Level (a): submodule lock-step at the injection step",
+                ["submodule", "direction", "trials with a mismatch", "mean mismatch frequency", "mean severity"],
+                [
+                    [m, d, len(freq[(m, d)]), statistics.fmean(freq[(m, d)]), statistics.fmean(sev[(m, d)])]
+                    for m, d in sorted(freq)
+                ],
+                note=f"first divergence = injected module and direction in {len(hits)}/{len(active)} activated trials"
+                + (f" (95% interval [{lo:.3f}, {hi:.3f}])" if active else ""),
+            )
+        )
     with_nsr = [r for r in rows if r["nsr_max"] is not None]
     if with_nsr:
         by_site: dict[str, list[float]] = defaultdict(list)
         for r in with_nsr:
             by_site[r["site"]].append(r["nsr_max"])
-        tables.append(_table("Level (b): gradient noise-to-signal ratio, parameters re-synchronized every step",
-                             ["site", "trials", "median of worst-step NSR", "max NSR"],
-                             [[s, len(v), statistics.median(v), max(v)] for s, v in sorted(by_site.items())]))
+        tables.append(
+            _table(
+                "Level (b): gradient noise-to-signal ratio, parameters re-synchronized every step",
+                ["site", "trials", "median of worst-step NSR", "max NSR"],
+                [[s, len(v), statistics.median(v), max(v)] for s, v in sorted(by_site.items())],
+            )
+        )
     return tables
 
 
@@ -113,8 +145,10 @@ def build_report(directory: str | Path) -> dict[str, Any]:
     if not (directory / DB_FILE).is_file():
         if (directory / RUN_CONFIG).is_file():
             return build_run_report(directory)
-        raise FileNotFoundError(f"{str(directory)!r} holds no {DB_FILE} (a campaign: run `sdcscope campaign run "
-                                f"{directory}` first) and no {RUN_CONFIG} (a run directory: `sdcscope train --out`)")
+        raise FileNotFoundError(
+            f"{str(directory)!r} holds no {DB_FILE} (a campaign: run `sdcscope campaign run "
+            f"{directory}` first) and no {RUN_CONFIG} (a run directory: `sdcscope train --out`)"
+        )
     spec = load_campaign(directory / SPEC_FILE)
     with ResultsDB(directory / DB_FILE, spec) as db:
         rows, baselines, refs = db.trials(), db.baselines(), db.references()
@@ -122,49 +156,99 @@ def build_report(directory: str | Path) -> dict[str, Any]:
     if not rows:
         raise ValueError(f"{str(directory)!r} has no finished trials yet: run `sdcscope campaign run {directory}`")
     counts = Counter(figures.label(r) for r in rows)
-    tables = [_table("Outcomes", ["outcome", "trials", "share"],
-                     [[k, v, v / len(rows)] for k, v in counts.most_common()],
-                     note="masked: bitwise-identical parameters or no value changed; benign: within healthy "
-                          "variance; sdc:sharp loss spike, sdc:slow worse validation loss, sdc:drift parameters "
-                          "beyond healthy re-seeded runs")]
-    tables.append(_table("Healthy-spread thresholds", ["inject step", "measure", "bound", "healthy mean",
-                                                       "healthy sd", "healthy max", "K"],
-                         [[t["inject_step"], t["measure"], t["bound"], t["mean"], t["sd"], t["max"], t["n"]]
-                          for t in thresholds], note=f"bound = {thresholds[0]['rule']} (alpha {thresholds[0]['alpha']})"))
-    dims = ["site", "target", "bit", "model"] + [d for d in ("pattern", "schedule", "swizzle")
-                                                 if len({r[d] for r in rows}) > 1]
+    tables = [
+        _table(
+            "Outcomes",
+            ["outcome", "trials", "share"],
+            [[k, v, v / len(rows)] for k, v in counts.most_common()],
+            note="masked: bitwise-identical parameters or no value changed; benign: within healthy "
+            "variance; sdc:sharp loss spike, sdc:slow worse validation loss, sdc:drift parameters "
+            "beyond healthy re-seeded runs",
+        )
+    ]
+    tables.append(
+        _table(
+            "Healthy-spread thresholds",
+            ["inject step", "measure", "bound", "healthy mean", "healthy sd", "healthy max", "K"],
+            [[t["inject_step"], t["measure"], t["bound"], t["mean"], t["sd"], t["max"], t["n"]] for t in thresholds],
+            note=f"bound = {thresholds[0]['rule']} (alpha {thresholds[0]['alpha']})",
+        )
+    )
+    dims = ["site", "target", "bit", "model"] + [
+        d for d in ("pattern", "schedule", "swizzle") if len({r[d] for r in rows}) > 1
+    ]
     tables += [_pvf_section(rows, d) for d in dims if any(r[d] is not None for r in rows)]
-    figs = {"outcomes by bit": figures.outcome_bars(rows, "bit", "outcomes by bit")
-            if any(r["bit"] is not None for r in rows) else None,
-            "outcomes by site": figures.outcome_bars(rows, "site", "outcomes by site"),
-            "PVF layer × bit": figures.pvf_heatmap(rows) if any(r["bit"] is not None for r in rows) else None,
-            "loss curves": figures.loss_curves(golden, rows, baselines),
-            "drift": figures.drift_curves(rows, baselines, drift_offsets(spec.horizon))}
+    figs = {
+        "outcomes by bit": figures.outcome_bars(rows, "bit", "outcomes by bit")
+        if any(r["bit"] is not None for r in rows)
+        else None,
+        "outcomes by site": figures.outcome_bars(rows, "site", "outcomes by site"),
+        "PVF layer × bit": figures.pvf_heatmap(rows) if any(r["bit"] is not None for r in rows) else None,
+        "loss curves": figures.loss_curves(golden, rows, baselines),
+        "drift": figures.drift_curves(rows, baselines, drift_offsets(spec.horizon)),
+    }
     permanent = _permanent(rows, refs)
     if permanent:
-        tables.append(_table("Permanent faults: validation with the fault present vs removed",
-                             ["group", "trials", "golden acc", "acc, fault present", "acc, fault removed",
-                              "golden loss", "loss, fault present", "loss, fault removed"],
-                             [[g["group"], g["n"], g["acc_golden"], g["acc_fault"], g["acc_removed"],
-                               g["loss_golden"], g["loss_fault"], g["loss_removed"]] for g in permanent]))
+        tables.append(
+            _table(
+                "Permanent faults: validation with the fault present vs removed",
+                [
+                    "group",
+                    "trials",
+                    "golden acc",
+                    "acc, fault present",
+                    "acc, fault removed",
+                    "golden loss",
+                    "loss, fault present",
+                    "loss, fault removed",
+                ],
+                [
+                    [
+                        g["group"],
+                        g["n"],
+                        g["acc_golden"],
+                        g["acc_fault"],
+                        g["acc_removed"],
+                        g["loss_golden"],
+                        g["loss_fault"],
+                        g["loss_removed"],
+                    ]
+                    for g in permanent
+                ],
+            )
+        )
         figs["fault present vs removed"] = figures.fault_present_bars(permanent)
     if spec.guard:
         active = [r for r in rows if r["activated"]]
         detected = [r for r in active if r["detected"]]
         fp = [b for b in baselines if b["guard_events"]]
         lat = [r["latency"] for r in detected if r["latency"] is not None]
-        tables.append(_table("Guard", ["measure", "value"], [
-            ["detection coverage (detected / activated)", f"{len(detected)}/{len(active)}"],
-            ["median detection latency (steps)", statistics.median(lat) if lat else None],
-            ["false-positive rate (healthy runs with an event)", f"{len(fp)}/{len(baselines)}"]]))
+        tables.append(
+            _table(
+                "Guard",
+                ["measure", "value"],
+                [
+                    ["detection coverage (detected / activated)", f"{len(detected)}/{len(active)}"],
+                    ["median detection latency (steps)", statistics.median(lat) if lat else None],
+                    ["false-positive rate (healthy runs with an event)", f"{len(fp)}/{len(baselines)}"],
+                ],
+            )
+        )
         figs["detection latency"] = figures.latency_hist(rows)
     tables += _levels(rows)
-    return {"name": spec.name, "hash": spec.hash, "spec": spec.to_dict(), "done": len(rows),
-            "planned": meta.get("plan_size"), "tables": tables,
-            "figures": {k: v for k, v in figs.items() if v is not None}}
+    return {
+        "name": spec.name,
+        "hash": spec.hash,
+        "spec": spec.to_dict(),
+        "done": len(rows),
+        "planned": meta.get("plan_size"),
+        "tables": tables,
+        "figures": {k: v for k, v in figs.items() if v is not None},
+    }
 
 
-_HTML = jinja2.Template("""<!doctype html>
+_HTML = jinja2.Template(
+    """<!doctype html>
 <html><head><meta charset="utf-8"><title>sdcscope {{ "run" if r.kind == "run" else "campaign" }} {{ r.name }}</title>
 <style>body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:.5em 0}
 td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:right}th{background:#f0f0f0}
@@ -182,15 +266,21 @@ analysis {{ r.spec.analysis }} · spec hash <code>{{ r.hash[:12] }}</code></p>
 <table><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr>
 {% for row in t.rows %}<tr>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>{% endfor %}</table>
 {% endfor %}</body></html>
-""", autoescape=True)
+""",
+    autoescape=True,
+)
 
 
 def _markdown(r: dict[str, Any]) -> str:
     if r.get("kind") == "run":
         lines = [f"# Run {r['name']}", "", f"{r['line']}; figures in report.html.", ""]
     else:
-        lines = [f"# Campaign {r['name']}", "",
-                 f"{r['done']}/{r['planned']} trials; spec hash `{r['hash'][:12]}`; figures in report.html.", ""]
+        lines = [
+            f"# Campaign {r['name']}",
+            "",
+            f"{r['done']}/{r['planned']} trials; spec hash `{r['hash'][:12]}`; figures in report.html.",
+            "",
+        ]
     for t in r["tables"]:
         lines += [f"## {t['title']}", ""] + ([t["note"], ""] if t["note"] else [])
         lines += ["| " + " | ".join(t["headers"]) + " |", "|" + "---|" * len(t["headers"])]
@@ -212,13 +302,20 @@ def write_report(directory: str | Path, data: dict[str, Any] | None = None) -> t
 # ---------------------------------------------------------------------------- run directories
 
 RUN_CONFIG = "config.json"
-ACTION_COLORS = {"rollback": "#8e24aa", "quarantine": "#212121", "veto": "#e53935", "recompute": "#1565c0",
-                 "skip_batch": "#fb8c00", "lr_backoff": "#fdd835", "report": "#9e9e9e"}
+ACTION_COLORS = {
+    "rollback": "#8e24aa",
+    "quarantine": "#212121",
+    "veto": "#e53935",
+    "recompute": "#1565c0",
+    "skip_batch": "#fb8c00",
+    "lr_backoff": "#fdd835",
+    "report": "#9e9e9e",
+}
 MAX_LISTED = 200
 
 
 def _first_action(event: dict) -> str:
-    actions = [a.strip() for a in (event.get("action") or "report").split(",")]
+    actions = actions_of(event)
     return next((a for a in ACTION_COLORS if a in actions), "report")
 
 
@@ -249,8 +346,15 @@ def _lane_of(rank: Any, world: int) -> Any:
     return rank if rank in range(world) else (0 if world == 1 else None)
 
 
-def _timeline_figure(lanes: list[Any], events: list[dict], injections: list[dict], metrics: list[dict],
-                     quarantined: dict[int, int], steps: int, world: int) -> str:
+def _timeline_figure(
+    lanes: list[Any],
+    events: list[dict],
+    injections: list[dict],
+    metrics: list[dict],
+    quarantined: dict[int, int],
+    steps: int,
+    world: int,
+) -> str:
     fig, ax = figures.plt.subplots(figsize=(9, 1.2 + 0.55 * len(lanes)))
     y = {lane: i for i, lane in enumerate(lanes)}
     for m in metrics:
@@ -261,14 +365,27 @@ def _timeline_figure(lanes: list[Any], events: list[dict], injections: list[dict
             ax.barh(y[r], steps - start, left=start - 0.5, height=0.6, color="#424242", alpha=0.18)
     for inj in injections:
         if _lane_of(inj.get("rank"), world) in y:
-            ax.scatter(inj["step"], y[_lane_of(inj.get("rank"), world)] + 0.25, marker="v", s=40, facecolors="none",
-                       edgecolors="#1565c0")
+            ax.scatter(
+                inj["step"],
+                y[_lane_of(inj.get("rank"), world)] + 0.25,
+                marker="v",
+                s=40,
+                facecolors="none",
+                edgecolors="#1565c0",
+            )
     seen = set()
     for e in events:
         lane = _lane_of(e.get("rank"), world)
         action = _first_action(e)
-        ax.scatter(e["step"], y[lane], s=55, color=ACTION_COLORS[action], edgecolors="white", zorder=3,
-                   label=None if action in seen else action)
+        ax.scatter(
+            e["step"],
+            y[lane],
+            s=55,
+            color=ACTION_COLORS[action],
+            edgecolors="white",
+            zorder=3,
+            label=None if action in seen else action,
+        )
         seen.add(action)
     if injections:
         ax.scatter([], [], marker="v", facecolors="none", edgecolors="#1565c0", label="injected fault")
@@ -290,8 +407,11 @@ def _rank_loss_figure(metrics: list[dict], world: int) -> str | None:
     fig, ax = figures.plt.subplots(figsize=(7, 3.2))
     if world > 1 and any("rank_loss" in m for m in rows):
         for r in range(world):
-            pts = [(m["step"], m["rank_loss"][r]) for m in rows if "rank_loss" in m and
-                   isinstance(m["rank_loss"][r], (int, float))]
+            pts = [
+                (m["step"], m["rank_loss"][r])
+                for m in rows
+                if "rank_loss" in m and isinstance(m["rank_loss"][r], (int, float))
+            ]
             ax.plot(*zip(*pts), lw=0.9, label=f"rank {r}") if pts else None
     ax.plot([m["step"] for m in rows], [m["loss"] for m in rows], color="black", lw=1.6, label="world mean")
     ax.set_xlabel("step")
@@ -325,46 +445,104 @@ def build_run_report(directory: str | Path) -> dict[str, Any]:
         mine = [e for e in events if _lane_of(e.get("rank"), world) == lane]
         faults = [i for i in injections if lane is not None and _lane_of(i.get("rank"), world) == lane]
         kinds = Counter(f"{e['detector']}:{e['verdict']}" for e in mine)
-        actions = Counter(a.strip() for e in mine for a in (e.get("action") or "report").split(","))
-        timeline.append([_lane(lane), devices.get(lane), len(faults), len(mine), len({e["step"] for e in mine}),
-                         min((e["step"] for e in mine), default=None), max((e["step"] for e in mine), default=None),
-                         ", ".join(f"{k} ×{v}" for k, v in kinds.most_common()) or None,
-                         ", ".join(f"{k} ×{v}" for k, v in actions.most_common()) or None,
-                         quarantined.get(lane) if lane is not None else None])
+        actions = Counter(a for e in mine for a in actions_of(e))
+        timeline.append(
+            [
+                _lane(lane),
+                devices.get(lane),
+                len(faults),
+                len(mine),
+                len({e["step"] for e in mine}),
+                min((e["step"] for e in mine), default=None),
+                max((e["step"] for e in mine), default=None),
+                ", ".join(f"{k} ×{v}" for k, v in kinds.most_common()) or None,
+                ", ".join(f"{k} ×{v}" for k, v in actions.most_common()) or None,
+                quarantined.get(lane) if lane is not None else None,
+            ]
+        )
         if mine or faults:
-            rows = [[i["step"], "fault", i.get("site"), i.get("module"),
-                     f"{i.get('model')} bits {i.get('bits')}" if i.get("bits") else i.get("model"), None]
-                    for i in faults]
-            rows += [[e["step"], e["detector"], e["verdict"], e.get("module"),
-                      (e.get("evidence") or {}).get("finding"), e.get("action")] for e in mine]
+            rows = [
+                [
+                    i["step"],
+                    "fault",
+                    i.get("site"),
+                    i.get("module"),
+                    f"{i.get('model')} bits {i.get('bits')}" if i.get("bits") else i.get("model"),
+                    None,
+                ]
+                for i in faults
+            ]
+            rows += [
+                [
+                    e["step"],
+                    e["detector"],
+                    e["verdict"],
+                    e.get("module"),
+                    (e.get("evidence") or {}).get("finding"),
+                    e.get("action"),
+                ]
+                for e in mine
+            ]
             rows.sort(key=lambda row: (row[0], row[1] != "fault"))
-            per_rank_tables.append(_table(f"Timeline of {_lane(lane)}", ["step", "what", "verdict / site",
-                                                                           "module", "finding / fault",
-                                                                           "action"], rows[:MAX_LISTED],
-                                          note="" if len(rows) <= MAX_LISTED else f"first {MAX_LISTED} of {len(rows)}"))
+            per_rank_tables.append(
+                _table(
+                    f"Timeline of {_lane(lane)}",
+                    ["step", "what", "verdict / site", "module", "finding / fault", "action"],
+                    rows[:MAX_LISTED],
+                    note="" if len(rows) <= MAX_LISTED else f"first {MAX_LISTED} of {len(rows)}",
+                )
+            )
     vetoed = [m["step"] for m in metrics if m.get("skipped")]
-    facts = [["outcome", summary.get("outcome", "unfinished (no summary.json)")], ["steps", steps],
-             ["ranks", world], ["final train loss", summary.get("final_train_loss")],
-             ["final val loss", summary.get("final_val_loss")],
-             ["replicas identical", summary.get("replicas_identical")],
-             ["events", len(events)], ["injected faults", len(injections)],
-             ["vetoed steps", ", ".join(map(str, vetoed)) or None],
-             ["quarantined ranks", ", ".join(f"{r} (from step {s})" for r, s in sorted(quarantined.items())) or None]]
+    facts = [
+        ["outcome", summary.get("outcome", "unfinished (no summary.json)")],
+        ["steps", steps],
+        ["ranks", world],
+        ["final train loss", summary.get("final_train_loss")],
+        ["final val loss", summary.get("final_val_loss")],
+        ["replicas identical", summary.get("replicas_identical")],
+        ["events", len(events)],
+        ["injected faults", len(injections)],
+        ["vetoed steps", ", ".join(map(str, vetoed)) or None],
+        ["quarantined ranks", ", ".join(f"{r} (from step {s})" for r, s in sorted(quarantined.items())) or None],
+    ]
     facts += [[f"failure of rank {f.get('rank')}", f.get("error")] for f in failures]
-    tables = [_table("Run", ["", ""], facts),
-              _table("Per-rank timelines", ["lane", "device", "faults injected", "events", "steps with events",
-                                            "first", "last", "findings", "actions", "quarantined from step"],
-                     timeline, note="world: findings about every rank at once (before a replay named a rank)"),
-              *per_rank_tables]
+    tables = [
+        _table("Run", ["", ""], facts),
+        _table(
+            "Per-rank timelines",
+            [
+                "lane",
+                "device",
+                "faults injected",
+                "events",
+                "steps with events",
+                "first",
+                "last",
+                "findings",
+                "actions",
+                "quarantined from step",
+            ],
+            timeline,
+            note="world: findings about every rank at once (before a replay named a rank)",
+        ),
+        *per_rank_tables,
+    ]
     wl = config.get("workload", {})
-    line = (f"{wl.get('workload', '?')}/{wl.get('preset', '?')}, seed {config.get('train', {}).get('seed')}, "
-            f"{steps} steps on {world} rank{'s' if world != 1 else ''}"
-            + (f", backend {config['backend']}" if config.get("backend") else "")
-            + f", guard {'on' if config.get('guard') else 'off'}"
-            + (f", cross-rank checks {'on' if config.get('crossrank') else 'off'}" if "crossrank" in config else ""))
-    figs = {"per-rank timeline": _timeline_figure(lanes, events, injections, metrics, quarantined, steps, world),
-            "loss per rank": _rank_loss_figure(metrics, world)}
-    return {"kind": "run", "name": directory.name, "line": line, "tables": tables,
-            "figures": {k: v for k, v in figs.items() if v is not None}}
-
-
+    line = (
+        f"{wl.get('workload', '?')}/{wl.get('preset', '?')}, seed {config.get('train', {}).get('seed')}, "
+        f"{steps} steps on {world} rank{'s' if world != 1 else ''}"
+        + (f", backend {config['backend']}" if config.get("backend") else "")
+        + f", guard {'on' if config.get('guard') else 'off'}"
+        + (f", cross-rank checks {'on' if config.get('crossrank') else 'off'}" if "crossrank" in config else "")
+    )
+    figs = {
+        "per-rank timeline": _timeline_figure(lanes, events, injections, metrics, quarantined, steps, world),
+        "loss per rank": _rank_loss_figure(metrics, world),
+    }
+    return {
+        "kind": "run",
+        "name": directory.name,
+        "line": line,
+        "tables": tables,
+        "figures": {k: v for k, v in figs.items() if v is not None},
+    }

@@ -38,8 +38,7 @@ from sdcscope.study.stats import RULE, THRESHOLD_MEASURES, prediction_bound
 from sdcscope.study.store import DB_FILE, ResultsDB
 from sdcscope.study.worker import GOLDEN_DIR, Worker
 
-__all__ = ["SPEC_FILE", "LOCK_FILE", "CampaignBusyError", "init_campaign", "plan_campaign", "run_campaign",
-           "Progress"]
+__all__ = ["SPEC_FILE", "LOCK_FILE", "CampaignBusyError", "init_campaign", "plan_campaign", "run_campaign", "Progress"]
 
 SPEC_FILE = "campaign.yaml"
 LOCK_FILE = "run.lock"
@@ -64,8 +63,9 @@ def init_campaign(directory: str | Path, spec_path: str | Path) -> tuple[Campaig
     spec and an empty results database. Nothing is written when validation fails."""
     directory, spec_path = Path(directory), Path(spec_path)
     if spec_path.is_dir():
-        raise FileNotFoundError(f"--spec {str(spec_path)!r} is a directory, not a spec file; give a campaign "
-                                "spec (YAML) file")
+        raise FileNotFoundError(
+            f"--spec {str(spec_path)!r} is a directory, not a spec file; give a campaign spec (YAML) file"
+        )
     if not spec_path.is_file():
         raise FileNotFoundError(f"--spec {str(spec_path)!r} does not exist")
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
@@ -73,7 +73,7 @@ def init_campaign(directory: str | Path, spec_path: str | Path) -> tuple[Campaig
     spec = load_campaign(spec_path)  # a relative workload.corpus is resolved against the spec's folder
     try:
         plan = plan_campaign(spec)
-    except (TypeError, ValueError) as exc:   # the fault space against the model: say which file
+    except (TypeError, ValueError) as exc:  # the fault space against the model: say which file
         raise type(exc)(f"{str(spec_path)!r}: {exc}") from None
     data = read_campaign_data(spec_path)[1]
     directory.mkdir(parents=True, exist_ok=True)
@@ -81,8 +81,10 @@ def init_campaign(directory: str | Path, spec_path: str | Path) -> tuple[Campaig
         shutil.copyfile(spec_path, directory / SPEC_FILE)  # verbatim, comments included
     else:  # the stored spec names the corpus absolute: the campaign trains on the same data from anywhere
         data["workload"] = {**data["workload"], "corpus": spec.workload["corpus"]}
-        text = (f"# copied from {spec_path.resolve()} by `sdcscope campaign init`, with workload.corpus "
-                "made absolute\n" + yaml.safe_dump(data, sort_keys=False))
+        text = (
+            f"# copied from {spec_path.resolve()} by `sdcscope campaign init`, with workload.corpus "
+            "made absolute\n" + yaml.safe_dump(data, sort_keys=False)
+        )
         (directory / SPEC_FILE).write_text(text, encoding="utf-8")
     ResultsDB(directory / DB_FILE, spec, len(plan)).close()
     return spec, plan
@@ -131,9 +133,12 @@ class _InProcess:
 
 class _Pool:
     def __init__(self, directory: Path, spec: CampaignSpec, workers: int) -> None:
-        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=_init_worker,
-                                        initargs=(str(directory), spec.to_dict(), os.getpid()))  # the runner's pid
+        self.pool = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(str(directory), spec.to_dict(), os.getpid()),
+        )  # the runner's pid
 
     def map(self, jobs: list[dict]) -> Iterator[dict]:
         pending = {self.pool.submit(_run_job, job) for job in jobs}
@@ -143,9 +148,11 @@ class _Pool:
                 try:
                     result = future.result()
                 except BrokenProcessPool:
-                    raise RuntimeError("a campaign worker process died (killed, or out of memory; a script "
-                                       "that starts a campaign needs an `if __name__ == '__main__':` guard); "
-                                       "finished trials are kept: run the campaign again to resume") from None
+                    raise RuntimeError(
+                        "a campaign worker process died (killed, or out of memory; a script "
+                        "that starts a campaign needs an `if __name__ == '__main__':` guard); "
+                        "finished trials are kept: run the campaign again to resume"
+                    ) from None
                 yield result
 
     def close(self) -> None:
@@ -168,8 +175,10 @@ class _Ray:
             try:
                 ray.init(address=address)
             except ConnectionError as exc:
-                raise ValueError(f"--ray-address {address!r}: no Ray cluster to connect to ({exc}); "
-                                 "'local' starts one on this machine") from None
+                raise ValueError(
+                    f"--ray-address {address!r}: no Ray cluster to connect to ({exc}); "
+                    "'local' starts one on this machine"
+                ) from None
         n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
         actor = ray.remote(num_cpus=1)(Worker)
         self.actors = [actor.remote(str(directory.resolve()), spec.to_dict()) for _ in range(n)]
@@ -203,10 +212,13 @@ def _backend(directory: Path, spec: CampaignSpec, workers: int | None, ray_addre
 
 # ------------------------------------------------------------------------------------ phases
 
+
 def _golden_ready(directory: Path, spec: CampaignSpec) -> bool:
     g = directory / GOLDEN_DIR
-    return all((g / f"step-{s}" / "manifest.json").is_file() and (g / f"trajectory-{s}.pt").is_file()
-               for s in spec.inject_steps)
+    return all(
+        (g / f"step-{s}" / "manifest.json").is_file() and (g / f"trajectory-{s}.pt").is_file()
+        for s in spec.inject_steps
+    )
 
 
 def _each(backend, jobs: list[dict], phase: str, progress: Progress | None) -> Iterable[dict]:
@@ -231,19 +243,27 @@ def _thresholds(spec: CampaignSpec, baselines: list[dict]) -> list[dict]:
     return rows
 
 
-def run_campaign(directory: str | Path, *, workers: int | None = None, ray_address: str | None = None,
-                 progress: Progress | None = None) -> dict[str, Any]:
+def run_campaign(
+    directory: str | Path,
+    *,
+    workers: int | None = None,
+    ray_address: str | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
     """Run (or resume) the campaign in ``directory``; returns counts of the trials' outcomes."""
     directory = Path(directory)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise ValueError(f"workers={workers!r} must be an int >= 0 (0: run in this process)")
     if ray_address is not None and (not isinstance(ray_address, str) or not ray_address):
-        raise ValueError(f"ray_address={ray_address!r} must be a non-empty str: 'local' (a private cluster on "
-                         "this machine), 'auto' (a running cluster) or 'ray://host:port'")
+        raise ValueError(
+            f"ray_address={ray_address!r} must be a non-empty str: 'local' (a private cluster on "
+            "this machine), 'auto' (a running cluster) or 'ray://host:port'"
+        )
     spec_path = directory / SPEC_FILE
     if not spec_path.is_file():
-        raise FileNotFoundError(f"{str(directory)!r} holds no {SPEC_FILE} (create it, or use "
-                                "`sdcscope campaign init DIR --spec FILE`)")
+        raise FileNotFoundError(
+            f"{str(directory)!r} holds no {SPEC_FILE} (create it, or use `sdcscope campaign init DIR --spec FILE`)"
+        )
     if ray_address is not None:
         _import_ray(ray_address)  # before results.sqlite is created
     with _run_lock(directory):
@@ -267,8 +287,10 @@ def _lock(path: Path) -> tuple[int, bool]:
             os.close(fd)
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise CampaignBusyError(f"another `campaign run` is active on {str(path.parent)!r} (pid {holder}); "
-                                    "wait for it to finish or stop it, then run again to resume") from None
+            raise CampaignBusyError(
+                f"another `campaign run` is active on {str(path.parent)!r} (pid {holder}); "
+                "wait for it to finish or stop it, then run again to resume"
+            ) from None
         with contextlib.suppress(FileNotFoundError):
             if os.path.samestat(os.fstat(fd), os.stat(path)):
                 return fd, created
@@ -297,8 +319,9 @@ def _run_lock(directory: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _run_locked(directory: Path, spec_path: Path, workers: int | None, ray_address: str | None,
-                progress: Progress | None) -> dict[str, Any]:
+def _run_locked(
+    directory: Path, spec_path: Path, workers: int | None, ray_address: str | None, progress: Progress | None
+) -> dict[str, Any]:
     spec = load_campaign(spec_path)
     plan = plan_campaign(spec)
     with ResultsDB(directory / DB_FILE, spec, len(plan)) as db:
@@ -312,12 +335,17 @@ def _run_locked(directory: Path, spec_path: Path, workers: int | None, ray_addre
             if backend is not None:
                 backend.close()
         rows = db.trials()
-    return {"trials": len(plan), "done": len(rows), "ran": len(todo),
-            "outcomes": dict(Counter(r["outcome"] for r in rows))}
+    return {
+        "trials": len(plan),
+        "done": len(rows),
+        "ran": len(todo),
+        "outcomes": dict(Counter(r["outcome"] for r in rows)),
+    }
 
 
-def _run_phases(directory: Path, spec: CampaignSpec, db: ResultsDB, backend, todo: list[Trial],
-                progress: Progress | None) -> None:
+def _run_phases(
+    directory: Path, spec: CampaignSpec, db: ResultsDB, backend, todo: list[Trial], progress: Progress | None
+) -> None:
     have_refs = bool(db.references())
     if not have_refs or not _golden_ready(directory, spec):
         for result in _each(backend, [{"kind": "golden"}], "golden", progress):
@@ -327,18 +355,24 @@ def _run_phases(directory: Path, spec: CampaignSpec, db: ResultsDB, backend, tod
     h = spec.horizon
 
     def base_job(kind: str, s: int) -> dict:
-        return {"kind": kind, "inject_step": s, "reference": refs[s], "golden_losses": losses[s:s + h]}
+        return {"kind": kind, "inject_step": s, "reference": refs[s], "golden_losses": losses[s : s + h]}
 
     done = {(b["inject_step"], b["seed"]) for b in db.baselines()}
-    jobs = [{**base_job("baseline", s), "seed": k} for s in spec.inject_steps for k in spec.baseline.seeds
-            if (s, k) not in done or not (directory / GOLDEN_DIR / f"baseline-{s}-{k}.pt").is_file()]
+    jobs = [
+        {**base_job("baseline", s), "seed": k}
+        for s in spec.inject_steps
+        for k in spec.baseline.seeds
+        if (s, k) not in done or not (directory / GOLDEN_DIR / f"baseline-{s}-{k}.pt").is_file()
+    ]
     for result in _each(backend, jobs, "baseline", progress):
         if (result["inject_step"], result["seed"]) not in done:
             db.write_baseline(result)
     if not db.thresholds():
         db.write_thresholds(_thresholds(spec, db.baselines()))
     thresholds = db.thresholds()
-    jobs = [{**base_job("trial", t.inject_step), "trial": dataclasses.asdict(t), "thresholds": thresholds[t.inject_step]}
-            for t in todo]
+    jobs = [
+        {**base_job("trial", t.inject_step), "trial": dataclasses.asdict(t), "thresholds": thresholds[t.inject_step]}
+        for t in todo
+    ]
     for result in _each(backend, jobs, "trials", progress):
         db.write_trial({**result, "spec_hash": spec.hash})

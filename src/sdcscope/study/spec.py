@@ -35,20 +35,30 @@ validated here; mistakes raise ``ValueError``/``TypeError`` naming the value and
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
-from sdcscope._io import load_yaml, read_text
+from sdcscope.common.io import load_yaml, read_text
+from sdcscope.common.validate import did_you_mean
 from sdcscope.engine.trainer import SEED_MAX
 from sdcscope.faults import BIT_MODELS, MODELS, SITES, SWIZZLE_MODES, Pattern, check_bits, get_format
-from sdcscope.faults.spec import check_site_pattern
+from sdcscope.faults.vocab import check_site_pattern
 
-__all__ = ["CampaignSpec", "FaultSpace", "Sampling", "Baseline", "load_campaign", "SAMPLING_KINDS",
-           "DIMENSIONS", "ANALYSES", "SCHEDULE_TEMPLATES"]
+__all__ = [
+    "CampaignSpec",
+    "FaultSpace",
+    "Sampling",
+    "Baseline",
+    "load_campaign",
+    "SAMPLING_KINDS",
+    "DIMENSIONS",
+    "ANALYSES",
+    "SCHEDULE_TEMPLATES",
+]
 
 SAMPLING_KINDS = ("exhaustive", "random", "stratified")
 DIMENSIONS = ("inject_step", "site", "target", "model", "bit", "pattern", "schedule", "swizzle")
@@ -62,19 +72,26 @@ SCHEDULE_TEMPLATES: dict[str, tuple[str, ...]] = {
 UNSUPPORTED_SITES = {
     "checkpoint": "a trial never writes a checkpoint to corrupt; inject checkpoint faults with `sdcscope inject`",
     "comm": "a trial trains in one process, without a gradient all-reduce; inject comm faults with "
-            "`sdcscope train --nproc N --faults FILE`",
+    "`sdcscope train --nproc N --faults FILE`",
 }
 """Fault sites a campaign cannot inject, and why."""
 CAMPAIGN_SITES = tuple(s for s in SITES if s not in UNSUPPORTED_SITES)
 BASELINE_SEED_MAX = 2**63 - 1
 """results.sqlite keeps a baseline's seed as a signed 64-bit integer."""
-WORKLOAD_KEYS = ("name", "preset", "batch_size", "lr", "weight_decay", "warmup", "grad_clip", "corpus",
-                 "max_corpus_bytes", "eval_batches", "qk_norm", "z_loss")
-
-
-def _hint(value: str, allowed) -> str:
-    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+WORKLOAD_KEYS = (
+    "name",
+    "preset",
+    "batch_size",
+    "lr",
+    "weight_decay",
+    "warmup",
+    "grad_clip",
+    "corpus",
+    "max_corpus_bytes",
+    "eval_batches",
+    "qk_norm",
+    "z_loss",
+)
 
 
 def _keys(what: str, data: Any, allowed: tuple[str, ...]) -> dict:
@@ -82,7 +99,7 @@ def _keys(what: str, data: Any, allowed: tuple[str, ...]) -> dict:
         raise TypeError(f"{what} must be a mapping, got {data!r}")
     for key in data:
         if key not in allowed:
-            raise ValueError(f"unknown {what} key {key!r}{_hint(key, allowed)}; allowed: {list(allowed)}")
+            raise ValueError(f"unknown {what} key {key!r}{did_you_mean(key, allowed)}; allowed: {list(allowed)}")
     return dict(data)
 
 
@@ -106,8 +123,10 @@ def _choices(what: str, value: Any, allowed) -> tuple[str, ...]:
     out = []
     for v in _list(what, value):
         if v not in allowed:
-            raise ValueError(f"unknown {what[:-1] if what.endswith('s') else what} {v!r}"
-                             f"{_hint(str(v), allowed)}; allowed: {list(allowed)}")
+            raise ValueError(
+                f"unknown {what[:-1] if what.endswith('s') else what} {v!r}"
+                f"{did_you_mean(str(v), allowed)}; allowed: {list(allowed)}"
+            )
         out.append(v)
     return tuple(dict.fromkeys(out))
 
@@ -136,16 +155,18 @@ def parse_bits(value: Any) -> tuple[int, ...]:
 
 
 def _schedule_template(data: Any) -> dict:
-    data = _keys("faults.schedules entry", data, ("kind", *sorted({k for v in SCHEDULE_TEMPLATES.values()
-                                                                    for k in v})))
+    data = _keys("faults.schedules entry", data, ("kind", *sorted({k for v in SCHEDULE_TEMPLATES.values() for k in v})))
     kind = data.get("kind")
     if kind not in SCHEDULE_TEMPLATES:
-        raise ValueError(f"unknown schedule kind {kind!r}{_hint(str(kind), SCHEDULE_TEMPLATES)}; "
-                         f"allowed: {list(SCHEDULE_TEMPLATES)} (the step comes from inject_steps)")
+        raise ValueError(
+            f"unknown schedule kind {kind!r}{did_you_mean(str(kind), SCHEDULE_TEMPLATES)}; "
+            f"allowed: {list(SCHEDULE_TEMPLATES)} (the step comes from inject_steps)"
+        )
     for key in data:
         if key != "kind" and key not in SCHEDULE_TEMPLATES[kind]:
-            raise ValueError(f"schedule kind {kind!r} does not take {key!r}; it takes: "
-                             f"{list(SCHEDULE_TEMPLATES[kind])}")
+            raise ValueError(
+                f"schedule kind {kind!r} does not take {key!r}; it takes: {list(SCHEDULE_TEMPLATES[kind])}"
+            )
     if kind == "intermittent":
         p = data.get("p")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
@@ -177,14 +198,18 @@ class FaultSpace:
         set_("sites", _choices("faults.sites", self.sites, SITES))
         for site in self.sites:
             if site in UNSUPPORTED_SITES:
-                raise ValueError(f"faults.sites: site {site!r} is not supported in a campaign: "
-                                 f"{UNSUPPORTED_SITES[site]}; allowed: {list(CAMPAIGN_SITES)}")
+                raise ValueError(
+                    f"faults.sites: site {site!r} is not supported in a campaign: "
+                    f"{UNSUPPORTED_SITES[site]}; allowed: {list(CAMPAIGN_SITES)}"
+                )
         targets = []
         for t in _list("faults.targets", self.targets):
             group = isinstance(t, (list, tuple))
             if not (t and all(isinstance(x, str) and x for x in (t if group else [t]))):
-                raise TypeError(f"faults.targets entries must be non-empty strings or non-empty lists of "
-                                f"them (one target hit as a whole), got {t!r}")
+                raise TypeError(
+                    f"faults.targets entries must be non-empty strings or non-empty lists of "
+                    f"them (one target hit as a whole), got {t!r}"
+                )
             targets.append(tuple(dict.fromkeys(t)) if group else t)
         set_("targets", tuple(targets))
         set_("models", _choices("faults.models", self.models, MODELS))
@@ -194,22 +219,23 @@ class FaultSpace:
             if self.bits is None:
                 raise ValueError(f"faults.bits is required for models {[m for m in self.models if m in BIT_MODELS]}")
             bits = parse_bits(self.bits)
-            try:   # without a format, the targets' own: fp32 is the widest a workload holds
+            try:  # without a format, the targets' own: fp32 is the widest a workload holds
                 check_bits(bits, self.format or "fp32")
             except ValueError as exc:
                 raise ValueError(f"faults.bits: {exc}") from None
             set_("bits", bits)
         elif self.bits is not None:
-            raise ValueError(f"faults.bits given, but models {list(self.models)} take no bits; "
-                             f"bits are for {list(BIT_MODELS)}")
+            raise ValueError(
+                f"faults.bits given, but models {list(self.models)} take no bits; bits are for {list(BIT_MODELS)}"
+            )
         patterns = []
         for p in _list("faults.patterns", self.patterns):
             try:
                 patterns.append(Pattern.from_dict(p).to_dict())
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"faults.patterns entry {p!r}: {exc}") from None
-        set_("patterns", _unique(patterns))   # two spellings of one pattern are one fault-space point
-        for site in self.sites:   # every site meets every pattern: refuse a field one of them would ignore
+        set_("patterns", _unique(patterns))  # two spellings of one pattern are one fault-space point
+        for site in self.sites:  # every site meets every pattern: refuse a field one of them would ignore
             for p in self.patterns:
                 try:
                     check_site_pattern(site, Pattern.from_dict(p))
@@ -218,20 +244,27 @@ class FaultSpace:
         set_("schedules", _unique(_schedule_template(s) for s in _list("faults.schedules", self.schedules)))
         _int("faults.repeats", self.repeats, 1)
         _int("faults.seed", self.seed)
-        random = ("random_value" in self.models or any(s["kind"] == "intermittent" for s in self.schedules)
-                  or any(Pattern.from_dict(p).draws_on(site) for p in self.patterns for site in self.sites))
+        random = (
+            "random_value" in self.models
+            or any(s["kind"] == "intermittent" for s in self.schedules)
+            or any(Pattern.from_dict(p).draws_on(site) for p in self.patterns for site in self.sites)
+        )
         if self.repeats > 1 and not random:
-            raise ValueError(f"faults.repeats={self.repeats}: every point of this fault space is one fixed fault "
-                             "(explicit indices, no random_value model, no intermittent schedule), so its repeats "
-                             "would be identical runs counted as independent trials; use repeats: 1, or 'random' "
-                             "indices")
+            raise ValueError(
+                f"faults.repeats={self.repeats}: every point of this fault space is one fixed fault "
+                "(explicit indices, no random_value model, no intermittent schedule), so its repeats "
+                "would be identical runs counted as independent trials; use repeats: 1, or 'random' "
+                "indices"
+            )
 
     @classmethod
     def from_dict(cls, data: Any) -> FaultSpace:
         if isinstance(data, Mapping) and "swizzle" in data:
-            raise ValueError(f"faults.swizzle {data['swizzle']!r} is a pattern option now: write "
-                             "patterns: [{kind: mac_cell, swizzle: per_step}] (swizzle allowed: "
-                             f"{list(SWIZZLE_MODES)})")
+            raise ValueError(
+                f"faults.swizzle {data['swizzle']!r} is a pattern option now: write "
+                "patterns: [{kind: mac_cell, swizzle: per_step}] (swizzle allowed: "
+                f"{list(SWIZZLE_MODES)})"
+            )
         data = _keys("faults", data, tuple(f.name for f in fields(cls)))
         for key in ("sites", "targets"):
             if key not in data:
@@ -261,8 +294,10 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if self.kind not in SAMPLING_KINDS:
-            raise ValueError(f"unknown sampling kind {self.kind!r}{_hint(str(self.kind), SAMPLING_KINDS)}; "
-                             f"allowed: {list(SAMPLING_KINDS)}")
+            raise ValueError(
+                f"unknown sampling kind {self.kind!r}{did_you_mean(str(self.kind), SAMPLING_KINDS)}; "
+                f"allowed: {list(SAMPLING_KINDS)}"
+            )
         if self.kind == "exhaustive":
             if self.n is not None or self.by:
                 raise ValueError("sampling kind 'exhaustive' takes neither n nor by")
@@ -274,12 +309,14 @@ class Sampling:
         if isinstance(by, str):
             by = [by]  # `by: bit` is `by: [bit]`
         elif not isinstance(by, (list, tuple)):
-            raise TypeError(f"sampling.by must be a dimension name or a list of them among {list(DIMENSIONS)}, "
-                            f"got {by!r}")
+            raise TypeError(
+                f"sampling.by must be a dimension name or a list of them among {list(DIMENSIONS)}, got {by!r}"
+            )
         for item in by:
             if not isinstance(item, str):
-                raise TypeError(f"sampling.by entries must be dimension names (strings) among {list(DIMENSIONS)}, "
-                                f"got {item!r}")
+                raise TypeError(
+                    f"sampling.by entries must be dimension names (strings) among {list(DIMENSIONS)}, got {item!r}"
+                )
         by = tuple(_choices("sampling.by", list(by), DIMENSIONS)) if by else ()
         if self.kind == "stratified" and not by:
             raise ValueError(f"sampling kind 'stratified' needs by: a list among {list(DIMENSIONS)}")
@@ -303,8 +340,9 @@ class Baseline:
     def __post_init__(self) -> None:
         seeds = [_int("baseline seed", s, 0, BASELINE_SEED_MAX) for s in _list("baseline.seeds", self.seeds)]
         if len(set(seeds)) < 2:
-            raise ValueError(f"baseline.seeds needs at least 2 distinct seeds to measure the "
-                             f"seed-to-seed spread, got {seeds!r}")
+            raise ValueError(
+                f"baseline.seeds needs at least 2 distinct seeds to measure the seed-to-seed spread, got {seeds!r}"
+            )
         object.__setattr__(self, "seeds", tuple(dict.fromkeys(seeds)))
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < 0.5:
             raise ValueError(f"baseline.alpha must be a number in (0, 0.5), got {self.alpha!r}")
@@ -356,8 +394,10 @@ class CampaignSpec:
         if not isinstance(self.guard, bool):
             raise TypeError(f"guard must be true or false, got {self.guard!r}")
         if self.analysis not in ANALYSES:
-            raise ValueError(f"unknown analysis {self.analysis!r}{_hint(str(self.analysis), ANALYSES)}; "
-                             f"allowed: {list(ANALYSES)}")
+            raise ValueError(
+                f"unknown analysis {self.analysis!r}{did_you_mean(str(self.analysis), ANALYSES)}; "
+                f"allowed: {list(ANALYSES)}"
+            )
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"name must be a non-empty string, got {self.name!r}")
 
@@ -384,11 +424,20 @@ class CampaignSpec:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "workload": dict(self.workload), "seed": self.seed,
-                "grad_accum": self.grad_accum, "inject_steps": list(self.inject_steps),
-                "horizon": self.horizon, "golden_steps": self.golden_steps,
-                "faults": self.faults.to_dict(), "sampling": self.sampling.to_dict(),
-                "baseline": self.baseline.to_dict(), "guard": self.guard, "analysis": self.analysis}
+        return {
+            "name": self.name,
+            "workload": dict(self.workload),
+            "seed": self.seed,
+            "grad_accum": self.grad_accum,
+            "inject_steps": list(self.inject_steps),
+            "horizon": self.horizon,
+            "golden_steps": self.golden_steps,
+            "faults": self.faults.to_dict(),
+            "sampling": self.sampling.to_dict(),
+            "baseline": self.baseline.to_dict(),
+            "guard": self.guard,
+            "analysis": self.analysis,
+        }
 
     @property
     def hash(self) -> str:
@@ -429,8 +478,10 @@ def _resolve_corpus(data: Mapping, where: str) -> Mapping:
         path = os.path.join(os.path.dirname(os.path.abspath(where)), path)
     path = os.path.realpath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"workload.corpus {corpus!r} does not exist (looked for {path!r}; a relative "
-                                "path is taken from the spec file's folder); give a text file or a folder")
+        raise FileNotFoundError(
+            f"workload.corpus {corpus!r} does not exist (looked for {path!r}; a relative "
+            "path is taken from the spec file's folder); give a text file or a folder"
+        )
     return {**data, "workload": {**wl, "corpus": path}}
 
 

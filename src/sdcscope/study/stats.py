@@ -24,8 +24,7 @@ from collections.abc import Iterable, Sequence
 
 from sdcscope.study.outcomes import NOT_FIRED
 
-__all__ = ["Z95", "wilson_interval", "prediction_bound", "THRESHOLD_MEASURES", "RULE", "pvf_table",
-           "INCORRECT"]
+__all__ = ["Z95", "wilson_interval", "prediction_bound", "THRESHOLD_MEASURES", "RULE", "pvf_table", "INCORRECT"]
 
 Z95 = 1.959963984540054
 """The 0.975 quantile of the standard normal (two-sided 95%)."""
@@ -78,8 +77,9 @@ def pvf_table(rows: Iterable[dict], by: Sequence[str]) -> list[dict]:
         g[0] += r["effect"] in INCORRECT
         g[1] += 1
     out = []
-    for key in sorted(groups, key=lambda k: tuple((v is None, str(v) if not isinstance(v, (int, float)) else v)
-                                                   for v in k)):
+    for key in sorted(
+        groups, key=lambda k: tuple((v is None, str(v) if not isinstance(v, (int, float)) else v) for v in k)
+    ):
         d, n = groups[key]
         lo, hi = wilson_interval(d, n)
         out.append({**dict(zip(by, key)), "incorrect": d, "trials": n, "pvf": d / n, "lo": lo, "hi": hi})

@@ -14,7 +14,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from sdcscope._io import dumps
+from sdcscope.common.io import dumps
 from sdcscope.study.spec import CampaignSpec
 
 __all__ = ["ResultsDB", "TRIAL_COLUMNS", "BASELINE_COLUMNS", "DB_FILE"]
@@ -23,33 +23,75 @@ DB_FILE = "results.sqlite"
 SCHEMA = 1
 JSON_COLUMNS = {"losses", "drift", "first_divergence", "lockstep", "nsr", "drift_steps"}
 TRIAL_COLUMNS: dict[str, str] = {
-    "trial_id": "INTEGER PRIMARY KEY", "spec_hash": "TEXT NOT NULL", "key": "TEXT UNIQUE NOT NULL",
-    "inject_step": "INTEGER", "site": "TEXT", "target": "TEXT", "model": "TEXT", "bit": "INTEGER",
-    "pattern": "TEXT", "schedule": "TEXT", "swizzle": "INTEGER", "repeat": "INTEGER", "fault_seed": "INTEGER",
-    "outcome": "TEXT", "effect": "TEXT", "sdc_kind": "TEXT",
-    "fired": "INTEGER", "activated": "INTEGER", "injections": "INTEGER", "crash": "INTEGER",
-    "masked": "INTEGER", "error": "TEXT", "steps": "INTEGER", "first_diff_step": "INTEGER",
-    "final_loss": "REAL", "loss_excess": "REAL", "loss_diff_max": "REAL", "loss_diff_mean": "REAL",
-    "val_loss": "REAL", "val_acc": "REAL", "val_loss_fault": "REAL", "val_acc_fault": "REAL",
-    "val_delta": "REAL", "dist_golden": "REAL", "dist_healthy": "REAL",
-    "detected": "INTEGER", "detect_step": "INTEGER", "latency": "INTEGER", "guard_events": "INTEGER",
-    "nsr_max": "REAL", "nsr_mean": "REAL",
-    "losses": "TEXT", "drift": "TEXT", "first_divergence": "TEXT", "lockstep": "TEXT", "nsr": "TEXT",
+    "trial_id": "INTEGER PRIMARY KEY",
+    "spec_hash": "TEXT NOT NULL",
+    "key": "TEXT UNIQUE NOT NULL",
+    "inject_step": "INTEGER",
+    "site": "TEXT",
+    "target": "TEXT",
+    "model": "TEXT",
+    "bit": "INTEGER",
+    "pattern": "TEXT",
+    "schedule": "TEXT",
+    "swizzle": "INTEGER",
+    "repeat": "INTEGER",
+    "fault_seed": "INTEGER",
+    "outcome": "TEXT",
+    "effect": "TEXT",
+    "sdc_kind": "TEXT",
+    "fired": "INTEGER",
+    "activated": "INTEGER",
+    "injections": "INTEGER",
+    "crash": "INTEGER",
+    "masked": "INTEGER",
+    "error": "TEXT",
+    "steps": "INTEGER",
+    "first_diff_step": "INTEGER",
+    "final_loss": "REAL",
+    "loss_excess": "REAL",
+    "loss_diff_max": "REAL",
+    "loss_diff_mean": "REAL",
+    "val_loss": "REAL",
+    "val_acc": "REAL",
+    "val_loss_fault": "REAL",
+    "val_acc_fault": "REAL",
+    "val_delta": "REAL",
+    "dist_golden": "REAL",
+    "dist_healthy": "REAL",
+    "detected": "INTEGER",
+    "detect_step": "INTEGER",
+    "latency": "INTEGER",
+    "guard_events": "INTEGER",
+    "nsr_max": "REAL",
+    "nsr_mean": "REAL",
+    "losses": "TEXT",
+    "drift": "TEXT",
+    "first_divergence": "TEXT",
+    "lockstep": "TEXT",
+    "nsr": "TEXT",
     "wall_s": "REAL",
 }
 BASELINE_COLUMNS: dict[str, str] = {
-    "inject_step": "INTEGER", "seed": "INTEGER", "val_loss": "REAL", "val_acc": "REAL", "val_delta": "REAL",
-    "loss_excess": "REAL", "dist_golden": "REAL", "guard_events": "INTEGER", "losses": "TEXT",
-    "drift": "TEXT", "wall_s": "REAL",
+    "inject_step": "INTEGER",
+    "seed": "INTEGER",
+    "val_loss": "REAL",
+    "val_acc": "REAL",
+    "val_delta": "REAL",
+    "loss_excess": "REAL",
+    "dist_golden": "REAL",
+    "guard_events": "INTEGER",
+    "losses": "TEXT",
+    "drift": "TEXT",
+    "wall_s": "REAL",
 }
 _TABLES = {
     "meta": "key TEXT PRIMARY KEY, value TEXT",
     "golden": "step INTEGER PRIMARY KEY, loss REAL",
     "reference": "inject_step INTEGER PRIMARY KEY, end_step INTEGER, val_loss REAL, val_acc REAL, "
-                 "param_sha256 TEXT, drift_steps TEXT",
+    "param_sha256 TEXT, drift_steps TEXT",
     "baseline": ", ".join(f"{k} {v}" for k, v in BASELINE_COLUMNS.items()) + ", PRIMARY KEY (inject_step, seed)",
     "thresholds": "inject_step INTEGER, measure TEXT, bound REAL, n INTEGER, mean REAL, sd REAL, max REAL, "
-                  "t REAL, alpha REAL, rule TEXT, PRIMARY KEY (inject_step, measure)",
+    "t REAL, alpha REAL, rule TEXT, PRIMARY KEY (inject_step, measure)",
     "trials": ", ".join(f"{k} {v}" for k, v in TRIAL_COLUMNS.items()),
 }
 
@@ -94,15 +136,20 @@ class ResultsDB:
                 f"{str(self.path)!r} holds results of another campaign spec ({old!r}, hash "
                 f"{str(meta.get('spec_hash'))[:12]}…), not of this campaign.yaml ({spec.name!r}, hash "
                 f"{spec.hash[:12]}…); refusing to mix them: restore the original campaign.yaml or use a "
-                "new campaign directory")
+                "new campaign directory"
+            )
 
     def _create(self, spec: CampaignSpec, plan_size: int | None) -> None:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("BEGIN")
         for name, cols in _TABLES.items():
             self.conn.execute(f"CREATE TABLE {name} ({cols})")
-        meta = {"schema": str(SCHEMA), "spec_hash": spec.hash, "spec": json.dumps(spec.to_dict()),
-                "plan_size": str(plan_size)}
+        meta = {
+            "schema": str(SCHEMA),
+            "spec_hash": spec.hash,
+            "spec": json.dumps(spec.to_dict()),
+            "plan_size": str(plan_size),
+        }
         self.conn.executemany("INSERT INTO meta VALUES (?, ?)", meta.items())
         self.conn.execute("COMMIT")
 

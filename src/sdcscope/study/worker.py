@@ -62,9 +62,11 @@ def _bits(x: float) -> bytes:
 
 def _unchanged(records: list[dict]) -> bool:
     """Every fired fault left every value bit for bit as it was (all of its elements listed)."""
-    return all(r["count"] == len(r["before"]) and all(_bits(float(b)) == _bits(float(a))
-                                                      for b, a in zip(r["before"], r["after"]))
-               for r in records)
+    return all(
+        r["count"] == len(r["before"])
+        and all(_bits(float(b)) == _bits(float(a)) for b, a in zip(r["before"], r["after"]))
+        for r in records
+    )
 
 
 def _finite(x: Any) -> bool:
@@ -120,19 +122,30 @@ class Worker:
                 flats[step] = flat_params(trainer.model)
             if step in ends:
                 ev = trainer.evaluate()
-                refs.append({"inject_step": ends[step], "end_step": step, "val_loss": ev["val_loss"],
-                             "val_acc": ev.get("val_acc"), "param_sha256": param_sha256(trainer.model),
-                             "drift_steps": [ends[step] + o for o in offsets]})
+                refs.append(
+                    {
+                        "inject_step": ends[step],
+                        "end_step": step,
+                        "val_loss": ev["val_loss"],
+                        "val_acc": ev.get("val_acc"),
+                        "param_sha256": param_sha256(trainer.model),
+                        "drift_steps": [ends[step] + o for o in offsets],
+                    }
+                )
             if step == spec.golden_steps:
                 break
             loss = trainer.train_step()["loss"]
             if not math.isfinite(loss):
-                raise ValueError(f"the golden run itself diverged at step {step} (loss {loss}); "
-                                 "lower the learning rate or the golden-run length")
+                raise ValueError(
+                    f"the golden run itself diverged at step {step} (loss {loss}); "
+                    "lower the learning rate or the golden-run length"
+                )
             losses.append(loss)
         for s in spec.inject_steps:
-            _save({"steps": [s + o for o in offsets], "params": torch.stack([flats[s + o] for o in offsets])},
-                  self.dir / f"trajectory-{s}.pt")
+            _save(
+                {"steps": [s + o for o in offsets], "params": torch.stack([flats[s + o] for o in offsets])},
+                self.dir / f"trajectory-{s}.pt",
+            )
         return {"kind": "golden", "losses": losses, "references": refs}
 
     # -- a horizon of training ---------------------------------------------------------------
@@ -143,7 +156,7 @@ class Worker:
         traj = self._trajectory(s)
         at, drift = set(traj["steps"]), {}
         out = {"losses": [], "crash": False, "error": None, "early": False}
-        by_step: dict[int, float] = {}   # a step trained again after a rollback replaces its first try
+        by_step: dict[int, float] = {}  # a step trained again after a rollback replaces its first try
         rows = 0
         try:
             while t.step < s + h and rows < 4 * h:
@@ -171,12 +184,16 @@ class Worker:
         pairs = [(f, g) for f, g in zip(losses, golden) if math.isfinite(f)]
         diffs = [f - g for f, g in pairs]
         first = next((i for i, (f, g) in enumerate(zip(losses, golden)) if _bits(f) != _bits(g)), None)
-        return {"steps": len(losses), "losses": losses, "drift": run["drift"],
-                "final_loss": losses[-1] if losses else None,
-                "first_diff_step": None if first is None else job["inject_step"] + first,
-                "loss_excess": max(diffs) if diffs else None,
-                "loss_diff_max": max(map(abs, diffs)) if diffs else None,
-                "loss_diff_mean": sum(map(abs, diffs)) / len(diffs) if diffs else None}
+        return {
+            "steps": len(losses),
+            "losses": losses,
+            "drift": run["drift"],
+            "final_loss": losses[-1] if losses else None,
+            "first_diff_step": None if first is None else job["inject_step"] + first,
+            "loss_excess": max(diffs) if diffs else None,
+            "loss_diff_max": max(map(abs, diffs)) if diffs else None,
+            "loss_diff_mean": sum(map(abs, diffs)) / len(diffs) if diffs else None,
+        }
 
     # -- healthy baseline --------------------------------------------------------------------
     def baseline(self, job: dict[str, Any]) -> dict[str, Any]:
@@ -185,16 +202,26 @@ class Worker:
         guard = make_guard(self.trainer) if self.spec.guard else None
         run = self._train(job)
         if run["crash"]:
-            raise ValueError(f"the healthy baseline run from step {s} with seed {seed} diverged "
-                             f"({run['error'] or 'non-finite loss'}); lower the learning rate")
+            raise ValueError(
+                f"the healthy baseline run from step {s} with seed {seed} diverged "
+                f"({run['error'] or 'non-finite loss'}); lower the learning rate"
+            )
         ev = self.trainer.evaluate()
         _save(flat_params(self.trainer.model), self.dir / f"baseline-{s}-{seed}.pt")
         m = self._measures(job, run)
-        return {"kind": "baseline", "inject_step": s, "seed": seed, "val_loss": ev["val_loss"],
-                "val_acc": ev.get("val_acc"), "val_delta": ev["val_loss"] - ref["val_loss"],
-                "loss_excess": m["loss_excess"], "dist_golden": run["drift"][-1],
-                "guard_events": None if guard is None else len(guard_events(guard, s)),
-                "losses": run["losses"], "drift": run["drift"]}
+        return {
+            "kind": "baseline",
+            "inject_step": s,
+            "seed": seed,
+            "val_loss": ev["val_loss"],
+            "val_acc": ev.get("val_acc"),
+            "val_delta": ev["val_loss"] - ref["val_loss"],
+            "loss_excess": m["loss_excess"],
+            "dist_golden": run["drift"][-1],
+            "guard_events": None if guard is None else len(guard_events(guard, s)),
+            "losses": run["losses"],
+            "drift": run["drift"],
+        }
 
     # -- trial -------------------------------------------------------------------------------
     def _arm(self, spec):
@@ -208,9 +235,11 @@ class Worker:
         try:
             return self._trial(trial, job)
         except FaultSpecError as exc:
-            raise FaultSpecError(f"trial {trial.trial_id} ({trial.site} on {trial.target}, pattern "
-                                 f"{trial.dimension('pattern')}): {exc}; fix the fault space (a configuration "
-                                 "error is never recorded as a crash)") from None
+            raise FaultSpecError(
+                f"trial {trial.trial_id} ({trial.site} on {trial.target}, pattern "
+                f"{trial.dimension('pattern')}): {exc}; fix the fault space (a configuration "
+                "error is never recorded as a crash)"
+            ) from None
 
     def _trial(self, trial: Trial, job: dict[str, Any]) -> dict[str, Any]:
         s, t, ref = trial.inject_step, self.trainer, job["reference"]
@@ -229,8 +258,11 @@ class Worker:
         t.add_callback(callback)
         guard = make_guard(t) if self.spec.guard else None
         sched = spec.schedule
-        over = (lambda: t.step > sched.step) if sched.kind == "transient" else (
-            (lambda: t.step >= sched.stop) if sched.kind == "intermittent" and sched.stop is not None else None)
+        over = (
+            (lambda: t.step > sched.step)
+            if sched.kind == "transient"
+            else ((lambda: t.step >= sched.stop) if sched.kind == "intermittent" and sched.stop is not None else None)
+        )
         early_ok = over is not None and guard is None and spec.pattern.kind != "mac_cell"
         stop = (lambda: over() and _unchanged(fault.records)) if early_ok else None
         run = self._train(job, stop)
@@ -242,10 +274,19 @@ class Worker:
         row.update(self._measures(job, run))
         traj = self._trajectory(s)
         if run["early"]:  # nothing changed and nothing can fire any more: the golden trajectory
-            row.update(losses=job["golden_losses"], final_loss=job["golden_losses"][-1], loss_excess=0.0,
-                       loss_diff_max=0.0, loss_diff_mean=0.0, drift=[0.0] * len(traj["steps"]))
-            ev, sha, final = {"val_loss": ref["val_loss"], "val_acc": ref["val_acc"]}, ref["param_sha256"], \
-                traj["params"][-1]
+            row.update(
+                losses=job["golden_losses"],
+                final_loss=job["golden_losses"][-1],
+                loss_excess=0.0,
+                loss_diff_max=0.0,
+                loss_diff_mean=0.0,
+                drift=[0.0] * len(traj["steps"]),
+            )
+            ev, sha, final = (
+                {"val_loss": ref["val_loss"], "val_acc": ref["val_acc"]},
+                ref["param_sha256"],
+                traj["params"][-1],
+            )
         else:
             ev = t.evaluate() if not run["crash"] else {}
             sha, final = param_sha256(t.model), flat_params(t.model)
@@ -253,23 +294,36 @@ class Worker:
         activated = bool(records) and (not _unchanged(records))
         val_loss = ev.get("val_loss")
         dist_golden = row["drift"][-1] if len(row["drift"]) == len(traj["steps"]) else None
-        healthy = [rel_distance(final, self._load(f"baseline-{s}-{k}.pt", lambda p: torch.load(p, weights_only=True)))
-                   for k in self.spec.baseline.seeds]
+        healthy = [
+            rel_distance(final, self._load(f"baseline-{s}-{k}.pt", lambda p: torch.load(p, weights_only=True)))
+            for k in self.spec.baseline.seeds
+        ]
         events = guard_events(guard, s) if guard is not None else []
         first, hit = first_detection(events, records)
         row.update(
-            fired=int(bool(records)), activated=int(activated), injections=len(records), crash=int(crash),
+            fired=int(bool(records)),
+            activated=int(activated),
+            injections=len(records),
+            crash=int(crash),
             masked=int(bool(records) and not crash and (sha == ref["param_sha256"] or not activated)),
             error=run["error"],
-            val_loss=val_loss if _finite(val_loss) else None, val_acc=ev.get("val_acc"),
-            val_loss_fault=ev_fault.get("val_loss"), val_acc_fault=ev_fault.get("val_acc"),
+            val_loss=val_loss if _finite(val_loss) else None,
+            val_acc=ev.get("val_acc"),
+            val_loss_fault=ev_fault.get("val_loss"),
+            val_acc_fault=ev_fault.get("val_acc"),
             val_delta=val_loss - ref["val_loss"] if _finite(val_loss) else None,
             dist_golden=None if crash else dist_golden,
             dist_healthy=None if crash or None in healthy else sum(healthy) / len(healthy),
             detected=None if guard is None else int(hit is not None),
             detect_step=None if hit is None else hit["step"],
             latency=None if hit is None else hit["step"] - first,
-            guard_events=None if guard is None else len(events))
-        row.update(classify({**row, "crash": crash, "masked": row["masked"], "detected": row["detected"]},
-                            job["thresholds"], guard is not None))
+            guard_events=None if guard is None else len(events),
+        )
+        row.update(
+            classify(
+                {**row, "crash": crash, "masked": row["masked"], "detected": row["detected"]},
+                job["thresholds"],
+                guard is not None,
+            )
+        )
         return row

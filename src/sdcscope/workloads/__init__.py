@@ -12,7 +12,18 @@ from sdcscope.workloads.data import ByteCorpus, mix_seed, step_generator
 from sdcscope.workloads.gpt import GPT, GPTConfig, MatMul, lm_loss
 
 __all__ = [
-    "GPT", "GPTConfig", "MatMul", "lm_loss", "LeNet", "CNNConfig", "ByteCorpus",
-    "Workload", "WorkloadConfig", "GPTWorkload", "CNNWorkload", "make_workload",
-    "mix_seed", "step_generator",
+    "GPT",
+    "GPTConfig",
+    "MatMul",
+    "lm_loss",
+    "LeNet",
+    "CNNConfig",
+    "ByteCorpus",
+    "Workload",
+    "WorkloadConfig",
+    "GPTWorkload",
+    "CNNWorkload",
+    "make_workload",
+    "mix_seed",
+    "step_generator",
 ]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sdcscope._validate import check_bool, check_choice, check_float, check_non_negative, check_positive
+from sdcscope.common.validate import check_bool, check_choice, check_float, check_non_negative, check_positive
 from sdcscope.workloads.cnn import CNN_PRESETS, LeNet, cnn_preset
 from sdcscope.workloads.data import ByteCorpus, load_digits_tensors, step_generator
 from sdcscope.workloads.gpt import GPT, GPT_PRESETS, gpt_preset, lm_loss
@@ -70,8 +70,11 @@ class WorkloadConfig:
         if isinstance(self.corpus, os.PathLike):
             self.corpus = os.fspath(self.corpus)
         if self.corpus is not None and (not isinstance(self.corpus, str) or not self.corpus):
-            raise ValueError(f"corpus={self.corpus!r} must be a path (a text file or a folder) or null "
-                             "(the running Python's standard library)")
+            error = ValueError if self.corpus == "" else TypeError
+            raise error(
+                f"corpus={self.corpus!r} must be a path (a text file or a folder) or null "
+                "(the running Python's standard library)"
+            )
         if self.corpus is not None and self.workload != "gpt":
             raise ValueError(f"corpus applies to the gpt workload only, not {self.workload!r}")
 
@@ -91,8 +94,10 @@ class Workload:
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": self.config.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [
+            {"params": decay, "weight_decay": self.config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=self.config.lr, betas=(0.9, 0.95), foreach=True)
 
     def lr_at(self, step: int) -> float:
@@ -129,8 +134,7 @@ class GPTWorkload(Workload):
         return GPT(self.model_config)
 
     def batch(self, seed, step, micro_batch=0):
-        return self.corpus.batch(seed, step, micro_batch, self.config.batch_size,
-                                 self.model_config.block_size)
+        return self.corpus.batch(seed, step, micro_batch, self.config.batch_size, self.model_config.block_size)
 
     def loss(self, model, batch):
         x, y = batch
@@ -142,9 +146,13 @@ class GPTWorkload(Workload):
         return {"val_loss": sum(losses) / len(losses)}
 
     def describe(self):
-        return {"corpus_source": self.corpus.source, "corpus_sha256": self.corpus.sha256,
-                "train_bytes": len(self.corpus.train), "val_bytes": len(self.corpus.val),
-                "model": self.model_config.to_dict()}
+        return {
+            "corpus_source": self.corpus.source,
+            "corpus_sha256": self.corpus.sha256,
+            "train_bytes": len(self.corpus.train),
+            "val_bytes": len(self.corpus.val),
+            "model": self.model_config.to_dict(),
+        }
 
 
 class CNNWorkload(Workload):
@@ -168,12 +176,18 @@ class CNNWorkload(Workload):
     @torch.no_grad()
     def evaluate(self, model):
         logits = model(self.x_val)
-        return {"val_loss": F.cross_entropy(logits, self.y_val).item(),
-                "val_acc": (logits.argmax(-1) == self.y_val).float().mean().item()}
+        return {
+            "val_loss": F.cross_entropy(logits, self.y_val).item(),
+            "val_acc": (logits.argmax(-1) == self.y_val).float().mean().item(),
+        }
 
     def describe(self):
-        return {"dataset": "sklearn digits", "train_size": len(self.x_train),
-                "val_size": len(self.x_val), "model": self.model_config.to_dict()}
+        return {
+            "dataset": "sklearn digits",
+            "train_size": len(self.x_train),
+            "val_size": len(self.x_val),
+            "model": self.model_config.to_dict(),
+        }
 
 
 def make_workload(config: WorkloadConfig) -> Workload:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sdcscope._validate import check_choice, check_positive
+from sdcscope.common.validate import check_choice, check_positive
 
 
 @dataclass(kw_only=True)

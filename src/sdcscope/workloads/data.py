@@ -91,14 +91,18 @@ class ByteCorpus:
     source: str
 
     @classmethod
-    def load(cls, path: str | Path | None = None, *, max_bytes: int = 4_000_000,
-             val_fraction: float = 0.1) -> "ByteCorpus":
+    def load(
+        cls, path: str | Path | None = None, *, max_bytes: int = 4_000_000, val_fraction: float = 0.1
+    ) -> ByteCorpus:
         raw = read_corpus(path, max_bytes)
         data = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
         n_val = max(1, int(len(data) * val_fraction))
-        return cls(train=data[:-n_val], val=data[-n_val:],
-                   sha256=hashlib.sha256(raw).hexdigest(),
-                   source=str(stdlib_root() if path is None else Path(path).expanduser()))
+        return cls(
+            train=data[:-n_val],
+            val=data[-n_val:],
+            sha256=hashlib.sha256(raw).hexdigest(),
+            source=str(stdlib_root() if path is None else Path(path).expanduser()),
+        )
 
     def batch(self, seed: int, step: int, micro_batch: int, batch_size: int, block_size: int):
         """Random windows of the train split; a pure function of (seed, step, micro_batch)."""

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sdcscope._validate import check_choice, check_positive
+from sdcscope.common.validate import check_choice, check_positive
 
 
 @dataclass(kw_only=True)
@@ -43,9 +43,7 @@ class GPTConfig:
         for name in ("n_layer", "n_head", "d_model", "block_size", "vocab_size", "mlp_ratio"):
             check_positive(name, getattr(self, name))
         if self.d_model % self.n_head:
-            raise ValueError(
-                f"d_model={self.d_model} must be divisible by n_head={self.n_head}"
-            )
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         if self.z_loss < 0:

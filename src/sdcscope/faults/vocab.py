@@ -1,0 +1,102 @@
+"""The vocabulary of a fault spec: the sites a fault lands on, the spatial pattern and temporal
+schedule kinds with the fields each takes, and which pattern fields mean something on which site."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .spec import Pattern
+
+__all__ = [
+    "SITES",
+    "STEP_SITES",
+    "PATTERN_KINDS",
+    "SCHEDULE_KINDS",
+    "RANDOM",
+    "SWIZZLE_MODES",
+    "MAC_CELL_SINGLE_AXIS",
+    "check_site_pattern",
+]
+
+SITES: tuple[str, ...] = (
+    "weight",
+    "activation",
+    "gemm.forward",
+    "gemm.grad_input",
+    "gemm.grad_weight",
+    "param_grad",
+    "optimizer_state",
+    "checkpoint",
+    "comm",
+)
+"""Where a fault can land (see docs/architecture.md, vocabulary)."""
+
+STEP_SITES: frozenset[str] = frozenset({"param_grad", "optimizer_state", "checkpoint", "comm"})
+"""Sites touched once per optimizer step, so a schedule's ``micro_batch`` means nothing."""
+
+RANDOM = "random"
+"""The value of an index-like pattern field that asks for a draw from the fault generator."""
+
+PATTERN_KINDS: dict[str, tuple[str, ...]] = {
+    "element": ("index",),
+    "burst": ("length", "start"),
+    "row": ("index",),
+    "column": ("index",),
+    "pe": ("array", "pe"),
+    "mac_cell": ("input_channel", "output_channel", "array", "swizzle", "swizzle_seed"),
+    "tensor": ("ber",),
+}
+"""Spatial pattern kinds and the fields each takes."""
+
+SWIZZLE_MODES: tuple[str, ...] = ("none", "per_step")
+"""Channel swizzling of a ``mac_cell`` pattern: ``none`` (logical channel c always runs on
+physical lane c) or ``per_step`` (a fresh permutation of the channels every training step)."""
+
+SCHEDULE_KINDS: dict[str, tuple[str, ...]] = {
+    "transient": ("step", "micro_batch"),
+    "intermittent": ("p", "start", "stop"),
+    "permanent": ("start",),
+}
+"""Temporal schedule kinds and the fields each takes."""
+
+MAC_CELL_SINGLE_AXIS: dict[str, tuple[str, str]] = {
+    "activation": (
+        "input_channel",
+        "a module output holds output channels only (dim 1 of a conv's, the last dim of others: "
+        "cell (a, b) selects output channel b; the input channels were summed over)",
+    ),
+    "gemm.grad_input": (
+        "output_channel",
+        "dX = dY W holds input channels only (dim 1 of a conv's, the last dim of others: cell "
+        "(a, b) selects input channel a; the output channels were summed over)",
+    ),
+}
+"""Sites where a ``mac_cell`` pattern constrains one channel axis only: site -> (the field that
+has no meaning there, why). Every other site a ``mac_cell`` reaches is weight-shaped (``weight``,
+``param_grad``, ``optimizer_state``, ``checkpoint``, ``gemm.grad_weight``, ``gemm.forward``'s
+weight operand) or a ``comm`` parameter gradient, and uses both."""
+
+
+def check_site_pattern(site: str, pattern: Pattern) -> None:
+    """Refuse a ``pattern`` field that would be silently ignored on ``site``: a fixed ``mac_cell``
+    channel on the axis the site's tensor does not have (:data:`MAC_CELL_SINGLE_AXIS`:
+    ``input_channel`` on ``activation``, ``output_channel`` on ``gemm.grad_input``). The default,
+    ``"random"``, is accepted there: it asks for nothing."""
+    if pattern.kind != "mac_cell" or site not in MAC_CELL_SINGLE_AXIS:
+        return
+    name, why = MAC_CELL_SINGLE_AXIS[site]
+    value = getattr(pattern, name)
+    if value is None or value == RANDOM:
+        return
+    other = "output_channel" if name == "input_channel" else "input_channel"
+    where = (
+        "site 'gemm.forward' (the weight operand of cell (a, b)) or 'weight'"
+        if site == "activation"
+        else "site 'gemm.grad_weight' or 'gemm.forward' (the weight operand of cell (a, b))"
+    )
+    raise ValueError(
+        f"pattern mac_cell {name} {value!r} has no meaning on site {site!r}: {why}, so it would be "
+        f"ignored; leave {name} out (or 'random') and give {other} only, or use {where} for a fault "
+        f"that depends on both channels"
+    )

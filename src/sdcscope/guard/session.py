@@ -1,0 +1,445 @@
+"""The guard's step protocol, written once: begin → check → replay → decide → act → record.
+
+Every driver -- :meth:`Guard.optimizer_step <sdcscope.guard.Guard.optimizer_step>` (a plain
+loop), the engine callback (:mod:`sdcscope.guard.engine`), the HF and Lightning adapters
+(:mod:`sdcscope.integrations`) and the rank guard (:mod:`sdcscope.guard.ranks`) -- drives one
+:class:`StepSession` through these public methods, in this order:
+
+1. :meth:`begin` before the forward pass: RNG, batch and buffers remembered, state checksums verified;
+2. :meth:`check` after the last backward: the detectors (:meth:`decide`), a replay when one fired,
+   the policy's actions, applied in one place (:meth:`act`), then the events written with what
+   the actions did;
+3. for an update that goes ahead, :meth:`before_update` (metrics of the gradients as computed,
+   ZClip), the loop's own clipping, then :meth:`update` (or :meth:`update_imminent` +
+   :meth:`update_metrics` where the loop applies the update itself);
+4. :meth:`end` after the update (or after the discard): state checksums, invariants, progress,
+   the next snapshot.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sdcscope.detect import Event
+from sdcscope.guard.actions import SOLO_QUARANTINE, Applied, Loop, make_actions, qk_clip_findings
+from sdcscope.guard.progress import Progress
+from sdcscope.guard.replay import replay_step, rng_state
+from sdcscope.observe import grad_norms
+
+if TYPE_CHECKING:
+    from sdcscope.engine import TrainState
+    from sdcscope.guard.guard import Guard
+
+
+@dataclass(slots=True)
+class StepGrads:
+    step: int
+    idx: list[int]  # the trainable parameters that have a gradient
+    norms: torch.Tensor | None  # their gradients' 2-norms, as torch._foreach_norm gives them
+    sq: torch.Tensor | None  # the norms squared in fp64 (an fp32 square can overflow)
+    total: float | None = None  # the global norm, once read to the host
+
+
+@dataclass
+class Decision:
+    """The policy's answer for one step: action names (most decisive first), the findings they
+    answer (recorded once acted on) and the loss to report (a recompute's, if the replay was kept)."""
+
+    actions: list[str]
+    events: list[Event]
+    loss: Any
+    extra: list[Event] | None = None  # events of the actions themselves (a quarantine)
+
+
+def check_loss(loss: Any, what: str = "loss") -> None:
+    """A usage error, raised before the guard changes anything: the loss must be one number."""
+    if loss is None or isinstance(loss, numbers.Real):
+        return
+    if not isinstance(loss, torch.Tensor):
+        try:
+            loss = torch.as_tensor(loss)
+        except Exception:
+            raise TypeError(
+                f"{what} must be a scalar tensor, a number or None, got {type(loss).__name__}: {loss!r}"
+            ) from None
+    if loss.numel() != 1:
+        where = "before optimizer_step" if what == "loss" else "in step_fn"
+        raise ValueError(
+            f"{what} must be a scalar (0-d or 1 element), got shape {list(loss.shape)}; "
+            f"reduce it (e.g. loss.mean()) {where}"
+        )
+
+
+class StepSession:
+    """The per-step state of a :class:`~sdcscope.guard.Guard` and its protocol."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        model = guard.model
+        self.step, self.batch, self.rng = 0, None, None
+        self.clock = -1  # steps begun, minus 1: the LR backoff's count (a loop's step may restart or go back)
+        # persistent buffers (BatchNorm running statistics, ...): a forward pass updates them, so a
+        # replay or a veto puts back their values from before the step
+        self.buffer_slots = [
+            (m, name)
+            for m in model.modules()
+            for name, b in m._buffers.items()
+            if b is not None and name not in m._non_persistent_buffers_set
+        ]
+        self.buffers_before: list[torch.Tensor] = []
+        self.pending: list[Event] = []  # state checksum findings of begin(): the step ran on corrupted state
+        self.params = list(model.parameters())  # those with a gradient are checked, frozen or not
+        self.cuda = sorted({p.device.index or 0 for p in self.params if p.device.type == "cuda"})
+        self.grads: StepGrads | None = None
+        self.events = 0  # events of this step counted toward the world's decision
+        self.findings = 0  # of those, the ones about training, not about the guard's own failures
+        self.rolled_back_to: int | None = None
+        self.progress = Progress()
+
+    # -- 1. begin ----------------------------------------------------------------------------
+    def begin(self, step: int, batch: Any = None, *, snapshot: Callable[[], None] | None = None) -> None:
+        """Before the forward pass: remember RNG, batch and buffers; verify the state checksums.
+        ``snapshot()``: how this loop takes a rollback target (default: :meth:`take_snapshot`)."""
+        g = self.guard
+        g.ensure_attached()
+        self.step, self.batch, self.rng = step, batch, rng_state(self.cuda)
+        self.clock += 1
+        self.buffers_before = self.buffer_values()
+        self.events = self.findings = 0
+        self.rolled_back_to = None
+        take = snapshot or (lambda: self.take_snapshot(step))
+        if len(g.ring) == 0:
+            take()
+        self.pending = (
+            g.safe(lambda: g.state.verify(step), "state_checksum") if g.state is not None and g.state.due(step) else []
+        )
+        due, self.progress.snapshot_due = self.progress.snapshot_due, False
+        # due: after the loop's own end-of-step work (scheduler.step()), whatever this step's number;
+        # new parameter groups (optimizer.add_param_group): the older snapshots no longer fit the optimizer
+        if (due or g.ring.groups_changed(g.optimizer)) and not self.pending:
+            take()
+        for part in (g.abft, g.metrics):
+            if part is not None:
+                g.safe(lambda p=part: p.begin_step(step), type(part).__name__)
+        if g.invariants is not None:
+            g.safe(lambda: g.invariants.step_begin(step), "invariants")
+        if g.ranks is not None:  # a collective's preparation: never skipped on one rank
+            g.ranks.begin(step)
+
+    # -- snapshots ---------------------------------------------------------------------------
+    def own_state(self) -> dict[str, Any]:
+        """The guard's state that shapes later training and decisions, snapshotted with the model:
+        ZClip's running statistics (they scale the gradients) and the spike detectors' windows.
+        After a rollback the steps since the snapshot run again; without these the statistics
+        would count them twice and training would part from a run that never met the fault."""
+        g = self.guard
+        return {"zclip": g.zclip, "loss_spike": g.loss_spike, "grad_spike": g.grad_spike}
+
+    def take_snapshot(self, step: int) -> None:
+        """A plain loop's rollback target: model, optimizer, the ``stateful`` objects and the
+        guard's own training state (:meth:`own_state`)."""
+        g = self.guard
+        extra = {"guard": self.own_state(), "stateful": [obj.state_dict() for obj in g.stateful]}
+        g.ring.take(g.model, g.optimizer, step, step, extra=extra)  # deep-copies extra
+        self.progress.took_snapshot()
+
+    def restore_snapshot(self) -> TrainState:
+        """A plain loop's rollback: the latest snapshot into the model, optimizer and ``stateful``
+        objects. One that no longer fits them is refused before anything changes."""
+        g = self.guard
+        state = g.ring.restore_latest(g.model, g.optimizer)
+        for obj, saved in zip(g.stateful, state.extra.get("stateful", ())):
+            obj.load_state_dict(copy.deepcopy(saved))  # the snapshot stays as taken
+        return state
+
+    def rolled_back(self, state: TrainState) -> None:
+        """After the loop's state was restored to ``state``: the guard's own state too."""
+        for name, saved in state.extra.get("guard", {}).items():
+            setattr(self.guard, name, copy.deepcopy(saved))  # the snapshot stays as taken
+        self.rolled_back_to = state.step
+        self.progress.rolled_back()
+
+    def buffer_values(self) -> list[torch.Tensor]:
+        return [m._buffers[n].detach().clone() for m, n in self.buffer_slots]
+
+    @torch.no_grad()
+    def restore_buffers(self, values: list[torch.Tensor] | None = None) -> None:
+        """Put the persistent buffers back to ``values`` (default: before this step's forward)."""
+        for (module, name), value in zip(self.buffer_slots, self.buffers_before if values is None else values):
+            module._buffers[name].copy_(value)
+
+    def clear_grads(self) -> None:
+        """Clear every gradient a re-execution computes: the guard optimizer's, and those of any
+        parameter of the model outside it; else backward would add the replay to them."""
+        self.guard.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+
+    # -- 2. check: detect, replay, decide, act, record ---------------------------------------
+    def check(
+        self,
+        loss: Any,
+        rerun: Callable[[], torch.Tensor] | None,
+        loop: Loop | None = None,
+        *,
+        rank_replay: Callable[[int], Any] | None = None,
+        abft_events: list[Event] | None = None,
+    ) -> tuple[Applied, Any]:
+        """:meth:`decide`, then :meth:`act` on ``loop`` (default: a plain loop's); ``(what the
+        actions did, the loss to report)``."""
+        decision = self.decide(loss, rerun, rank_replay=rank_replay, abft_events=abft_events)
+        return self.act(decision, loop or Loop(self)), decision.loss
+
+    def decide(
+        self,
+        loss: Any,
+        rerun: Callable[[], torch.Tensor] | None,
+        *,
+        rank_replay: Callable[[int], Any] | None = None,
+        abft_events: list[Event] | None = None,
+    ) -> Decision:
+        """Run the detectors on the finished backward pass; replay with ``rerun()`` if any fired;
+        the policy's actions. Under DDP the findings of every rank decide together and
+        ``rank_replay(r)`` (rank r's local gradient of this step, no collectives) replaces
+        ``rerun``. A non-scalar ``loss`` is refused (ValueError) before anything changes.
+        ``abft_events``: this step's ABFT findings when the caller already ran ``abft.check``."""
+        check_loss(loss)
+        g, step = self.guard, self.step
+        events = list(self.pending)
+        if events:  # the step ran on corrupted state: its results are void, drain the detectors
+            if g.abft is not None:
+                g.safe(lambda: g.abft.check(step), "abft")
+        else:
+            events = self.detect(loss, abft_events)
+        if g.ranks is not None:  # every rank, every step: one world decision
+            actions, events, extra = g.ranks.decide(step, events, rank_replay)
+            return Decision(actions, events, loss, extra)
+        if not events:
+            return Decision([], [], loss)
+        replay: dict[str, Any] = {}
+        if any(e.detector != "state_checksum" for e in events) and g.config.replay and rerun is not None:
+            recheckable = any(e.detector in ("abft", "nonfinite") for e in events)
+            replay, loss = replay_step(self, loss, rerun, recheckable)
+        actions: list[str] = []
+        for e in events:
+            finding = e.verdict
+            if e.detector != "state_checksum":
+                e.verdict = replay.get("verdict", "unverified")
+                e.evidence = {**e.evidence, "finding": finding, **({"replay": replay} if replay else {})}
+            chosen = g.config.policy.actions_for(e.detector, e.verdict)
+            if "quarantine" in chosen:  # no other rank to carry on: the step is void, as under DDP
+                chosen = list(dict.fromkeys("veto" if a == "quarantine" else a for a in chosen))
+                e.evidence = {**e.evidence, "quarantine": SOLO_QUARANTINE}
+            e.action = ", ".join(chosen)
+            actions += [a for a in chosen if a not in actions]
+        if "rollback" in actions and g.ring.latest() is None:
+            actions.remove("rollback")
+            actions.insert(0, "veto")
+        return Decision(actions, events, loss)
+
+    def act(self, decision: Decision, loop: Loop) -> Applied:
+        """Apply the decision's actions (most decisive first), then record its events with what
+        the actions did: an event is written after the action it names."""
+        applied = Applied()
+        names = [a for a in decision.actions if a != "quarantine"]  # the rank guard quarantined already
+        if "rollback" in names or "veto" in names:
+            loop.before_discard()
+        for action in make_actions(names):
+            done = action.apply(self, loop, applied)
+            if done is not None:
+                applied.done[action.name] = done
+        rollback_failed = "rollback" in names and applied.rolled_back is None
+        for e in decision.events:
+            taken = e.actions
+            if rollback_failed and "rollback" in taken:  # the veto behind it kept the update out
+                e.action = ", ".join(dict.fromkeys("veto" if a == "rollback" else a for a in taken))
+            if applied.rolled_back is not None and "rollback" in taken:
+                e.evidence = {**e.evidence, **applied.done["rollback"]}
+        for e in decision.events + (decision.extra or []):
+            self.guard.record(e, world=self.guard.ranks is not None)
+        return applied
+
+    def grad_state(self) -> StepGrads:
+        """This step's per-parameter gradient norms, computed once and shared by the non-finite
+        prefilter, the gradient-spike detector, the metrics and the trainer's clipping."""
+        g = self.grads
+        if g is None or g.step != self.step:
+            idx, norms = grad_norms(self.params)
+            g = self.grads = StepGrads(self.step, idx, norms, None if norms is None else norms.double().square())
+        return g
+
+    def shared_grad_norms(self) -> tuple[list[torch.Tensor], list[int], torch.Tensor] | None:
+        """This step's per-parameter gradient norms as the trainer's ``StepContext.grad_norms``
+        takes them (gradients, their versions, norms), if computed and all on one device and dtype."""
+        g = self.grads
+        if g is None or g.step != self.step or g.norms is None:
+            return None
+        grads = [self.params[i].grad for i in g.idx]
+        first = grads[0]
+        if any(x.dtype != first.dtype or x.device != first.device or x.is_sparse for x in grads):
+            return None
+        return grads, [x._version for x in grads], g.norms
+
+    def detect(self, loss: Any, abft_events: list[Event] | None = None) -> list[Event]:
+        """One fused pass over the gradients and one host sync decide the cheap detectors: the
+        global gradient norm is non-finite iff some gradient is (or overflowed), and only then
+        does the non-finite detector look closer."""
+        g, step = self.guard, self.step
+        events: list[Event] = list(abft_events or [])
+        if g.abft is not None and abft_events is None:
+            events += g.safe(lambda: g.abft.check(step), "abft")
+        if g.nonfinite is None and g.loss_spike is None and g.grad_spike is None:
+            return events
+        grads = g.safe(self.grad_state, "gradient norms", default=False)
+        if grads is False:
+            return events
+        sq = grads.sq
+        lv = (
+            loss.detach().reshape(())
+            if isinstance(loss, torch.Tensor)
+            else torch.as_tensor(math.nan if loss is None else loss, dtype=torch.float64).reshape(())
+        )
+        parts = [lv.double()] if sq is None else [lv.to(sq.device, torch.float64), sq.sum()]
+        values = torch.stack(parts).tolist()  # the sync
+        loss_v, grad_v = values[0], (math.sqrt(values[1]) if len(values) > 1 else None)
+        grads.total = grad_v  # read: the metrics take it from here
+        bad_loss = loss is not None and not math.isfinite(loss_v)
+        bad_grad = grad_v is not None and not math.isfinite(grad_v)
+        if g.nonfinite is not None and (bad_loss or bad_grad):
+            found = g.safe(lambda: g.nonfinite.check(step, loss), "nonfinite")
+            if bad_grad and g.ranks is None and not any(e.evidence.get("what") == "grad" for e in found):
+                # every gradient element is finite, but a gradient's norm overflowed its dtype (under
+                # DDP the rank guard's pre-reduction signatures, overflow-safe, name the rank)
+                found.append(
+                    Event(
+                        step,
+                        "nonfinite",
+                        "nonfinite",
+                        rank=g.rank,
+                        evidence={
+                            "what": "grad_norm",
+                            "value": grad_v,
+                            "note": "finite gradients whose norm overflows",
+                        },
+                    )
+                )
+            events += found
+        if g.loss_spike is not None and loss is not None:
+            events += g.safe(lambda: g.loss_spike.check(step, loss_v), "spike")
+        if g.grad_spike is not None and grad_v is not None:
+            events += g.safe(lambda: g.grad_spike.check(step, grad_v), "spike")
+        return events
+
+    # -- 3. the update -----------------------------------------------------------------------
+    def before_update(self) -> None:
+        """The gradient-norm metrics, as computed (before any clipping); ZClip. The metrics of the
+        gradients the update uses come later, from :meth:`update_imminent`."""
+        g = self.guard
+        if g.metrics is not None:
+
+            def grad_norms_to_metrics() -> None:
+                s = self.grad_state()
+                g.metrics.after_backward((s.idx, s.sq), s.total)
+
+            g.safe(grad_norms_to_metrics, "metrics")
+        if g.zclip is not None:
+            g.safe(lambda: g.zclip.clip_(g.model.parameters()), "zclip")
+
+    def update_imminent(self, clip_norm: float | None = None) -> None:
+        """Right before ``optimizer.step()``, after the loop's own clipping (``clip_norm``: the
+        global norm a trainer will still clip the gradients to): the metrics read from the
+        optimizer's state and the gradients as the update will use them."""
+        g = self.guard
+        if g.metrics is not None:
+            g.safe(lambda: g.metrics.before_optimizer_step(clip_norm=clip_norm), "metrics")
+
+    def lr_scale(self) -> float:
+        """The LR backoff's factor for this step."""
+        return self.guard.backoff.scale(self.clock)
+
+    def update(self, apply: Callable[[], Any], loss: Any, logged: dict | None = None) -> tuple[Any, dict]:
+        """``apply()`` (the optimizer's step) under the LR backoff, then the update's metrics row;
+        ``(its result, row)``. The caller ends the step (:meth:`end`)."""
+        g = self.guard
+        self.update_imminent()
+        groups = g.optimizer.param_groups
+        base_lrs = [group["lr"] for group in groups]
+        scale = self.lr_scale()
+        for group, lr in zip(groups, base_lrs):
+            group["lr"] = lr * scale
+        try:
+            return apply(), self.update_metrics(loss)
+        finally:
+            for group, lr in zip(groups, base_lrs):  # the very objects: no rounding drift
+                group["lr"] = lr
+
+    def update_metrics(self, loss: Any) -> dict:
+        """The metrics row of an applied update (call while the optimizer's learning rates are the
+        ones the update used); QK-clip on its attention logits."""
+        g = self.guard
+        if g.metrics is None:
+            return {}
+        g.safe(g.metrics.after_optimizer_step, "metrics")
+        row = g.safe(lambda: g.metrics.collect(self.step, loss), "metrics", default={})
+        if g.config.qk_clip is not None:
+            for event in qk_clip_findings(self, row):
+                g.record(event)
+        return row
+
+    # -- 4. end ------------------------------------------------------------------------------
+    def end(
+        self,
+        *,
+        applied: bool,
+        row: dict | None = None,
+        snapshot: Callable[[], None] | None = None,
+        logged: dict | None = None,
+        discarded: bool = True,
+    ) -> dict:
+        """After the update (or the discard). ``row``: the applied update's metrics
+        (:meth:`update_metrics`); ``logged``: the loop's own metrics of the step (loss, grad_norm,
+        lr), for the invariants' metric bounds; ``discarded``: a step not applied was the guard's
+        doing (not a GradScaler's overflow)."""
+        g = self.guard
+        row = row or {}
+        step = self.step
+        if g.ranks is not None:  # before the state checksums: a replica rollback restores state
+            g.ranks.end(step, verify=self.rolled_back_to is not None)
+        if g.state is not None:
+            g.safe(g.state.record, "state_checksum")
+        if g.metrics is not None and not applied:  # its forward statistics are no later step's
+            g.safe(g.metrics.restart_step, "metrics")
+        if g.invariants is not None and not applied:  # the step's effects were discarded
+            g.safe(g.invariants.abandon_step, "invariants")
+        elif g.invariants is not None:
+            if logged:
+                g.safe(lambda: g.invariants.log_metrics(logged), "invariants")
+            for record in g.safe(g.invariants.step_end, "invariants"):
+                fields = {k: record.get(k) for k in ("step", "detector", "verdict", "module", "rank")}
+                g.record(
+                    Event(**fields, evidence=record.get("evidence") or {}, action=record.get("action") or "report")
+                )
+        p, n = self.progress, g.config.stall_after
+        if p.count(applied, discarded, self.rolled_back_to is not None, n):  # once per streak; every rank alike
+            evidence = {"consecutive_discarded": p.idle, "discarded_steps": p.discarded_steps}
+            g.record(
+                Event(step, "guard", "stalled", rank=g.rank, action="report", evidence=evidence),
+                world=True,
+                finding=False,
+            )
+        if applied and self.findings == 0:
+            if snapshot is not None:  # the engine: its step numbers count its optimizer steps
+                if g.ring.due(step + 1):
+                    snapshot()
+            elif p.since_snapshot >= g.ring.config.every:
+                # a plain loop may still step its scheduler, and its step numbers may skip or
+                # restart: snapshot when its next step begins, whatever that step's number
+                p.snapshot_due = True
+        return row

@@ -1,0 +1,222 @@
+"""InitialLoss and LossTrend: what the training loss is before any update, and that it goes down.
+
+Both judge the **step loss**: the losses of the step's micro-batches added up, i.e. the losses
+the backward passes start from (the unscaled losses given to ``GradScaler.scale`` where a
+scaler is used; the calls a replay superseded are not counted, see ``View.replays``).  For a
+loop that averages correctly over its micro-batches (each loss divided by their number, or one
+backward over their mean), that is the mean loss of the step however many micro-batches it
+has, so a run with another gradient accumulation than the references is no violation.
+
+- ``InitialLoss``: the step loss of the run's first step (before any update: it depends on the
+  model's initialization and the loss, not on the seed, the learning rate or the schedule; the
+  "verify the loss at init" check) stays within a factor ``INIT_MARGIN`` of the references'.
+  Breaks when micro-batch losses are added up instead of averaged (N x), a backward leaves
+  micro-batches out (1/N x), a loss is scaled or reduced differently.  Learned only when at
+  least two references start at the same step with positive losses that agree within
+  ``AGREE``: one observation per run, so the agreement of independent runs is the evidence.
+  A run that starts elsewhere (resumed from a checkpoint) is not judged.
+- ``LossTrend``: from a learned step on, the step loss averaged over the last ``window`` steps
+  is lower than over the run's first ``window`` steps, as it was in every reference, and by at
+  least half as much as the slowest reference improved it (``max_ratio``: the recent / first
+  ratio stays below ``1 - TREND_SLACK x (1 - worst reference ratio)``).  Breaks when training
+  makes no progress or makes the model worse at a normal-looking loss: labels that do not
+  belong to their inputs, gradient ascent, updates that never reach the weights.  Only the first
+  window is the baseline (not the best one), so noise and a late plateau are no violation; a run
+  that starts at another step than the references (resumed) is not judged, nor are losses that
+  are not positive (the ratio needs a positive baseline).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from sdcscope.invariants.relations.base import (
+    Check,
+    InferConfig,
+    Relation,
+    View,
+    as_number,
+    learn_min_step,
+    register,
+)
+from sdcscope.invariants.spec import Invariant, Precondition
+
+INIT_MARGIN = 1.5
+"""Bounds of the initial loss: [lo / INIT_MARGIN, hi x INIT_MARGIN] of the references'.  The
+mistakes it exists for are off by the number of micro-batches (2x and more) or far more."""
+AGREE = 1.2
+"""References' initial losses must agree within this factor for ``InitialLoss`` to be learned."""
+WINDOW = 4
+"""Steps averaged by ``LossTrend`` (per-batch losses are noisy)."""
+TREND_SLACK = 0.5
+"""A checked run must improve its loss at least this fraction as much as the slowest reference
+did (another learning rate or seed learns slower; a run that does not learn improves ~0)."""
+
+
+def step_loss(view: View) -> float | None:
+    """The step's losses added up (see the module doc); None when no call recorded one."""
+    superseded = view.replays()[1]
+    for api in ("scaler.scale", "backward"):
+        values = [
+            as_number(f.get("loss")) for i, (a, f) in enumerate(view.rec["calls"]) if a == api and i not in superseded
+        ]
+        values = [v for v in values if v is not None]
+        if values:
+            return sum(values)
+    return None
+
+
+def _series(trace) -> list[tuple[int, float]]:
+    out = []
+    for r in trace.phase("train"):
+        x = step_loss(View(r))
+        if x is not None:
+            out.append((r["step"], x))
+    return out
+
+
+@register
+class InitialLoss(Relation):
+    name = "InitialLoss"
+    required = {"step": int, "bounds": list}
+
+    @classmethod
+    def validate(cls, params):
+        super().validate(params)
+        b = params["bounds"]
+        if len(b) != 2 or any(as_number(x) is None for x in b) or not b[0] <= b[1]:
+            raise ValueError(f"InitialLoss: bounds {b!r} must be two numbers, low <= high")
+
+    @classmethod
+    def infer(cls, traces, config: InferConfig) -> list[Invariant]:
+        firsts = [s[0] if (s := _series(t)) else None for t in traces]
+        if len(traces) < 2 or None in firsts or len({step for step, _ in firsts}) != 1:
+            return []
+        values = [x for _, x in firsts]
+        lo, hi = min(values), max(values)
+        if not (math.isfinite(hi) and lo > 0 and hi <= lo * AGREE):
+            return []
+        step, bounds = firsts[0][0], [lo / INIT_MARGIN, hi * INIT_MARGIN]
+        return [
+            Invariant(
+                id="loss.train.initial",
+                relation=cls.name,
+                params={"step": step, "bounds": bounds},
+                precondition=Precondition(phase="train", when=("backward",)),
+                description=f"the loss of the run's first step ({step}, before any update) is within "
+                f"[{bounds[0]:.4g}, {bounds[1]:.4g}] (micro-batch losses added up)",
+                support=len(values),
+            )
+        ]
+
+    @classmethod
+    def bind(cls, inv, header):
+        return _InitialCheck(inv)
+
+
+class _InitialCheck(Check):
+    def __init__(self, inv: Invariant) -> None:
+        super().__init__(inv)
+        self.step, self.bounds = inv.params["step"], inv.params["bounds"]
+        self.done = False
+
+    def check(self, view: View):
+        x = step_loss(view)
+        if self.done or x is None:
+            return []
+        self.done = True  # the run's first step with a loss, judged only if it is the references'
+        if view.step != self.step or math.isfinite(x) and self.bounds[0] <= x <= self.bounds[1]:
+            return []
+        return [("loss", {"step_loss": x, "bounds": self.bounds})]
+
+
+@register
+class LossTrend(Relation):
+    name = "LossTrend"
+    required = {"start": int, "window": int, "from_step": int, "max_ratio": (int, float)}
+
+    @classmethod
+    def validate(cls, params):
+        super().validate(params)
+        if params["window"] < 1 or params["from_step"] < 0 or not 0 < params["max_ratio"] <= 1:
+            raise ValueError(f"LossTrend: window must be >= 1, from_step >= 0 and max_ratio in (0, 1], not {params!r}")
+
+    @classmethod
+    def infer(cls, traces, config: InferConfig) -> list[Invariant]:
+        series = [_series(t) for t in traces]
+        if not all(len(s) >= 2 * WINDOW for s in series) or len({s[0][0] for s in series}) != 1:
+            return []
+        ratios = []  # per reference: (step, recent window mean / first window mean)
+        for s in series:
+            losses = [x for _, x in s]
+            base = sum(losses[:WINDOW]) / WINDOW
+            if not all(map(math.isfinite, losses)) or not base > 0:
+                return []
+            ratios.append(
+                [(s[i][0], sum(losses[i - WINDOW + 1 : i + 1]) / WINDOW / base) for i in range(2 * WINDOW - 1, len(s))]
+            )
+        k = learn_min_step([[(step, r < 1) for step, r in rs] for rs in ratios], config)
+        if k is None:
+            return []
+        worst = max(r for rs in ratios for step, r in rs if step >= k)
+        bound = 1 - TREND_SLACK * (1 - worst)
+        start = series[0][0][0]
+        return [
+            Invariant(
+                id="trend.train.loss",
+                relation=cls.name,
+                params={"start": start, "window": WINDOW, "from_step": k, "max_ratio": bound},
+                precondition=Precondition(phase="train", when=("backward",)),
+                description=f"from step {k} on, the training loss averaged over {WINDOW} steps is below "
+                f"{bound:.4g} x its average over the run's first {WINDOW} steps",
+                support=sum(1 for rs in ratios for step, _ in rs if step >= k),
+            )
+        ]
+
+    @classmethod
+    def bind(cls, inv, header):
+        return _TrendCheck(inv)
+
+
+class _TrendCheck(Check):
+    def __init__(self, inv: Invariant) -> None:
+        super().__init__(inv)
+        p = inv.params
+        self.start, self.window, self.from_step = p["start"], p["window"], p["from_step"]
+        self.max_ratio = p["max_ratio"]
+        self.first: list[float] = []  # the run's first window: the baseline
+        self.recent: deque[float] = deque(maxlen=self.window)
+        self.n = 0
+        self.judged = True  # False: the run did not start where the references did
+
+    def check(self, view: View):
+        x = step_loss(view)
+        if not self.judged or x is None:
+            return []
+        if not self.n and view.step != self.start:
+            self.judged = False
+            return []
+        self.n += 1
+        if len(self.first) < self.window:
+            self.first.append(x)
+        self.recent.append(x)
+        w = self.window
+        if self.n < 2 * w or view.step < self.from_step:
+            return []
+        base, recent = sum(self.first) / w, sum(self.recent) / w
+        if not base > 0 or recent < base * self.max_ratio:  # NaN compares False: no improvement
+            return []
+        return [
+            (
+                "loss",
+                {
+                    "recent_mean": recent,
+                    "first_mean": base,
+                    "ratio": recent / base,
+                    "max_ratio": self.max_ratio,
+                    "window": w,
+                    "from_step": self.from_step,
+                },
+            )
+        ]

@@ -1,0 +1,263 @@
+"""The torchrun job: one data-parallel run with faults and a guard, run alike by every rank.
+
+The launcher (:func:`sdcscope.jobs.launcher.launch`, behind ``sdcscope train --nproc N``) validates
+a :class:`Job` and saves it as a job file holding the resolved configs; every rank reads it::
+
+    torchrun --nproc-per-node N -m sdcscope.jobs.torchrun JOB.json
+
+With a guard config every rank is watched by the Guard (:mod:`sdcscope.guard.ranks`); without
+one the rank guard alone (:mod:`sdcscope.mitigate.quarantine`) runs, unless ``crossrank`` is off.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sdcscope.engine import TrainConfig, check_new_run_dir
+from sdcscope.engine.ddp import DDPRun
+from sdcscope.engine.dist import DistConfig, DistributedError, init_distributed, leave_world
+from sdcscope.engine.run import Interrupted, stop_requests
+from sdcscope.engine.rundir import read_json, write_json
+from sdcscope.faults import FaultSpec
+from sdcscope.guard import Guard, GuardConfig
+from sdcscope.guard.ranks import check_config
+from sdcscope.jobs.assemble import check_faults, guard_trainer
+from sdcscope.workloads import WorkloadConfig, make_workload
+
+__all__ = ["Job", "make_job", "save_job", "load_job", "check_job", "run_job", "main"]
+
+
+@dataclass
+class Job:
+    """A validated distributed job (what every rank runs)."""
+
+    out: Path
+    nproc: int
+    """The number of ranks the job was validated for."""
+    steps: int
+    workload: WorkloadConfig
+    train: TrainConfig
+    dist: DistConfig
+    specs: list[FaultSpec] = field(default_factory=list)
+    crossrank: bool = True
+    hash_every: int | None = None
+    ledger: Path | None = None
+    guard: GuardConfig | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "out": str(self.out),
+            "nproc": self.nproc,
+            "steps": self.steps,
+            "workload": self.workload.to_dict(),
+            "train": self.train.to_dict(),
+            "dist": {
+                "backend": self.dist.backend,
+                "timeout_s": self.dist.timeout_s,
+                "bucket_cap_mb": self.dist.bucket_cap_mb,
+            },
+            "faults": [s.to_dict() for s in self.specs],
+            "crossrank": self.crossrank,
+            "hash_every": self.hash_every,
+            "ledger": None if self.ledger is None else str(self.ledger),
+            "guard": None if self.guard is None else self.guard.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Job:
+        return cls(
+            out=Path(d["out"]),
+            nproc=d["nproc"],
+            steps=d["steps"],
+            workload=WorkloadConfig(**d["workload"]),
+            train=TrainConfig(**d["train"]),
+            dist=DistConfig(**d["dist"]),
+            specs=[FaultSpec.from_dict(s) for s in d["faults"]],
+            crossrank=d["crossrank"],
+            hash_every=d["hash_every"],
+            ledger=None if d["ledger"] is None else Path(d["ledger"]),
+            guard=None if d["guard"] is None else GuardConfig.from_dict(d["guard"]),
+        )
+
+
+def _check_ranks(specs: Sequence[FaultSpec], world_size: int) -> None:
+    for i, s in enumerate(specs):
+        if s.rank is not None and s.rank >= world_size:
+            raise ValueError(f"fault spec #{i}: rank {s.rank} does not exist; allowed: 0..{world_size - 1}")
+
+
+def make_job(
+    out: str | Path,
+    nproc: int,
+    *,
+    steps: int = 200,
+    workload: WorkloadConfig | None = None,
+    train: TrainConfig | None = None,
+    dist_config: DistConfig | None = None,
+    specs: Sequence[FaultSpec] = (),
+    guard: GuardConfig | None = None,
+    crossrank: bool = True,
+    hash_every: int | None = None,
+    ledger: str | Path | None = None,
+) -> Job:
+    """A validated :class:`Job` for ``nproc`` ranks; raises ValueError before anything is started.
+
+    ``hash_every``: the replica hash check every N steps (0: off; None: the rank guard's default);
+    ``ledger``: a device ledger shared across jobs (default: ``out/ledger.json``)."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r} must be an integer >= 1")
+    if steps < 0:
+        raise ValueError(f"--steps {steps} must be >= 0")
+    if hash_every is not None and hash_every < 0:
+        raise ValueError(f"hash_every={hash_every} must be >= 0")
+    if guard is not None:
+        if not crossrank:
+            raise ValueError(
+                "a guard needs the cross-rank checks (every rank must take the same decision); drop crossrank=False"
+            )
+        guard = copy.deepcopy(guard)
+        check_config(guard)
+        if hash_every is not None:
+            guard.ranks.hash_every = hash_every
+    specs = list(specs)
+    _check_ranks(specs, nproc)
+    out = Path(out)
+    check_new_run_dir(out)
+    return Job(
+        out=out,
+        nproc=nproc,
+        steps=steps,
+        workload=workload or WorkloadConfig(),
+        train=train or TrainConfig(),
+        dist=dist_config or DistConfig(),
+        specs=specs,
+        crossrank=crossrank,
+        hash_every=hash_every,
+        ledger=None if ledger is None else Path(ledger),
+        guard=guard,
+    )
+
+
+def save_job(job: Job, path: str | Path) -> Path:
+    """Write ``job`` as the job file every rank reads (:func:`load_job`)."""
+    path = Path(path)
+    write_json(path, job.to_dict())
+    return path
+
+
+def load_job(path: str | Path, world_size: int) -> Job:
+    """The job in the job file ``path``, checked against a world of ``world_size`` ranks."""
+    job = Job.from_dict(read_json(path))
+    _check_ranks(job.specs, world_size)
+    return job
+
+
+def check_job(job: Job) -> None:
+    """Validate the fault specs and the guard's target patterns (ABFT, metrics) against the model,
+    as every rank will (without a world), so a mistake is refused before any rank starts."""
+    workload = make_workload(job.workload)
+    torch.manual_seed(job.train.seed)
+    model = workload.build_model()
+    optimizer = workload.build_optimizer(model)
+    check_faults(
+        workload, model, optimizer, job.specs, train=job.train, steps=job.steps, world_size=job.nproc, distributed=True
+    )
+    if job.guard is not None:  # built, never attached: no hooks; no metrics file (path dropped)
+        metrics = job.guard.metrics and replace(job.guard.metrics, path=None)
+        Guard(model, optimizer, replace(job.guard, metrics=metrics)).close()
+
+
+def run_job(job: Job, stop: list[int] | None = None) -> dict[str, Any]:
+    """Run ``job`` on this rank (the process group must be initialized); ``stop``: see :meth:`DDPRun.train`."""
+    extra = {
+        "crossrank": job.crossrank,
+        "hash_every": job.hash_every,
+        "guard": None if job.guard is None else job.guard.to_dict(),
+    }
+    run = DDPRun(job.out, job.workload, job.train, specs=job.specs, dist_config=job.dist, extra_config=extra)
+    if not job.crossrank:
+        return run.train(job.steps, stop=stop)
+    if job.guard is not None:
+        guard = guard_trainer(run.trainer, job.guard, ddp=run.trainer.ddp, run_dir=job.out, ledger=job.ledger)
+        callback = guard.callback()
+    else:
+        from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
+
+        config = RankGuardConfig() if job.hash_every is None else RankGuardConfig(hash_every=job.hash_every)
+        guard = callback = RankGuard(
+            run.trainer.ddp, run.trainer.optimizer, run_dir=job.out, ledger=job.ledger, config=config
+        )
+    try:
+        return run.train(job.steps, callbacks=[callback], stop=stop)
+    finally:
+        guard.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m sdcscope.jobs.torchrun JOB.json`` on every rank; exit code 0, 1 (world) or 2 (usage).
+
+    SIGINT or SIGTERM stops every rank after the same step (summary outcome ``interrupted``); the
+    ranks then exit 0 without a word (the launcher reports it); a second signal acts at once."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with stop_requests() as stop:  # from here on, also while the world forms
+        return _main(argv, stop)
+
+
+def _main(argv: list[str], stop: list[int]) -> int:
+    try:
+        if len(argv) != 1:
+            raise ValueError(f"usage: python -m sdcscope.jobs.torchrun JOB.json (got {' '.join(argv) or 'nothing'})")
+        job = load_job(argv[0], int(os.environ.get("WORLD_SIZE", "1")))
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rank, _ = init_distributed(job.dist)
+    except DistributedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second signal before the world formed
+        return 128 + signal.SIGINT
+    try:
+        try:
+            summary = run_job(job, stop)
+        except Interrupted:  # every rank stopped after the same step; rank 0 saved the summary
+            dist.barrier()
+            return 0
+        dist.barrier()  # leave together (see sdcscope.engine.dist.spawn)
+        if rank == 0:
+            print(
+                f"{summary['outcome']} after {summary['steps']} steps on {summary['world_size']} ranks: "
+                f"train loss {summary['final_train_loss']:.4f}, val loss {summary['final_val_loss']:.4f}, "
+                f"replicas identical: {summary['replicas_identical']}; run directory: {job.out}"
+            )
+        return 0
+    except (ValueError, TypeError) as exc:  # a spec that does not fit the model: same on every rank
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except DistributedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second SIGINT: stop at once, quietly
+        return 128 + signal.SIGINT
+    finally:
+        leave_world()
+
+
+if __name__ == "__main__":
+    from sdcscope.jobs import torchrun as _module  # run the importable copy: one set of classes, not two
+
+    code = _module.main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter shutdown: no gloo thread can meet a half-finalized interpreter
