@@ -7,7 +7,8 @@ from torch import nn
 
 from sdcscope.detect.abft import ABFTConfig, ABFTDetector
 from sdcscope.detect.abft.convcheck import conv_node, forward_lines, grad_input_lines, grad_weight_lines
-from sdcscope.detect.checksum import line_ratios, rounding_model
+from sdcscope.detect.checksum import line_ratios
+from sdcscope.detect.rounding import rounding_model
 from sdcscope.engine import TrainConfig, Trainer, param_sha256
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import Guard, GuardConfig

@@ -5,10 +5,11 @@ Each detector is a small class with a config dataclass and ``check(...) -> list[
 """
 
 from sdcscope.detect.abft import ABFTConfig, ABFTDetector
-from sdcscope.detect.checksum import RoundingModel, gemm_check, rounding_model, unit_roundoff
+from sdcscope.detect.checksum import gemm_check
 from sdcscope.detect.crossrank import CrossRankConfig, CrossRankDetector, ReplicaHashCheck
 from sdcscope.detect.events import GEMMS, Event
 from sdcscope.detect.nonfinite import NonFiniteConfig, NonFiniteDetector
+from sdcscope.detect.rounding import RoundingModel, rounding_model, unit_roundoff
 from sdcscope.detect.signatures import Gathered, GradientSignatures, bitsum, bucket_norms, fletcher, grad_signatures
 from sdcscope.detect.spike import SpikeConfig, SpikeDetector, SpikeState
 from sdcscope.detect.state import StateChecksum, StateChecksumConfig

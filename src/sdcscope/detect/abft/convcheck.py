@@ -27,12 +27,11 @@ from torch import nn
 
 from sdcscope.common.graph import through_casts
 from sdcscope.common.modules import CONV_TYPES, TRANSPOSED_TYPES
-from sdcscope.detect.checksum import (
+from sdcscope.detect.checksum import Line, bias_augmented
+from sdcscope.detect.rounding import (
     TF32_ROUNDOFF,
     UNIT_ROUNDOFF,
-    Line,
     RoundingModel,
-    bias_augmented,
     line_coefs,
     norm_floor,
     subnormal_error,

@@ -21,8 +21,9 @@ from sdcscope.detect.abft.linear import LinearChecks
 from sdcscope.detect.abft.records import CallContext, CheckRecord, Layer
 from sdcscope.detect.abft.sampling import Sampler
 from sdcscope.detect.abft.taps import FunctionalTaps, install_tap, owner_module, remove_tap
-from sdcscope.detect.checksum import Operand, line_ratios, rounding_model
+from sdcscope.detect.checksum import Operand, line_ratios
 from sdcscope.detect.events import Event
+from sdcscope.detect.rounding import rounding_model
 
 
 class ABFTDetector(LinearChecks, ConvChecks, FunctionalTaps):

@@ -10,7 +10,8 @@ from torch import nn
 from sdcscope.common.graph import linear_nodes, weight_grad_edge
 from sdcscope.common.tensors import autocast_on, no_autocast
 from sdcscope.detect.abft.records import CallContext, CheckRecord, Layer
-from sdcscope.detect.checksum import SIDES, GemmCheck, Line, Operand, frobenius, gemm_lines, line_coefs, norm_floor
+from sdcscope.detect.checksum import SIDES, GemmCheck, Line, Operand, frobenius, gemm_lines
+from sdcscope.detect.rounding import line_coefs, norm_floor
 
 
 class LinearChecks:
