@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from sdcscope.common.validate import check_positive
+
 
 def _clean(value: Any) -> Any:
     """Strict JSON has no NaN/Infinity: a non-finite float is written as the string ``"nan"``,
@@ -138,10 +140,7 @@ class JsonlWriter:
     """
 
     def __init__(self, path: str | Path, *, append: bool = True, flush_every: int = 1) -> None:
-        if not isinstance(flush_every, int) or isinstance(flush_every, bool):
-            raise TypeError(f"flush_every={flush_every!r} must be a positive integer")
-        if flush_every < 1:
-            raise ValueError(f"flush_every={flush_every!r} must be a positive integer")
+        check_positive("flush_every", flush_every)
         self.path = Path(path)
         self._f = None
         self._mode = "a" if append else "w"

@@ -4,15 +4,15 @@ The policy table (:class:`~sdcscope.mitigate.PolicyConfig`) names actions; :func
 turns the names into these objects and :meth:`StepSession.act <sdcscope.guard.session.StepSession.act>`
 applies them, most decisive first, in one place. What an action needs from the training loop --
 restoring a snapshot, dropping the update, never feeding a batch again -- comes from a
-:class:`Loop`: the plain loop's (:class:`PlainLoop`), the engine trainer's, a library trainer's.
-Each ``apply`` returns what it did, which goes into the evidence of the events it answers.
+:class:`Loop`: the plain loop's (the default), the engine trainer's, a library trainer's.
+What the actions did (:class:`Applied`) goes into the events they answer.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
@@ -61,17 +61,16 @@ class Applied:
     """What the actions of one step did."""
 
     discarded: bool = False  # the update is not applied (vetoed or rolled back)
-    rolled_back: TrainState | None = None
-    done: dict[str, Any] = field(default_factory=dict)  # action name -> what it did
+    rolled_back: TrainState | None = None  # the snapshot restored
 
 
 class Action:
-    """One mitigation; ``apply`` returns what it did (None: nothing to record)."""
+    """One mitigation, applied by :meth:`StepSession.act`; ``applied`` collects what it did."""
 
     name: ClassVar[str]
 
-    def apply(self, session: StepSession, loop: Loop, applied: Applied) -> Any:
-        return None
+    def apply(self, session: StepSession, loop: Loop, applied: Applied) -> None:
+        """Nothing to do at this point of the step (``report``, ``none``)."""
 
 
 class Rollback(Action):
@@ -79,13 +78,12 @@ class Rollback(Action):
 
     def apply(self, session, loop, applied):
         if applied.discarded:
-            return None
+            return
         state = session.guard.safe(loop.rollback, "rollback", default=False)
         if state is False:  # reported as an internal error; the veto below keeps the update out
-            return None
+            return
         session.rolled_back(state)
         applied.discarded, applied.rolled_back = True, state
-        return {"rolled_back_to": state.step}
 
 
 class Veto(Action):
@@ -93,18 +91,16 @@ class Veto(Action):
 
     def apply(self, session, loop, applied):
         if applied.discarded:
-            return None
+            return
         loop.drop_update()
         session.restore_buffers()
         applied.discarded = True
-        return "update not applied"
 
 
 class Recompute(Action):
-    name = "recompute"
+    """The replay already left its gradients in place: the update uses them."""
 
-    def apply(self, session, loop, applied):
-        return None if applied.discarded else "the re-execution's gradients are applied"
+    name = "recompute"
 
 
 class SkipBatch(Action):
@@ -113,7 +109,6 @@ class SkipBatch(Action):
     def apply(self, session, loop, applied):
         session.guard.skip_batches.add(session.step)
         loop.skip_batch()
-        return None
 
 
 class LRBackoff(Action):
@@ -121,7 +116,6 @@ class LRBackoff(Action):
 
     def apply(self, session, loop, applied):
         session.guard.backoff.trigger(session.clock)
-        return None
 
 
 class Report(Action):

@@ -248,20 +248,19 @@ class StepSession:
         """Apply the decision's actions (most decisive first), then record its events with what
         the actions did: an event is written after the action it names."""
         applied = Applied()
-        names = [a for a in decision.actions if a != "quarantine"]  # the rank guard quarantined already
+        names = decision.actions
         if "rollback" in names or "veto" in names:
             loop.before_discard()
         for action in make_actions(names):
-            done = action.apply(self, loop, applied)
-            if done is not None:
-                applied.done[action.name] = done
-        rollback_failed = "rollback" in names and applied.rolled_back is None
-        for e in decision.events:
+            action.apply(self, loop, applied)
+        for e in decision.events:  # (a rank guard's own restore of the replicas is no rollback of ours)
             taken = e.actions
-            if rollback_failed and "rollback" in taken:  # the veto behind it kept the update out
+            if "rollback" not in taken or "rollback" not in names:
+                continue
+            if applied.rolled_back is None:  # the rollback failed: the veto behind it kept the update out
                 e.action = ", ".join(dict.fromkeys("veto" if a == "rollback" else a for a in taken))
-            if applied.rolled_back is not None and "rollback" in taken:
-                e.evidence = {**e.evidence, **applied.done["rollback"]}
+            else:
+                e.evidence = {**e.evidence, "rolled_back_to": applied.rolled_back.step}
         for e in decision.events + (decision.extra or []):
             self.guard.record(e, world=self.guard.ranks is not None)
         return applied

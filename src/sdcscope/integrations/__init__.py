@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sdcscope.guard import Guard, GuardConfig
-from sdcscope.guard.actions import Applied, Loop
+from sdcscope.guard.actions import Applied
 
 __all__ = ["GuardSession", "Patches", "load_config", "open_guard"]
 
@@ -55,14 +55,6 @@ def open_guard(
     if m is not None and m.path is None and m.sink == "jsonl":
         config = dataclasses.replace(config, metrics=dataclasses.replace(m, path=str(run_dir / "metrics.jsonl")))
     return Guard(model, optimizer, config, run_dir=run_dir, on_event=on_event).attach()
-
-
-class ClearingLoop(Loop):
-    """A library trainer's side of the discarding actions: the guard restores its own snapshot,
-    and a discarded step leaves no gradients for the library to clip or apply."""
-
-    def drop_update(self) -> None:
-        self.session.clear_grads()
 
 
 class GuardSession:
@@ -101,9 +93,7 @@ class GuardSession:
         s = self.session
         if not self.open:
             return loss
-        applied, self.loss = self.guard.safe(
-            lambda: s.check(loss, rerun, ClearingLoop(s)), "decide", default=(Applied(), loss)
-        )
+        applied, self.loss = self.guard.safe(lambda: s.check(loss, rerun), "decide", default=(Applied(), loss))
         self.discard = applied.discarded
         if self.discard:
             s.clear_grads()  # nothing left for the library to clip or apply
