@@ -79,8 +79,9 @@ def test_a_room_imports_only_from_rooms_before_it(path):
     upward = []
     for target, line, _ in imports(path):
         theirs = room(target)
-        if mine is None or theirs is None:  # the top-level package: its version only
-            assert theirs is None or mine is not None, f"{path}:{line} sdcscope/__init__ imports {target}"
+        if mine is None or theirs is None:  # the top-level package: its version only; __main__ runs the CLI
+            entry = module_name(path) == "sdcscope.__main__" and theirs == "cli"
+            assert theirs is None or mine is not None or entry, f"{path}:{line} sdcscope/__init__ imports {target}"
             continue
         if ROOMS.index(theirs) > ROOMS.index(mine):
             upward.append(f"{path.relative_to(SRC)}:{line} imports {target} ({mine} -> {theirs})")

@@ -9,7 +9,7 @@ in a setting (where gradients are cleared, gradient accumulation, ...).  A bug i
 its run raises at least one violation; a clean twin or variant with any violation is a false
 positive.
 
-    python benchmarks/silent_bugs/run.py [--bugs a,b,...] [--out DIR]
+    python benchmarks/silent_bugs/run.py [--bugs a,b,...] [--out DIR] [--jobs N]
 
 The last line reads ``detected D/N bugs, false positives F/C clean runs``.
 """
@@ -17,6 +17,8 @@ The last line reads ``detected D/N bugs, false positives F/C clean runs``.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import sys
 import tempfile
 import time
@@ -153,10 +155,47 @@ def table(results: list[Result], variant_results: Sequence[VariantResult] = ()) 
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
+def _chunk_job(bug_names: list[str], variant_names: list[str], out: Path) -> tuple[list, list]:
+    """``run_benchmark`` on some bugs and variants of one family, in a worker process; plain
+    values back (seeds follow the global lists, so the results are those of one process)."""
+    results, variant_results = run_benchmark(
+        [b for b in BUGS if b.name in bug_names],
+        out,
+        log=lambda *_: None,
+        variants=[v for v in VARIANTS if v.name in variant_names],
+    )
+    return (
+        [(r.bug.name, r.violations, r.clean_violations) for r in results],
+        [(v.variant.name, v.violations) for v in variant_results],
+    )
+
+
+def run_parallel(
+    bugs: list[Bug], variants: Sequence[Variant], out: Path, jobs: int, chunk: int = 4
+) -> tuple[list[Result], list[VariantResult]]:
+    """``run_benchmark`` in ``jobs`` processes, a family's bugs and variants ``chunk`` at a time
+    (each chunk infers its family's invariants again, from the same references)."""
+    tasks = []
+    for fam in dict.fromkeys(x.family for x in [*bugs, *variants]):
+        items = [x for x in [*bugs, *variants] if x.family == fam]
+        for i in range(0, len(items), chunk):
+            part = items[i : i + chunk]
+            names = [x.name for x in part if isinstance(x, Bug)], [x.name for x in part if isinstance(x, Variant)]
+            tasks.append((*names, out / f"chunk{len(tasks)}"))
+    by_bug, by_variant = {}, {}
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        for bug_rows, variant_rows in pool.map(_chunk_job, *zip(*tasks)):
+            by_bug.update((name, rest) for name, *rest in bug_rows)
+            by_variant.update(variant_rows)
+    return [Result(b, *by_bug[b.name]) for b in bugs], [VariantResult(v, by_variant[v.name]) for v in variants]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bugs", default="", help="comma-separated subset of bugs and clean variants (default: all)")
     ap.add_argument("--out", type=Path, default=None, help="keep run directories here")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (a loaded machine finishes sooner)")
     args = ap.parse_args()
     names = [n for n in args.bugs.split(",") if n]
     known = [x.name for x in [*BUGS, *VARIANTS]]
@@ -169,7 +208,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
         print(f"silent-bugs benchmark: {len(bugs)} bugs, {len(variants)} clean variants, runs in {out}")
-        results, variant_results = run_benchmark(bugs, out, variants=variants)
+        if args.jobs > 1:
+            results, variant_results = run_parallel(bugs, variants, out, args.jobs)
+        else:
+            results, variant_results = run_benchmark(bugs, out, variants=variants)
     print(table(results, variant_results))
     clean = [(f"{r.bug.name} twin", r.clean_violations) for r in results]
     clean += [(f"variant {v.variant.name}", v.violations) for v in variant_results]

@@ -69,24 +69,43 @@ def _digits():
     return load_digits_tensors()
 
 
+def _batch(data: GPTWorkload, seed: int, step: int, micro_batch: int = 0, batch: int | None = None):
+    """The workload's batch for (seed, step, micro_batch), with ``batch`` sequences when given."""
+    size = data.config.batch_size if batch is None else batch  # GPTWorkload.batch, with another size
+    return data.corpus.batch(seed, step, micro_batch, size, data.model_config.block_size)
+
+
+def _warm_cosine(warm: int, steps: int) -> Callable[[int], float]:
+    """A linear warm-up over ``warm`` steps (none for 0) times a cosine over the run."""
+
+    return lambda s: (min(1.0, (s + 1) / warm) if warm else 1.0) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+
+
 def _gpt(dropout: float = 0.0) -> GPT:
     return GPT(GPTConfig(n_layer=2, n_head=2, d_model=64, block_size=64, dropout=dropout))
 
 
-def gpt_loop(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 24, eval_every: int = 8):
+def gpt_loop(
+    seed: int,
+    bug: str | None,
+    attach: Attach,
+    *,
+    lr: float = 3e-3,
+    steps: int = 24,
+    eval_every: int = 8,
+    warm: int = 5,
+    batch: int | None = None,
+):
     torch.manual_seed(seed)
     data = _gpt_data()
     model = _gpt(dropout=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    warm = 5
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warm_cosine(warm, steps))
     tool = attach(model, opt, schedulers=[sched])
     clipped = model.blocks.parameters if bug == "clip_wrong_params" else model.parameters
     for step in range(steps):
         tool.step_begin(step)
-        x, y = data.batch(seed, step)
+        x, y = _batch(data, seed, step, batch=batch)
         if bug not in ("missing_zero_grad", "zero_grad_after_backward"):
             opt.zero_grad()
         logits = model(x)
@@ -120,7 +139,7 @@ def gpt_loop(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, st
     return tool
 
 
-def gpt_amp(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 16):
+def gpt_amp(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 16, batch: int | None = None):
     torch.manual_seed(seed)
     data = _gpt_data()
     model = _gpt()
@@ -130,7 +149,7 @@ def gpt_amp(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, ste
     for step in range(steps):
         tool.step_begin(step)
         opt.zero_grad()
-        x, y = data.batch(seed, step)
+        x, y = _batch(data, seed, step, batch=batch)
         loss = lm_loss(model(x), y)
         if bug == "scaler_skipped":  # the scaler is created but bypassed
             loss.backward()
@@ -199,9 +218,19 @@ class _DecayOnlyGPT(GPTWorkload):
         )
 
 
-def engine(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 16):
+def engine(
+    seed: int,
+    bug: str | None,
+    attach: Attach,
+    *,
+    lr: float = 3e-3,
+    steps: int = 16,
+    warm: int = 20,
+    batch: int | None = None,
+):
     kind = {None: GPTWorkload, "frozen_layer": _FrozenLayerGPT, "param_not_in_optimizer": _DecayOnlyGPT}[bug]
-    trainer = Trainer(kind(WorkloadConfig(workload="gpt", preset="tiny", lr=lr)), TrainConfig(seed=seed))
+    config = WorkloadConfig(workload="gpt", preset="tiny", lr=lr, warmup=warm, batch_size=batch)
+    trainer = Trainer(kind(config), TrainConfig(seed=seed))
     tool = attach(trainer.model, trainer.optimizer)
     trainer.add_callback(tool)
     for _ in range(steps):
@@ -222,7 +251,16 @@ class Replicas(nn.Module):
         return [r(x) for r, x in zip(self.replicas, shards)]
 
 
-def replicas(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, steps: int = 16, lose_sync_at: int = 6):
+def replicas(
+    seed: int,
+    bug: str | None,
+    attach: Attach,
+    *,
+    lr: float = 3e-3,
+    steps: int = 16,
+    lose_sync_at: int = 6,
+    batch: int | None = None,
+):
     torch.manual_seed(seed)
     data = _gpt_data()
     model = Replicas(_gpt())
@@ -232,7 +270,7 @@ def replicas(seed: int, bug: str | None, attach: Attach, *, lr: float = 3e-3, st
     for step in range(steps):
         tool.step_begin(step)
         opt.zero_grad()
-        shards = [data.batch(seed, step, micro_batch=r) for r in range(2)]
+        shards = [_batch(data, seed, step, r, batch) for r in range(2)]
         logits = model([x for x, _ in shards])
         sum(lm_loss(out, y) for out, (_, y) in zip(logits, shards)).backward()
         # DDP's all-reduce; the bug: its hooks are lost (the model was moved and moved back).
@@ -277,6 +315,8 @@ def gpt_groups(
     clip: str = "module",
     step_style: str = "plain",
     loss_style: str = "functional",
+    warm: int = 5,
+    batch: int | None = None,
 ):
     """``accum`` micro-batches per step; ``clear``: where and how the gradients are cleared
     (``first``: optimizer.zero_grad() before the forward, ``after_step``: at the end of the step,
@@ -297,11 +337,9 @@ def gpt_groups(
     elif bug == "no_causal_mask":  # the mask built with torch.ones instead of torch.tril
         for block in model.blocks:
             block.attn.causal_mask.fill_(True)
-    wd, warm = 0.1, 5
+    wd = 0.1
     opt = torch.optim.AdamW(_groups(model, lr, wd, bug), lr=lr, maximize=bug == "gradient_ascent")
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warm_cosine(warm, steps))
     if bug == "scheduler_stale_optimizer":  # the optimizer rebuilt after the scheduler (resume code)
         opt = torch.optim.AdamW(_groups(model, lr, wd, None), lr=lr)
     tool = attach(model, opt, schedulers=[sched])
@@ -324,7 +362,7 @@ def gpt_groups(
             for micro in range(accum):
                 if bug == "zero_grad_in_accum":
                     opt.zero_grad()
-                x, y = data.batch(seed, 0 if bug == "same_batch_every_step" else step, micro_batch=micro)
+                x, y = _batch(data, seed, 0 if bug == "same_batch_every_step" else step, micro, batch)
                 if bug == "inputs_targets_swapped":  # the batch unpacked in the wrong order
                     y, x = x, y
                 elif bug == "targets_equal_inputs":

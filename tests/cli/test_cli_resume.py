@@ -30,9 +30,9 @@ PERMANENT = """\
 """
 
 
-def _ok(*args):
+def _ok(*args, code=0):
     result = runner.invoke(app, [str(a) for a in args])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == code, result.output
     return " ".join(result.output.split())
 
 
@@ -253,7 +253,8 @@ def test_report_names_a_missing_directory_and_reports_an_inject_directorys_runs(
     spec = tmp_path / "perm.yaml"
     spec.write_text(PERMANENT)
     _ok("inject", "--spec", spec, "--steps", 3, "--out", tmp_path / "i")
-    assert _ok("report", tmp_path / "i").count("wrote") == 2
+    assert _ok("report", tmp_path / "i").count("wrote") == 3  # each run's report, then the comparison page
+    assert (tmp_path / "i" / "comparison.html").is_file()
     for run in ("golden", "faulty"):
         assert (tmp_path / "i" / run / "report.md").is_file() and (tmp_path / "i" / run / "report.html").is_file()
 
@@ -290,15 +291,17 @@ def test_a_guard_rollback_repairs_the_run_and_an_unrepairable_fault_stalls_it(tm
     ):
         spec = tmp_path / f"{name}.yaml"
         spec.write_text(WEIGHT_FLIP.format(model=model, schedule=schedule))
-        _ok("train", "--steps", 7, "--seed", 3, "--faults", spec, "--guard", "--out", tmp_path / name)
+        code = 4 if outcome == "stalled" else 0  # ExitCode.GUARD_STOPPED: a scheduler sees the guard stopped it
+        _ok("train", "--steps", 7, "--seed", 3, "--faults", spec, "--guard", "--out", tmp_path / name, code=code)
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert summary["outcome"] == outcome, summary
         assert (summary["steps"] == 7) == (outcome == "completed"), summary
 
 
 def test_a_guard_that_vetoes_every_step_stalls_the_run(tmp_path):
-    """A permanent GEMM fault repeats on every replay, so the guard vetoes every update: the run
-    trains nothing, and its summary says so (stalled, with the discarded steps counted)."""
+    """A permanent GEMM fault repeats on every replay, so the guard vetoes every update until the
+    ledger's strikes (3) at that site make it persistent and the guard stops the run: it trained
+    nothing, and its summary says so (stalled, the discarded steps counted, the reason given)."""
     spec = tmp_path / "perm.yaml"
     spec.write_text(
         "- {site: gemm.forward, target: fc2, model: bitflip, bits: [30], pattern: {kind: element, index: 3},"
@@ -319,9 +322,11 @@ def test_a_guard_that_vetoes_every_step_stalls_the_run(tmp_path):
         "--guard",
         "--out",
         tmp_path / "run",
+        code=4,  # ExitCode.GUARD_STOPPED
     )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert (summary["outcome"], summary["steps"], summary["discarded_steps"]) == ("stalled", 4, 4), summary
+    assert (summary["outcome"], summary["steps"], summary["discarded_steps"]) == ("stalled", 3, 3), summary
+    assert "persistent" in summary["stop_reason"], summary
 
 
 FAULT = """\

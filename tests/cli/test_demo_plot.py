@@ -1,62 +1,75 @@
-"""The demo's figure: losses on top, each run's difference from the golden run below, the fault's step
-and the guard's detections marked on both panels."""
+"""The demo tells its story: the unguarded run leaves the golden curve on the top panel of its figure,
+the guarded one stays on it, and the detection and the repair are marked and said in one sentence
+each. Checked on the data behind the figure of one short real demo, and on a crashed run's marker."""
 
 import json
 import math
-import struct
-import warnings
 
-import matplotlib.pyplot as plt
-from matplotlib.colors import to_rgba
+import pytest
+from typer.testing import CliRunner
 
-from sdcscope.cli.demo_cmd import plot_losses
+from sdcscope.cli.app import app
+from sdcscope.study.compare_figure import comparison_figure
+from sdcscope.study.compare_series import load_series
+
+STEPS = 40  # the fault fires at step 20
 
 
-def _run(path, losses):
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "d"
+    result = CliRunner().invoke(app, ["demo", "--out", str(out), "--steps", str(STEPS)])
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+def test_the_unguarded_run_leaves_the_golden_curve_and_the_guarded_run_stays_on_it(demo):
+    out, _ = demo
+    data = comparison_figure(load_series(out), render=False)
+    assert data["fault_steps"] == [STEPS // 2]
+    loss = {label: dict(zip(c["steps"], c["values"])) for label, c in data["loss"].items()}
+    assert set(loss) == {"golden", "faulty", "guarded"}
+    golden = loss["golden"]
+    before = [abs(loss["faulty"][s] - golden[s]) for s in range(STEPS // 2)]
+    after = [abs(loss["faulty"][s] - golden[s]) for s in range(STEPS // 2, STEPS)]
+    assert max(before) == 0.0  # the same run until the fault
+    assert max(after) > 1.0  # then the top panel's curves part, visibly (golden is ~3 here)
+    assert sum(after) / len(after) > 0.5  # and stay apart: not a single-step blip
+    assert loss["guarded"] == golden  # the guarded run is the golden curve, step for step
+    distance = {label: c["values"][-1] for label, c in data["distance"].items()}
+    assert distance["faulty"] > 1.0 and distance["guarded"] == 0.0
+    (detection,) = data["detections"]
+    assert detection["run"] == "guarded" and detection["step"] == STEPS // 2
+    assert detection["action"] == "rollback"
+
+
+def test_the_demo_says_what_it_detected_and_repaired_in_one_sentence_each(demo):
+    out, output = demo
+    lines = [line for line in output.splitlines() if line.startswith(("detection:", "repair:"))]
+    assert [line.split(":")[0] for line in lines] == ["detection", "repair"]
+    assert "blocks.1.mlp.proj" in lines[0] and f"step {STEPS // 2}" in lines[0]
+    assert "bitwise equal to the golden one" in lines[1]
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert comparison["guarded"]["outcome"] == "masked" and comparison["outcome"] == "deviation"
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "comparison.html").is_file()
+
+
+def _run(path, losses, events=(), injections=(), outcome="completed"):
     path.mkdir(parents=True)
     path.joinpath("metrics.jsonl").write_text(
-        "".join(json.dumps({"step": i, "loss": v}) + "\n" for i, v in enumerate(losses))
+        "".join(json.dumps({"step": i, "loss": v if math.isfinite(v) else str(v)}) + "\n" for i, v in enumerate(losses))
     )
+    path.joinpath("events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    path.joinpath("injections.jsonl").write_text("".join(json.dumps(i) + "\n" for i in injections))
+    path.joinpath("summary.json").write_text(json.dumps({"outcome": outcome, "steps": len(losses)}))
 
 
-def _vertical_lines(ax):
-    """{x: colour} of the axis' vertical lines (axvline: two points at one x, spanning the axis)."""
-    return {
-        float(line.get_xdata()[0]): to_rgba(line.get_color())
-        for line in ax.get_lines()
-        if len(line.get_xdata()) == 2 and line.get_xdata()[0] == line.get_xdata()[1]
-    }
-
-
-def test_plot_has_a_difference_panel_and_takes_a_crashed_shorter_run(tmp_path, monkeypatch):
-    _run(tmp_path / "golden", [3.0, 2.5, 2.2, 2.0])
-    _run(tmp_path / "faulty", [3.0, 2.6, float("inf"), float("nan")])  # crashed after the fault
-    _run(tmp_path / "guarded", [3.0, 2.5, 2.2])  # stopped a step early
-    figures, close = [], plt.close
-    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        path = plot_losses(tmp_path, ["golden", "faulty", "guarded"], fault_step=1, detections=[2])
-    head = path.read_bytes()[:24]
-    assert head[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", head[16:24])
-    assert (width, height) == (770, 660)  # 7 x 6 inches at 110 dpi: the loss and the difference panels
-
-    (fig,) = figures
-    top, bottom = fig.axes
-    curves = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in top.get_lines()}
-    assert curves["golden"] == ([0, 1, 2, 3], [3.0, 2.5, 2.2, 2.0])
-    diffs = {
-        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
-        for line in bottom.get_lines()
-        if not line.get_label().startswith("_")
-    }
-    assert set(diffs) == {"faulty − golden", "guarded − golden", "guard detection"}
-    steps, faulty = diffs["faulty − golden"]
-    assert steps == [0, 1, 2, 3] and faulty[0] == 0.0  # equal to the golden run before the fault
-    assert math.isclose(faulty[1], 0.1) and faulty[2] == math.inf and math.isnan(faulty[3])  # leaves 0 there
-    assert diffs["guarded − golden"] == ([0, 1, 2], [0.0, 0.0, 0.0])  # a bitwise-equal run stays at 0
-    for ax in (top, bottom):  # the fault's step in grey, the detection in the detection colour
-        marks = _vertical_lines(ax)
-        assert marks.keys() == {1.0, 2.0}
-        assert marks[1.0] == to_rgba("grey") and marks[2.0][:3] == to_rgba("C3")[:3]
+def test_a_crashed_run_ends_in_a_marker_with_its_legend_entry(tmp_path):
+    fault = {"step": 2, "site": "weight", "module": "fc.weight", "bits": [30], "count": 1, "when": "train"}
+    _run(tmp_path / "golden", [3.0, 2.5, 2.2, 2.0, 1.9])
+    _run(tmp_path / "faulty", [3.0, 2.5, 2.6, float("nan")], injections=[fault], outcome="crash")
+    data = comparison_figure(load_series(tmp_path), render=False)
+    assert data["crashes"] == {"faulty": 3}
+    assert data["loss"]["faulty"] == {"steps": [0, 1, 2], "values": [3.0, 2.5, 2.6]}
+    assert data["fault_steps"] == [2]

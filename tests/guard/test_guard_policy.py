@@ -34,8 +34,9 @@ def lm_loss(model, batch):
 
 
 # -- 1. quarantine in a single process ----------------------------------------------------------------
-def test_a_quarantine_rule_in_one_process_vetoes_the_step_and_says_why():
-    """No other rank can carry on: the step is void, as under DDP, and the event says so."""
+def test_a_quarantine_rule_in_one_process_vetoes_the_step_stops_and_says_why():
+    """No other rank can carry on: the step is void, as under DDP, training stops cleanly, and the
+    event says so."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), 0.1)
     config = GuardConfig(policy={"rules": {"nonfinite:reproducible": ["quarantine", "skip_batch"]}})
@@ -45,9 +46,11 @@ def test_a_quarantine_rule_in_one_process_vetoes_the_step_and_says_why():
     before = params(model)
     assert not guarded_step(guard, model, 0, (x, y))
     assert same(before, params(model)) and guard.skip_batches == {0} and guard.discarded_steps == 1
-    assert {e["action"] for e in guard.events} == {"veto, skip_batch"}
-    assert all(e["evidence"]["quarantine"] == SOLO_QUARANTINE for e in guard.events)
-    assert guarded_step(guard, model, 1, batch_of(1))  # and training goes on
+    *findings, stopped = guard.events
+    assert {e["action"] for e in findings} == {"veto, stop, skip_batch"}
+    assert all(e["evidence"]["quarantine"] == SOLO_QUARANTINE for e in findings)
+    assert (stopped["detector"], stopped["verdict"], stopped["action"]) == ("guard", "stopped", "stop")
+    assert guard.stopped and "nonfinite: reproducible" in guard.stop_reason
 
 
 def test_zclip_clips_sparse_gradients():
@@ -115,7 +118,10 @@ def test_one_rule_keeps_the_weight_rollback():
             {"state_checksum:transient": ["veto"]},
             r"verdict 'transient' for detector 'state_checksum'.*allowed: corrupt",
         ),
-        ({"*:bogus": ["veto"]}, r"unknown verdict 'bogus'; allowed: transient, reproducible, unverified, corrupt"),
+        (
+            {"*:bogus": ["veto"]},
+            r"unknown verdict 'bogus'; allowed: transient, reproducible, unverified, persistent, corrupt",
+        ),
         ({"abft": ["veto"]}, r"'detector:verdict'"),
         ({"abft:transient": ["vetoo"]}, r"'vetoo'; allowed: none, veto"),
         ({"abft:transient": 3}, r"'abft:transient'.*3.*allowed: none, veto"),

@@ -62,6 +62,6 @@ def test_a_world_that_cannot_form_times_out_with_a_clear_error(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "sdcscope.jobs.torchrun", str(job)], env=env, capture_output=True, text=True, timeout=120
     )
-    assert proc.returncode == 1
+    assert proc.returncode == 5  # ExitCode.INFRASTRUCTURE
     assert f"rank 0 could not form a world of 2 ranks at 127.0.0.1:{port} within 2 s" in proc.stderr
     assert not out.exists()

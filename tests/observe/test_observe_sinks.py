@@ -78,5 +78,5 @@ def test_prometheus_sink_labels_layers():
     sink = PrometheusSink(registry=reg)
     sink.write(3, {"loss": 2.0, "grad_norm/blocks.0.fc": 0.5})
     assert reg.get_sample_value("sdcscope_loss") == 2.0
-    assert reg.get_sample_value("sdcscope_grad_norm_by_layer", {"layer": "blocks.0.fc"}) == 0.5
+    assert reg.get_sample_value("sdcscope_grad_norm", {"layer": "blocks.0.fc"}) == 0.5
     assert reg.get_sample_value("sdcscope_step") == 3

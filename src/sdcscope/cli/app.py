@@ -10,7 +10,7 @@ app = typer.Typer(
     name="sdcscope",
     help="Inject, observe, detect, localize and repair silent data corruption in PyTorch training.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
 
@@ -26,16 +26,25 @@ def _root(
     version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
+    verbose: int = typer.Option(
+        0, "--verbose", "-v", count=True, help="More log lines on stderr: -v info, -vv debug (default: warnings)."
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Errors only: no log lines, no console summary."),
 ) -> None:
     """sdcscope: silent data corruption in LLM training."""
+    from sdcscope.cli.output import configure
+
+    configure(verbose, quiet)
 
 
 from sdcscope.cli import (  # noqa: E402,F401  (registers commands)
     campaign_cmd,
+    checkpoint_cmd,
     demo_cmd,
     inject_cmd,
     invariants_cmd,
     report_cmd,
+    screen_cmd,
     train_cmd,
 )
 

@@ -17,6 +17,7 @@ import typer
 
 from sdcscope.cli.app import app
 from sdcscope.cli.common import CLIError, err_console, out_console, path_argument, path_option, user_errors
+from sdcscope.cli.output import JSON_OPT, json_output, note
 
 campaign_app = typer.Typer(help="Fault-injection campaigns: plan, run and resume, status.", no_args_is_help=True)
 app.add_typer(campaign_app, name="campaign")
@@ -96,8 +97,9 @@ def run(
 
 
 @campaign_app.command()
-def status(directory: Path = DIR_ARG) -> None:
+def status(ctx: typer.Context, directory: Path = DIR_ARG, as_json: bool = JSON_OPT) -> None:
     """How many trials are done, and their outcomes."""
+    json_output(ctx, as_json)
     with user_errors():
         from collections import Counter
 
@@ -109,4 +111,7 @@ def status(directory: Path = DIR_ARG) -> None:
         with ResultsDB(directory / DB_FILE, spec) as db:
             rows = db.trials()
             planned = db.meta().get("plan_size")
-    _print_counts({"trials": planned, "done": len(rows), "outcomes": dict(Counter(r["outcome"] for r in rows))})
+    planned = None if planned is None else int(planned)  # the store keeps it as text
+    counts = {"trials": planned, "done": len(rows), "outcomes": dict(Counter(r["outcome"] for r in rows))}
+    _print_counts(counts)
+    note(**counts, directory=str(directory))

@@ -1,16 +1,23 @@
-"""Shared CLI pieces: error reporting (one line, exit code 2) and a rich progress bar."""
+"""Shared CLI pieces: error reporting (one line, a documented exit code:
+:class:`~sdcscope.common.exitcodes.ExitCode`) and progress (a rich bar on a terminal, plain
+periodic lines otherwise)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
+
+from sdcscope.common.exitcodes import ExitCode
+from sdcscope.common.storage import StorageError, storage_cause
 
 err_console = Console(stderr=True)
 out_console = Console()
@@ -20,18 +27,44 @@ class CLIError(Exception):
     """A user error the CLI reports as one line with exit code 2."""
 
 
-def fail(message: str) -> typer.Exit:
+def fail(message: str, code: int = ExitCode.USER_ERROR) -> typer.Exit:
     err_console.print("[bold red]error:[/] ", end="", highlight=False)
     err_console.print(message, markup=False, highlight=False, soft_wrap=True)  # "[out, in]" is text
-    return typer.Exit(code=2)
+    return typer.Exit(code=int(code))
+
+
+def storage_message(exc: BaseException, cause: OSError) -> str:
+    """One line for a write the storage refused: the path and what was being written where known."""
+    if isinstance(cause, StorageError):
+        return str(cause)
+    where = cause.filename if isinstance(cause.filename, str) else getattr(exc, "filename", None)
+    text = f"cannot write {where!r}: " if where else "a write failed: "
+    return text + f"{cause.strerror or cause} (disk full, read-only or no permission)"
+
+
+@contextlib.contextmanager
+def storage_errors() -> Iterator[None]:
+    """Turn a write the storage refused -- from any layer: torch, sqlite, a worker process --
+    into one line and :data:`ExitCode.STORAGE`; anything else passes unchanged."""
+    try:
+        yield
+    except (typer.Exit, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        cause = storage_cause(exc)
+        if cause is None:
+            raise
+        raise fail(storage_message(exc, cause), ExitCode.STORAGE) from None
 
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """Turn validation errors (ValueError, TypeError) and OS errors (a path that cannot be read or
-    created: the message names it) into one line and exit code 2."""
+    created: the message names it) into one line and exit code 2; a write the storage refused
+    into one line and :data:`ExitCode.STORAGE` (:func:`storage_errors`)."""
     try:
-        yield
+        with storage_errors():
+            yield
     except (ValueError, TypeError, OSError, CLIError) as exc:
         raise fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
@@ -106,12 +139,55 @@ def load_fault_file(flag: str, path: Path) -> list:
     return specs
 
 
+PROGRESS_SECONDS_ENV = "SDCSCOPE_PROGRESS_SECONDS"
+"""Seconds between plain progress lines when stderr is not a terminal (default 30)."""
+
+
+def _plain_progress(total: int, done: int, label: str, events: Callable[[], int] | None) -> Callable[[dict], None]:
+    """``advance(metrics)`` printing one plain line every few seconds (and at the last step): for
+    logs of CI, nohup and schedulers, where a bar would print nothing useful."""
+    try:
+        every = float(os.environ.get(PROGRESS_SECONDS_ENV, "30"))
+    except ValueError:
+        every = 30.0
+    start = last = time.monotonic()
+    state = {"done": done}
+
+    def advance(metrics: dict) -> None:
+        nonlocal last
+        state["done"] += 0 if metrics.get("rolled_back_to") is not None else 1
+        now, n = time.monotonic(), state["done"]
+        if now - last < every and not (n >= total and state.get("printed")):
+            return  # a run shorter than one interval prints nothing
+        last, state["printed"] = now, True
+        rate = (n - done) / max(now - start, 1e-9)
+        eta = (total - n) / rate if rate > 0 else float("inf")
+        loss = metrics.get("loss")
+        parts = [
+            f"{label}: step {n}/{total}",
+            f"loss {fmt_loss(loss)}",
+            f"{rate:.2f} steps/s",
+            f"ETA {eta:.0f} s" if eta != float("inf") else "ETA ?",
+        ]
+        if events is not None:
+            parts.append(f"events {events()}")
+        print(", ".join(parts), file=sys.stderr, flush=True)
+
+    return advance
+
+
 @contextlib.contextmanager
-def step_progress(total: int, done: int = 0, label: str = "training") -> Iterator:
-    """A progress bar over optimizer steps; yields ``advance(metrics)``. Quiet when not a TTY."""
+def step_progress(
+    total: int, done: int = 0, label: str = "training", events: Callable[[], int] | None = None
+) -> Iterator:
+    """Progress over optimizer steps; yields ``advance(metrics)``. A bar on a terminal; plain
+    periodic lines (step, loss, steps/s, ETA, ``events()`` so far) when stderr is not one."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    if not sys.stderr.isatty() or total - done < 50:
+    if not sys.stderr.isatty():
+        yield _plain_progress(total, done, label, events)
+        return
+    if total - done < 50:
         yield lambda metrics: None
         return
     with Progress(
@@ -146,3 +222,6 @@ def print_summary(out: Path, summary: dict) -> None:
         + (f", val acc {summary['final_val_acc']:.3f}" if "final_val_acc" in summary else "")
     )
     out_console.print(f"run directory: {out}  (config.json, metrics.jsonl, summary.json, checkpoint/)")
+    from sdcscope.cli.output import note
+
+    note(**summary, run_dir=str(out))

@@ -5,8 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import typer
+
 from sdcscope.cli.app import app
-from sdcscope.cli.common import fmt_loss, load_fault_file, out_console, path_option, step_progress, user_errors
+from sdcscope.cli.common import (
+    fmt_loss,
+    load_fault_file,
+    out_console,
+    path_option,
+    step_progress,
+    storage_errors,
+    user_errors,
+)
 from sdcscope.cli.options import (
     BATCH_SIZE_OPT,
     CORPUS_OPT,
@@ -22,6 +32,8 @@ from sdcscope.cli.options import (
     check_steps,
     guard_config,
 )
+from sdcscope.cli.output import JSON_OPT, json_output, note
+from sdcscope.common.exitcodes import ExitCode
 
 
 def print_comparison(out: Path, c: dict) -> None:
@@ -46,11 +58,13 @@ def print_comparison(out: Path, c: dict) -> None:
                 f"{e.get('module') or ''} {e.get('gemm') or ''} → {e['action']}"
             )
     runs = ", ".join(str(out / r) for r in ("golden", "faulty", "guarded") if (out / r).is_dir())
-    out_console.print(f"runs: {runs}; comparison: {out / 'comparison.json'}")
+    out_console.print(f"runs: {runs}; comparison: {out / 'comparison.json'}, {out / 'comparison.html'}")
+    note(**c, out=str(out), comparison_file=str(out / "comparison.json"))
 
 
 @app.command()
 def inject(
+    ctx: typer.Context,
     spec: Path = path_option(..., "--spec", help="YAML/JSON list of fault specs."),
     out: Path = path_option(..., "--out", "-o", help="New directory for golden/, faulty/, comparison.json."),
     workload: str = WORKLOAD_OPT,
@@ -63,8 +77,10 @@ def inject(
     grad_accum: int = GRAD_ACCUM_OPT,
     guard: bool = GUARD_OPT,
     guard_config_path: Optional[Path] = GUARD_CONFIG_OPT,
+    as_json: bool = JSON_OPT,
 ) -> None:
     """Run the golden and the faulty run and compare them."""
+    json_output(ctx, as_json)
     with user_errors():
         check_steps(steps)
         from sdcscope.study.experiment import Experiment
@@ -73,6 +89,28 @@ def inject(
         wcfg, tcfg = build_configs(
             workload, preset, seed, corpus=corpus, batch_size=batch_size, lr=lr, grad_accum=grad_accum
         )
+        fresh = not out.exists() or (out.is_dir() and not any(out.iterdir()))
         experiment = Experiment(out, wcfg, tcfg, specs, guard=guard_config(guard, guard_config_path), steps=steps)
-    comparison = experiment.run(steps, progress=lambda label, total: step_progress(total, label=label))
+        from sdcscope.study.trace import trace_experiment
+
+        trace = trace_experiment(experiment, steps)  # parameter distance to golden, for comparison.html
+    try:
+        with storage_errors():
+            comparison = experiment.run(steps, progress=lambda label, total: step_progress(total, label=label))
+            from sdcscope.study.compare_page import write_outputs
+
+            write_outputs(out, comparison, trace)  # comparison.html and loss_curves.png
+    except typer.Exit as exc:
+        if fresh and exc.exit_code == ExitCode.STORAGE:  # an experiment the disk cut short leaves nothing half-made
+            _remove_contents(out)
+        raise
     print_comparison(out, comparison)
+
+
+def _remove_contents(out: Path) -> None:
+    import contextlib
+    import shutil
+
+    with contextlib.suppress(OSError):
+        for child in out.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()

@@ -1,6 +1,7 @@
 """``sdcscope invariants trace|infer|check``: learn invariants from clean runs, check others.
 
     sdcscope invariants trace --workload gpt --steps 200 --seed 1 --out runs/ref1
+    sdcscope invariants trace --out runs/mine1 -- python my_train.py ARGS     # your own script
     sdcscope invariants infer runs/ref1 runs/ref2 --out inv.yaml
     sdcscope invariants trace --seed 0 --out runs/new --invariants inv.yaml   # online check
     sdcscope invariants check --invariants inv.yaml runs/new                   # offline check
@@ -10,6 +11,8 @@
 
 from __future__ import annotations
 
+import re
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -62,8 +65,18 @@ def trace(
     invariants: Optional[Path] = path_option(
         None, "--invariants", "-i", help="Also check these invariants online (events.jsonl)."
     ),
+    command: Optional[list[str]] = typer.Argument(
+        None,
+        metavar="[-- python SCRIPT.py ARGS]",
+        help="Trace your own training script instead of a workload (the workload options are ignored).",
+        show_default=False,
+    ),
 ) -> None:
-    """Train a reference workload with the trace recorder attached (and optionally a checker)."""
+    """Train a reference workload with the trace recorder attached (and optionally a checker),
+    or trace your own script: ``sdcscope invariants trace --out DIR -- python my_train.py ARGS``."""
+    if command:
+        _trace_script(command, out, invariants)
+        return
     with user_errors():
         check_steps(steps)
         from sdcscope.engine import Run
@@ -92,6 +105,51 @@ def trace(
             if n
             else "no invariant violations"
         )
+
+
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?(\.exe)?\Z")
+
+
+def script_command(command: list[str], out: Path) -> list[str]:
+    """The command line that runs ``command`` (``[python] script.py ARGS`` or ``python -m module
+    ARGS``) under the tracer: a bare ``python`` is the interpreter running sdcscope; a path to
+    another one is used as given (it needs sdcscope installed)."""
+    first = command[0]
+    if _PYTHON.match(Path(first).name):
+        python = sys.executable if Path(first).name == first else first
+        rest = command[1:]
+    else:
+        python, rest = sys.executable, command
+    if not rest:
+        raise CLIError("give the script to trace: -- python my_train.py ARGS")
+    return [python, "-m", "sdcscope.invariants.script", "--out", str(out), "--", *rest]
+
+
+def _trace_script(command: list[str], out: Path, invariants: Optional[Path]) -> None:
+    """Run a user's training script in a subprocess with the tracer installed (see
+    ``sdcscope.invariants.script``); its output passes through, its exit code is ours."""
+    import subprocess
+
+    from sdcscope.invariants import TRACE_FILE
+    from sdcscope.invariants.script import NO_OPTIMIZER
+
+    with user_errors():
+        if invariants is not None:
+            raise CLIError(
+                "--invariants does not apply to a script: trace it, then "
+                "`sdcscope invariants check --invariants FILE RUN_DIR`"
+            )
+        argv = script_command(command, out)
+        if (out / TRACE_FILE).exists():
+            raise CLIError(f"{str(out / TRACE_FILE)!r} already exists; give a new run directory")
+    code = subprocess.call(argv)
+    if code == NO_OPTIMIZER and not (out / TRACE_FILE).exists():
+        with user_errors():
+            raise CLIError("the script built no optimizer over a module's parameters: nothing was traced")
+    if (out / TRACE_FILE).exists():
+        out_console.print(f"trace: {out / TRACE_FILE}")
+    if code:
+        raise typer.Exit(code=code)
 
 
 def _check_out_file(path: Path, force: bool) -> None:

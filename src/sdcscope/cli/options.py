@@ -25,6 +25,12 @@ GUARD_CONFIG_OPT = path_option(None, "--guard-config", help="YAML guard settings
 INVARIANTS_OPT = path_option(
     None, "--invariants", help="Invariants file checked online by the guard (implies --guard)."
 )
+PROMETHEUS_OPT = typer.Option(
+    None,
+    "--prometheus-port",
+    help="Serve the guard's metrics and event counters for Prometheus on 127.0.0.1:PORT/metrics "
+    "(implies --guard; 0: any free port, logged with -v).",
+)
 
 
 def check_steps(steps: int) -> None:
@@ -58,6 +64,24 @@ def build_configs(
         workload=workload, preset=preset, batch_size=batch_size, lr=lr, corpus=None if corpus is None else str(corpus)
     )
     return wcfg, TrainConfig(seed=seed, grad_accum=grad_accum, eval_every=eval_every)
+
+
+def with_prometheus(config, port: Optional[int]):
+    """``config`` (a GuardConfig, or None: the defaults) serving its metrics for Prometheus on
+    ``port`` (``--prometheus-port``); ``port`` None: ``config`` unchanged."""
+    if port is None:
+        return config
+    import dataclasses
+
+    from sdcscope.guard import GuardConfig
+
+    config = config or GuardConfig()
+    if config.metrics is None:
+        raise CLIError(
+            "--prometheus-port serves the guard's metrics, but the guard config switches them off (metrics: null)"
+        )
+    config.metrics = dataclasses.replace(config.metrics, prometheus_port=port)  # validated here
+    return config
 
 
 def guard_config(

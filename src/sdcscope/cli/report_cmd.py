@@ -5,9 +5,10 @@ of a run directory (per-rank timelines of a distributed run), or of each run an 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from sdcscope.cli.app import app
-from sdcscope.cli.common import out_console, path_argument, user_errors
+from sdcscope.cli.common import out_console, path_argument, path_option, user_errors
 
 MARKERS = ("results.sqlite", "campaign.yaml", "config.json")
 """A campaign's or a run's own files: such a directory is reported as itself."""
@@ -63,12 +64,27 @@ def report(
         "(config.json, from sdcscope train), or a folder of runs "
         "(from sdcscope inject / demo: each run is reported).",
     ),
+    out: Optional[Path] = path_option(
+        None,
+        "--out",
+        "-o",
+        help="Write the report(s) here instead of into DIR (e.g. DIR is read-only); a folder of runs "
+        "gets one subfolder per run.",
+    ),
 ) -> None:
     """Write DIR/report.html and DIR/report.md: a campaign's results, or a run's per-rank timelines."""
     with user_errors():
         from sdcscope.study import build_report, write_report
 
-        reports = [(target, build_report(target)) for target in report_dirs(directory)]  # all, before any is written
+        targets = report_dirs(directory)
+        reports = [(target, build_report(target)) for target in targets]  # all, before any is written
         for target, data in reports:
-            html, md = write_report(target, data)
+            where = None if out is None else out if target == directory else out / target.name
+            if where is not None:
+                where.mkdir(parents=True, exist_ok=True)
+            html, md = write_report(target, data, out=where)
             out_console.print(f"wrote {html} and {md}")
+        if (directory / "golden" / "metrics.jsonl").is_file():  # an inject/demo folder: its comparison page too
+            from sdcscope.study.compare_page import write_page
+
+            out_console.print(f"wrote {write_page(directory, to=out)}")

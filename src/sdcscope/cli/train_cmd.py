@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -21,6 +22,7 @@ from sdcscope.cli.common import (
     path_option,
     print_summary,
     step_progress,
+    storage_errors,
     user_errors,
 )
 from sdcscope.cli.options import (
@@ -33,13 +35,17 @@ from sdcscope.cli.options import (
     INVARIANTS_OPT,
     LR_OPT,
     PRESET_OPT,
+    PROMETHEUS_OPT,
     SEED_OPT,
     STEPS_OPT,
     WORKLOAD_OPT,
     build_configs,
     check_steps,
     guard_config,
+    with_prometheus,
 )
+from sdcscope.cli.output import JSON_OPT, json_output, note
+from sdcscope.common.exitcodes import ExitCode
 
 KEPT_ON_RESUME = {  # option: (flag, section and key in config.json); a resumed run keeps these
     "workload": ("--workload", "workload", "workload"),
@@ -87,6 +93,7 @@ def resume_run(
     guard_config_path: Optional[Path],
     invariants: Optional[Path],
     eval_every: int,
+    checkpoints=None,
 ):
     """The run in ``resume`` with its recorded faults and guard: ``(run, specs, guard config)``.
 
@@ -96,7 +103,7 @@ def resume_run(
     from sdcscope.faults import FaultSpec
     from sdcscope.guard import GuardConfig
 
-    run = Run.resume(resume)
+    run = Run.resume(resume, checkpoints=checkpoints)
     check_kept_options(ctx, resume, run.config)
     recorded_faults = run.config.get("faults") or []
     try:
@@ -147,6 +154,12 @@ def train(
         help="Data-parallel ranks; N != 1 launches torchrun (gloo/nccl DDP); "
         "with --guard every rank is watched and decides alike.",
     ),
+    parallel: str = typer.Option(
+        "ddp",
+        "--parallel",
+        help="With --nproc N, how the GPT is split: ddp, fsdp (FSDP2), tp (tensor parallel), "
+        "fsdp+tp (2-D, TP degree 2) or hsdp (2-D: replicas of 2-rank FSDP2 groups).",
+    ),
     faults: Optional[Path] = path_option(
         None, "--faults", help="Fault specs (YAML/JSON) injected into the run; with --nproc N bound to ranks."
     ),
@@ -156,12 +169,30 @@ def train(
         help="Distributed run: seconds a rendezvous or collective may "
         "wait before a missing or hung rank fails the run.",
     ),
+    checkpoint_every: int = typer.Option(
+        100, "--checkpoint-every", help="Save a checkpoint every N steps (0: only at the end), to resume after a kill."
+    ),
+    keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", help="Periodic checkpoints kept (the newest)."),
+    prometheus_port: Optional[int] = PROMETHEUS_OPT,
+    as_json: bool = JSON_OPT,
 ) -> None:
-    """Train a reference workload deterministically into a run directory."""
+    """Train a reference workload deterministically into a run directory.
+
+    Exit codes: 0 success, 2 user error, 3 the run crashed (non-finite), 4 the guard stopped it,
+    5 a rank died or hung, 6 a write failed (disk full, read-only), 130 interrupted."""
+    json_output(ctx, as_json)
     with user_errors():
         check_steps(steps)
         if not timeout > 0:
             raise CLIError(f"--timeout {timeout:g} must be > 0 (seconds a distributed run may wait)")
+        from sdcscope.engine.rundir import CheckpointPolicy
+
+        policy = CheckpointPolicy(every=checkpoint_every, keep=keep_checkpoints)
+        from sdcscope.engine.parallel import ParallelConfig
+
+        pcfg = ParallelConfig(kind=parallel)
+        if nproc == 1 and pcfg.kind != "ddp":
+            raise CLIError(f"--parallel {parallel} splits the model over ranks: give --nproc N (N >= 2)")
     if nproc != 1:
         with user_errors():
             if resume is not None:
@@ -169,10 +200,17 @@ def train(
                     f"--resume with --nproc {nproc}: resuming a distributed run is not supported "
                     "(the distributed entry point starts new runs only); start a new run with --out"
                 )
+            if _given(ctx, "checkpoint_every") or _given(ctx, "keep_checkpoints"):
+                raise CLIError(
+                    "--checkpoint-every/--keep-checkpoints apply to single-process runs (a distributed "
+                    "run saves its checkpoint at the end and cannot be resumed yet); drop them or use --nproc 1"
+                )
             if out is None:
                 raise CLIError("--out DIR is required")
             if invariants is not None:
                 raise CLIError("--invariants is not supported in a distributed run yet; drop it or use --nproc 1")
+            if prometheus_port is not None:
+                raise CLIError("--prometheus-port serves one process; a distributed run is not supported yet")
             for flag, path in (("--faults", faults), ("--guard-config", guard_config_path)):
                 if path is not None:
                     check_file(flag, path)
@@ -203,6 +241,7 @@ def train(
                 dist_config=DistConfig(timeout_s=timeout),
                 specs=specs,
                 guard=gcfg,
+                parallel=pcfg,
             )
             try:
                 rc = launch(job)  # validates first: ValueError → exit 2, nothing created
@@ -215,13 +254,13 @@ def train(
                 )
                 raise typer.Exit(code=128 + stop.signum) from None
         if rc != 0:
-            raise fail(
-                f"distributed training failed (exit code {rc}); see the rank errors above and {out}/failure.rank*.json"
-            )
-        if guard or guard_config_path is not None:
-            events = out / "events.jsonl"
-            count = sum(1 for line in events.read_text().splitlines() if line.strip()) if events.is_file() else 0
-            out_console.print(f"guard: {count} event(s) in {events}; per-rank timelines: sdcscope report {out}")
+            from sdcscope.jobs.launcher import describe_failure
+
+            code, message = describe_failure(out, rc)
+            raise fail(message, code)
+        if (out / "summary.json").is_file():
+            note(**json.loads((out / "summary.json").read_text()), run_dir=str(out))
+        _print_distributed(out, specs, guard or guard_config_path is not None)
         return
     with user_errors():
         from sdcscope.engine import Run
@@ -230,7 +269,9 @@ def train(
         if resume is not None:
             if out is not None:
                 raise CLIError("give either --out (a new run) or --resume (an existing run), not both")
-            run, specs, gcfg = resume_run(ctx, resume, faults, guard, guard_config_path, invariants, eval_every)
+            run, specs, gcfg = resume_run(ctx, resume, faults, guard, guard_config_path, invariants, eval_every, policy)
+            gcfg = with_prometheus(gcfg, prometheus_port)
+            _print_resume_point(run)
             if steps < run.trainer.step:
                 raise CLIError(f"--steps {steps} is below the {run.trainer.step} steps the run already has")
             if run.reached(steps):
@@ -241,7 +282,7 @@ def train(
             if out is None:
                 raise CLIError("--out DIR is required (or --resume DIR)")
             specs = [] if faults is None else load_fault_file("--faults", faults)
-            gcfg = guard_config(guard, guard_config_path, invariants)
+            gcfg = with_prometheus(guard_config(guard, guard_config_path, invariants), prometheus_port)
             wcfg, tcfg = build_configs(
                 workload,
                 preset,
@@ -260,13 +301,15 @@ def train(
                     "faults": [s.to_dict() for s in specs],
                     "guard": None if gcfg is None else gcfg.to_dict(),
                 },
+                checkpoints=policy,
             )
         from sdcscope.jobs import FaultyRun
 
         tools = FaultyRun(run, specs, gcfg, steps=steps)  # may raise: a spec that does not fit the model
+    events = None if tools.guard is None else (lambda: len(tools.guard.events))
     try:
-        with tools, step_progress(steps, run.trainer.step) as advance:
-            summary = run.train(steps, callbacks=tools.callbacks, on_step=advance)
+        with storage_errors(), tools, step_progress(steps, run.trainer.step, events=events) as advance:
+            summary = run.train(steps, callbacks=tools.callbacks, on_step=advance, certify=tools.certify)
     except Interrupted as stop:
         err_console.print(
             f"interrupted at step {stop.summary['steps']} of {steps}: checkpoint and summary saved; "
@@ -278,5 +321,45 @@ def train(
     print_summary(run.out, summary)
     if tools.injector is not None:
         out_console.print(f"faults: {tools.fired} fired in this session ({run.out / 'injections.jsonl'})")
+        note(faults_fired=tools.fired)
     if tools.guard is not None:
         out_console.print(f"guard: {len(tools.guard.events)} event(s) in {run.out / 'events.jsonl'}")
+        note(guard_events=len(tools.guard.events))
+    _exit_for(summary)
+
+
+OUTCOME_CODES = {"crash": ExitCode.CRASHED, "stalled": ExitCode.GUARD_STOPPED}
+"""A finished run's outcome → the exit code a scheduler sees (every other outcome: 0)."""
+
+
+def _exit_for(summary: dict) -> None:
+    code = OUTCOME_CODES.get(summary.get("outcome"))
+    if code is not None:
+        raise typer.Exit(code=int(code))
+
+
+def _print_resume_point(run) -> None:
+    """Which checkpoint a resume continues from, and the newer ones it passed over and why."""
+    for path, why in run.skipped_checkpoints:
+        err_console.print(f"skipped checkpoint {path}: {why}", markup=False, highlight=False, soft_wrap=True)
+    if run.skipped_checkpoints:
+        err_console.print(
+            f"resuming from {run.resumed_from} (step {run.trainer.step})", markup=False, highlight=False, soft_wrap=True
+        )
+
+
+def _count(path: Path) -> int:
+    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
+
+
+def _print_distributed(out: Path, specs: list, guarded: bool) -> None:
+    """A distributed run's faults and events, as a single run prints them; its outcome's exit code."""
+    from sdcscope.common.io import read_json
+
+    if specs:
+        out_console.print(f"faults: {_count(out / 'injections.jsonl')} fired ({out / 'injections.jsonl'})")
+    if guarded:
+        events = out / "events.jsonl"
+        out_console.print(f"guard: {_count(events)} event(s) in {events}; per-rank timelines: sdcscope report {out}")
+    summary = read_json(out / "summary.json") if (out / "summary.json").is_file() else {}
+    _exit_for(summary)

@@ -6,11 +6,13 @@ sinks); every file sdcscope writes is strict JSON (no ``NaN`` token), read back 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import reprlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +77,46 @@ def file_in_the_way(path: str | Path) -> Path | None:
     return parent if parent is not None and not parent.is_dir() else None
 
 
-def write_json(path: str | Path, obj: Any) -> None:
-    """Atomic JSON write (tmp file + rename)."""
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it is fsynced and renamed onto ``path``
+    (and the directory entry fsynced), on any error it is removed. A reader therefore sees the old
+    file or the whole new one, never a half-written one, and a failed write (disk full, read-only,
+    killed writer) leaves no debris but, at worst, a ``.tmp`` of a process killed mid-write."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(obj), indent=2, allow_nan=False, default=str) + "\n")
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    with contextlib.suppress(OSError):  # not every file system lets a directory be opened
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Atomic UTF-8 text write (:func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Atomic binary write (:func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Atomic JSON write (:func:`atomic_path`)."""
+    write_text_atomic(path, json.dumps(_clean(obj), indent=2, allow_nan=False, default=str) + "\n")
 
 
 def read_text(path: str | Path) -> str:
@@ -168,8 +204,13 @@ class JsonlWriter:
     def truncate_after(self, key: str, limit: int) -> None:
         """Drop records with ``record[key] >= limit`` (used when a run resumes from a checkpoint)."""
         self.close()
-        kept = [r for r in read_jsonl(self.path) if r.get(key, -1) < limit]
-        self.path.write_text("".join(dumps(r) + "\n" for r in kept))
+        if not self.path.exists():
+            return
+        records = read_jsonl(self.path)
+        kept = [r for r in records if r.get(key, -1) < limit]
+        text = "".join(dumps(r) + "\n" for r in kept)
+        if len(kept) < len(records) or read_text(self.path) != text:  # rewritten whole or not at all
+            write_text_atomic(self.path, text)
 
     def close(self) -> None:
         if self._f is not None:

@@ -8,10 +8,39 @@ import contextlib
 import torch
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed`` DTensor (a sharded or replicated parameter of an
+    FSDP2 / tensor-parallel model), without importing torch.distributed when it is not."""
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this process holds: a DTensor's local shard (no collective), else ``t``."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def shard_coords(t: torch.Tensor) -> dict | None:
+    """Where a DTensor's local shard sits in the global tensor -- ``{"global_shape", "offset",
+    "local_shape", "placements"}`` (an event names an element in both coordinates: global index
+    = offset + local index) -- or None for a plain tensor."""
+    if not is_dtensor(t):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return {
+        "global_shape": list(t.shape),
+        "offset": list(offset),
+        "local_shape": list(shape),
+        "placements": [str(p) for p in t.placements],
+    }
+
+
 def dense_values(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Tensors with the norms and extremes of ``grads``: a sparse gradient (``nn.Embedding(sparse=True)``)
-    as its coalesced values, which the fused ``torch._foreach_*`` reductions accept."""
-    return [g.coalesce().values() if g.is_sparse else g for g in grads]
+    as its coalesced values, which the fused ``torch._foreach_*`` reductions accept; a DTensor
+    gradient as its local shard (the caller reduces over the mesh what must be global)."""
+    return [g.coalesce().values() if g.is_sparse else local(g) for g in grads]
 
 
 def _device_type(device: torch.device | str) -> str:

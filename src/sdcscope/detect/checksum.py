@@ -207,9 +207,12 @@ class Line:
     s1_floor: float = 0.0
     scale_floor: float = 0.0
     extra: torch.Tensor | None = None
+    hard: torch.Tensor | None = None
+    """A hard bound of each entry's rounding (not scaled by c): the ratio is (|residual| − hard)⁺
+    / model std (:mod:`sdcscope.detect.abft.tiles`)."""
 
     def detail(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual, model std), each (rows, width), fp32."""
+        """(residual beyond the hard bound, model std), each (rows, width), fp32; the residual keeps its sign."""
         shape = (self.rows, self.width)
         s2 = torch.linalg.vector_norm(self.v.reshape(self.rows, -1).float(), dim=-1)
         coef = self.a1 * self.s1.float().clamp_min(self.s1_floor).reshape(-1, 1) + self.a2 * s2.reshape(-1, 1)
@@ -218,7 +221,10 @@ class Line:
         ) + self.beta * self.act.abs().float().reshape(shape)
         if self.extra is not None:
             tau = tau + self.extra.reshape(shape)
-        return (self.act - self.exp).float().reshape(shape), tau.clamp_min(_TINY)
+        res = (self.act - self.exp).float().reshape(shape)
+        if self.hard is not None:
+            res = res.sign() * (res.abs() - self.hard.float().reshape(shape)).clamp_min(0)
+        return res, tau.clamp_min(_TINY)
 
 
 _LAYOUTS: dict[tuple, tuple] = {}
@@ -265,7 +271,11 @@ def line_ratios(lines: list[Line]) -> torch.Tensor:
     )
     if any(ln.extra is not None for ln in lines):
         tau = tau + cat([ln.extra if ln.extra is not None else torch.zeros_like(ln.scale) for ln in lines]).float()
-    ratio = torch.nan_to_num(res.abs() / tau.clamp_min(_TINY), nan=math.inf)
+    res = res.abs()
+    if any(ln.hard is not None for ln in lines):
+        hard = cat([ln.hard if ln.hard is not None else torch.zeros_like(ln.act) for ln in lines]).float()
+        res = (res - hard).clamp_min(0).where(torch.isfinite(hard), res)  # inf - inf: still a mismatch
+    ratio = torch.nan_to_num(res / tau.clamp_min(_TINY), nan=math.inf)
     # fp32 like ``ratio``, whatever torch's default dtype (a float64 default would refuse the scatter)
     return torch.full((len(lines),), -1.0, device=dev, dtype=torch.float32).scatter_reduce_(0, seg, ratio, "amax")
 

@@ -158,12 +158,24 @@ class DDPTrainer(Trainer):
 # ---------------------------------------------------------------------------- the run
 
 
+def _doing(exc: BaseException) -> str:
+    """What the rank was doing when ``exc`` was raised: its innermost sdcscope frame."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "sdcscope" in f.filename]
+    if not frames:
+        return "in a collective"
+    f = frames[-1]
+    return f"in {f.name} ({Path(f.filename).name}:{f.lineno}), waiting for its peers"
+
+
 def _failure(out: Path, rank: int, step: int, exc: BaseException) -> DistributedError:
     message = (
         f"rank {rank} lost the world at step {step}: a peer rank died, hung or could not "
         f"be reached ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
     )
-    write_json(out / f"failure.rank{rank}.json", {"rank": rank, "step": step, "error": message})
+    record = {"rank": rank, "step": step, "error": message, "doing": f"step {step}, {_doing(exc)}"}
+    write_json(out / f"failure.rank{rank}.json", record)
     return DistributedError(message)
 
 
@@ -185,9 +197,7 @@ class DDPRun:
         check_new_run_dir(self.out)  # every rank, before any rank writes (barrier below)
         self.workload = make_workload(workload)
         self._injections = JsonlWriter(self.out / f"injections.rank{self.rank}.jsonl")
-        self.trainer = DDPTrainer(
-            self.workload, train, dist_config=dist_config, specs=specs, injection_log=self._injections.write
-        )
+        self.trainer = self.make_trainer(train, dist_config, specs, self._injections.write)
         self.config = {
             "sdcscope_version": __version__,
             "workload": workload.to_dict(),
@@ -202,6 +212,12 @@ class DDPRun:
         self._stop_signal = 0
         """The signal some rank was stopped by, as every rank learnt it in the last step (0: none)."""
         dist.barrier()
+
+    def make_trainer(
+        self, train: TrainConfig, dist_config: DistConfig | None, specs: Sequence[FaultSpec], log: Callable
+    ) -> DDPTrainer:
+        """This run's trainer (a sharded run builds its own: :mod:`sdcscope.engine.parallel`)."""
+        return DDPTrainer(self.workload, train, dist_config=dist_config, specs=specs, injection_log=log)
 
     def train(
         self,
@@ -235,6 +251,8 @@ class DDPRun:
                 last = self._step(metrics if lead else None, stop)
                 if on_step is not None:
                     on_step(last)
+                if last.get("stop"):  # a guard stopped training: a world decision, every rank ends here
+                    break
             interrupted = bool(self._stop_signal) and self.trainer.step < steps
             self._finish(last, time.perf_counter() - t0, interrupted=interrupted)
         except RuntimeError as exc:
@@ -277,7 +295,14 @@ class DDPRun:
                 save_checkpoint(self.trainer.snapshot(), self.out / CHECKPOINT_DIR)
             finite = math.isfinite(last.get("loss", 0.0))
             self.summary = {
-                "outcome": "crash" if not finite else "interrupted" if interrupted else "completed",
+                "outcome": "crash"
+                if not finite
+                else "interrupted"
+                if interrupted
+                else "stalled"
+                if last.get("stop")
+                else "completed",
+                **({"stop_reason": last["stop"]} if last.get("stop") else {}),
                 "final_train_loss": last.get("loss"),
                 "final_val_loss": final.get("val_loss"),
                 **{f"final_{k}": v for k, v in final.items() if k not in ("val_loss", "step")},
@@ -303,6 +328,11 @@ class DDPRun:
         writer.close()
 
 
+_COMM_WORDS = ("gloo", "nccl", "connection", "pair closure", "timed out", "timeout", "socket", "peer", "collective")
+
+
 def _is_comm_error(exc: RuntimeError) -> bool:
-    """A collective failed: NCCL raises DistError; gloo a plain RuntimeError from its transport."""
-    return isinstance(exc, dist.DistError) or "gloo" in str(exc)
+    """A collective failed: NCCL raises DistError; gloo a plain RuntimeError from its transport
+    ("Connection closed by peer", "Application timeout caused pair closure", ...)."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(w in text for w in _COMM_WORDS)

@@ -2,7 +2,12 @@
 
 All validation happens before the folder is created, so bad input leaves nothing behind. A run
 stopped by SIGINT or SIGTERM finishes its step, saves its checkpoint and summary, and raises
-:class:`Interrupted`; ``Run.resume(out)`` continues it.
+:class:`Interrupted`; ``Run.resume(out)`` continues it. Periodic checkpoints
+(:class:`~sdcscope.engine.rundir.CheckpointPolicy`) make a run killed outright (``kill -9``, a lost
+node) resumable from its newest complete checkpoint, bitwise as if it had not stopped. A write the
+storage refuses (disk full, read-only) raises :class:`~sdcscope.common.storage.StorageError`; a
+resume that fails so leaves config.json as it was, a new run that fails before its first
+checkpoint leaves nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import contextlib
 import copy
 import math
 import reprlib
+import shutil
 import signal
 import threading
 import time
@@ -19,19 +25,27 @@ from pathlib import Path
 from typing import Any
 
 from sdcscope import __version__
+from sdcscope.common.io import write_bytes_atomic
+from sdcscope.common.storage import storage_cause, writing
 from sdcscope.common.validate import build_config
+from sdcscope.engine.resources import check_memory
 from sdcscope.engine.rundir import (
     CHECKPOINT_DIR,
     LOG_FILES,
+    CheckpointPolicy,
     JsonlWriter,
     as_written,
     check_new_run_dir,
+    choose_checkpoint,
     has_checkpoint,
+    periodic_dir,
+    prune_checkpoints,
     read_json,
     read_jsonl,
+    remove_stale_temps,
     write_json,
 )
-from sdcscope.engine.state import CheckpointError, load_checkpoint, param_sha256, read_manifest, save_checkpoint
+from sdcscope.engine.state import CheckpointError, load_checkpoint, param_sha256, save_checkpoint
 from sdcscope.engine.trainer import TrainConfig, Trainer
 from sdcscope.workloads import WorkloadConfig, make_workload
 
@@ -104,13 +118,22 @@ class Run:
         train: TrainConfig,
         *,
         extra_config: dict[str, Any] | None = None,
+        checkpoints: CheckpointPolicy | None = None,
         _config: dict[str, Any] | None = None,
     ) -> None:
         self.out = Path(out)
         if _config is None:
             check_new_run_dir(self.out)
+        self._fresh = not self.out.exists() or not any(self.out.iterdir())  # see _undo
+        self._existed = self.out.exists()
         self.workload = make_workload(workload)  # may raise (missing corpus): before any output
+        check_memory(self.workload)
         self.trainer = Trainer(self.workload, train)
+        self.checkpoints = checkpoints or CheckpointPolicy()
+        self.resumed_from: Path | None = None
+        """The checkpoint :meth:`resume` continued from."""
+        self.skipped_checkpoints: list[tuple[Path, str]] = []
+        """Newer checkpoints :meth:`resume` passed over (incomplete, tampered, uncertified) and why."""
         self.config = _config or {
             "sdcscope_version": __version__,
             "workload": workload.to_dict(),
@@ -122,9 +145,10 @@ class Run:
         self.summary: dict[str, Any] = {}
 
     @classmethod
-    def resume(cls, out: str | Path) -> Run:
-        """The run in ``out`` at its checkpoint; refused (ValueError) unless config.json, the data
-        and the checkpoint agree."""
+    def resume(cls, out: str | Path, *, checkpoints: CheckpointPolicy | None = None) -> Run:
+        """The run in ``out`` at its newest complete, certified checkpoint
+        (:func:`~sdcscope.engine.rundir.choose_checkpoint`); refused (ValueError) unless
+        config.json, the data and the checkpoint agree. Nothing is written."""
         out = Path(out)
         path = out / "config.json"
         if not path.is_file():
@@ -142,14 +166,14 @@ class Run:
             tcfg = build_config(TrainConfig, config.get("train"), "train")
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{str(path)!r}: {exc}") from None
-        checkpoint = out / CHECKPOINT_DIR
         if not has_checkpoint(out):
             raise CheckpointError(
                 f"--resume {str(out)!r}: the run saved no checkpoint ({CHECKPOINT_DIR}/ is "
                 "missing or incomplete), so it cannot be continued; train it again in a new "
                 "or empty folder"
             )
-        recorded = read_manifest(checkpoint).get("run")
+        checkpoint, manifest, skipped = choose_checkpoint(out)
+        recorded = manifest.get("run")
         diff = {} if recorded is None else _differences(_identity(config), recorded)
         if diff:
             raise CheckpointError(
@@ -160,7 +184,8 @@ class Run:
                 )
                 + " (config.json was edited? a resumed run keeps its configuration)"
             )
-        run = cls(out, wcfg, tcfg, _config=config)
+        run = cls(out, wcfg, tcfg, checkpoints=checkpoints, _config=config)
+        run.resumed_from, run.skipped_checkpoints = checkpoint, skipped
         data = _differences(config.get("data"), as_written(run.workload.describe()))
         if "data" in config and data:
             raise ValueError(
@@ -194,8 +219,12 @@ class Run:
         callbacks: Iterable[object] = (),
         on_step: Callable[[dict[str, Any]], None] | None = None,
         stop_on_nonfinite: bool = True,
+        certify: Callable[[], bool | None] | None = None,
     ) -> dict[str, Any]:
-        """Train until ``steps`` optimizer steps in total; write metrics, checkpoint, summary.
+        """Train until ``steps`` optimizer steps in total; write metrics, checkpoints, summary.
+
+        ``certify()``: whether the state at a checkpoint is verified (a guard's
+        ``state_verified``), recorded in its manifest; None: no guard watched.
 
         A run that already has ``steps`` steps and their summary is left as it is. A non-finite
         loss of an applied step ends it as ``crash`` (one a guard discarded does not); a guard
@@ -209,7 +238,39 @@ class Run:
             raise ValueError(f"steps={steps} is below the {self.trainer.step} steps this run already has")
         if self.reached(steps):
             return self.summary
+        before = None if self._written is None else (self.out / "config.json").read_bytes()
+        try:
+            return self._train(steps, callbacks, on_step, stop_on_nonfinite, certify)
+        except Interrupted:
+            raise
+        except BaseException as exc:
+            self._undo(before, storage_cause(exc) is not None)
+            raise
+
+    def _undo(self, config_before: bytes | None, storage: bool) -> None:
+        """After a failed session: a resumed run gets its config.json back (the failed resume is
+        not recorded); a new run the storage refused before its first checkpoint is removed
+        (there is nothing to continue, and a half-made run directory would block ``--out``)."""
+        with contextlib.suppress(OSError):
+            if config_before is not None:
+                path = self.out / "config.json"
+                if path.read_bytes() != config_before:
+                    try:
+                        write_bytes_atomic(path, config_before)
+                    except OSError:  # a full disk: in place, into the room the longer new file frees
+                        path.write_bytes(config_before)
+            elif storage and self._fresh and not has_checkpoint(self.out):
+                for child in self.out.iterdir() if self.out.is_dir() else ():
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+                if not self._existed:
+                    self.out.rmdir()
+
+    def _train(self, steps, callbacks, on_step, stop_on_nonfinite, certify) -> dict[str, Any]:
+        certify = certify or (lambda: None)
+        every = self.checkpoints.every
         with stop_requests() as stop:
+            if self._written is not None:
+                remove_stale_temps(self.out)
             metrics, last = self._open_logs()  # a corrupt log is refused before config.json changes
             self._write_config(steps)
             for cb in callbacks:
@@ -230,9 +291,15 @@ class Run:
                     discarded += bool(last.get("skipped"))
                     if eval_every and self.trainer.step % eval_every == 0:
                         last.update({f"eval_{k}": v for k, v in self.trainer.evaluate().items() if k != "step"})
-                    metrics.write(last)
+                    with writing("the metrics log", metrics.path):
+                        metrics.write(last)
+                    if every and self.trainer.step % every == 0 and self.trainer.step < steps and not stop:
+                        self._save_periodic(certify())
                     if on_step is not None:
                         on_step(last)
+                    if last.get("stop"):  # a callback (a guard: stalled, a persistent fault) ends the run, saying why
+                        outcome = "stalled"
+                        break
                     if not math.isfinite(last["loss"]) and not last.get("skipped"):  # a discarded step is no crash
                         outcome = "crash"
                         if stop_on_nonfinite:
@@ -247,6 +314,7 @@ class Run:
                 last,
                 time.perf_counter() - t0,
                 discarded,
+                certify(),
             )
         if interrupted:
             raise Interrupted(stop[0], self.summary)
@@ -265,25 +333,43 @@ class Run:
                 {"from_step": self.trainer.step, "steps": steps, **({"changed": changed} if changed else {})},
             ]
         self.config["steps"] = steps
-        write_json(self.out / "config.json", self.config)
+        with writing("the run configuration", self.out / "config.json"):
+            write_json(self.out / "config.json", self.config)
         self._written = as_written(self.config)
+
+    def _save_periodic(self, verified: bool | None) -> None:
+        """``checkpoints/step-N/`` for the state after step N; older ones beyond the policy's
+        ``keep`` are removed once the new one is complete."""
+        save_checkpoint(
+            self.trainer.snapshot(),
+            periodic_dir(self.out, self.trainer.step),
+            run=_identity(self.config),
+            verified=verified,
+        )
+        prune_checkpoints(self.out, self.checkpoints.keep)
 
     def _open_logs(self) -> tuple[JsonlWriter, dict[str, Any]]:
         """The metrics writer and the last step's metrics; a resumed run drops what it logged
         after its checkpoint (the steps are trained again)."""
-        self.out.mkdir(parents=True, exist_ok=True)
+        with writing("the run directory", self.out):
+            self.out.mkdir(parents=True, exist_ok=True)
         for name in LOG_FILES:  # part of the contract, even when empty
             log = JsonlWriter(self.out / name)
-            log.truncate_after("step", self.trainer.step)
-            log.touch()
+            with writing(f"the log {name}", log.path):
+                log.truncate_after("step", self.trainer.step)
+                log.touch()
             log.close()
         rows = read_jsonl(self.out / "metrics.jsonl")
         return JsonlWriter(self.out / "metrics.jsonl"), (rows[-1] if rows else {})
 
-    def _finish(self, outcome: str, last: dict[str, Any], wall: float, discarded: int = 0) -> None:
+    def _finish(
+        self, outcome: str, last: dict[str, Any], wall: float, discarded: int = 0, verified: bool | None = None
+    ) -> None:
         """``discarded``: steps of this call whose update a guard vetoed or rolled back."""
         final_eval = self.trainer.evaluate()
-        save_checkpoint(self.trainer.snapshot(), self.out / CHECKPOINT_DIR, run=_identity(self.config))
+        save_checkpoint(
+            self.trainer.snapshot(), self.out / CHECKPOINT_DIR, run=_identity(self.config), verified=verified
+        )
         self.summary = {
             "outcome": outcome,
             "final_train_loss": last.get("loss"),
@@ -293,8 +379,10 @@ class Run:
             "steps": self.trainer.step,
             "discarded_steps": self.summary.get("discarded_steps", 0) + discarded,
             "wall_seconds": round(self.summary.get("wall_seconds", 0.0) + wall, 4),
+            **({"stop_reason": last["stop"]} if outcome == "stalled" and last.get("stop") else {}),
         }
         val_loss = self.summary["final_val_loss"]
         if val_loss is not None and not math.isfinite(val_loss):
             self.summary["outcome"] = "crash"
-        write_json(self.out / "summary.json", self.summary)
+        with writing("the run summary", self.out / "summary.json"):
+            write_json(self.out / "summary.json", self.summary)

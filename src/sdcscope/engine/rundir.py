@@ -1,14 +1,25 @@
 """The run directory contract (docs/architecture.md): config.json, metrics.jsonl, injections.jsonl,
-events.jsonl, summary.json, and ``checkpoint/`` for resuming."""
+events.jsonl, summary.json, ``checkpoint/`` (the state at the end of a session) and
+``checkpoints/step-NNNNNNNN/`` (periodic checkpoints, the newest few kept) for resuming.
+
+A resume takes the newest checkpoint that is complete (its manifest, written last, verifies its
+files) and certified (not written from state a guard still held a finding against); the newer
+ones it passes over are listed with the reason.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from sdcscope.common.io import JsonlWriter, as_written, dumps, file_in_the_way, read_json, read_jsonl, write_json
-from sdcscope.engine.state import MANIFEST_FILE
+from sdcscope.common.validate import check_non_negative, check_positive
+from sdcscope.engine.state import MANIFEST_FILE, CheckpointError, verify_checkpoint
 
 __all__ = [
     "RUN_FILES",
@@ -22,16 +33,142 @@ __all__ = [
     "write_json",
     "check_new_run_dir",
     "has_checkpoint",
+    "CheckpointPolicy",
+    "checkpoint_candidates",
+    "choose_checkpoint",
+    "periodic_dir",
+    "prune_checkpoints",
+    "remove_stale_temps",
 ]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "injections.jsonl", "events.jsonl", "summary.json")
 LOG_FILES = ("metrics.jsonl", "injections.jsonl", "events.jsonl")
 CHECKPOINT_DIR = "checkpoint"
+PERIODIC_DIR = "checkpoints"
+_STEP_DIR = re.compile(r"step-(\d+)")
+_TEMP = re.compile(r"\..+\.(\d+)\.tmp")  # what common.io.atomic_path leaves when its process is killed
+
+
+@dataclass(kw_only=True)
+class CheckpointPolicy:
+    """Periodic checkpoints of a single-process run (``--checkpoint-every``, ``--keep-checkpoints``)."""
+
+    every: int = 100
+    """Write ``checkpoints/step-N/`` every N optimizer steps (0: only at the end of a session)."""
+    keep: int = 2
+    """The newest complete periodic checkpoints kept (older ones are removed)."""
+
+    def __post_init__(self) -> None:
+        check_non_negative("checkpoint_every", self.every)
+        check_positive("keep_checkpoints", self.keep)
+
+
+def periodic_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / PERIODIC_DIR / f"step-{step:08d}"
+
+
+def checkpoint_candidates(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Every checkpoint directory of the run with a manifest, ``(step, path)``, newest first; the
+    step is the manifest's (a manifest that does not read sorts first: it is reported, not skipped)."""
+    run_dir = Path(run_dir)
+    dirs = [run_dir / CHECKPOINT_DIR]
+    periodic = run_dir / PERIODIC_DIR
+    if periodic.is_dir():
+        dirs += [p for p in periodic.iterdir() if _STEP_DIR.fullmatch(p.name)]
+    found = []
+    for d in dirs:
+        if not (d / MANIFEST_FILE).is_file():
+            continue
+        try:
+            step = read_json(d / MANIFEST_FILE).get("step")
+        except (OSError, ValueError):
+            step = None
+        found.append((step if isinstance(step, int) and not isinstance(step, bool) else 1 << 62, d))
+    return sorted(found, key=lambda sp: (sp[0], sp[1].name == CHECKPOINT_DIR), reverse=True)
+
+
+def choose_checkpoint(run_dir: str | Path) -> tuple[Path, dict, list[tuple[Path, str]]]:
+    """The checkpoint a resume continues from: the newest complete and certified one, its
+    manifest, and the newer ones passed over with the reason. When none qualifies, the newest
+    one's own error is raised (a single tampered checkpoint is refused, not skipped)."""
+    skipped: list[tuple[Path, str]] = []
+    first_error: CheckpointError | None = None
+    for _, path in checkpoint_candidates(run_dir):
+        try:
+            manifest = verify_checkpoint(path)
+        except CheckpointError as exc:
+            first_error = first_error or exc
+            skipped.append((path, str(exc)))
+            continue
+        if manifest.get("verified") is False:
+            reason = "written from state with an unresolved guard finding (verified: false)"
+            first_error = first_error or CheckpointError(f"checkpoint {str(path)!r} was {reason}")
+            skipped.append((path, reason))
+            continue
+        return path, manifest, skipped
+    if first_error is not None:
+        if len(skipped) > 1:
+            raise CheckpointError(
+                f"no usable checkpoint in {str(run_dir)!r}: "
+                + "; ".join(f"{p.relative_to(run_dir)}: {why}" for p, why in skipped)
+            )
+        raise first_error
+    raise CheckpointError(f"no checkpoint in {str(run_dir)!r}")
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
+    """Remove periodic checkpoints beyond the ``keep`` newest complete ones, and incomplete ones
+    (no manifest: a writer was killed) older than the newest complete one; the removed paths."""
+    periodic = Path(run_dir) / PERIODIC_DIR
+    if not periodic.is_dir():
+        return []
+    dirs = sorted((int(m.group(1)), p) for p in periodic.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir())
+    complete = [(s, p) for s, p in dirs if (p / MANIFEST_FILE).is_file()]
+    if not complete:
+        return []
+    kept = {p for _, p in complete[-keep:]}
+    newest = complete[-1][0]
+    removed = [p for s, p in dirs if p not in kept and s <= newest]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def remove_stale_temps(run_dir: str | Path) -> list[Path]:
+    """Remove the temporary files an atomic write of a killed process left in the run directory
+    and its checkpoint directories (never one of a live process)."""
+    run_dir = Path(run_dir)
+    folders = [run_dir, run_dir / CHECKPOINT_DIR]
+    if (run_dir / PERIODIC_DIR).is_dir():
+        folders += [p for p in (run_dir / PERIODIC_DIR).iterdir() if p.is_dir()]
+    removed = []
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        for p in folder.iterdir():
+            m = _TEMP.fullmatch(p.name)
+            if m and not _alive(int(m.group(1))):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+                    removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process holds no temp across calls: one with its pid is a dead namesake's
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def has_checkpoint(run_dir: str | Path) -> bool:
-    """Whether the run in ``run_dir`` saved a checkpoint it can be resumed from."""
-    return (Path(run_dir) / CHECKPOINT_DIR / MANIFEST_FILE).is_file()
+    """Whether the run in ``run_dir`` saved a checkpoint it can be resumed from (one with a manifest)."""
+    return bool(checkpoint_candidates(run_dir))
 
 
 def check_writable(path: Path, flag: str = "--out") -> None:

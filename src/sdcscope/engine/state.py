@@ -1,7 +1,14 @@
-"""Full training state: in-memory snapshots and sha256-verified on-disk checkpoints."""
+"""Full training state: in-memory snapshots and sha256-verified on-disk checkpoints.
+
+A checkpoint directory holds its files and ``manifest.json``: the sha256 of each file, the
+step, and whether the state was verified by a guard. A directory without a manifest is
+incomplete (a writer killed mid-way) and is never loaded; neither is one whose files disagree
+with their manifest.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -15,11 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdcscope.common.io import read_json
+from sdcscope.common.io import atomic_path, read_json
+from sdcscope.common.storage import writing
 
 CHECKPOINT_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_KEYS = ("format", "files", "step")
+FORMAT = "sdcscope-checkpoint/1"
+"""``files`` maps every file of the checkpoint to its sha256 (a sharded one lists each shard);
+``verified`` (optional, null when absent) certifies the state: see :func:`save_checkpoint`."""
 
 
 class CheckpointError(ValueError):
@@ -101,30 +112,80 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(state: TrainState, directory: str | Path, *, run: dict[str, Any] | None = None) -> Path:
-    """Write ``state.pt`` and a ``manifest.json`` holding its sha256; atomic per file. ``run``: the
-    configuration the state was trained with (JSON), kept in the manifest to check a resume against."""
+def _write_torch(obj: Any, path: Path) -> None:
+    """``torch.save`` through a Python file (fsynced): a full disk or a read-only folder surfaces
+    as the OS error, not as torch's errno-less ``unexpected pos``."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def save_torch(obj: Any, path: str | Path, what: str = "a tensor file") -> Path:
+    """``torch.save`` to ``path`` atomically (:func:`~sdcscope.common.io.atomic_path`); a write
+    the storage refuses becomes a :class:`StorageError` naming ``what`` and ``path``."""
+    path = Path(path)
+    with writing(what, path), atomic_path(path) as tmp:
+        _write_torch(obj, tmp)
+    return path
+
+
+def _temp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")  # as common.io.atomic_path names it
+
+
+def save_checkpoint(
+    state: TrainState,
+    directory: str | Path,
+    *,
+    run: dict[str, Any] | None = None,
+    verified: bool | None = None,
+) -> Path:
+    """Write ``state.pt`` and ``manifest.json`` (the sha256 of every file, the step, and
+    ``verified``) so that the directory always holds a whole checkpoint, old or new: both are
+    written to temporary files first (fsynced: a full disk fails here, the old checkpoint
+    untouched), then renamed, the manifest last. A writer killed between the two renames leaves
+    files that disagree with their manifest, never loaded (a resume takes an older checkpoint).
+    ``run``: the configuration the state was trained with (JSON), kept to check a resume
+    against; ``verified``: whether a guard vouched for the state (no unresolved finding since its
+    last verified snapshot; None: no guard watched)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / CHECKPOINT_FILE
-    tmp = target.with_suffix(".tmp")
-    torch.save(state.to_dict(), tmp)
-    os.replace(tmp, target)
-    manifest = {
-        "format": "sdcscope-checkpoint/1",
-        "files": {CHECKPOINT_FILE: _sha256(target)},
-        "step": state.step,
-        **({} if run is None else {"run": run}),
-    }
-    tmp = directory / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, default=str))
-    os.replace(tmp, directory / MANIFEST_FILE)
+    target, manifest_path = directory / CHECKPOINT_FILE, directory / MANIFEST_FILE
+    tmp_state, tmp_manifest = _temp(target), _temp(manifest_path)
+    try:
+        with writing("the checkpoint", target):
+            directory.mkdir(parents=True, exist_ok=True)
+            _write_torch(state.to_dict(), tmp_state)
+        manifest = {
+            "format": FORMAT,
+            "files": {CHECKPOINT_FILE: _sha256(tmp_state)},
+            "step": state.step,
+            "verified": verified,
+            **({} if run is None else {"run": run}),
+        }
+        with writing("the checkpoint manifest", manifest_path):
+            with open(tmp_manifest, "w", encoding="utf-8") as fh:
+                fh.write(json.dumps(manifest, indent=2, default=str))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp_state, target)
+            os.replace(tmp_manifest, manifest_path)
+    finally:
+        for tmp in (tmp_state, tmp_manifest):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+    with contextlib.suppress(OSError):  # the renames themselves made durable
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     return directory
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
     """The checkpoint's ``manifest.json``: refused when missing or malformed, or when it lacks a
-    key or the sha256 of ``state.pt``."""
+    key, the sha256 of ``state.pt``, or a well-formed ``verified`` (true, false or null)."""
     manifest_path = Path(directory) / MANIFEST_FILE
     if not manifest_path.is_file():
         raise CheckpointError(f"no checkpoint manifest at {str(manifest_path)!r}")
@@ -135,7 +196,8 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     missing = [k for k in MANIFEST_KEYS if k not in manifest]
     files, step = manifest.get("files"), manifest.get("step")
     bad_step = not isinstance(step, int) or isinstance(step, bool) or step < 0
-    if missing or not isinstance(files, dict) or not isinstance(files.get(CHECKPOINT_FILE), str) or bad_step:
+    bad_files = not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values())
+    if missing or bad_files or not isinstance(files.get(CHECKPOINT_FILE), str) or bad_step:
         problem = (
             f"it lacks {', '.join(map(repr, missing))}"
             if missing
@@ -147,13 +209,20 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
             f"corrupt checkpoint manifest {str(manifest_path)!r}: {problem} (keys: "
             f"{', '.join(MANIFEST_KEYS)}); refusing a checkpoint that cannot be verified"
         )
+    if manifest.get("verified") not in (True, False, None):
+        raise CheckpointError(
+            f"corrupt checkpoint manifest {str(manifest_path)!r}: its 'verified' must be true, false "
+            f"or null, got {reprlib.repr(manifest['verified'])}"
+        )
     return manifest
 
 
-def verify_checkpoint(directory: str | Path) -> None:
-    """Refuse a checkpoint whose files are missing or whose sha256 differs from the manifest."""
+def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
+    """Refuse a checkpoint whose files are missing or whose sha256 differs from the manifest;
+    return the manifest."""
     directory = Path(directory)
-    for name, expected in read_manifest(directory)["files"].items():
+    manifest = read_manifest(directory)
+    for name, expected in manifest["files"].items():
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {str(path)!r} is missing")
@@ -163,6 +232,7 @@ def verify_checkpoint(directory: str | Path) -> None:
                 f"checkpoint file {str(path)!r} does not match its manifest "
                 f"(sha256 {actual[:12]}… != {str(expected)[:12]}…): refusing to load a tampered checkpoint"
             )
+    return manifest
 
 
 def load_checkpoint(directory: str | Path) -> TrainState:

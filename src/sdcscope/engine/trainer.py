@@ -182,16 +182,7 @@ class Trainer:
             return ctx.metrics
         loss = ctx.step_loss
         params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.workload.config.grad_clip
-        grad_norm = _shared_norm(ctx.grad_norms, params, clip)
-        if grad_norm is None:
-            grad_norm = (
-                torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-                if clip > 0
-                else total_norm([p.grad for p in params])
-            )
-        elif clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm, foreach=True)
+        grad_norm = self.clip_gradients(params, self.workload.config.grad_clip, ctx)
         if not ctx.skip_update:
             self.optimizer.step()
         loss_v, norm_v = torch.stack([loss, grad_norm.detach().to(loss.dtype)]).tolist()
@@ -203,6 +194,20 @@ class Trainer:
         self.data_pos = ctx.data_pos + 1
         self._emit("after_step", ctx)
         return ctx.metrics
+
+    def clip_gradients(self, params: list[nn.Parameter], clip: float, ctx: StepContext) -> torch.Tensor:
+        """Clip the gradients to the global norm ``clip`` (0: no clipping); return that norm (a
+        sharded trainer computes it over every shard: :mod:`sdcscope.engine.parallel`)."""
+        grad_norm = _shared_norm(ctx.grad_norms, params, clip)
+        if grad_norm is None:
+            grad_norm = (
+                torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+                if clip > 0
+                else total_norm([p.grad for p in params])
+            )
+        elif clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm, foreach=True)
+        return grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -23,11 +23,14 @@ if TYPE_CHECKING:
     from sdcscope.engine import TrainState
     from sdcscope.guard.session import StepSession
 
-PRIORITY = ("rollback", "veto", "recompute", "skip_batch", "lr_backoff", "qk_clip", "report", "none")
+PRIORITY = ("rollback", "veto", "stop", "recompute", "skip_batch", "lr_backoff", "qk_clip", "report", "none")
 """Every policy action but ``quarantine``, most decisive first. Quarantine is taken as such only in
-a data-parallel run (:mod:`sdcscope.guard.ranks`); a single process vetoes the step instead
+a data-parallel run (:mod:`sdcscope.guard.ranks`); a single process vetoes the step and stops
 (:data:`SOLO_QUARANTINE`)."""
-SOLO_QUARANTINE = "no rank to quarantine outside a data-parallel run: the step is vetoed instead"
+SOLO_QUARANTINE = (
+    "no rank to quarantine outside a data-parallel run: the step is vetoed and training stops cleanly "
+    "(the device is named in the ledger)"
+)
 QK_NAMES = (("q_proj", "k_proj"), ("query", "key"), ("wq", "wk"), ("q", "k"))
 """Names of an attention module's query and key projections that QK-clip rescales."""
 
@@ -95,6 +98,16 @@ class Veto(Action):
         loop.drop_update()
         session.restore_buffers()
         applied.discarded = True
+
+
+class Stop(Action):
+    """Stop training cleanly: :attr:`Guard.stopped <sdcscope.guard.Guard.stopped>` turns true with
+    the reason, and every loop driving the guard ends after this step."""
+
+    name = "stop"
+
+    def apply(self, session, loop, applied):  # StepSession.act stops once the step's findings are written
+        session.stop_reason = session.stop_reason or f"the policy stopped training at step {session.step}"
 
 
 class Recompute(Action):
@@ -178,7 +191,7 @@ def qk_clip_findings(session: StepSession, row: dict) -> list[Event]:
 
 
 ACTION_TYPES: dict[str, type[Action]] = {
-    cls.name: cls for cls in (Rollback, Veto, Recompute, SkipBatch, LRBackoff, QKClip, Report, NoAction)
+    cls.name: cls for cls in (Rollback, Veto, Stop, Recompute, SkipBatch, LRBackoff, QKClip, Report, NoAction)
 }
 
 

@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sdcscope.common.io import load_yaml, read_text
-from sdcscope.common.validate import build_config, check_bool, check_float, check_positive
+from sdcscope.common.validate import build_config, check_bool, check_choice, check_float, check_positive
 from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
 from sdcscope.detect.state import StateChecksumConfig
+from sdcscope.localize.ledger import LedgerConfig
 from sdcscope.mitigate import LRBackoffConfig, PolicyConfig, RankGuardConfig, SnapshotConfig, ZClipConfig
 from sdcscope.observe import MetricsConfig
 
@@ -26,6 +27,7 @@ _NESTED = {
     "zclip": ZClipConfig,
     "policy": PolicyConfig,
     "ranks": RankGuardConfig,
+    "ledger": LedgerConfig,
 }
 
 
@@ -45,9 +47,28 @@ def _build_section(cls, value: dict, name: str):
         raise new from None
 
 
+PROFILES: dict[str, dict[str, Any]] = {
+    "minimal": {"abft": None},
+    "balanced": {"abft": {"order": "random", "layer_fraction": 0.05}},
+    "full": {"abft": {}},
+}
+"""What each ``profile`` sets in the sections left at their defaults (their price and coverage:
+docs/guard.md, ``benchmarks/bench_guard_cost.py`` and ``bench_guard_coverage.py``). ``minimal``:
+no ABFT -- the state checksums, non-finite and spike detectors and the metrics; ``balanced``:
+also ABFT on a random 5 % of the GEMM layers each step (a transient GEMM fault is checked with
+probability 0.05 in its step), every layer after any finding; ``full``: every GEMM every step."""
+_DEFAULT_SECTIONS = {"abft": ABFTConfig}
+
+
 @dataclass(kw_only=True)
 class GuardConfig:
     """A section set to ``None`` (``null`` in YAML) is switched off."""
+
+    profile: str = "full"
+    """``minimal`` | ``balanced`` | ``full`` (:data:`PROFILES`): the defaults of the sections you
+    leave unset; a section you give keeps your keys over the profile's. ``balanced`` is the
+    affordable one (≲ 5 % of a step); ``full`` stays the default until every caller that relies
+    on each step's GEMMs being checked names it."""
 
     metrics: MetricsConfig | None = field(default_factory=MetricsConfig)
     nonfinite: NonFiniteConfig | None = field(default_factory=NonFiniteConfig)
@@ -74,6 +95,12 @@ class GuardConfig:
     """Data-parallel runs (a Guard given ``ddp=``): cross-rank gradient signatures, replica hash
     checks, rank localization by replay, the device ledger and quarantine
     (:mod:`sdcscope.guard.ranks`); ignored in a single process, required under DDP."""
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    """The device ledger of a single process (``run_dir/ledger.json``): findings per device and
+    site; ``strikes`` findings at one site within ``window`` steps make them ``persistent`` (the
+    policy's ``*:persistent`` rule: a clean stop by default), and each suspicion gives ABFT full
+    coverage for ``cooldown`` steps (:mod:`sdcscope.guard.strikes`). Under DDP the rank guard
+    keeps the ledger with ``ranks.ledger``."""
     stall_after: int | None = 20
     """Steps without progress in a row -- vetoed, rolled back, skipped for a GradScaler overflow,
     or re-run after a rollback only to be rolled back again before getting any further -- after
@@ -83,13 +110,20 @@ class GuardConfig:
     """Re-raise the guard's own internal errors instead of reporting them as events."""
 
     def __post_init__(self) -> None:
+        check_choice("guard profile", self.profile, PROFILES)
+        for name, preset in PROFILES[self.profile].items():
+            value = getattr(self, name)
+            if isinstance(value, Mapping):  # the user's keys over the profile's
+                setattr(self, name, value if preset is None else {**preset, **value})
+            elif value == _DEFAULT_SECTIONS[name]():  # left at its default: the profile's
+                setattr(self, name, None if preset is None else dict(preset))
         for name, cls in _NESTED.items():
             value = getattr(self, name)
             if isinstance(value, Mapping):
                 setattr(self, name, _build_section(cls, dict(value), name))
             elif value is not None and not isinstance(value, cls):
                 raise TypeError(f"guard {name} must be a mapping or {cls.__name__}, got {value!r}")
-        for name in ("snapshots", "lr_backoff", "policy"):
+        for name in ("snapshots", "lr_backoff", "policy", "ledger"):
             if getattr(self, name) is None:
                 raise ValueError(f"guard {name} cannot be null")
         if self.qk_clip is not None:

@@ -4,6 +4,8 @@
 callback uses the protocol's parts around it: the session checks and acts before the optimizer
 step, the trainer clips and steps, the session ends the step after it. A rollback restores the
 trainer's own state (its step, data position and skipped batches with the model and optimizer).
+A stopped guard (:attr:`Guard.stopped <sdcscope.guard.Guard.stopped>`) puts ``stop`` (the reason)
+in the step's metrics row: the run ends after that step.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class GuardCallback:
         if self.guard.ranks is not None:
             ctx.metrics["quarantined"] = self.guard.ranks.quarantined
         if ctx.restored:
+            self._stop(ctx)
             return
         s = self.session
         applied = not ctx.skip_update
@@ -106,3 +109,10 @@ class GuardCallback:
         row.update(ctx.metrics)  # the trainer's own values win
         ctx.metrics.update(row)
         ctx.metrics["events"] = s.events
+        self._stop(ctx)
+
+    def _stop(self, ctx) -> None:
+        """A stopped guard asks the run to end after this step: ``stop`` in the step's metrics row
+        (:meth:`sdcscope.engine.run.Run.train` ends the run as ``stalled`` with the reason)."""
+        if self.guard.stopped:
+            ctx.metrics["stop"] = self.guard.stop_reason

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -36,9 +37,13 @@ from sdcscope.detect.state import StateChecksum
 from sdcscope.guard.actions import Loop
 from sdcscope.guard.config import GuardConfig
 from sdcscope.guard.session import StepSession, check_loss
+from sdcscope.guard.strikes import Strikes
 from sdcscope.inject import reexecution
 from sdcscope.mitigate import LRBackoff, SnapshotRing, ZClip
 from sdcscope.observe import Metrics
+from sdcscope.observe.eventlog import event_line
+
+log = logging.getLogger(__name__)
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -87,9 +92,10 @@ class Guard:
         ``batch`` (gradient accumulation) -- returning the step's loss (detached); a replay zeroes
         the gradients and calls it. Either one must use the ``model`` it is given.
 
+        ``ledger``: the device ledger, a file a fleet's jobs may share (default
+        ``run_dir/ledger.json``; in one process written once there is a finding).
         Data-parallel: ``ddp`` is the DDP wrapper of ``model`` (or pass the wrapper as ``model``);
-        build the Guard on every rank before the first backward. ``ledger``: a device ledger shared
-        across jobs (default ``run_dir/ledger.json``); ``rank_batch(rank, step)``: that rank's
+        build the Guard on every rank before the first backward. ``rank_batch(rank, step)``: that rank's
         batch of ``step``, so a plain loop's suspect rank can be replayed with ``loss_fn`` (the
         engine's DDP trainer replays by itself).
 
@@ -142,6 +148,12 @@ class Guard:
             from sdcscope.guard.ranks import check_distributed
 
             rank = check_distributed(config or GuardConfig(), model, ddp, rank)
+        sharded = False
+        if any(type(p).__name__ == "DTensor" for p in model.parameters()):  # FSDP2, tensor parallel, HSDP
+            from sdcscope.guard.sharded import check_sharded, sharded_rank
+
+            check_sharded(config or GuardConfig(), scaler=scaler, ddp=ddp, model=model)
+            rank, sharded = sharded_rank(rank), True
         self.model, self.optimizer = model, optimizer
         self.config = c = config or GuardConfig()
         self.loss_fn, self.step_fn, self.rank = loss_fn, step_fn, rank
@@ -169,7 +181,7 @@ class Guard:
             )
         self.events: list[dict[str, Any]] = []
         self.skip_batches: set[int] = set()
-        lead = ddp is None or rank == 0  # under DDP rank 0 writes the world's events
+        lead = (ddp is None and not sharded) or rank == 0  # under DDP or sharding rank 0 writes the world's events
         self._writer = JsonlWriter(Path(run_dir) / "events.jsonl") if run_dir is not None and lead else None
         self._run_dir, self._rank_writer = run_dir, None
         self.rank_batch = rank_batch
@@ -177,6 +189,9 @@ class Guard:
         self._attached = self._ever_attached = False
         self.session = StepSession(self)
         """The step protocol every driver uses (:mod:`sdcscope.guard.session`)."""
+        self._stop_reason: str | None = None
+        self.strikes: Strikes | None = None
+        """The device ledger and its strikes in a single process (:mod:`sdcscope.guard.strikes`)."""
         self.ranks = None
         if ddp is not None:
             from sdcscope.guard.ranks import GuardRanks
@@ -184,6 +199,14 @@ class Guard:
             if self._writer is not None:
                 self._writer.touch()
             self.ranks = GuardRanks(self, ddp, c.ranks, run_dir=run_dir, ledger=ledger)
+        elif sharded:
+            from sdcscope.guard.sharded import ShardedRanks
+
+            if self._writer is not None:
+                self._writer.touch()
+            self.ranks = ShardedRanks(self, c.ranks, run_dir=run_dir, ledger=ledger)
+        else:
+            self.strikes = Strikes(self, c.ledger, run_dir=run_dir, ledger=ledger)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def attach(self) -> Guard:
@@ -247,6 +270,49 @@ class Guard:
     def rolled_back_to(self) -> int | None:
         """The step whose snapshot the last step rolled back to (None: no rollback this step)."""
         return self.session.rolled_back_to
+
+    @property
+    def state_verified(self) -> bool:
+        """Whether the training state is vouched for: no finding since the last verified snapshot
+        is unresolved. A finding whose step was applied without a recompute (reported, let
+        pass), or corrupted state that was not rolled back, taints the state until a rollback to a
+        snapshot taken before it; one the guard repaired (recompute, veto, rollback) does not.
+        Checkpoints record it as their certification."""
+        return not self.session.unresolved
+
+    @property
+    def stopped(self) -> bool:
+        """The guard stopped training: it stalled (``stall_after`` steps without progress) or a
+        ``stop`` / single-process ``quarantine`` action answered a persistent fault. Every loop
+        that drives the guard ends after this step (the engine's run ends as ``stalled``, the CLI
+        exits with ``GUARD_STOPPED``); :attr:`stop_reason` says why."""
+        return self.stop_reason is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the guard stopped training (None while it has not); a sharded run's rank section
+        may stop it too (the same reason on every rank)."""
+        rank_stop = getattr(self.ranks, "stop", None)
+        return self._stop_reason or (rank_stop if isinstance(rank_stop, str) else None)
+
+    def stop(self, reason: str, *, event: bool = True) -> None:
+        """Stop training cleanly with ``reason`` (once): a warning and, with ``event``, a ``guard:
+        stopped`` event (a stall has its ``guard: stalled`` one); the loop reads :attr:`stopped`.
+        The device ledger names the device."""
+        if self._stop_reason is not None:
+            return
+        self._stop_reason = reason
+        log.warning("the guard stops training: %s", reason)
+        if not event:
+            return
+        evidence: dict[str, Any] = {"reason": reason}
+        if self.strikes is not None:
+            evidence.update(device=self.strikes.device, ledger=str(self.strikes.ledger.path or ""))
+        self.record(
+            Event(self.session.step, "guard", "stopped", rank=self.rank, evidence=evidence, action="stop"),
+            world=True,
+            finding=False,
+        )
 
     @property
     def discarded_steps(self) -> int:
@@ -397,6 +463,8 @@ class Guard:
         internal errors, a stall), which do not hold its next snapshot back."""
         record = event.to_dict()
         self.events.append(record)
+        if finding:  # see state_verified
+            self.session.judge_finding(event)
         if self.ranks is None or world:
             self.session.events += 1
             self.session.findings += finding
@@ -407,6 +475,10 @@ class Guard:
             writer = self._rank_writer
         if writer is not None:
             writer.write(record)
+        if not world or self.ranks is None or self.rank == 0:  # a world verdict: one line, from rank 0
+            log.warning("%s", event_line(record))
+        if self.metrics is not None:
+            self.metrics.event(record)
         if self._on_event is not None:
             self._on_event(record)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sdcscope.common.tensors import local
 from sdcscope.inject import reexecution
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ def reproduced(first: torch.Tensor, again: torch.Tensor | None) -> bool:
     """Whether a replay reproduced a gradient (bitwise on CPU, else within :data:`REPLAY_RTOL`)."""
     if again is None:
         return False
+    first, again = local(first), local(again)  # a DTensor gradient: this rank's shard, no collective
     if first.is_sparse:
         first, again = first.to_dense(), again.to_dense()
     if torch.equal(first, again):

@@ -31,6 +31,7 @@ from sdcscope.detect import Event
 from sdcscope.guard.actions import SOLO_QUARANTINE, Applied, Loop, make_actions, qk_clip_findings
 from sdcscope.guard.progress import Progress
 from sdcscope.guard.replay import replay_step, rng_state
+from sdcscope.guard.strikes import escalate, name_from_snapshot
 from sdcscope.observe import grad_norms
 
 if TYPE_CHECKING:
@@ -94,7 +95,11 @@ class StepSession:
             if b is not None and name not in m._non_persistent_buffers_set
         ]
         self.buffers_before: list[torch.Tensor] = []
-        self.pending: list[Event] = []  # state checksum findings of begin(): the step ran on corrupted state
+        self.pending: list[Event] | None = None  # state checksum findings of begin(): the step ran on corrupted state
+        self.first_event = 0  # the guard's events before this step's
+        self.acting: Any = None  # while act() records its decision: what the actions did (Applied)
+        self.stop_reason: str | None = None  # why this step's ``stop`` action stops training
+        self.unresolved: list[dict[str, Any]] = []  # findings since the last verified snapshot not repaired
         self.params = list(model.parameters())  # those with a gradient are checked, frozen or not
         self.cuda = sorted({p.device.index or 0 for p in self.params if p.device.type == "cuda"})
         self.grads: StepGrads | None = None
@@ -114,16 +119,20 @@ class StepSession:
         self.buffers_before = self.buffer_values()
         self.events = self.findings = 0
         self.rolled_back_to = None
+        self.first_event, self.acting, self.stop_reason = len(g.events), None, None
         take = snapshot or (lambda: self.take_snapshot(step))
         if len(g.ring) == 0:
             take()
-        self.pending = (
-            g.safe(lambda: g.state.verify(step), "state_checksum") if g.state is not None and g.state.due(step) else []
-        )
+            if g.state is not None and not g.state.recorded:  # the reference of the state the snapshot holds
+                g.safe(g.state.record, "state_checksum")
         due, self.progress.snapshot_due = self.progress.snapshot_due, False
         # due: after the loop's own end-of-step work (scheduler.step()), whatever this step's number;
         # new parameter groups (optimizer.add_param_group): the older snapshots no longer fit the optimizer
-        if (due or g.ring.groups_changed(g.optimizer)) and not self.pending:
+        due = due or g.ring.groups_changed(g.optimizer)
+        # the state checksums are verified right before the update (decide); here only when a snapshot
+        # is due, so that a snapshot never holds state that changed since it was last verified
+        self.pending = self.verify_state() if due else None
+        if due and not self.pending:
             take()
         for part in (g.abft, g.metrics):
             if part is not None:
@@ -133,6 +142,14 @@ class StepSession:
         if g.ranks is not None:  # a collective's preparation: never skipped on one rank
             g.ranks.begin(step)
 
+    def verify_state(self) -> list[Event]:
+        """The state checksums' findings now (when due this step): the weights and optimizer state
+        against the reference recorded from verified state."""
+        g = self.guard
+        if g.state is None or not g.state.due(self.step):
+            return []
+        return g.safe(lambda: g.state.verify(self.step), "state_checksum") or []
+
     # -- snapshots ---------------------------------------------------------------------------
     def own_state(self) -> dict[str, Any]:
         """The guard's state that shapes later training and decisions, snapshotted with the model:
@@ -140,7 +157,7 @@ class StepSession:
         After a rollback the steps since the snapshot run again; without these the statistics
         would count them twice and training would part from a run that never met the fault."""
         g = self.guard
-        return {"zclip": g.zclip, "loss_spike": g.loss_spike, "grad_spike": g.grad_spike}
+        return {"zclip": g.zclip, "loss_spike": g.loss_spike, "grad_spike": g.grad_spike, "unresolved": self.unresolved}
 
     def take_snapshot(self, step: int) -> None:
         """A plain loop's rollback target: model, optimizer, the ``stateful`` objects and the
@@ -162,7 +179,7 @@ class StepSession:
     def rolled_back(self, state: TrainState) -> None:
         """After the loop's state was restored to ``state``: the guard's own state too."""
         for name, saved in state.extra.get("guard", {}).items():
-            setattr(self.guard, name, copy.deepcopy(saved))  # the snapshot stays as taken
+            setattr(self if name == "unresolved" else self.guard, name, copy.deepcopy(saved))  # the snapshot stays
         self.rolled_back_to = state.step
         self.progress.rolled_back()
 
@@ -181,6 +198,30 @@ class StepSession:
         self.guard.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
             p.grad = None
+
+    def restored(self) -> bool:
+        """Whether this step restored a verified state: a rollback of ours or of the rank guard's."""
+        if self.rolled_back_to is not None:
+            return True
+        return any("rollback" in str(r.get("action") or "") for r in self.guard.events[self.first_event :])
+
+    def judge_finding(self, event: Event) -> None:
+        """Keep track of findings not repaired (:attr:`Guard.state_verified`): one whose step was
+        applied without a recompute, or a state corruption without a rollback, taints the state
+        until a rollback to a snapshot from before it."""
+        acts, applied = event.actions, self.acting
+        if event.detector in ("guard", "quarantine"):  # about the guard's own doings, not the state
+            return
+        if event.detector == "state_checksum":
+            resolved = "rollback" in acts
+        else:
+            resolved = bool({"rollback", "veto", "recompute", "quarantine", "qk_clip"} & set(acts)) or (
+                applied is not None and applied.discarded
+            )
+        if not resolved:
+            self.unresolved.append(
+                {"step": event.step, "detector": event.detector, "verdict": event.verdict, "module": event.module}
+            )
 
     # -- 2. check: detect, replay, decide, act, record ---------------------------------------
     def check(
@@ -212,7 +253,14 @@ class StepSession:
         ``abft_events``: this step's ABFT findings when the caller already ran ``abft.check``."""
         check_loss(loss)
         g, step = self.guard, self.step
-        events = list(self.pending)
+        # memory faults since the last record -- between steps, between micro-batches, in backward --
+        # are caught before an update builds on them
+        events = list(self.pending) if self.pending else self.verify_state()
+        sharded = getattr(g.ranks, "sharded", False)
+        if sharded:  # the detectors' world values are collectives: every rank runs them
+            events += self.detect(loss, abft_events)
+            actions, events, loss, extra = g.ranks.decide(self, loss, rerun, events)
+            return Decision(actions, events, loss, extra)
         if events:  # the step ran on corrupted state: its results are void, drain the detectors
             if g.abft is not None:
                 g.safe(lambda: g.abft.check(step), "abft")
@@ -224,19 +272,30 @@ class StepSession:
         if not events:
             return Decision([], [], loss)
         replay: dict[str, Any] = {}
+        escalate(g, g.config.ledger.cooldown)  # suspicion: every GEMM checked, the replay's too
         if any(e.detector != "state_checksum" for e in events) and g.config.replay and rerun is not None:
             recheckable = any(e.detector in ("abft", "nonfinite") for e in events)
             replay, loss = replay_step(self, loss, rerun, recheckable)
-        actions: list[str] = []
         for e in events:
             finding = e.verdict
             if e.detector != "state_checksum":
                 e.verdict = replay.get("verdict", "unverified")
                 e.evidence = {**e.evidence, "finding": finding, **({"replay": replay} if replay else {})}
+        g.safe(lambda: name_from_snapshot(g, events), "state_checksum")  # a row fault's elements, if it can
+        if g.strikes is not None:  # repeats at one site, a faulty device: persistent
+            g.safe(lambda: g.strikes.judge(events, self.clock), "ledger")
+        actions: list[str] = []
+        for e in events:
             chosen = g.config.policy.actions_for(e.detector, e.verdict)
-            if "quarantine" in chosen:  # no other rank to carry on: the step is void, as under DDP
-                chosen = list(dict.fromkeys("veto" if a == "quarantine" else a for a in chosen))
+            if "quarantine" in chosen:  # no other rank to carry on: the step is void and training stops
+                chosen = list(
+                    dict.fromkeys(x for a in chosen for x in (("veto", "stop") if a == "quarantine" else (a,)))
+                )
                 e.evidence = {**e.evidence, "quarantine": SOLO_QUARANTINE}
+            if "stop" in chosen and self.stop_reason is None:
+                self.stop_reason = (
+                    g.strikes.stop_reason(e) if g.strikes is not None else f"policy: {e.detector}: {e.verdict}"
+                )
             e.action = ", ".join(chosen)
             actions += [a for a in chosen if a not in actions]
         if "rollback" in actions and g.ring.latest() is None:
@@ -261,8 +320,14 @@ class StepSession:
                 e.action = ", ".join(dict.fromkeys("veto" if a == "rollback" else a for a in taken))
             else:
                 e.evidence = {**e.evidence, "rolled_back_to": applied.rolled_back.step}
-        for e in decision.events + (decision.extra or []):
-            self.guard.record(e, world=self.guard.ranks is not None)
+        self.acting = applied
+        try:
+            for e in decision.events + (decision.extra or []):
+                self.guard.record(e, world=self.guard.ranks is not None)
+        finally:
+            self.acting = None
+        if "stop" in names:
+            self.guard.stop(self.stop_reason or f"the policy stopped training at step {self.step}")
         return applied
 
     def grad_state(self) -> StepGrads:
@@ -305,24 +370,43 @@ class StepSession:
             if isinstance(loss, torch.Tensor)
             else torch.as_tensor(math.nan if loss is None else loss, dtype=torch.float64).reshape(())
         )
-        parts = [lv.double()] if sq is None else [lv.to(sq.device, torch.float64), sq.sum()]
-        values = torch.stack(parts).tolist()  # the sync
-        loss_v, grad_v = values[0], (math.sqrt(values[1]) if len(values) > 1 else None)
+        if getattr(g.ranks, "sharded", False):  # sharded: the world-mean loss, the norm over every shard
+            loss_v, grad_sq = g.ranks.world_values(lv, grads)
+            grad_v = None if grad_sq is None else math.sqrt(grad_sq)
+        else:
+            parts = [lv.double()] if sq is None else [lv.to(sq.device, torch.float64), sq.sum()]
+            values = torch.stack(parts).tolist()  # the sync
+            loss_v, grad_v = values[0], (math.sqrt(values[1]) if len(values) > 1 else None)
         grads.total = grad_v  # read: the metrics take it from here
         bad_loss = loss is not None and not math.isfinite(loss_v)
         bad_grad = grad_v is not None and not math.isfinite(grad_v)
         if g.nonfinite is not None and (bad_loss or bad_grad):
             found = g.safe(lambda: g.nonfinite.check(step, loss), "nonfinite")
-            if bad_grad and g.ranks is None and not any(e.evidence.get("what") == "grad" for e in found):
+            own = g.ranks is None or (  # sharded: the ranks whose own shards' norms overflowed say so
+                getattr(g.ranks, "sharded", False) and sq is not None and not bool(torch.isfinite(sq).all())
+            )
+            if bad_grad and own and not any(e.evidence.get("what") == "grad" for e in found):
                 # every gradient element is finite, but a gradient's norm overflowed its dtype (under
                 # DDP the rank guard's pre-reduction signatures, overflow-safe, name the rank)
+                names = {id(p): n for n, p in g.model.named_parameters()}
+                over = (
+                    []
+                    if sq is None
+                    else [
+                        names.get(id(self.params[i]), "")
+                        for i, v in zip(grads.idx, sq.tolist())
+                        if not math.isfinite(v)
+                    ]
+                )
                 found.append(
                     Event(
                         step,
                         "nonfinite",
                         "nonfinite",
+                        module=over[-1].rpartition(".")[0] or None if over else None,
                         rank=g.rank,
                         evidence={
+                            **({"params": over[-8:][::-1]} if over else {}),
                             "what": "grad_norm",
                             "value": grad_v,
                             "note": "finite gradients whose norm overflows",
@@ -411,7 +495,9 @@ class StepSession:
         step = self.step
         if g.ranks is not None:  # before the state checksums: a replica rollback restores state
             g.ranks.end(step, verify=self.rolled_back_to is not None)
-        if g.state is not None:
+        if g.state is not None and (applied or self.restored() or not g.state.recorded):
+            # only verified state becomes the reference: an update of state verified before it, a
+            # restored snapshot; a discarded step left the state as recorded (a fault in it stays seen)
             g.safe(g.state.record, "state_checksum")
         if g.metrics is not None and not applied:  # its forward statistics are no later step's
             g.safe(g.metrics.restart_step, "metrics")
@@ -433,6 +519,7 @@ class StepSession:
                 world=True,
                 finding=False,
             )
+            g.stop(f"stalled: {p.idle} steps in a row without progress (a fault the guard cannot repair)", event=False)
         if applied and self.findings == 0:
             if snapshot is not None:  # the engine: its step numbers count its optimizer steps
                 if g.ring.due(step + 1):

@@ -55,6 +55,7 @@ from torch import nn
 
 from sdcscope.common.graph import in_backward
 from sdcscope.common.io import JsonlWriter
+from sdcscope.common.tensors import local
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, FaultSpecError, apply_spec, fault_generator, fires
 from sdcscope.inject.hooks import MEMORY_SITES, SiteHooks
 from sdcscope.inject.targets import MODULE_SITES, UNREACHED, Target
@@ -358,6 +359,7 @@ class Injector(SiteHooks):
         gen = fault_generator(
             spec, self.step, self._event_micro_batch(spec), MAC_ARRAY if unit else t.key + suffix, self.rank
         )
+        tensor = local(tensor)  # a DTensor (FSDP2, tensor parallel): the shard this rank's hardware holds
         try:
             return apply_spec(spec, tensor, gen, channel_dim=channel_dim, step=self.step if step is None else step)
         except FaultSpecError as exc:  # a tensor only known when it runs (a module output, dX, dW under autocast)

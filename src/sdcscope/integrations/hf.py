@@ -8,9 +8,15 @@
     sdc = guard_trainer(trainer, "guard.yaml", run_dir="out/sdc")  # or a GuardConfig, a dict, None
     trainer.train()
     sdc.events            # as written to out/sdc/events.jsonl; metrics in out/sdc/metrics.jsonl
+    sdc.counts            # detections, actions, replays, rollbacks
+
+Every training log the Trainer writes (``logging_steps``) also carries the guard's whole-model
+metrics and event counts under ``sdcscope/`` (``sdcscope/detections``, ``sdcscope/actions/veto``,
+``sdcscope/replays``, ``sdcscope/rollbacks``, ``sdcscope/grad_norm``, ...), so they reach every
+``report_to`` logger (W&B, MLflow, TensorBoard, ...) with the Trainer's own ``loss``.
 
 A ``TrainerCallback`` alone sees neither the step's inputs nor the optimizer's step, so the
-adapter is bound to the trainer and, for the length of ``train()``, wraps two of its methods on
+adapter is bound to the trainer and, for the length of ``train()``, wraps three of its methods on
 the instance (put back at the end):
 
 * ``trainer.training_step`` (forward + backward of one micro-batch): before the step's first
@@ -21,6 +27,7 @@ the instance (put back at the end):
   A replay zeroes the gradients and runs the original ``training_step`` on every micro-batch of
   the step again (gradient accumulation is replayed whole). After a recompute the returned loss
   is the clean one, so the Trainer's logged ``loss`` is too.
+* ``trainer.log``: a training log gets the guard's metrics and counts (above);
 * ``trainer.optimizer.step`` (accelerate's wrapper): applied under the guard's LR backoff and
   followed by its metrics and checksums -- or skipped on a veto or rollback, leaving parameters
   and optimizer state untouched (gradients are cleared too, so the Trainer clips nothing).
@@ -29,8 +36,9 @@ The Trainer's step counter and LR schedule go on over a discarded step (as with 
 overflow). A rollback restores the model and optimizer of the guard's latest snapshot; the
 Trainer does not re-run the steps since then, it trains on from the next batch. Steps are
 numbered as ``trainer.state.global_step`` when they begin (0-based; the Trainer logs the count
-after the update, one more). Once the guard is stalled (``GuardConfig.stall_after`` steps in a
-row discarded) the adapter stops training.
+after the update, one more). Once the guard stops (stalled: ``GuardConfig.stall_after`` steps
+in a row discarded; or a persistent fault: :attr:`Guard.stopped`, with ``stop_reason``) the
+adapter stops training after that step.
 
 Not supported, refused when the adapter is built (and again when training begins): DeepSpeed,
 FSDP, more than one process or GPU, fp16 mixed precision (its GradScaler), ``torch_compile``
@@ -56,6 +64,8 @@ except ImportError as exc:
 
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
+from sdcscope.observe.eventlog import EventCounts
+from sdcscope.observe.sinks import LatestRow
 
 __all__ = ["SDCGuardCallback", "guard_trainer"]
 
@@ -105,6 +115,9 @@ class SDCGuardCallback(TrainerCallback):
         self._session: GuardSession | None = None
         self._micro: list[tuple[tuple, dict, torch.Tensor]] = []  # the open step's micro-batches
         self._patches = Patches()
+        self.counts = EventCounts()
+        """Detections, actions, replays and rollbacks of the current (or last) ``train()``."""
+        self._latest = LatestRow()
 
     @property
     def events(self) -> list[dict]:
@@ -118,14 +131,18 @@ class SDCGuardCallback(TrainerCallback):
         _check_supported(trainer)
         optimizer = trainer.optimizer
         inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
-        self.guard = open_guard(trainer.model, inner, self.config, self.run_dir, self.on_event)
+        self.counts, self._latest = EventCounts(), LatestRow()
+        self.guard = open_guard(trainer.model, inner, self.config, self.run_dir, self._count)
+        if self.guard.metrics is not None:
+            self.guard.metrics.sinks.append(self._latest)
         self._session = GuardSession(self.guard)
         self._micro = []
         self._patches.set(trainer, "training_step", self._wrap_training_step)
         self._patches.set(optimizer, "step", self._wrap_optimizer_step)
+        self._patches.set(trainer, "log", self._wrap_log)
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
-        if self.guard is not None and self.guard.stalled:
+        if self.guard is not None and self.guard.stopped:  # stalled, or a persistent fault: Guard.stop_reason
             control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
@@ -138,7 +155,29 @@ class SDCGuardCallback(TrainerCallback):
             self.guard.close()
         self._micro = []
 
+    def _count(self, record: dict) -> None:
+        self.counts.add(record)
+        if self.on_event is not None:
+            self.on_event(record)
+
+    def tracked(self) -> dict[str, float]:
+        """What goes into the Trainer's training logs (``report_to``: W&B, MLflow, TensorBoard,
+        ...): the guard's whole-model metrics of the latest step and its event counts, under
+        ``sdcscope/``."""
+        return {**self._latest.summary(), **self.counts.as_metrics()}
+
     # -- the wrapped methods -----------------------------------------------------------------
+    def _wrap_log(self, log: Callable) -> Callable:
+        """``Trainer.log(logs)``, which hands the logs to every ``report_to`` logger: a training
+        log (one with ``loss``) gets :meth:`tracked` added first."""
+
+        def logged(logs, *args, **kwargs):
+            if isinstance(logs, dict) and "loss" in logs:
+                logs = {**logs, **self.tracked()}
+            return log(logs, *args, **kwargs)
+
+        return logged
+
     def _wrap_optimizer_step(self, step: Callable) -> Callable:
         def guarded(*args, **kwargs):
             return self._session.update(lambda: step(*args, **kwargs))

@@ -8,6 +8,12 @@
     trainer = lightning.pytorch.Trainer(callbacks=[sdc], ...)
     trainer.fit(module, data)
     sdc.events          # as written to out/sdc/events.jsonl; metrics in out/sdc/metrics.jsonl
+    sdc.counts          # detections, actions, replays, rollbacks
+
+With a logger (``Trainer(logger=...)``: CSV, TensorBoard, W&B, MLflow, ...) every step also logs
+the guard's whole-model metrics and event counts under ``sdcscope/`` (``sdcscope/detections``,
+``sdcscope/actions/veto``, ``sdcscope/replays``, ``sdcscope/rollbacks``, ``sdcscope/grad_norm``,
+...) through ``pl_module.log_dict`` (so ``log_every_n_steps`` applies).
 
 Lightning runs each step as ``optimizer.step(closure)``: the closure runs ``training_step``,
 ``zero_grad`` and ``backward``; then come ``on_before_optimizer_step``, gradient clipping
@@ -27,8 +33,9 @@ Lightning runs each step as ``optimizer.step(closure)``: the closure runs ``trai
 
 ``trainer.global_step`` (the step's number) and the LR schedulers go on over a discarded step.
 A rollback restores the module and optimizer of the guard's latest snapshot and training goes
-on from the next batch. Once the guard is stalled (``GuardConfig.stall_after`` steps in a row
-discarded) the callback stops training (``trainer.should_stop``).
+on from the next batch. Once the guard stops (stalled: ``GuardConfig.stall_after`` steps in a row
+discarded; or a persistent fault: :attr:`Guard.stopped`, with ``stop_reason``) the callback
+stops training (``trainer.should_stop``).
 
 Refused when fitting starts, naming the setting: manual optimization (use the Guard itself in
 ``training_step``), more than one process or a strategy other than single-device, more than one
@@ -60,6 +67,8 @@ except ImportError:
 
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
+from sdcscope.observe.eventlog import EventCounts
+from sdcscope.observe.sinks import LatestRow
 
 __all__ = ["SDCGuardCallback"]
 
@@ -90,6 +99,9 @@ class SDCGuardCallback(pl.Callback):
         self._loss: torch.Tensor | None = None
         self._replaying = False
         self._patches = Patches()
+        self.counts = EventCounts()
+        """Detections, actions, replays and rollbacks of the current (or last) fit."""
+        self._latest = LatestRow()
 
     @property
     def events(self) -> list[dict]:
@@ -109,7 +121,10 @@ class SDCGuardCallback(pl.Callback):
             raise ValueError(f"SDCGuardCallback guards one optimizer, got {len(optimizers)}")
         (optimizer,) = optimizers  # (one the Guard cannot drive, LBFGS, the Guard refuses)
         run_dir = self.run_dir if self.run_dir is not None else Path(trainer.default_root_dir) / "sdcscope"
-        self.guard = open_guard(pl_module, optimizer, self.config, run_dir, self.on_event)
+        self.counts, self._latest = EventCounts(), LatestRow()
+        self.guard = open_guard(pl_module, optimizer, self.config, run_dir, self._count)
+        if self.guard.metrics is not None:
+            self.guard.metrics.sinks.append(self._latest)
         self._session = GuardSession(self.guard)
         self._patches.set(pl_module, "optimizer_step", self._wrap_module_optimizer_step)
         self._patches.set(optimizer, "step", self._wrap_optimizer_step)
@@ -129,8 +144,20 @@ class SDCGuardCallback(pl.Callback):
         self._session.decide(self._loss, self._rerun if replayable else None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch: Any, batch_idx: int) -> None:
-        if self.guard.stalled:
+        if trainer.loggers and not self._session.open:  # the step's update is done: log it
+            pl_module.log_dict(self.tracked(), on_step=True, on_epoch=False, batch_size=1)
+        if self.guard.stopped:  # stalled, or a persistent fault: Guard.stop_reason
             trainer.should_stop = True
+
+    def _count(self, record: dict) -> None:
+        self.counts.add(record)
+        if self.on_event is not None:
+            self.on_event(record)
+
+    def tracked(self) -> dict[str, float]:
+        """What goes to the trainer's loggers each step: the guard's whole-model metrics of the
+        latest step and its event counts, under ``sdcscope/``."""
+        return {**self._latest.summary(), **self.counts.as_metrics()}
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._close()

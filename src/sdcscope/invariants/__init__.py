@@ -4,11 +4,11 @@ The TrainCheck idea (OSDI '25), native to sdcscope:
 
 1. **Trace** clean runs with :class:`TraceRecorder` (hooks on the model, the optimizer, and
    wrapped torch functions for backward, clipping and the loss; one host sync per step) into
-   ``RUN_DIR/trace.jsonl``.
+   ``RUN_DIR/trace.jsonl``; a user's own script, unchanged, with ``script.run_script``.
 2. **Infer** with :func:`infer_invariants` the relations that hold in all of them
    (``Consistent``, ``EventContain``, ``ExclusiveWrite``, ``APISequence``, ``APICount``,
    ``APICountRatio``, ``APIArg``, ``APIArgRatio``, ``APIOutput``, ``MetricBound``,
-   ``MetricTrend``, ``InitialLoss``, ``LossTrend``, ``Causal``, ``GradShare``), with learned
+   ``MetricTrend``, ``InitialLoss``, ``LossTrend``, ``Causal``, ``GradShare``, ``LRSchedule``), with learned
    preconditions; save them as editable YAML.
 3. **Check** a run online with :class:`InvariantChecker` (in-process, records only what the
    invariants need) or offline with :func:`check_trace`; violations are ``events.jsonl`` events

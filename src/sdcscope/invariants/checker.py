@@ -59,40 +59,49 @@ class Evaluator:
     def __init__(self, checks: list[Check], rank: int = 0, every_step: bool = False) -> None:
         self.rank, self.every_step = rank, every_step
         self.counts: Counter[tuple[str, str]] = Counter()
+        self.last_step: dict[str, int] = {}  # per phase, of the last record seen
         self._by_phase: dict[str, list] = {}
         for c in checks:
             p = c.inv.precondition
             self._by_phase.setdefault(p.phase, []).append((p.min_step, p.when, c.check, c))
 
     def run(self, records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-        events = []
+        events: list[dict[str, Any]] = []
         for rec in records:
             view = View(rec)
             first = view.first
+            self.last_step[view.phase] = view.step
             for min_step, when, judge, check in self._by_phase.get(view.phase, ()):
                 if view.step < min_step or when and any(api not in first for api in when):
                     continue
                 for module, evidence in judge(view):
-                    inv, key = check.inv, (check.inv.id, module)
-                    self.counts[key] += 1
-                    if self.every_step or self.counts[key] == 1:
-                        events.append(
-                            {
-                                "step": view.step,
-                                "detector": DETECTOR,
-                                "verdict": inv.id,
-                                "module": module,
-                                "rank": self.rank,
-                                "action": None,
-                                "evidence": {
-                                    "relation": inv.relation,
-                                    "phase": view.phase,
-                                    "description": inv.description,
-                                    **evidence,
-                                },
-                            }
-                        )
+                    self._add(events, check, module, evidence, view.step, view.phase)
         return events
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The violations only the end of the run shows (``Check.finish``), at its last step."""
+        events: list[dict[str, Any]] = []
+        for phase, entries in self._by_phase.items():
+            for *_, check in entries:
+                for module, evidence in check.finish():
+                    self._add(events, check, module, evidence, self.last_step.get(phase, 0), phase)
+        return events
+
+    def _add(self, events: list, check: Check, module: str, evidence: dict, step: int, phase: str) -> None:
+        inv, key = check.inv, (check.inv.id, module)
+        self.counts[key] += 1
+        if self.every_step or self.counts[key] == 1:
+            events.append(
+                {
+                    "step": step,
+                    "detector": DETECTOR,
+                    "verdict": inv.id,
+                    "module": module,
+                    "rank": self.rank,
+                    "action": None,
+                    "evidence": {"relation": inv.relation, "phase": phase, "description": inv.description, **evidence},
+                }
+            )
 
 
 def check_trace(
@@ -101,8 +110,8 @@ def check_trace(
     """Offline: every violation of ``invariants`` in a recorded trace (a run dir or file)."""
     trace = trace if isinstance(trace, Trace) else load_trace(trace)
     invs = load_invariants(invariants) if isinstance(invariants, (str, Path)) else list(invariants)
-    checks = bind_invariants(invs, trace.header)
-    return Evaluator(checks, trace.header.get("rank", 0), every_step).run(trace.records)
+    evaluator = Evaluator(bind_invariants(invs, trace.header), trace.header.get("rank", 0), every_step)
+    return evaluator.run(trace.records) + evaluator.finish()
 
 
 class InvariantChecker(EngineCallbacks):
@@ -161,6 +170,7 @@ class InvariantChecker(EngineCallbacks):
     def detach(self) -> list[dict[str, Any]]:
         """Stop checking; return the violations of records that detaching completed."""
         events = self._report(self.recorder.detach())
+        events += self._report_found(self.evaluator.finish())
         if self._events is not None:
             self._events.close()
             self._events = None
@@ -189,7 +199,9 @@ class InvariantChecker(EngineCallbacks):
         self.recorder.log_metrics(metrics, **more)
 
     def _report(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        events = self.evaluator.run(records) if records else []
+        return self._report_found(self.evaluator.run(records) if records else [])
+
+    def _report_found(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if events:
             self.violations.extend(events)
             if self._events is not None:

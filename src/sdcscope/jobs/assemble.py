@@ -55,7 +55,7 @@ class CheckpointFault:
         ):
             return
         directory = self.run_dir / f"checkpoint-{step}"
-        save_checkpoint(ctx.trainer.snapshot(), directory)
+        save_checkpoint(ctx.trainer.snapshot(), directory)  # atomic; raises StorageError when refused
         for record in corrupt_checkpoint_file(directory / "state.pt", self.specs, rank=self.rank):
             self.injections.write(record)
             self.fired += 1
@@ -180,6 +180,14 @@ class FaultyRun:
             self.callbacks.append(self.guard.callback(t))  # primed before any fault
 
     @property
+    def certify(self) -> Callable[[], bool | None] | None:
+        """Whether the run's state is verified now (the guard's ``state_verified``), for the
+        certification of each checkpoint; None without a guard (checkpoints record ``null``)."""
+        if self.guard is None:
+            return None
+        return lambda: bool(self.guard.state_verified)
+
+    @property
     def fired(self) -> int:
         """Faults fired in training (not evaluation) in this session, checkpoint faults included."""
         records = [] if self.injector is None else self.injector.records
@@ -197,4 +205,4 @@ class FaultyRun:
 
     def train(self, steps: int, on_step: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
         with self:
-            return self.run.train(steps, callbacks=self.callbacks, on_step=on_step)
+            return self.run.train(steps, callbacks=self.callbacks, on_step=on_step, certify=self.certify)

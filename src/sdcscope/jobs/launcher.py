@@ -4,6 +4,12 @@ The job is validated here, saved as a job file in a temporary folder and run by 
 local ranks (:mod:`sdcscope.jobs.torchrun`). SIGINT, SIGTERM and SIGHUP are forwarded to the
 ranks, which stop after the same step; the launcher waits for them (bounded) and raises
 :class:`~sdcscope.engine.run.Interrupted` with the run's summary.
+
+Nothing outlives the launcher: torchrun gets SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``
+on Linux) and every rank watches the launcher itself (:func:`sdcscope.jobs.torchrun.watch_launcher`).
+Once a rank has recorded a failure (``failure.rank{r}.json``: a peer died or hung), the ranks
+still running are looked at (stopped? which rank?), killed, and the whole story written to
+``failure.json`` (:func:`describe_failure` makes the one line the CLI prints).
 """
 
 from __future__ import annotations
@@ -20,12 +26,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from sdcscope.common.exitcodes import ExitCode
 from sdcscope.engine.dist import DistributedError, free_port
 from sdcscope.engine.run import Interrupted
 from sdcscope.engine.rundir import read_json, read_jsonl, write_json
-from sdcscope.jobs.torchrun import Job, check_job, save_job
+from sdcscope.jobs.torchrun import LAUNCHER_ENV, Job, check_job, save_job
 
-__all__ = ["launch", "LAUNCHER_SIGNALS"]
+__all__ = ["launch", "LAUNCHER_SIGNALS", "describe_failure", "FAILURE_FILE"]
+
+FAILURE_FILE = "failure.json"
+"""The launcher's account of a failed job: every rank's state and what each failure file says."""
+FAILURE_GRACE_S = 3.0
+"""Seconds the other ranks get to record their own failure once one rank has recorded one."""
+_STATES = {
+    "T": "stopped by a signal (SIGSTOP or a debugger)",
+    "t": "stopped by a debugger",
+    "D": "blocked in uninterruptible I/O",
+    "R": "running but not taking part in the collective",
+    "S": "waiting, not taking part in the collective",
+}
 
 
 LAUNCHER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -48,6 +67,10 @@ def _held_signals() -> Iterator[list[int] | None]:
             signal.signal(s, handler)
 
 
+def _linux() -> bool:
+    return sys.platform.startswith("linux")
+
+
 def _children(pid: int) -> list[int] | None:
     """The live child processes of ``pid`` (torchrun's: the ranks), from /proc; None without /proc."""
     proc = Path("/proc")
@@ -65,6 +88,93 @@ def _children(pid: int) -> list[int] | None:
         if int(fields[1]) == pid and fields[0] != "Z":
             found.append(int(entry.name))
     return found
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies (Linux; torchrun then stops its
+    ranks). Elsewhere the ranks' own watch (:func:`sdcscope.jobs.torchrun.watch_launcher`) acts."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _rank_of(pid: int) -> int | None:
+    """The torchrun rank of process ``pid`` (its RANK environment variable), or None."""
+    with contextlib.suppress(OSError, ValueError):
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"RANK="):
+                return int(item[5:])
+    return None
+
+
+def _state(pid: int) -> str | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2 :].split()[0]
+    return None
+
+
+def _failures(out: Path) -> dict[int, dict[str, Any]]:
+    found = {}
+    for path in sorted(out.glob("failure.rank*.json")) if out.is_dir() else ():
+        with contextlib.suppress(OSError, ValueError):
+            record = read_json(path)
+            found[int(record.get("rank", path.stem.removeprefix("failure.rank")))] = record
+    return found
+
+
+def _record_failure(out: Path, ranks: dict[int, int], timeout_s: float | None) -> None:
+    """``failure.json``: each rank's fate (its own failure record, or its process state now), and
+    the one line that sums it up; called while the ranks still running are alive."""
+    records = _failures(out)
+    fates = {}
+    for rank, pid in sorted(ranks.items()):
+        if rank in records:
+            fates[rank] = {"pid": pid, "failed": records[rank].get("error"), "step": records[rank].get("step")}
+            continue
+        state = _state(pid)
+        fates[rank] = {
+            "pid": pid,
+            "state": state,
+            "doing": "exited" if state in (None, "Z") else _STATES.get(state or "", f"in state {state}"),
+        }
+    silent = [r for r, f in fates.items() if "failed" not in f]
+    failed = [r for r, f in fates.items() if "failed" in f]
+    if silent:
+        r = silent[0]
+        what = fates[r]["doing"]
+        verb = "died" if what == "exited" else "hung"
+        step = max((records[k].get("step", 0) for k in failed), default=None)
+        line = f"rank {r} (pid {fates[r]['pid']}) {verb}: {what}" + ("" if step is None else f" at step {step}")
+        if failed:
+            waited = "" if timeout_s is None else f" after --timeout {timeout_s:g} s"
+            line += f"; rank {failed[0]} gave up{waited}: {records[failed[0]].get('doing') or 'in a collective'}"
+    elif failed:
+        line = str(records[failed[0]].get("error"))
+    else:
+        line = "the job failed before any rank recorded why"
+    with contextlib.suppress(OSError):
+        write_json(out / FAILURE_FILE, {"message": line, "ranks": {str(k): v for k, v in fates.items()}})
+
+
+def describe_failure(out: Path, rc: int) -> tuple[int, str]:
+    """The exit code and the one line for a job that ended with exit code ``rc``: the launcher's
+    ``failure.json`` when it wrote one, else the first rank failure record, else the code alone."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # every rank stopped alike (sharded runs)
+        summary = read_json(out / "summary.json")
+        if summary["outcome"] == "stopped":
+            ledger = out / "ledger.json"
+            return ExitCode.GUARD_STOPPED, f"the guard stopped the run: {summary['stopped']} (ledger: {ledger})"
+    path = out / FAILURE_FILE
+    with contextlib.suppress(OSError, ValueError):
+        return ExitCode.INFRASTRUCTURE, f"{read_json(path)['message']} (details: {path})"
+    records = _failures(out)
+    if records:
+        rank = min(records)
+        return ExitCode.INFRASTRUCTURE, f"{records[rank].get('error')} (details: {out / f'failure.rank{rank}.json'})"
+    code = ExitCode.USER_ERROR if rc == ExitCode.USER_ERROR else ExitCode.INFRASTRUCTURE
+    return code, f"distributed training failed (exit code {rc}); see the rank errors above"
 
 
 def _signal(pid: int, signum: int) -> None:
@@ -157,16 +267,32 @@ def launch(job: Job, *, timeout_s: float | None = None, grace_s: float = 30.0) -
             "sdcscope.jobs.torchrun",
             str(path),
         ]
+        env = {**os.environ, LAUNCHER_ENV: str(os.getpid())}
         with _held_signals() as stop:
-            proc = subprocess.Popen(cmd, start_new_session=stop is not None)
+            proc = subprocess.Popen(
+                cmd, start_new_session=stop is not None, env=env, preexec_fn=_die_with_parent if _linux() else None
+            )
             try:
                 deadline = None if timeout_s is None else time.monotonic() + timeout_s
+                ranks: dict[int, int] = {}  # rank -> pid, as seen while they ran
+                failed_at = None
                 while proc.poll() is None and not stop:
                     if deadline is not None and time.monotonic() > deadline:
                         raise DistributedError(f"the world of {nproc} ranks did not finish within {timeout_s:g} s")
+                    for pid in _children(proc.pid) or ():
+                        if pid not in ranks.values() and (rank := _rank_of(pid)) is not None:
+                            ranks[rank] = pid
+                    if failed_at is None and _failures(job.out):
+                        failed_at = time.monotonic()
+                    if failed_at is not None and time.monotonic() > failed_at + FAILURE_GRACE_S:
+                        _record_failure(job.out, ranks, job.dist.timeout_s)
+                        _kill(proc)  # a hung rank never leaves by itself
+                        break
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(0.2)
                 rc = _stop(proc, stop, grace_s) if stop else proc.returncode
+                if rc and not stop and not (job.out / FAILURE_FILE).exists() and _failures(job.out):
+                    _record_failure(job.out, ranks, job.dist.timeout_s)
             finally:
                 if proc.poll() is None:
                     proc.terminate()  # torchrun forwards it to the ranks

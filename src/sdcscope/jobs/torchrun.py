@@ -11,10 +11,13 @@ one the rank guard alone (:mod:`sdcscope.mitigate.quarantine`) runs, unless ``cr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,18 +26,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sdcscope.common.exitcodes import ExitCode
 from sdcscope.engine import TrainConfig, check_new_run_dir
 from sdcscope.engine.ddp import DDPRun
 from sdcscope.engine.dist import DistConfig, DistributedError, init_distributed, leave_world
+from sdcscope.engine.parallel import ParallelConfig, ParallelRun
 from sdcscope.engine.run import Interrupted, stop_requests
 from sdcscope.engine.rundir import read_json, write_json
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.ranks import check_config
+from sdcscope.guard.sharded import sharded_guard_config
 from sdcscope.jobs.assemble import check_faults, guard_trainer
 from sdcscope.workloads import WorkloadConfig, make_workload
 
-__all__ = ["Job", "make_job", "save_job", "load_job", "check_job", "run_job", "main"]
+__all__ = ["Job", "make_job", "save_job", "load_job", "check_job", "run_job", "main", "watch_launcher", "LAUNCHER_ENV"]
+
+LAUNCHER_ENV = "SDCSCOPE_LAUNCHER_PID"
+"""The launcher's pid, in every rank's environment: a rank outlives neither it nor torchrun."""
 
 
 @dataclass
@@ -53,6 +62,8 @@ class Job:
     hash_every: int | None = None
     ledger: Path | None = None
     guard: GuardConfig | None = None
+    parallel: ParallelConfig | None = None
+    """How the model is split (:mod:`sdcscope.engine.parallel`); None: DDP."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -71,6 +82,7 @@ class Job:
             "hash_every": self.hash_every,
             "ledger": None if self.ledger is None else str(self.ledger),
             "guard": None if self.guard is None else self.guard.to_dict(),
+            "parallel": None if self.parallel is None else self.parallel.to_dict(),
         }
 
     @classmethod
@@ -87,7 +99,12 @@ class Job:
             hash_every=d["hash_every"],
             ledger=None if d["ledger"] is None else Path(d["ledger"]),
             guard=None if d["guard"] is None else GuardConfig.from_dict(d["guard"]),
+            parallel=None if d.get("parallel") is None else ParallelConfig(**d["parallel"]),
         )
+
+
+class GuardStopped(RuntimeError):
+    """The guard stopped a sharded run (a fault on a rank that owns a shard nobody else holds)."""
 
 
 def _check_ranks(specs: Sequence[FaultSpec], world_size: int) -> None:
@@ -109,6 +126,7 @@ def make_job(
     crossrank: bool = True,
     hash_every: int | None = None,
     ledger: str | Path | None = None,
+    parallel: ParallelConfig | None = None,
 ) -> Job:
     """A validated :class:`Job` for ``nproc`` ranks; raises ValueError before anything is started.
 
@@ -120,7 +138,14 @@ def make_job(
         raise ValueError(f"--steps {steps} must be >= 0")
     if hash_every is not None and hash_every < 0:
         raise ValueError(f"hash_every={hash_every} must be >= 0")
-    if guard is not None:
+    sharded = parallel is not None and parallel.kind != "ddp"
+    if sharded:
+        parallel.check(nproc, workload or WorkloadConfig())
+        if train is not None and train.eval_every:
+            raise ValueError(f"--eval-every with --parallel {parallel.kind}: a sharded run evaluates once, at the end")
+    if guard is not None and sharded:
+        guard = sharded_guard_config(guard, parallel.kind)
+    elif guard is not None:
         if not crossrank:
             raise ValueError(
                 "a guard needs the cross-rank checks (every rank must take the same decision); drop crossrank=False"
@@ -145,6 +170,7 @@ def make_job(
         hash_every=hash_every,
         ledger=None if ledger is None else Path(ledger),
         guard=guard,
+        parallel=parallel if sharded else None,
     )
 
 
@@ -172,6 +198,9 @@ def check_job(job: Job) -> None:
     check_faults(
         workload, model, optimizer, job.specs, train=job.train, steps=job.steps, world_size=job.nproc, distributed=True
     )
+    from sdcscope.engine.resources import check_memory
+
+    check_memory(workload, processes=job.nproc, model=model)
     if job.guard is not None:  # built, never attached: no hooks; no metrics file (path dropped)
         metrics = job.guard.metrics and replace(job.guard.metrics, path=None)
         Guard(model, optimizer, replace(job.guard, metrics=metrics)).close()
@@ -184,6 +213,8 @@ def run_job(job: Job, stop: list[int] | None = None) -> dict[str, Any]:
         "hash_every": job.hash_every,
         "guard": None if job.guard is None else job.guard.to_dict(),
     }
+    if job.parallel is not None:
+        return _run_sharded(job, extra, stop)
     run = DDPRun(job.out, job.workload, job.train, specs=job.specs, dist_config=job.dist, extra_config=extra)
     if not job.crossrank:
         return run.train(job.steps, stop=stop)
@@ -203,13 +234,93 @@ def run_job(job: Job, stop: list[int] | None = None) -> dict[str, Any]:
         guard.close()
 
 
+def _run_sharded(job: Job, extra: dict[str, Any], stop: list[int] | None) -> dict[str, Any]:
+    """A sharded job (FSDP2, TP, FSDP×TP, HSDP); raises :class:`GuardStopped` when its guard stopped it."""
+    run = ParallelRun(
+        job.out,
+        job.workload,
+        job.train,
+        parallel=job.parallel,
+        specs=job.specs,
+        dist_config=job.dist,
+        extra_config=extra,
+    )
+    guard = callbacks = None
+    if job.guard is not None:
+        guard = guard_trainer(run.trainer, job.guard, run_dir=job.out, ledger=job.ledger)
+        run.guard_stop = lambda: guard.ranks.stop
+        callbacks = [guard.callback(run.trainer)]
+    try:
+        try:
+            return run.train(job.steps, callbacks=callbacks or [], stop=stop)
+        except Interrupted:
+            if run.stopped:
+                raise GuardStopped(run.stopped) from None
+            raise
+    finally:
+        if guard is not None:
+            guard.close()
+
+
+def _gone(pid: int, fd: int | None) -> bool:
+    if fd is not None:
+        import select
+
+        return bool(select.select([fd], [], [], 0)[0])  # a pidfd reads ready once its process ended
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def watch_launcher(grace_s: float = 5.0, poll_s: float = 0.2) -> threading.Thread | None:
+    """Stop this rank when its launcher (:data:`LAUNCHER_ENV`) or its parent (torchrun) dies: a
+    SIGTERM to itself first (the ranks stop after the same step, as on Ctrl-C), and after
+    ``grace_s`` an immediate exit (:data:`ExitCode.INFRASTRUCTURE`), so an orphaned rank never
+    trains on. None when there is nothing to watch."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    parent = os.getppid()
+    pid = int(launcher) if launcher and launcher.isdigit() else None
+    fd = None
+    if pid is not None and hasattr(os, "pidfd_open"):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            os._exit(ExitCode.INFRASTRUCTURE)  # gone before this rank started
+        except OSError:
+            fd = None
+
+    def watch() -> None:
+        while os.getppid() == parent and (pid is None or not _gone(pid, fd)):
+            time.sleep(poll_s)
+        print(f"error: rank {os.environ.get('RANK', '?')}: its launcher is gone; stopping", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(ExitCode.INFRASTRUCTURE)
+
+    thread = threading.Thread(target=watch, name="sdcscope-launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m sdcscope.jobs.torchrun JOB.json`` on every rank; exit code 0, 1 (world) or 2 (usage).
+    """``python -m sdcscope.jobs.torchrun JOB.json`` on every rank; exit code 0, 2 (usage) or
+    5 (:data:`ExitCode.INFRASTRUCTURE`: the world could not form or was lost).
 
     SIGINT or SIGTERM stops every rank after the same step (summary outcome ``interrupted``); the
-    ranks then exit 0 without a word (the launcher reports it); a second signal acts at once."""
+    ranks then exit 0 without a word (the launcher reports it); a second signal acts at once.
+    A rank whose launcher dies stops too (:func:`watch_launcher`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     with stop_requests() as stop:  # from here on, also while the world forms
+        if LAUNCHER_ENV in os.environ:
+            grace = 5.0
+            with contextlib.suppress(Exception):
+                grace = min(grace, float(read_json(argv[0])["dist"]["timeout_s"]) / 2)
+            watch_launcher(grace)
         return _main(argv, stop)
 
 
@@ -225,7 +336,7 @@ def _main(argv: list[str], stop: list[int]) -> int:
         rank, _ = init_distributed(job.dist)
     except DistributedError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return ExitCode.INFRASTRUCTURE
     except KeyboardInterrupt:  # a second signal before the world formed
         return 128 + signal.SIGINT
     try:
@@ -234,6 +345,11 @@ def _main(argv: list[str], stop: list[int]) -> int:
         except Interrupted:  # every rank stopped after the same step; rank 0 saved the summary
             dist.barrier()
             return 0
+        except GuardStopped as exc:  # the guard stopped every rank after the same step; ledger written
+            dist.barrier()
+            if rank == 0:
+                print(f"stopped by the guard: {exc}; run directory: {job.out}", file=sys.stderr)
+            return int(ExitCode.GUARD_STOPPED)
         dist.barrier()  # leave together (see sdcscope.engine.dist.spawn)
         if rank == 0:
             print(
@@ -247,7 +363,21 @@ def _main(argv: list[str], stop: list[int]) -> int:
         return 2
     except DistributedError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return ExitCode.INFRASTRUCTURE
+    except RuntimeError as exc:  # a collective failed outside the training loop (the final barrier)
+        from sdcscope.engine.ddp import _failure, _is_comm_error
+
+        if not _is_comm_error(exc):
+            raise
+        print(f"error: {_failure(job.out, rank, -1, exc)}", file=sys.stderr)
+        return ExitCode.INFRASTRUCTURE
+    except OSError as exc:  # a write the storage refused: the same one line as a single run's
+        from sdcscope.common.storage import storage_cause
+
+        if storage_cause(exc) is None:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return ExitCode.STORAGE
     except KeyboardInterrupt:  # a second SIGINT: stop at once, quietly
         return 128 + signal.SIGINT
     finally:

@@ -25,18 +25,15 @@ and rank) and equal replicas (:class:`sdcscope.mitigate.quarantine.RankGuard` ch
 
 One replay is not a diagnosis: real SDC devices fail intermittently, and a fault that does not
 recur in a single replay is not proof of health. :class:`RankLedger` keeps every
-suspicion per **device** (host and device index, not rank) in ``ledger.json`` in the run
-directory; a device with one ``persistent`` verdict, or ``max_suspicions`` suspicions within
-``window`` steps, is ``faulty``, and a ledger carried into a later job keeps it so.
+suspicion per **device** (host and device index, not rank) and site in ``ledger.json`` in the
+run directory (:mod:`sdcscope.localize.ledger`); a device with one ``persistent`` verdict or
+site, or ``max_suspicions`` suspicions within ``window`` steps, is ``faulty``, and a ledger
+carried into a later job keeps it so.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import math
-import os
-import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,18 +43,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdcscope.common.io import write_json
 from sdcscope.common.validate import check_positive
 from sdcscope.detect.events import Event
 from sdcscope.detect.signatures import MOD32, Gathered, grad_signatures
 from sdcscope.engine.dist import gather_rows
+from sdcscope.localize.ledger import LEDGER_FILE, SUSPICIONS, Ledger, LedgerConfig, device_id
+
+__all__ = [
+    "LEDGER_FILE",
+    "SUSPICIONS",
+    "VERDICTS",
+    "LedgerConfig",
+    "LocalizeConfig",
+    "RankLedger",
+    "RankLocalizer",
+    "device_id",
+]
 
 VERDICTS = ("correct_result", "transient", "persistent", "unverified")
 """What :meth:`RankLocalizer.diagnose` can say about a suspect."""
-SUSPICIONS = ("nonfinite", "grad_outlier", "transient", "unverified", "replica_mismatch", "reduce_mismatch")
-"""Verdicts naming a rank that count toward ``max_suspicions`` (``persistent`` makes a device
-faulty at once; ``correct_result`` clears the rank for that step)."""
-LEDGER_FILE = "ledger.json"
 
 
 @dataclass(kw_only=True)
@@ -70,15 +74,6 @@ class LocalizeConfig:
         if isinstance(self.rtol, bool) or not isinstance(self.rtol, (int, float)) or not 0 <= self.rtol < 1:
             raise ValueError(f"rtol={self.rtol!r} must be a number in [0, 1)")
         check_positive("max_listed", self.max_listed)
-
-
-def device_id() -> str:
-    """This process's device as the ledger knows it: ``host:cuda:i`` or ``host:cpu:local_rank``."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        dev = f"cuda:{torch.cuda.current_device()}"
-    else:
-        dev = f"cpu:{os.environ.get('LOCAL_RANK', '0')}"
-    return f"{socket.gethostname()}:{dev}"
 
 
 def _module(param: str) -> str:
@@ -207,26 +202,10 @@ class RankLocalizer:
         )
 
 
-@dataclass(kw_only=True)
-class LedgerConfig:
-    max_suspicions: int = 3
-    """Steps with a suspicion (see :data:`SUSPICIONS`) within ``window`` steps that make a device
-    faulty; a ``persistent`` verdict does at once."""
-    window: int = 10_000
-
-    def __post_init__(self) -> None:
-        check_positive("max_suspicions", self.max_suspicions)
-        check_positive("window", self.window)
-
-
-class RankLedger:
-    """Suspicions per device, persisted as ``ledger.json`` (written by one rank: ``writer``).
-
-    Format: ``{"format": "sdcscope-ledger/1", "devices": {device: {"rank": r, "faulty": bool,
-    "suspicions": [{"step", "detector", "verdict", "module"}, ...]}}}``. ``entries`` (what
-    :meth:`read` returned for an existing file) carries an earlier job's record over, so a device
-    judged faulty then (or caught again after a resume) stays so. Suspicions count once per step.
-    """
+class RankLedger(Ledger):
+    """The :class:`~sdcscope.localize.ledger.Ledger` of a data-parallel job: ranks map to devices
+    (``devices[rank]``), written by one rank (``writer``). See :mod:`sdcscope.localize.ledger`
+    for the format; ``entries`` carries an earlier job's record over."""
 
     def __init__(
         self,
@@ -237,52 +216,19 @@ class RankLedger:
         writer: bool = True,
         entries: dict[str, dict[str, Any]] | None = None,
     ) -> None:
-        self.config = config or LedgerConfig()
+        super().__init__(path, config, writer=writer, entries=entries)
         self.devices = list(devices)
-        self.path = None if path is None else Path(path)
-        self.writer = writer
-        self.entries = copy.deepcopy(entries or {})
         for rank, dev in enumerate(self.devices):
-            self.entries.setdefault(dev, {"rank": rank, "faulty": False, "suspicions": []})["rank"] = rank
-
-    @staticmethod
-    def read(path: str | Path) -> dict[str, dict[str, Any]] | None:
-        """The device entries of the ledger at ``path``; ``None`` when there is no file."""
-        path = Path(path)
-        if not path.is_file():
-            return None
-        try:
-            entries = json.loads(path.read_text())["devices"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"corrupt ledger {str(path)!r}: {exc}") from None
-        if not isinstance(entries, dict):
-            raise ValueError(f"corrupt ledger {str(path)!r}: 'devices' is not a mapping")
-        return entries
-
-    def _entry(self, rank: int) -> dict[str, Any]:
-        return self.entries[self.devices[rank]]
+            self.entry(dev, rank)["rank"] = rank
 
     def record(self, event: Event) -> bool:
         """Note a suspicion of ``event.rank``; True when this made its device faulty."""
-        if event.rank is None or event.verdict not in (*SUSPICIONS, "persistent"):
+        if event.rank is None:
             return False
-        entry = self._entry(event.rank)
-        entry["suspicions"].append(
-            {"step": event.step, "detector": event.detector, "verdict": event.verdict, "module": event.module}
-        )
-        was = entry["faulty"]
-        steps = {s["step"] for s in entry["suspicions"] if event.step - s["step"] < self.config.window}
-        entry["faulty"] = was or event.verdict == "persistent" or len(steps) >= self.config.max_suspicions
-        self.save()
-        return entry["faulty"] and not was
+        return self.note(self.devices[event.rank], event, rank=event.rank).became_faulty
 
-    def faulty(self, rank: int) -> bool:
-        return bool(self._entry(rank)["faulty"])
+    def faulty(self, rank: int) -> bool:  # type: ignore[override]
+        return bool(self.entries[self.devices[rank]]["faulty"])
 
     def suspicions(self, rank: int) -> list[dict[str, Any]]:
-        return list(self._entry(rank)["suspicions"])
-
-    def save(self) -> None:
-        if self.writer and self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(self.path, {"format": "sdcscope-ledger/1", "devices": self.entries})
+        return list(self.entries[self.devices[rank]]["suspicions"])

@@ -18,13 +18,25 @@ from dataclasses import dataclass, field
 
 from sdcscope.common.validate import check_bool, check_choice, did_you_mean
 
-ACTIONS = ("none", "veto", "recompute", "rollback", "skip_batch", "lr_backoff", "qk_clip", "quarantine", "report")
+ACTIONS = (
+    "none",
+    "veto",
+    "recompute",
+    "rollback",
+    "skip_batch",
+    "lr_backoff",
+    "qk_clip",
+    "quarantine",
+    "stop",
+    "report",
+)
 """veto: skip the optimizer step (parameters and optimizer state untouched); recompute: use the
 verified re-execution of the step; rollback: restore the last verified in-memory snapshot;
 skip_batch: never train on this batch again; lr_backoff: scale the LR down, recovering linearly;
 qk_clip: rescale W_q/W_k of a layer whose attention logits explode; quarantine: exclude a rank's
 gradients from the all-reduce from the next step and veto this one (distributed runs; a single
-process has no other rank to carry on and vetoes the step); report: event only."""
+process has no other rank to carry on: it vetoes the step and stops); stop: end training cleanly
+(``Guard.stopped``; the CLI exits with ``GUARD_STOPPED``); report: event only."""
 
 DEFAULT_RULES: dict[str, list[str]] = {
     # Replay showed the result was not reproducible: a transient hardware fault. The clean
@@ -43,17 +55,23 @@ DEFAULT_RULES: dict[str, list[str]] = {
     "attention_logit:high": ["qk_clip"],
     # Without a replay (replay disabled or impossible) the safe answer is not to apply the step.
     "*:unverified": ["veto"],
+    # The ledger saw this site fail `strikes` times (or the device is faulty): repairing again is
+    # futile. Exclude the device -- in one process, stop cleanly -- with a verified state.
+    "*:persistent": ["veto", "quarantine"],
+    "state_checksum:persistent": ["rollback", "quarantine"],
 }
 
 
 VERDICTS: dict[str, tuple[str, ...]] = {
     # Findings checked after backward: the guard replays the step and the finding takes the
     # replay's verdict (``Guard.decide``; under DDP the rank replay's, ``sdcscope.guard.ranks``).
-    "abft": ("transient", "reproducible", "unverified"),
-    "nonfinite": ("transient", "reproducible", "unverified"),
-    "spike": ("transient", "reproducible", "unverified"),
+    # ``persistent``: the device ledger's verdict on a finding repeated at one site
+    # (:mod:`sdcscope.guard.strikes`).
+    "abft": ("transient", "reproducible", "unverified", "persistent"),
+    "nonfinite": ("transient", "reproducible", "unverified", "persistent"),
+    "spike": ("transient", "reproducible", "unverified", "persistent"),
     # Weights / optimizer state that changed between steps: no replay, the verdict stays.
-    "state_checksum": ("corrupt",),
+    "state_checksum": ("corrupt", "persistent"),
     "attention_logit": ("high",),
 }
 """The detectors whose findings the policy decides, and the verdicts they reach it with (the

@@ -46,6 +46,7 @@ run_dir=...))`` with :class:`~sdcscope.engine.ddp.DDPTrainer`) or in a plain loo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,9 @@ from sdcscope.detect.events import Event
 from sdcscope.engine.buckets import bucket_hook
 from sdcscope.engine.state import TrainState, capture, clone_tree
 from sdcscope.localize.ranks import LEDGER_FILE, LedgerConfig, LocalizeConfig, RankLedger, RankLocalizer, device_id
+from sdcscope.observe.eventlog import event_line
+
+log = logging.getLogger(__name__)
 
 LOCALIZABLE = ("nonfinite", "grad_outlier")
 """Cross-rank verdicts about a rank's own computation, which a replay can re-check (a rank's
@@ -144,6 +148,7 @@ class RankGuard:
         )
         if self._writer is not None:
             self._writer.touch()
+        self._log_events = write_events and self.rank == 0  # else the caller records (and logs) them
         self.ledger.save()
         self._verified: TrainState | None = capture(self.model, optimizer, 0, 0) if c.rollback else None
         self._emit(
@@ -316,9 +321,12 @@ class RankGuard:
 
     def _emit(self, events: list[Event]) -> None:
         self.events += events
-        if self._writer is not None:
-            for e in events:
-                self._writer.write(e.to_dict())
+        for e in events:
+            record = e.to_dict()
+            if self._writer is not None:
+                self._writer.write(record)
+            if self._log_events:
+                log.warning("%s", event_line(record))
 
     def close(self) -> None:
         if self._writer is not None:

@@ -27,6 +27,7 @@ and the logits of fused kernels that are not SDPA (FlashAttention's own package,
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 import threading
@@ -43,7 +44,7 @@ _MAX_DEPTH = 16
 """Frames searched above the SDPA call for the module that made it."""
 
 _lock = threading.Lock()
-_taps: weakref.WeakSet[SDPATap] = weakref.WeakSet()  # a tap dropped without detach leaves by itself
+_taps: weakref.WeakSet = weakref.WeakSet()  # an observer dropped without removal leaves by itself
 _original: list = []
 
 
@@ -51,9 +52,31 @@ def _sdpa(*args, **kwargs):
     out = _original[0](*args, **kwargs)
     if _taps and not torch.compiler.is_compiling():
         call = dict(zip(_ARGS, args), **kwargs)
+        frame = sys._getframe(1)
         for tap in list(_taps):
-            tap.observe(call, sys._getframe(1))
+            tap.observe(call, out, frame)
     return out
+
+
+def add_sdpa_observer(observer) -> None:
+    """Hand every SDPA call to ``observer.observe(call, out, frame)`` (``call``: the arguments by
+    name, ``out``: the kernel's result, ``frame``: the caller's). One wrapper serves every
+    observer -- the metrics' taps here and the guard's attention check -- reference counted, so
+    observers can come and go in any order and the last one out restores torch's function."""
+    with _lock:
+        if not _original:
+            _original[:] = [torch.nn.functional.scaled_dot_product_attention]
+            torch.nn.functional.scaled_dot_product_attention = _sdpa
+        _taps.add(observer)
+
+
+def remove_sdpa_observer(observer) -> None:
+    with _lock:
+        _taps.discard(observer)
+        if _taps:  # observers of models dropped without removal (held in reference cycles) leave now
+            gc.collect()
+        if not _taps and _original:
+            torch.nn.functional.scaled_dot_product_attention = _original.pop()
 
 
 class SDPATap:
@@ -69,18 +92,11 @@ class SDPATap:
 
     # -- installation (reference counted: several Metrics may be attached at once)
     def install(self) -> SDPATap:
-        with _lock:
-            if not _original:
-                _original[:] = [torch.nn.functional.scaled_dot_product_attention]
-                torch.nn.functional.scaled_dot_product_attention = _sdpa
-            _taps.add(self)
+        add_sdpa_observer(self)
         return self
 
     def remove(self) -> None:
-        with _lock:
-            _taps.discard(self)
-            if not _taps and _original:
-                torch.nn.functional.scaled_dot_product_attention = _original.pop()
+        remove_sdpa_observer(self)
 
     # -- recording
     def _owner(self, frame) -> tuple[str, nn.Module] | None:
@@ -95,7 +111,7 @@ class SDPATap:
             frame = frame.f_back
         return None
 
-    def observe(self, call: dict, frame) -> None:
+    def observe(self, call: dict, out, frame) -> None:
         q, k = call.get("query"), call.get("key")
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dim() < 2:
             return

@@ -17,10 +17,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from sdcscope.common.validate import check_bool, check_choice, check_positive
-from sdcscope.observe.sinks import check_sink
+from sdcscope.observe.sinks import check_package, check_sink
 
 UPDATE_RATIO_SOURCES = ("auto", "optimizer", "copy", "off")
 SINKS = ("jsonl", "tensorboard")
+MLFLOW_KEYS = ("tracking_uri", "experiment", "run_id", "run_name", "tags")
 
 DEFAULT_ATTN_SCORE = "*score"
 DEFAULT_ATTN_CONTEXT = "*context"
@@ -79,6 +80,20 @@ class MetricsConfig:
     (:class:`JsonlSink`) or ``'tensorboard'`` (log dir). Prometheus: pass a ``PrometheusSink``."""
     path: str | None = None
     """JSONL file (or TensorBoard log dir); ``None`` = no sink from the config."""
+    prometheus_port: int | None = None
+    """Serve the metrics and the guard's event counters (detections, actions, replays,
+    rollbacks) for Prometheus at ``http://<prometheus_addr>:<port>/metrics``; 0 = any free port
+    (logged); ``None`` = off. Needs ``pip install 'sdcscope[prometheus]'``."""
+    prometheus_addr: str = "127.0.0.1"
+    """Address the Prometheus endpoint listens on (``0.0.0.0``: every interface)."""
+    wandb: dict | None = None
+    """Log to Weights & Biases: the keyword arguments of ``wandb.init`` (``project``, ``name``,
+    ``mode: offline``, ``dir``, ...); ``{}`` = wandb's defaults; ``None`` = off. Needs
+    ``pip install 'sdcscope[wandb]'``."""
+    mlflow: dict | None = None
+    """Log to MLflow: ``tracking_uri``, ``experiment``, ``run_id``, ``run_name``, ``tags`` (see
+    :class:`~sdcscope.observe.trackers.MlflowSink`); ``{}`` = the default tracking URI, experiment
+    ``sdcscope``; ``None`` = off. Needs ``pip install 'sdcscope[mlflow]'``."""
 
     def __post_init__(self) -> None:
         check_choice("update_ratio", self.update_ratio, UPDATE_RATIO_SOURCES)
@@ -95,6 +110,7 @@ class MetricsConfig:
                 raise ValueError(f"{name}={value!r} must be a non-empty string or None")
         if self.path is not None:
             check_sink(self.sink, self.path)
+        self._check_trackers()
         for name in ("kurtosis_modules", "stable_rank_params"):
             value = getattr(self, name)
             if value is None:
@@ -106,6 +122,27 @@ class MetricsConfig:
             if not all(value):
                 raise ValueError(f"{name}={value!r} must be a pattern or a list of non-empty pattern strings")
             setattr(self, name, tuple(value))
+
+    def _check_trackers(self) -> None:
+        port = self.prometheus_port
+        if port is not None:
+            if isinstance(port, bool) or not isinstance(port, int):
+                raise TypeError(f"prometheus_port={port!r} must be an int (0..65535) or None")
+            if not 0 <= port <= 65535:
+                raise ValueError(f"prometheus_port={port!r} must lie in 0..65535 (0: any free port) or be None")
+            check_package("metrics prometheus_port", "prometheus_client", "prometheus-client", "prometheus")
+        if not isinstance(self.prometheus_addr, str) or not self.prometheus_addr:
+            raise TypeError(f"prometheus_addr={self.prometheus_addr!r} must be a non-empty string")
+        for name, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise TypeError(f"{name}={value!r} must be a mapping of settings or None")
+            check_package(f"metrics {name}", module, module, module)
+        unknown = sorted(set(self.mlflow or {}) - set(MLFLOW_KEYS))
+        if unknown:
+            raise ValueError(f"mlflow settings {unknown} unknown; allowed: {', '.join(MLFLOW_KEYS)}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -72,7 +72,7 @@ from sdcscope.observe.config import (
 )
 from sdcscope.observe.forward_stats import TINY, ForwardStats
 from sdcscope.observe.reduce import dense_grad, grad_sq_norms, prefixed, reconstruct_update, stack, summarize, total_dot
-from sdcscope.observe.sinks import Sink, make_sink
+from sdcscope.observe.sinks import Sink, make_sinks
 
 _EXACT_SIGMA = 1 << 22
 """Weights of up to this many elements get the exact σ_max (an SVD) in the stable rank."""
@@ -159,7 +159,7 @@ class Metrics(ForwardStats):
         if sinks is not None:
             self.sinks = list(sinks)
         else:
-            self.sinks = [make_sink(cfg.sink, cfg.path)] if cfg.path is not None else []
+            self.sinks = make_sinks(cfg)
         self._handles: list = []
         self._tier_handles: dict[str, list] = {}
         self._attached = False
@@ -447,6 +447,14 @@ class Metrics(ForwardStats):
         self._reset()
         self.begin_step(step + 1)
         return out
+
+    def event(self, record: dict) -> None:
+        """A guard event (an ``events.jsonl`` record) for the sinks that count events (their
+        ``event(record)``: Prometheus counters, the trackers' event counts)."""
+        for sink in self.sinks:
+            count = getattr(sink, "event", None)
+            if count is not None:
+                count(record)
 
     def restart_step(self) -> None:
         """Drop what this step recorded so far: its update was discarded (a veto, a rollback), or

@@ -1,6 +1,7 @@
-"""Where per-step metrics go: JSONL (default), TensorBoard, Prometheus.
+"""Where per-step metrics go: JSONL (default), TensorBoard, Prometheus (W&B, MLflow: :mod:`.trackers`).
 
-A sink is anything with ``write(step, metrics)`` and ``close()`` (:class:`Sink`). The optional
+A sink is anything with ``write(step, metrics)`` and ``close()`` (:class:`Sink`); one that also
+has ``event(record)`` gets the guard's events too (to count them). The optional
 back-ends import their library lazily, on construction, and raise ``ImportError`` naming the
 extra to install when it is missing; :func:`check_sink` refuses such a sink before any work.
 """
@@ -8,11 +9,14 @@ extra to install when it is missing; :func:`check_sink` refuses such a sink befo
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from sdcscope.common.io import JsonlWriter, file_in_the_way, jsonable
+
+log = logging.getLogger(__name__)
 
 
 def _missing(what: str, package: str, extra: str) -> str:
@@ -73,43 +77,135 @@ class TensorBoardSink:
 
 _PROM_BAD = re.compile(r"[^a-zA-Z0-9_:]")
 
+LAYER_FAMILIES = (
+    "grad_norm",
+    "update_ratio",
+    "attn/max_logit_bound",
+    "attn/max_logit",
+    "attn/entropy",
+    "act/kurtosis",
+    "stable_rank",
+)
+"""The quantities :class:`~sdcscope.observe.Metrics` also gives per layer, as ``<quantity>/<layer>``."""
+
+
+def split_metric(key: str) -> tuple[str, str | None]:
+    """``(quantity, layer)`` of a metric name: ``'attn/entropy/blocks.0.attn'`` →
+    ``('attn/entropy', 'blocks.0.attn')``; a per-layer quantity's global value (``'grad_norm'``)
+    has layer ``'all'``; any other key is its own quantity with no layer (``('attn/entropy_min', None)``)."""
+    if key in LAYER_FAMILIES:
+        return key, "all"
+    cut = key.rfind("/")
+    if cut > 0 and key[:cut] in LAYER_FAMILIES:  # module names hold no '/'
+        return key[:cut], key[cut + 1 :]
+    return key, None
+
 
 class PrometheusSink:
-    """Gauges in a ``prometheus_client`` registry, optionally served over HTTP on ``port``.
+    """Gauges and counters in a ``prometheus_client`` registry, served over HTTP on ``port``
+    (``0``: any free port, see :attr:`port`; ``None``: not served, read :attr:`registry`).
 
-    ``grad_norm/blocks.0.fc`` becomes the gauge ``<prefix>grad_norm{layer="blocks.0.fc"}``: the
-    part before the first ``/`` names the gauge, the rest is its ``layer`` label. The last step
-    is the gauge ``<prefix>step``.
+    One metric name per quantity (:func:`split_metric`): ``grad_norm/blocks.0.fc`` is
+    ``<prefix>grad_norm{layer="blocks.0.fc"}`` and the global norm ``layer="all"``;
+    ``attn/entropy_min`` is the label-less ``<prefix>attn_entropy_min``; the last step is
+    ``<prefix>step``. Guard events (:meth:`event`) count into ``<prefix>detections_total{detector,
+    verdict}``, ``<prefix>actions_total{action}``, ``<prefix>replays_total``,
+    ``<prefix>rollbacks_total`` and ``<prefix>guard_reports_total{verdict}``. ``labels``: constant
+    labels on every metric (e.g. ``{"rank": "0", "run": "exp1"}``). :meth:`close` stops the server.
     """
 
-    def __init__(self, *, port: int | None = None, registry: object = None, prefix: str = "sdcscope_") -> None:
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        registry: object = None,
+        prefix: str = "sdcscope_",
+        labels: dict[str, str] | None = None,
+        addr: str = "127.0.0.1",
+    ) -> None:
         try:
             import prometheus_client
         except ImportError as exc:
             raise ImportError(_missing("PrometheusSink", "prometheus_client", "prometheus")) from exc
-        self._prom = prometheus_client
-        self._registry = registry if registry is not None else prometheus_client.CollectorRegistry()
-        self._prefix = prefix
-        self._gauges: dict[str, object] = {}
-        if port is not None:
-            prometheus_client.start_http_server(port, registry=self._registry)
+        from sdcscope.observe.eventlog import EventCounts
 
-    def _gauge(self, name: str, labelled: bool):
-        gauge = self._gauges.get(name)
-        if gauge is None:
-            gauge = self._prom.Gauge(
-                name, f"sdcscope metric {name}", ["layer"] if labelled else [], registry=self._registry
-            )
-            self._gauges[name] = gauge
-        return gauge
+        self._prom = prometheus_client
+        self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
+        self._prefix = prefix
+        self._const = {str(k): str(v) for k, v in (labels or {}).items()}
+        self._metrics: dict[str, object] = {}
+        self._counts = EventCounts()
+        self._server = None
+        for what in ("replays", "rollbacks"):  # 0 from the first scrape on
+            self._labelled(self._get("counter", f"{prefix}{what}", ()))
+        self.port = port
+        if port is not None:
+            self._server, _ = prometheus_client.start_http_server(port, addr=addr, registry=self.registry)
+            self.port = self._server.server_port
+            log.info("Prometheus metrics served on http://%s:%d/metrics", addr, self.port)
+
+    def _get(self, kind: str, name: str, extra: tuple[str, ...]):
+        metric = self._metrics.get(name)
+        if metric is None:
+            cls = self._prom.Gauge if kind == "gauge" else self._prom.Counter
+            what = "guard events" if kind == "counter" else "metric"
+            metric = cls(name, f"sdcscope {what} {name}", [*self._const, *extra], registry=self.registry)
+            self._metrics[name] = metric
+        return metric
+
+    def _labelled(self, metric, **extra: str):
+        labels = {**self._const, **extra}
+        return metric.labels(**labels) if labels else metric
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        self._gauge(self._prefix + "step", False).set(step)
+        self._labelled(self._get("gauge", self._prefix + "step", ())).set(step)
         for key, value in metrics.items():
-            base, _, layer = key.partition("/")
-            name = self._prefix + _PROM_BAD.sub("_", base)
-            gauge = self._gauge(name + ("_by_layer" if layer else ""), bool(layer))
-            (gauge.labels(layer=layer) if layer else gauge).set(value)
+            quantity, layer = split_metric(key)
+            name = self._prefix + _PROM_BAD.sub("_", quantity)
+            if layer is None:
+                self._labelled(self._get("gauge", name, ())).set(value)
+            else:
+                self._labelled(self._get("gauge", name, ("layer",)), layer=layer).set(value)
+
+    def event(self, record: dict) -> None:
+        """Count a guard event (an ``events.jsonl`` record)."""
+        added = self._counts.add(record)
+        p = self._prefix
+        if added["detection"] is not None:
+            detector, verdict = added["detection"]
+            self._labelled(
+                self._get("counter", p + "detections", ("detector", "verdict")), detector=detector, verdict=verdict
+            ).inc()
+        if added["report"] is not None:
+            self._labelled(self._get("counter", p + "guard_reports", ("verdict",)), verdict=added["report"]).inc()
+        for action in added["actions"]:
+            self._labelled(self._get("counter", p + "actions", ("action",)), action=action).inc()
+        for what in ("replay", "rollback"):
+            if added[what]:
+                self._labelled(self._get("counter", f"{p}{what}s", ())).inc()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class LatestRow:
+    """The latest metrics row, kept in memory for a trainer's own loggers (the HF and Lightning
+    adapters add it to their guard's sinks): :meth:`summary` gives the whole-model values --
+    quantities without a layer and the ``layer="all"`` ones of :func:`split_metric` -- under
+    ``prefix``; the per-layer ones stay in the metrics file."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.row: dict[str, float] = {}
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.step, self.row = int(step), dict(metrics)
+
+    def summary(self, prefix: str = "sdcscope/") -> dict[str, float]:
+        return {prefix + k: float(v) for k, v in self.row.items() if split_metric(k)[1] in (None, "all")}
 
     def close(self) -> None:
         pass
@@ -118,6 +214,30 @@ class PrometheusSink:
 def make_sink(kind: str, path: str | Path) -> Sink:
     """The sink a :class:`~sdcscope.observe.MetricsConfig` names: ``'jsonl'`` or ``'tensorboard'``."""
     return JsonlSink(path) if kind == "jsonl" else TensorBoardSink(path)
+
+
+def make_sinks(config) -> list[Sink]:
+    """Every sink a :class:`~sdcscope.observe.MetricsConfig` asks for: its ``sink`` at ``path``,
+    a Prometheus endpoint (``prometheus_port``), Weights & Biases (``wandb``), MLflow (``mlflow``)."""
+    sinks: list[Sink] = []
+    if config.path is not None:
+        sinks.append(make_sink(config.sink, config.path))
+    if config.prometheus_port is not None:
+        sinks.append(PrometheusSink(port=config.prometheus_port, addr=config.prometheus_addr))
+    if config.wandb is not None or config.mlflow is not None:
+        from sdcscope.observe.trackers import MlflowSink, WandbSink
+
+        if config.wandb is not None:
+            sinks.append(WandbSink(**config.wandb))
+        if config.mlflow is not None:
+            sinks.append(MlflowSink(**config.mlflow))
+    return sinks
+
+
+def check_package(what: str, module: str, package: str, extra: str) -> None:
+    """ValueError naming the extra to install when ``module`` cannot be imported."""
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(_missing(what, package, extra))
 
 
 def check_sink(kind: str, path: str | Path) -> None:

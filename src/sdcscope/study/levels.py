@@ -26,8 +26,18 @@ import torch
 from sdcscope.engine import StepContext, Trainer
 from sdcscope.inject import Injector
 from sdcscope.localize import lockstep
+from sdcscope.study.plan import TARGET_SEP
 
-__all__ = ["submodule_level", "gradient_level"]
+__all__ = ["submodule_level", "gradient_level", "in_target"]
+
+
+def in_target(module: str | None, target: str, sep: str = TARGET_SEP) -> bool:
+    """Whether ``module`` (a first divergence) lies inside the trial's target: a target group is
+    the names of its modules joined by ``sep``, and a divergence in any of them, or in a submodule
+    of one, is the injected unit's."""
+    if not module:
+        return False
+    return any(module == t or module.startswith(t + ".") for t in target.split(sep) if t)
 
 
 def submodule_level(trainer: Trainer, arm: Callable[[int], Injector]) -> dict[str, Any]:

@@ -12,8 +12,12 @@
   ``sharp`` -- a loss spike: the training loss exceeded golden's, at some step of the horizon, by
   more than ``loss_excess`` of the healthy runs allows; ``slow`` -- the final validation loss
   (fault removed) is worse than golden's by more than the healthy ``val_delta`` bound;
-  ``drift`` -- the losses look healthy but the parameters are farther from golden's than healthy
-  re-seeded runs get (``dist_golden``);
+  ``drift`` -- the losses look healthy but the parameters moved away from golden's, decided two
+  ways and both recorded: ``drift_twin`` -- the final relative distance to the bit-exact golden
+  twin (``dist_golden``) exceeds :data:`TWIN_BOUND`; ``drift_spread`` -- it exceeds the distance
+  healthy re-seeded runs reach (their bound). A re-seeded run lands far from golden (another data
+  order), so only the twin measure sees a fault that sends the weights elsewhere with a normal loss
+  (Ma et al.); ``sdc_kind`` is ``drift`` when either holds (see :mod:`.drift`);
 - ``benign``: parameters differ from golden but every measure is within healthy variance.
 
 ``outcome`` -- ``effect``, unless the guard is on and emitted an event at or after the step
@@ -29,34 +33,58 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["EFFECTS", "OUTCOMES", "SDC_KINDS", "NOT_FIRED", "classify"]
+__all__ = ["EFFECTS", "OUTCOMES", "SDC_KINDS", "NOT_FIRED", "TWIN_BOUND", "classify", "drift_flags"]
 
 NOT_FIRED = "not_fired"
 EFFECTS = ("masked", "benign", "crash", "sdc", NOT_FIRED)
 SDC_KINDS = ("sharp", "slow", "drift")
 OUTCOMES = ("masked", "benign", "detected", "recovered", "crash", "sdc", NOT_FIRED)
+TWIN_BOUND = 0.01
+"""``drift_twin``: the final weights differ from the bit-exact golden twin's by more than 1 % of
+their norm (‖θ − θ_golden‖ / ‖θ_golden‖ > 0.01). The twin is bit-reproducible, so any non-zero
+distance is the fault's doing; the bound leaves out rounding-level traces (a low mantissa bit)
+and keeps a move the size of a real training change."""
 
 
 def _above(value: float | None, bound: float) -> bool:
     return value is not None and value > bound
 
 
+def _flag(value: float | None, bound: float) -> int | None:
+    return None if value is None or not math.isfinite(value) else int(value > bound)
+
+
+def drift_flags(m: dict[str, Any], thresholds: dict[str, float]) -> dict[str, int | None]:
+    """``{"drift_twin", "drift_spread"}``: the final weight distance to golden (``dist_golden``)
+    against :data:`TWIN_BOUND` (``thresholds["dist_twin"]`` when given) and against the healthy
+    re-seeds' bound, whatever the effect; None without a finite distance (a crash, a fault that
+    never fired)."""
+    dist = None if m["crash"] or not m.get("fired", True) else m["dist_golden"]
+    return {
+        "drift_twin": _flag(dist, thresholds.get("dist_twin", TWIN_BOUND)),
+        "drift_spread": _flag(dist, thresholds["dist_golden"]),
+    }
+
+
 def classify(m: dict[str, Any], thresholds: dict[str, float], guard: bool) -> dict[str, Any]:
     """``{"effect", "sdc_kind", "outcome"}`` of trial measures ``m`` (keys: fired -- true when left
     out --, crash, masked, loss_excess, val_delta, dist_golden, detected) against ``thresholds``
-    (measure -> bound)."""
+    (measure -> bound); ``drift`` by either measure of :func:`drift_flags`."""
     kind = None
     if not m.get("fired", True):
         return {"effect": NOT_FIRED, "sdc_kind": None, "outcome": NOT_FIRED}
+    flags = drift_flags(m, thresholds)
     if m["crash"]:
         effect = "crash"
     elif m["masked"]:
         effect = "masked"
     else:
-        for name, measure in (("sharp", "loss_excess"), ("slow", "val_delta"), ("drift", "dist_golden")):
+        for name, measure in (("sharp", "loss_excess"), ("slow", "val_delta")):
             if _above(m[measure], thresholds[measure]):
                 kind = name
                 break
+        if kind is None and (flags["drift_twin"] or flags["drift_spread"]):
+            kind = "drift"
         effect = "benign" if kind is None else "sdc"
     outcome = effect
     if guard and m.get("detected"):

@@ -15,7 +15,9 @@ plain one are the same physical cell -- in one campaign or in two with the same 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +31,9 @@ from sdcscope.inject.validate import validate_spec
 from sdcscope.study.spec import CampaignSpec
 from sdcscope.workloads import make_workload, mix_seed
 
-__all__ = ["Trial", "build_plan", "pattern_label", "schedule_label", "location_json", "TARGET_SEP"]
+log = logging.getLogger("sdcscope.study.plan")
+
+__all__ = ["Trial", "build_plan", "pending_trials", "pattern_label", "schedule_label", "location_json", "TARGET_SEP"]
 
 TARGET_SEP = ","
 """Joins the module names of a target group into one trial target."""
@@ -221,11 +225,44 @@ def _sample(spec: CampaignSpec, points: list[dict]) -> list[int]:
         key = tuple(Trial(trial_id=i, **p).dimension(d) for d in sampling.by)
         strata.setdefault(key, []).append(i)
     share, extra = divmod(sampling.n, len(strata))
+    lucky = set(rng.sample(range(len(strata)), extra))  # the remainder: strata drawn at random, not the first ones
     chosen: list[int] = []
     for k, members in enumerate(strata.values()):
-        want = share + (1 if k < extra else 0)
+        want = share + (1 if k in lucky else 0)
         chosen += members if want >= len(members) else rng.sample(members, want)
+    if share == 0:
+        covered = [key for k, key in enumerate(strata) if k in lucky]
+        shown = "; ".join("/".join(map(str, key)) for key in covered[:8]) + ("; …" if len(covered) > 8 else "")
+        log.warning(
+            "sampling n=%d is below the %d strata of by=%s: only %d strata are covered (%s), the others get no "
+            "trial; raise n to at least %d (the campaign can be extended later) or stratify by fewer dimensions",
+            sampling.n,
+            len(strata),
+            list(sampling.by),
+            len(covered),
+            shown,
+            len(strata),
+        )
     return sorted(chosen)
+
+
+def pending_trials(plan: list[Trial], stored: dict[int, str]) -> list[Trial]:
+    """The trials of ``plan`` not stored yet (``stored``: ``{trial_id: key}`` of the stored rows).
+    A trial is known by its key; where an extended campaign's plan gives a new trial an id a
+    stored row already holds, it gets the next free id instead, so every row stays as it is."""
+    done = set(stored.values())
+    todo = [t for t in plan if t.key not in done]
+    taken = set(stored)
+    if not any(t.trial_id in taken for t in todo):
+        return todo
+    next_id = max([*taken, *(t.trial_id for t in plan)]) + 1
+    renumbered = []
+    for t in todo:
+        if t.trial_id in taken:
+            t, next_id = dataclasses.replace(t, trial_id=next_id), next_id + 1
+        taken.add(t.trial_id)
+        renumbered.append(t)
+    return renumbered
 
 
 def build_plan(spec: CampaignSpec, model: nn.Module, optimizer=None) -> list[Trial]:

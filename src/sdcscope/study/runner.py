@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import yaml
 
-from sdcscope.study.plan import Trial, build_plan
+from sdcscope.study.plan import Trial, build_plan, pending_trials
 from sdcscope.study.spec import CampaignSpec, load_campaign, read_campaign_data
 from sdcscope.study.stats import RULE, THRESHOLD_MEASURES, prediction_bound
 from sdcscope.study.store import DB_FILE, ResultsDB
@@ -325,8 +325,9 @@ def _run_locked(
     spec = load_campaign(spec_path)
     plan = plan_campaign(spec)
     with ResultsDB(directory / DB_FILE, spec, len(plan)) as db:
-        done = db.done_trials()
-        todo = [t for t in plan if t.trial_id not in done]
+        todo = pending_trials(plan, db.trial_keys())  # by key: an extended campaign keeps its rows
+        if db.extended:
+            db.set_plan_size(len(db.trial_keys()) + len(todo))
         backend = _backend(directory, spec, workers, ray_address) if todo or not db.thresholds() else None
         try:
             if backend is not None:

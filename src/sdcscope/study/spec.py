@@ -283,8 +283,14 @@ class Sampling:
 
     ``exhaustive``: all. ``random``: ``n`` points uniformly without replacement. ``stratified``:
     ``n`` points spread evenly over the strata formed by the dimensions ``by`` (the remainder goes
-    to the first strata in plan order), uniformly without replacement inside each stratum; a
-    stratum smaller than its share gives all its points.
+    to strata drawn at random), uniformly without replacement inside each stratum; a stratum
+    smaller than its share gives all its points. An ``n`` below the number of strata covers only
+    ``n`` of them: the plan warns and names them.
+
+    A campaign may be *extended*: its ``sampling`` edited (a larger ``n``, another seed,
+    ``exhaustive``) while the fault space, workload and everything else stay the same
+    (:attr:`CampaignSpec.space_hash`). Every stored row is kept; the trials of the new sample not
+    run yet are added.
     """
 
     kind: str = "exhaustive"
@@ -446,6 +452,13 @@ class CampaignSpec:
         text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
+    @property
+    def space_hash(self) -> str:
+        """:attr:`hash` without ``sampling``: two specs with the same space hash draw trials from
+        the same fault space with the same meaning, so one campaign may be extended by the other
+        (see :class:`Sampling`)."""
+        return space_hash(self.to_dict())
+
 
 def read_campaign_data(source: str | os.PathLike[str]) -> tuple[str, Mapping]:
     """``(where, data)``: the raw mapping of a campaign spec file path (or YAML text), before
@@ -495,3 +508,9 @@ def load_campaign(source: str | os.PathLike[str]) -> CampaignSpec:
         return CampaignSpec.from_dict(data)
     except (TypeError, ValueError, FileNotFoundError) as exc:
         raise type(exc)(f"{where}: {exc}") from None
+
+
+def space_hash(spec: Mapping) -> str:
+    """:attr:`CampaignSpec.space_hash` of a normalized spec mapping (``to_dict()``, as stored)."""
+    text = json.dumps({k: v for k, v in spec.items() if k != "sampling"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()

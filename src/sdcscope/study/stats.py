@@ -48,10 +48,61 @@ def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     return (0.0 if k == 0 else lo, 1.0 if k == n else hi)
 
 
-def _t_quantile(q: float, dof: int) -> float:
-    from scipy.special import stdtrit  # scipy ships with scikit-learn, a dependency
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified
+    Lentz; converges fast for x < (a + 1) / (a + b + 2), else through I_x(a, b) = 1 - I_{1-x}(b, a))."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 10_000):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-16:
+            break
+    return front * f
 
-    return float(stdtrit(dof, q))
+
+def _t_quantile(q: float, dof: int) -> float:
+    """The ``q`` quantile of Student's t with ``dof`` degrees of freedom (scipy's ``stdtrit``),
+    without scipy: closed forms for 1 and 2 degrees of freedom, else bisection down to adjacent
+    floats of ``P(|T| < t) = I_{t²/(ν+t²)}(1/2, ν/2) = 1 - 2p`` near the centre and of
+    ``P(T > t) = I_{ν/(ν+t²)}(ν/2, 1/2) / 2 = p`` in the tail (p = min(q, 1 - q), exact in floats)."""
+    if isinstance(dof, bool) or not isinstance(dof, int) or dof < 1:
+        raise ValueError(f"dof={dof!r} must be an int >= 1")
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"q={q!r} must lie in (0, 1)")
+    if q == 0.5:
+        return 0.0
+    sign, p = (1.0, 1.0 - q) if q > 0.5 else (-1.0, q)  # p = the tail beyond |t|, exact in floats
+    if dof == 1:
+        return sign / math.tan(math.pi * p)
+    if dof == 2:
+        return sign * (1 - 2 * p) / math.sqrt(2 * p * (1 - p))
+    nu = float(dof)
+    if p > 0.25:  # below the target: P(|T| < t) < 1 - 2p
+        target = 1 - 2 * p
+        below = lambda t: _betainc(0.5, nu / 2, t * t / (nu + t * t)) < target
+    else:  # below the target: P(T > t) > p
+        below = lambda t: 0.5 * _betainc(nu / 2, 0.5, nu / (nu + t * t)) > p
+    lo, hi = 0.0, 1.0
+    while below(hi):
+        lo, hi = hi, hi * 2
+    while (mid := (lo + hi) / 2) not in (lo, hi):
+        lo, hi = (mid, hi) if below(mid) else (lo, mid)
+    return sign * hi
 
 
 def prediction_bound(values: Sequence[float], alpha: float) -> dict[str, float]:

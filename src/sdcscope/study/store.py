@@ -3,25 +3,30 @@
 Tables: ``meta`` (spec hash and the normalized spec), ``golden`` (the golden loss curve),
 ``reference`` (golden at the end of each horizon), ``baseline`` (healthy re-seeded runs),
 ``thresholds`` (the healthy-spread bound of each measure at each injection step) and ``trials``.
-Only the campaign's main process writes; every row is its own transaction, so a killed runner
-loses at most the trials in flight, and a trial id is its primary key, so none is written twice.
+A database of an older schema is migrated when opened (see :meth:`ResultsDB._migrate`). Only the
+campaign's main process writes; every row is its own transaction, so a killed runner loses at most
+the trials in flight, and a trial id is its primary key, so none is written twice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
 
 from sdcscope.common.io import dumps
-from sdcscope.study.spec import CampaignSpec
+from sdcscope.common.storage import storage_cause, writing
+from sdcscope.study.spec import CampaignSpec, space_hash
 
 __all__ = ["ResultsDB", "TRIAL_COLUMNS", "BASELINE_COLUMNS", "DB_FILE"]
 
 DB_FILE = "results.sqlite"
-SCHEMA = 1
-JSON_COLUMNS = {"losses", "drift", "first_divergence", "lockstep", "nsr", "drift_steps"}
+SCHEMA = 2
+JSON_COLUMNS = {"losses", "drift", "disagree", "first_divergence", "lockstep", "nsr", "drift_steps"}
 TRIAL_COLUMNS: dict[str, str] = {
     "trial_id": "INTEGER PRIMARY KEY",
     "spec_hash": "TEXT NOT NULL",
@@ -58,6 +63,9 @@ TRIAL_COLUMNS: dict[str, str] = {
     "val_delta": "REAL",
     "dist_golden": "REAL",
     "dist_healthy": "REAL",
+    "disagree_final": "REAL",
+    "drift_twin": "INTEGER",
+    "drift_spread": "INTEGER",
     "detected": "INTEGER",
     "detect_step": "INTEGER",
     "latency": "INTEGER",
@@ -70,6 +78,7 @@ TRIAL_COLUMNS: dict[str, str] = {
     "lockstep": "TEXT",
     "nsr": "TEXT",
     "wall_s": "REAL",
+    "disagree": "TEXT",
 }
 BASELINE_COLUMNS: dict[str, str] = {
     "inject_step": "INTEGER",
@@ -83,6 +92,7 @@ BASELINE_COLUMNS: dict[str, str] = {
     "losses": "TEXT",
     "drift": "TEXT",
     "wall_s": "REAL",
+    "disagree": "TEXT",
 }
 _TABLES = {
     "meta": "key TEXT PRIMARY KEY, value TEXT",
@@ -114,22 +124,60 @@ class ResultsDB:
     def __init__(self, path: str | Path, spec: CampaignSpec, plan_size: int | None = None) -> None:
         self.path = Path(path)
         exists = self.path.exists()
-        self.conn = sqlite3.connect(self.path, isolation_level=None, timeout=30)
+        self.extended = False
+        """Whether the spec extends the one the database was made for (:meth:`_extends`)."""
+        self.readonly = exists and not all(os.access(p, os.W_OK) for p in (self.path, self.path.parent))
+        with writing("the results database", self.path):
+            self.conn = (
+                self._connect() if self.readonly else sqlite3.connect(self.path, isolation_level=None, timeout=30)
+            )
         self.conn.row_factory = sqlite3.Row
         try:
             if exists:
-                self._check(spec)
+                try:
+                    self._check(spec)
+                except sqlite3.OperationalError:  # even a read needs room for WAL files: read it as it is
+                    if self.readonly:
+                        raise
+                    self.conn.close()
+                    self.conn, self.readonly = self._connect(), True
+                    self.conn.row_factory = sqlite3.Row
+                    self._check(spec)
             else:
                 self._create(spec, plan_size)
         except Exception:
             self.conn.close()
+            if not exists:  # a database that could not be made whole is not left behind
+                for suffix in ("", "-wal", "-shm", "-journal"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(f"{self.path}{suffix}")
             raise
+
+    def _connect(self) -> sqlite3.Connection:
+        """A read-only connection (a read-only file or folder: an archived campaign, a read-only
+        mount). SQLite's WAL mode needs a writable folder even to read, unless the file is opened
+        as immutable (nothing else writes it: nothing can)."""
+        uri = self.path.resolve().as_uri()
+        try:
+            conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, isolation_level=None)
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return conn
+        except sqlite3.OperationalError:
+            conn.close()
+        return sqlite3.connect(f"{uri}?immutable=1", uri=True, isolation_level=None)
 
     def _check(self, spec: CampaignSpec) -> None:
         try:
             meta = {r["key"]: r["value"] for r in self.conn.execute("SELECT key, value FROM meta")}
         except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and storage_cause(exc) is not None:
+                raise  # the storage refused, the file is fine: see __init__
             raise ValueError(f"{str(self.path)!r} is not an sdcscope results database ({exc})") from None
+        extended = meta.get("spec_hash") != spec.hash and self._extends(meta, spec)
+        if int(meta.get("schema") or 1) < SCHEMA and (extended or meta.get("spec_hash") == spec.hash):
+            self._migrate(spec)  # an extended spec's database too, before rows with the new columns
+        if extended:
+            return
         if meta.get("spec_hash") != spec.hash:
             old = json.loads(meta.get("spec", "{}")).get("name", "?")
             raise ValueError(
@@ -139,7 +187,73 @@ class ResultsDB:
                 "new campaign directory"
             )
 
+    def _migrate(self, spec: CampaignSpec) -> None:
+        """Schema 1 -> 2: add the drift columns (a trial's ``disagree``, ``disagree_final``,
+        ``drift_twin``, ``drift_spread``; a baseline's ``disagree``) and decide each finished
+        trial's outcome again from its stored measures (``sdc:drift`` also holds against the golden
+        twin now); the function measure stays empty, as it was not measured. A database that
+        cannot be written is read as it is (the new columns read as None)."""
+        from sdcscope.study.outcomes import classify, drift_flags
+
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            for table, columns in (("trials", TRIAL_COLUMNS), ("baseline", BASELINE_COLUMNS)):
+                have = {r[1] for r in self.conn.execute(f"PRAGMA table_info({table})")}
+                for name, kind in columns.items():
+                    if name not in have:
+                        self.conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+            thresholds = self.thresholds()
+            for r in self._rows("SELECT * FROM trials"):
+                if r["inject_step"] not in thresholds:
+                    continue
+                m = {**r, "crash": bool(r["crash"]), "masked": bool(r["masked"])}
+                th = thresholds[r["inject_step"]]
+                new = {**classify(m, th, spec.guard), **drift_flags(m, th)}
+                self.conn.execute(
+                    "UPDATE trials SET effect=?, sdc_kind=?, outcome=?, drift_twin=?, drift_spread=? WHERE trial_id=?",
+                    [new[k] for k in ("effect", "sdc_kind", "outcome", "drift_twin", "drift_spread")] + [r["trial_id"]],
+                )
+            self.conn.execute("UPDATE meta SET value=? WHERE key='schema'", (str(SCHEMA),))
+            self.conn.execute("COMMIT")
+        except sqlite3.OperationalError as exc:  # read-only file or folder
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            logging.getLogger("sdcscope.study.store").warning(
+                "%s: schema %s database not migrated (%s); its drift columns read as None", self.path, SCHEMA - 1, exc
+            )
+        except BaseException:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+
+    def _extends(self, meta: dict[str, str], spec: CampaignSpec) -> bool:
+        """Whether ``spec`` extends the stored one (only its sampling differs: see
+        :class:`~sdcscope.study.spec.Sampling`); if so the database is bound to ``spec`` from now
+        on (every row kept; a read-only database is read as it is)."""
+        try:
+            stored = json.loads(meta.get("spec", "{}"))
+        except ValueError:
+            return False
+        if not isinstance(stored, dict) or space_hash(stored) != spec.space_hash:
+            return False
+        self.extended = True
+        if not self.readonly:
+            with self._writing("the extended campaign spec"):
+                self.conn.execute("UPDATE meta SET value=? WHERE key='spec_hash'", (spec.hash,))
+                self.conn.execute("UPDATE meta SET value=? WHERE key='spec'", (json.dumps(spec.to_dict()),))
+        return True
+
+    def set_plan_size(self, plan_size: int) -> None:
+        """The number of trials planned (it grows when a campaign is extended)."""
+        if self.meta().get("plan_size") != str(plan_size):
+            with self._writing("the plan size"):
+                self.conn.execute("UPDATE meta SET value=? WHERE key='plan_size'", (str(plan_size),))
+
     def _create(self, spec: CampaignSpec, plan_size: int | None) -> None:
+        with writing("the results database", self.path):
+            self._create_tables(spec, plan_size)
+
+    def _create_tables(self, spec: CampaignSpec, plan_size: int | None) -> None:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("BEGIN")
         for name, cols in _TABLES.items():
@@ -168,24 +282,39 @@ class ResultsDB:
         sql = f"INSERT INTO {table} ({', '.join(keys)}) VALUES ({', '.join('?' * len(keys))})"
         self.conn.execute(sql, [_encode(k, row[k]) for k in keys])
 
+    @contextlib.contextmanager
+    def _writing(self, what: str):
+        """One transaction; a write the storage refuses is rolled back (no partial rows) and
+        raised as :class:`~sdcscope.common.storage.StorageError` naming the database."""
+        with writing(what, self.path):
+            try:
+                self.conn.execute("BEGIN")
+                yield
+                self.conn.execute("COMMIT")
+            except BaseException:
+                if self.conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self.conn.execute("ROLLBACK")
+                raise
+
     def write_golden(self, losses: list[float], references: list[dict[str, Any]]) -> None:
-        self.conn.execute("BEGIN")
-        self.conn.executemany("INSERT INTO golden VALUES (?, ?)", enumerate(losses))
-        for ref in references:
-            self._insert("reference", ref)
-        self.conn.execute("COMMIT")
+        with self._writing("the golden run's results"):
+            self.conn.executemany("INSERT INTO golden VALUES (?, ?)", enumerate(losses))
+            for ref in references:
+                self._insert("reference", ref)
 
     def write_baseline(self, row: dict[str, Any]) -> None:
-        self._insert("baseline", {k: row.get(k) for k in BASELINE_COLUMNS})
+        with self._writing("a baseline's results"):
+            self._insert("baseline", {k: row.get(k) for k in BASELINE_COLUMNS})
 
     def write_thresholds(self, rows: list[dict[str, Any]]) -> None:
-        self.conn.execute("BEGIN")
-        for row in rows:
-            self._insert("thresholds", row)
-        self.conn.execute("COMMIT")
+        with self._writing("the thresholds"):
+            for row in rows:
+                self._insert("thresholds", row)
 
     def write_trial(self, row: dict[str, Any]) -> None:
-        self._insert("trials", {k: row.get(k) for k in TRIAL_COLUMNS})
+        with self._writing(f"trial {row.get('trial_id')}'s results"):
+            self._insert("trials", {k: row.get(k) for k in TRIAL_COLUMNS})
 
     # -- reading -----------------------------------------------------------------------------
     def _rows(self, sql: str, *args) -> list[dict[str, Any]]:
@@ -201,7 +330,10 @@ class ResultsDB:
         return {r["inject_step"]: r for r in self._rows("SELECT * FROM reference ORDER BY inject_step")}
 
     def baselines(self) -> list[dict[str, Any]]:
-        return self._rows("SELECT * FROM baseline ORDER BY inject_step, seed")
+        return [
+            {**dict.fromkeys(BASELINE_COLUMNS), **r}
+            for r in self._rows("SELECT * FROM baseline ORDER BY inject_step, seed")
+        ]
 
     def thresholds(self) -> dict[int, dict[str, float]]:
         out: dict[int, dict[str, float]] = {}
@@ -215,5 +347,9 @@ class ResultsDB:
     def done_trials(self) -> set[int]:
         return {r[0] for r in self.conn.execute("SELECT trial_id FROM trials")}
 
+    def trial_keys(self) -> dict[int, str]:
+        """``{trial_id: key}`` of every stored trial."""
+        return {r[0]: r[1] for r in self.conn.execute("SELECT trial_id, key FROM trials")}
+
     def trials(self) -> list[dict[str, Any]]:
-        return self._rows("SELECT * FROM trials ORDER BY trial_id")
+        return [{**dict.fromkeys(TRIAL_COLUMNS), **r} for r in self._rows("SELECT * FROM trials ORDER BY trial_id")]

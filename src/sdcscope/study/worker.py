@@ -10,7 +10,6 @@ worker runs a job. Files it writes (snapshots, trajectories, baseline end states
 from __future__ import annotations
 
 import math
-import os
 import struct
 import time
 from pathlib import Path
@@ -21,9 +20,10 @@ import torch
 from sdcscope.engine import Trainer, load_checkpoint, param_sha256, save_checkpoint
 from sdcscope.faults import FaultSpecError
 from sdcscope.inject import Injector
+from sdcscope.study.drift import Predictor, disagreement
 from sdcscope.study.guarded import first_detection, guard_events, make_guard
 from sdcscope.study.levels import gradient_level, submodule_level
-from sdcscope.study.outcomes import classify
+from sdcscope.study.outcomes import classify, drift_flags
 from sdcscope.study.plan import Trial
 from sdcscope.study.spec import CampaignSpec
 from sdcscope.workloads import make_workload
@@ -51,9 +51,9 @@ def rel_distance(a: torch.Tensor, b: torch.Tensor) -> float | None:
 
 
 def _save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    from sdcscope.engine.state import save_torch  # atomic; a refused write raises StorageError
+
+    save_torch(obj, path, "the golden run's trajectory")
 
 
 def _bits(x: float) -> bytes:
@@ -83,6 +83,7 @@ class Worker:
         self.workload = make_workload(self.spec.workload_config())
         self.trainer = Trainer(self.workload, self.spec.train_config())
         self._cache: dict[str, Any] = {}
+        self._predictor: Predictor | None = None
 
     def run(self, job: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -104,6 +105,14 @@ class Worker:
 
     def _trajectory(self, step: int) -> dict[str, Any]:
         return self._load(f"trajectory-{step}.pt", lambda p: torch.load(p, weights_only=True))
+
+    def _disagree(self, step: int, k: int, model: torch.nn.Module) -> float | None:
+        """Prediction disagreement of ``model`` with golden at the ``k``-th drift step after
+        ``step`` (golden's predictions come from its stored trajectory, once per worker)."""
+        if self._predictor is None:
+            self._predictor = Predictor(self.workload)
+        golden = self._load(f"predictions-{step}-{k}", lambda _: self._predictor(self._trajectory(step)["params"][k]))
+        return disagreement(self._predictor(model), golden)
 
     # -- golden ------------------------------------------------------------------------------
     def golden(self, job: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +163,7 @@ class Worker:
         horizon in optimizer steps); loss curve, drift to golden, crash; ``stop()`` may end early."""
         t, s, h = self.trainer, job["inject_step"], self.spec.horizon
         traj = self._trajectory(s)
-        at, drift = set(traj["steps"]), {}
+        at, drift, disagree = set(traj["steps"]), {}, {}
         out = {"losses": [], "crash": False, "error": None, "early": False}
         by_step: dict[int, float] = {}  # a step trained again after a rollback replaces its first try
         rows = 0
@@ -167,7 +176,9 @@ class Worker:
                     out["crash"] = True
                     break
                 if t.step in at:
-                    drift[t.step] = rel_distance(flat_params(t.model), traj["params"][traj["steps"].index(t.step)])
+                    k = traj["steps"].index(t.step)
+                    d = drift[t.step] = rel_distance(flat_params(t.model), traj["params"][k])
+                    disagree[t.step] = 0.0 if d == 0 else None if d is None else self._disagree(s, k, t.model)
                 if stop is not None and stop():
                     out["early"] = True
                     break
@@ -177,6 +188,7 @@ class Worker:
             out.update(crash=True, error=f"{type(exc).__name__}: {exc}")
         out["losses"] = [by_step[k] for k in sorted(by_step)]
         out["drift"] = [drift[k] for k in traj["steps"] if k in drift]
+        out["disagree"] = [disagree[k] for k in traj["steps"] if k in disagree]
         return out
 
     def _measures(self, job: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
@@ -188,6 +200,7 @@ class Worker:
             "steps": len(losses),
             "losses": losses,
             "drift": run["drift"],
+            "disagree": run["disagree"],
             "final_loss": losses[-1] if losses else None,
             "first_diff_step": None if first is None else job["inject_step"] + first,
             "loss_excess": max(diffs) if diffs else None,
@@ -221,6 +234,7 @@ class Worker:
             "guard_events": None if guard is None else len(guard_events(guard, s)),
             "losses": run["losses"],
             "drift": run["drift"],
+            "disagree": run["disagree"],
         }
 
     # -- trial -------------------------------------------------------------------------------
@@ -281,6 +295,7 @@ class Worker:
                 loss_diff_max=0.0,
                 loss_diff_mean=0.0,
                 drift=[0.0] * len(traj["steps"]),
+                disagree=[0.0] * len(traj["steps"]),
             )
             ev, sha, final = (
                 {"val_loss": ref["val_loss"], "val_acc": ref["val_acc"]},
@@ -294,6 +309,7 @@ class Worker:
         activated = bool(records) and (not _unchanged(records))
         val_loss = ev.get("val_loss")
         dist_golden = row["drift"][-1] if len(row["drift"]) == len(traj["steps"]) else None
+        disagree_final = row["disagree"][-1] if len(row["disagree"]) == len(traj["steps"]) else None
         healthy = [
             rel_distance(final, self._load(f"baseline-{s}-{k}.pt", lambda p: torch.load(p, weights_only=True)))
             for k in self.spec.baseline.seeds
@@ -313,17 +329,13 @@ class Worker:
             val_acc_fault=ev_fault.get("val_acc"),
             val_delta=val_loss - ref["val_loss"] if _finite(val_loss) else None,
             dist_golden=None if crash else dist_golden,
+            disagree_final=None if crash else disagree_final,
             dist_healthy=None if crash or None in healthy else sum(healthy) / len(healthy),
             detected=None if guard is None else int(hit is not None),
             detect_step=None if hit is None else hit["step"],
             latency=None if hit is None else hit["step"] - first,
             guard_events=None if guard is None else len(events),
         )
-        row.update(
-            classify(
-                {**row, "crash": crash, "masked": row["masked"], "detected": row["detected"]},
-                job["thresholds"],
-                guard is not None,
-            )
-        )
+        measures = {**row, "crash": crash, "masked": row["masked"], "detected": row["detected"]}
+        row.update(classify(measures, job["thresholds"], guard is not None), **drift_flags(measures, job["thresholds"]))
         return row

@@ -1,4 +1,5 @@
-"""A LeNet-style CNN for scikit-learn's 8×8 digits — the workload of the accelerator-fault study.
+"""A LeNet-style CNN for the 8×8 digits (scikit-learn's, shipped with sdcscope): the workload of the
+accelerator-fault study.
 
 Layer names: ``conv1``, ``conv2`` (nn.Conv2d, weights ``[out, in, kh, kw]`` so an NVDLA-style
 MAC cell (input channel a, output channel b) maps to ``weight[b, a]``), ``fc1``, ``fc2``, ``fc3``.

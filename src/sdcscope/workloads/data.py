@@ -1,4 +1,4 @@
-"""Real training data with no download: byte corpora and scikit-learn's bundled digits.
+"""Real training data with no download: byte corpora and the 8×8 digits (scikit-learn's, shipped here).
 
 The default text corpus is the source of the running Python's standard library (``*.py`` files
 under ``sysconfig.get_paths()["stdlib"]``, read as bytes in sorted path order).  A user can name
@@ -123,17 +123,27 @@ def _windows(data: torch.Tensor, starts: torch.Tensor, block_size: int):
     return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
 
+DIGITS_FILE = Path(__file__).parent / "assets" / "digits.npz"
+"""The 8×8 digits shipped with the package (licence: ``assets/DIGITS-LICENSE.txt``)."""
+
+
+def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The 8×8 digits as scikit-learn's ``load_digits()`` gives them: ``(images, target)``,
+    float64 ``[1797, 8, 8]`` pixels 0..16 and int64 labels, read from the copy in this package
+    (stored as uint8), so the CNN workload needs neither scikit-learn nor a download."""
+    with np.load(DIGITS_FILE, allow_pickle=False) as z:
+        return z["images"].astype(np.float64), z["target"].astype(np.int64)
+
+
 def load_digits_tensors(val_fraction: float = 0.2):
-    """scikit-learn's bundled 8×8 digits (1,797 images, shipped with the package, no download).
+    """The 8×8 digits (1,797 images, shipped with the package, no download).
 
     Returns ``(x_train, y_train, x_val, y_val)`` with images as float32 ``[N, 1, 8, 8]`` in [0, 1],
     split by a fixed permutation so every run sees the same split.
     """
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
+    images, target = load_digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(target, dtype=torch.long)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     n_val = int(len(x) * val_fraction)
     val, train = perm[:n_val], perm[n_val:]

@@ -97,7 +97,7 @@ class CausalSelfAttention(nn.Module):
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        return x.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+        return x.view(b, t, -1, self.head_dim).transpose(1, 2)  # -1: a tensor-parallel rank holds some heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -107,7 +107,7 @@ class CausalSelfAttention(nn.Module):
         scores = self.score(q * (1.0 / math.sqrt(self.head_dim)), k.transpose(-2, -1))
         scores = scores.masked_fill(~self.causal_mask[:t, :t], float("-inf"))
         probs = self.dropout(F.softmax(scores, dim=-1))
-        y = self.context(probs, v).transpose(1, 2).reshape(b, t, c)
+        y = self.context(probs, v).transpose(1, 2).reshape(b, t, -1)
         return self.o_proj(y)
 
 

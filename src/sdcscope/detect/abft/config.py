@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sdcscope.common.validate import check_bool, check_choice, check_float, check_non_negative, check_positive
+from sdcscope.common.validate import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_non_negative,
+    check_positive,
+)
 from sdcscope.detect.events import GEMMS
 
 CHECKSUMS = ("both", "row", "column")
-KINDS = ("linear", "matmul", "conv")
+KINDS = ("linear", "matmul", "conv", "sdpa")
 CHECKSUM_DTYPES = ("auto", "float64", "float32")
+ORDERS = ("rotation", "random")
 
 
 @dataclass(kw_only=True)
@@ -18,7 +26,11 @@ class ABFTConfig:
     """Module-name patterns; ``None`` = every module of ``kinds``."""
     kinds: tuple[str, ...] = KINDS
     """Which products: ``'linear'`` (``nn.Linear``), ``'matmul'`` (MatMul-contract modules),
-    ``'conv'`` (``nn.Conv1d/2d/3d``, ``nn.ConvTranspose1d/2d/3d``)."""
+    ``'conv'`` (``nn.Conv1d/2d/3d``, ``nn.ConvTranspose1d/2d/3d``), ``'sdpa'``
+    (``F.scaled_dot_product_attention`` calls: sampled query rows recomputed,
+    :mod:`sdcscope.detect.attention`)."""
+    attention_rows: int = 2
+    """Query rows per SDPA call recomputed in fp32 and compared (``'sdpa'`` in ``kinds``)."""
     gemms: tuple[str, ...] = GEMMS
     checksums: str = "column"
     """``'column'``: 1ᵀC per check (names the column); ``'both'`` adds the row checksums C·1
@@ -35,6 +47,24 @@ class ABFTConfig:
     """Check on steps with ``step % every == 0``."""
     layer_fraction: float = 1.0
     """Share of the targeted layers checked on a checked step (deterministic rotation)."""
+    order: str = "rotation"
+    """How ``layer_fraction`` picks a checked step's layers: ``'rotation'`` (⌈fraction × layers⌉
+    in turn) or ``'random'`` (each layer drawn with probability ``layer_fraction``, afresh each
+    step: a transient fault in any GEMM is checked with that probability on every step, and a
+    fault pinned to one layer and period cannot alias with the sampling)."""
+    seed: int = 0
+    """Seed of the ``'random'`` draw (the draw of a step is a function of seed and step alone, so
+    a replay of a step checks the same layers, and the training RNG is never touched)."""
+    escalate_steps: int = 10
+    """After a checksum mismatch (or :meth:`ABFTDetector.escalate`, which the guard calls on any
+    other finding), every layer is checked on the step's replay and this many steps after it."""
+    tile: int | None = 8
+    """bf16/fp16 results (autocast) are checked as sums over ``tile``×``tile`` tiles against the
+    product of the operands' tile sums in fp32 -- what the hardware accumulated before rounding
+    its output --, with the output rounding bounded per element (|round(y) − y| ≤ u·|y|, summed
+    over the tile) instead of widened by c: a change of one element by more than u·Σ_tile|y| is
+    caught. Costs a GEMM of 1/tile² of the checked one's work. ``None``: column checksums with the
+    statistical output-rounding model (far cheaper, far less sensitive in bf16)."""
     budget: float | None = None
     """Target overhead (e.g. 0.02 = 2 % of step time): overrides ``every`` / ``layer_fraction``
     from measured step times (full coverage on step 0, none on step 1, then a rotation)."""
@@ -72,6 +102,12 @@ class ABFTConfig:
         check_choice("checksum_dtype", self.checksum_dtype, CHECKSUM_DTYPES)
         check_float("c", self.c, low=0, low_open=True)
         check_positive("every", self.every)
+        check_choice("order", self.order, ORDERS)
+        check_int("seed", self.seed, None)
+        check_non_negative("escalate_steps", self.escalate_steps)
+        check_non_negative("attention_rows", self.attention_rows)
+        if self.tile is not None:
+            check_positive("tile", self.tile)
         check_float("layer_fraction", self.layer_fraction, low=0, high=1, low_open=True)
         if self.budget is not None:
             check_float("budget", self.budget, low=0, high=1, low_open=True)

@@ -4,6 +4,7 @@ calls, and judges the step's recorded checks in one host sync (:meth:`ABFTDetect
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import warnings
 import weakref
@@ -12,21 +13,23 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sdcscope.common.graph import in_backward
 from sdcscope.common.modules import CONV_TYPES, TRANSPOSED_TYPES, is_matmul, match_modules, weight_in_out
 from sdcscope.detect.abft.config import ABFTConfig
 from sdcscope.detect.abft.conv import ConvChecks, self_padding
 from sdcscope.detect.abft.convcheck import checkable_conv
+from sdcscope.detect.abft.hooks import ModuleHooks, backward_hooked, keep_last
 from sdcscope.detect.abft.linear import LinearChecks
-from sdcscope.detect.abft.records import CallContext, CheckRecord, Layer
+from sdcscope.detect.abft.records import CheckRecord, Layer
 from sdcscope.detect.abft.sampling import Sampler
 from sdcscope.detect.abft.taps import FunctionalTaps, install_tap, owner_module, remove_tap
+from sdcscope.detect.attention import SDPACheck
 from sdcscope.detect.checksum import Operand, line_ratios
 from sdcscope.detect.events import Event
-from sdcscope.detect.rounding import rounding_model
+
+log = logging.getLogger("sdcscope.detect.abft")
 
 
-class ABFTDetector(LinearChecks, ConvChecks, FunctionalTaps):
+class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps):
     """Checksum detector for the GEMMs of ``model`` (see :mod:`sdcscope.detect.abft`)."""
 
     name = "abft"
@@ -157,6 +160,17 @@ class ABFTDetector(LinearChecks, ConvChecks, FunctionalTaps):
         """Calls whose backward checks were skipped: a create_graph backward ran through them."""
         self.max_ratio: dict[tuple[str, str], float] = {}
         self._sampler = Sampler(cfg, len(self.layers))
+        self.sdpa = SDPACheck(
+            model, rows=cfg.attention_rows if "sdpa" in cfg.kinds else 0, c=cfg.c, seed=cfg.seed, rank=rank
+        )
+        """The check of the model's ``F.scaled_dot_product_attention`` calls (:mod:`sdcscope.detect.attention`)."""
+        self._sdpa_warned = False
+        self._escalation: tuple[int, int] | None = None  # steps (first, last) checked in full
+        self.compiled = False
+        """A checked layer ran inside a ``torch.compile`` graph: its hooks do nothing there (no
+        graph break; GEMMs the graph runs are not checked, see :meth:`check`'s warning) and every
+        layer stays hooked from then on, so the graph's guards never change with the sampling."""
+        self._compiled_seen = False
 
     # ----------------------------------------------------------------- attach
     def attach(self) -> ABFTDetector:
@@ -166,6 +180,7 @@ class ABFTDetector(LinearChecks, ConvChecks, FunctionalTaps):
         if self._attached:
             return self
         self._attached = True
+        self.sdpa.attach()
         if self._step is None:
             self.begin_step(0)
         else:
@@ -174,6 +189,7 @@ class ABFTDetector(LinearChecks, ConvChecks, FunctionalTaps):
 
     def detach(self) -> None:
         self._attached = False
+        self.sdpa.detach()
         self._sync_hooks()
         self._drop_pending()
         self._error = None
@@ -205,7 +221,7 @@ class ABFTDetector(LinearChecks, ConvChecks, FunctionalTaps):
         Linear whose dX is read at its GEMM's autograd node (the fast path): possible when the
         graph has the known shape and no full backward hook (which may edit dX) stands
         between that node and the module's input."""
-        slow = self_padding(layer.module) if layer.kind == "conv" else not layer.fast or _backward_hooked(layer.module)
+        slow = self_padding(layer.module) if layer.kind == "conv" else not layer.fast or backward_hooked(layer.module)
         if slow and layer.pre is None:
             layer.pre = layer.module.register_forward_pre_hook(self._pre_hook(layer), prepend=False, with_kwargs=True)
         elif not slow and layer.pre is not None:
@@ -227,14 +243,35 @@ class ABFTDetector(LinearChecks, ConvChecks, FunctionalTaps):
         step = int(step)
         if self._step != step:
             chosen = self._sampler.choose(step, self.layers, self.unreached)
+            if self.compiled or self._escalated(step):  # every layer (a compiled graph: a fixed hook set)
+                chosen = [x for x in self.layers if x.name not in self.unreached] or list(self.layers)
             self._step = step
             self._active = frozenset(layer.name for layer in chosen)
+            self.sdpa.enabled = bool(chosen) or not self.layers
             self._chosen = chosen
             self._sync_hooks()
         for layer in self._chosen:
             if layer.functional is None:
-                _keep_last(layer)
+                keep_last(layer)
                 self._sync_pre_hook(layer)
+
+    def escalate(self, steps: int | None = None) -> None:
+        """Full coverage after a finding of any detector: every layer is checked on a replay of
+        the last checked step and on the next ``steps`` steps (default
+        ``config.escalate_steps``); a sampled plan resumes after them. Call it before the replay
+        (the guard does, for a spike or a non-finite; :meth:`check` does for its own mismatches)."""
+        n = self.config.escalate_steps if steps is None else int(steps)
+        last = self._sampler.last_checked
+        start = last[0] if last is not None else (self._step if self._step is not None else 0)
+        lo, hi = self._escalation if self._escalation is not None else (start, start)
+        self._escalation = (min(lo, start), max(hi, start + n))
+        armed, self._step = self._step, None  # re-arm the armed step with every layer
+        if armed is not None:
+            self.begin_step(armed)
+
+    def _escalated(self, step: int) -> bool:
+        e = self._escalation
+        return e is not None and e[0] <= step <= e[1]
 
     @property
     def active_layers(self) -> frozenset[str]:
@@ -251,126 +288,6 @@ class ABFTDetector(LinearChecks, ConvChecks, FunctionalTaps):
         return layer.name in self._active and (
             layer.module.training or torch.is_grad_enabled() or self.config.include_eval
         )
-
-    # ------------------------------------------------------------------ hooks
-    def _shielded(self, hook):
-        """``hook`` run inside the user's forward or backward pass: an error in it must not crash
-        training. The first one is kept, its step's checks are dropped, and :meth:`check` raises
-        it (the guard reports it as an ``internal_error`` event, or re-raises in strict mode).
-        Under ``torch.compile`` the hook runs eagerly (a graph break) rather than being traced
-        into the model's graph: traced, its Python bookkeeping recompiled the model's frames
-        past dynamo's limit."""
-
-        def shielded(*args):
-            try:
-                return hook(*args)
-            except Exception as exc:
-                if self._error is None:
-                    self._error = exc
-                return None
-
-        return torch.compiler.disable(shielded, recursive=True)
-
-    def _model(self, cd: torch.dtype, device: torch.device):
-        """The rounding model of this step's GEMMs in ``cd`` on ``device`` (torch settings)."""
-        got = self._models.get((cd, device))
-        if got is None:
-            got = self._models[(cd, device)] = rounding_model(cd, device, self._cs)
-        return got
-
-    def _pre_hook(self, layer: Layer):
-        grads = {"grad_input", "grad_weight"} & set(self.config.gemms)
-
-        def hook(module, args, kwargs):
-            if not self._on(layer):
-                return None
-            ctx = CallContext(call=self._call(layer))
-            layer.open_ctx = ctx
-            if not (grads and torch.is_grad_enabled()):
-                return None
-            new, new_kw = list(args), dict(kwargs)
-            for pos, key in enumerate(layer.names):
-                x = args[pos] if pos < len(args) else kwargs.get(key)
-                if not isinstance(x, torch.Tensor) or not x.requires_grad:
-                    continue
-                gemm = "grad_input" if pos == 0 else "grad_weight"
-                if gemm not in grads:
-                    continue
-                if pos == 0:
-                    ctx.x = x
-                view = x.view_as(x)
-                view.register_hook(self._grad_operand_hook(layer, ctx, pos))
-                ctx.need.add(f"op{pos}")
-                if pos < len(args):
-                    new[pos] = view
-                else:
-                    new_kw[key] = view
-            return tuple(new), new_kw
-
-        return self._shielded(hook)
-
-    def _fwd_hook(self, layer: Layer):
-        gemms = set(self.config.gemms)
-
-        def hook(module, args, kwargs, out):
-            ctx, layer.open_ctx = layer.open_ctx, None
-            layer.hits += 1
-            fast = ctx is None and layer.pre is None  # no pre-hook ran: the fast path's call
-            if (ctx is None and not fast) or not self._on(layer) or not isinstance(out, torch.Tensor):
-                return None
-            if fast:
-                ctx = CallContext(call=self._call(layer))
-            if out.requires_grad and not self._marked and ctx.call[1] is not None:
-                self._marked = True  # its gradient tells that this micro-batch's backward ran
-                out.register_hook(self._marker)
-            ops = [args[i] if i < len(args) else kwargs.get(k) for i, k in enumerate(layer.names)]
-            if not all(isinstance(t, torch.Tensor) for t in ops):
-                ctx.release()
-                return None
-            with torch.no_grad():
-                if layer.kind == "linear":
-                    self._linear_forward(layer, ctx, module, ops[0], out, gemms, fast)
-                elif layer.kind == "conv":
-                    self._conv_forward(layer, ctx, module, ops[0], out, gemms)
-                elif not self._matmul_forward(layer, ctx, *ops, out, gemms):
-                    return None
-                if ctx.need and out.requires_grad:
-                    if "dy" not in ctx.need:
-                        out.register_hook(self._dy_hook(ctx))
-                else:
-                    ctx.release()  # no gradient check will come: drop the operands
-            return None
-
-        return self._shielded(hook)
-
-    def _call(self, layer: Layer) -> tuple[int, int | None]:
-        """(micro-batch, index) of this forward call of ``layer`` (see the package docstring): the
-        first forward after a backward pass begins a new micro-batch; a forward inside the backward
-        pass (a checkpoint's recompute) is no new call (index None)."""
-        if in_backward():
-            return self._micro_batch, None
-        if self._backward_ran:
-            self._backward_ran = self._marked = False
-            self._micro_batch += 1
-            for x in self.layers:
-                x.calls = 0
-        layer.calls += 1
-        return self._micro_batch, layer.calls - 1
-
-    def _backward_seen(self, grad=None) -> None:
-        self._backward_ran, self._marked = True, False
-
-    def _grad_operand_hook(self, layer: Layer, ctx: CallContext, pos: int):
-        """Tensor hook on the view of operand ``pos`` the pre-hook handed the module: its gradient."""
-
-        def hook(grad):
-            if layer.kind == "conv":  # a self-padding conv: dX as the module's input receives it
-                self._conv_module_dx(layer, ctx, grad)
-            else:
-                self._operand_grad(layer, ctx, pos, grad)
-            return None
-
-        return self._shielded(hook)
 
     # ------------------------------------------------------------------ check
     def _drop_pending(self) -> None:
@@ -406,11 +323,26 @@ class ABFTDetector(LinearChecks, ConvChecks, FunctionalTaps):
             self._checked_steps += 1
             for rec, ratio in zip(records, ratios):
                 events.extend(self._judge(step, rec, ratio, calibrating))
+            if events and step is not None and self.config.escalate_steps:
+                self._escalation = (step, step + self.config.escalate_steps)  # the replay and after
             if calibrating and self._checked_steps == cfg.calibration_steps:
                 for key, worst in self._cal.items():
                     self._c_eff[key] = min(cfg.c, max(cfg.c_min, cfg.calibration_margin * worst))
             self.checks_run += len(records)
-        self._note_reached()
+        if self._compiled_seen and not self.compiled:
+            self.compiled = True
+            warnings.warn(
+                "ABFT: the model runs inside a torch.compile graph: its hooks are left out of the "
+                "graph (no graph break) and the GEMMs the graph runs -- forward, dX, dW -- are not "
+                "checked; eager runs of the model (the guard's replays with loss_fn/step_fn on the "
+                "uncompiled module) are checked in full. The non-finite, spike and state checks "
+                "still cover the compiled steps",
+                stacklevel=2,
+            )
+        if not self.compiled:
+            self._note_reached()
+        events += self.sdpa.check(step)
+        self._warn_sdpa()
         if cfg.budget is not None:
             self._sampler.update(step, len({r.layer for r in records}), len(self.layers))
         self._drop_pending()
@@ -420,6 +352,22 @@ class ABFTDetector(LinearChecks, ConvChecks, FunctionalTaps):
         if error is not None:
             raise RuntimeError(f"ABFT hook failed on step {step}; its checks were dropped: {error!r}") from error
         return events
+
+    def _warn_sdpa(self) -> None:
+        """Once: what of the model's SDPA calls stays unchecked."""
+        calls = self.sdpa.calls
+        if self._sdpa_warned or not calls:
+            return
+        self._sdpa_warned = True
+        names = _listed(sorted(calls))
+        if not self.sdpa.rows:
+            warnings.warn(
+                f"ABFT does not check the fused attention (F.scaled_dot_product_attention) of {names}: "
+                "its logits, softmax and ·V products are unchecked (add 'sdpa' to abft kinds, attention_rows > 0)",
+                stacklevel=3,
+            )
+        else:
+            log.info("SDPA of %s: %d query rows per call checked; dQ, dK, dV unchecked", names, self.sdpa.rows)
 
     def _judge(self, step: int, rec: CheckRecord, ratio: float, calibrating: bool) -> list[Event]:
         name, gemm, (micro_batch, call) = rec.layer, rec.gemm, rec.call
@@ -460,6 +408,8 @@ class ABFTDetector(LinearChecks, ConvChecks, FunctionalTaps):
         }
         if rec.operand is not None:
             evidence["operand"] = rec.operand
+        if rec.layout == "tile":  # the residual beyond the tile's hard output-rounding bound
+            evidence["tile"] = list(rec.dims[:2])
         return [
             Event(
                 step,
@@ -477,25 +427,6 @@ class ABFTDetector(LinearChecks, ConvChecks, FunctionalTaps):
 def _listed(names: list[str], shown: int = 4) -> str:
     more = len(names) - shown
     return ", ".join(names[:shown]) + (f" (and {more} more)" if more > 0 else "")
-
-
-def _keep_last(layer: Layer) -> None:
-    """Move ABFT's forward hook back to the end of the module's hook order, so that a hook
-    registered after ``attach()`` (an injector editing the output) still runs before the check.
-    Uses the module's ordered hook dict (no public API reorders hooks)."""
-    hooks = getattr(layer.module, "_forward_hooks", None)
-    hid = layer.fwd.id if layer.fwd is not None else None
-    if hooks is None or hid not in hooks or next(reversed(hooks)) == hid:
-        return
-    hooks.move_to_end(hid)
-
-
-def _backward_hooked(module: nn.Module) -> bool:
-    """Full backward (pre-)hooks on ``module`` or on every module: they may edit dX or dY."""
-    g = nn.modules.module
-    return bool(
-        module._backward_hooks or module._backward_pre_hooks or g._global_backward_hooks or g._global_backward_pre_hooks
-    )
 
 
 def _operand_names(module: nn.Module, n: int) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from torch import nn
 from sdcscope.common.graph import linear_nodes, weight_grad_edge
 from sdcscope.common.tensors import autocast_on, no_autocast
 from sdcscope.detect.abft.records import CallContext, CheckRecord, Layer
+from sdcscope.detect.abft.tiles import tile_line
 from sdcscope.detect.checksum import SIDES, GemmCheck, Line, Operand, frobenius, gemm_lines
 from sdcscope.detect.rounding import line_coefs, norm_floor
 
@@ -53,7 +54,27 @@ class LinearChecks:
         result, else ``batch``: the batch dims of a batched one (see :class:`CheckRecord`)."""
         cd = a.t.dtype
         which = self.config.checksums
-        lines = gemm_lines(a, b, c, model=self._model(cd, c.device), bias=bias, which=which)
+        model = self._model(cd, c.device)
+        tile = self.config.tile
+        if tile is not None and model.narrow and c.dim() >= 2:  # bf16/fp16: against the fp32 accumulator
+            line, q = tile_line(a, b, c, model=model, tile=tile, bias=bias)
+            flat = rows is not None or a.flat
+            lead = (rows or ()) if flat else batch
+            self._records.append(
+                CheckRecord(
+                    layer.name,
+                    gemm,
+                    call,
+                    a.shape[1],
+                    str(cd),
+                    GemmCheck([line], ("col",)),
+                    layout="tile",
+                    dims=(tile, tile, q, int(flat), *lead),
+                    operand=operand,
+                )
+            )
+            return
+        lines = gemm_lines(a, b, c, model=model, bias=bias, which=which)
         self._records.append(
             CheckRecord(
                 layer.name,

@@ -65,7 +65,7 @@ class Layer:
     functional: object = None  # F.linear on a weight a module applies itself: its hook
 
 
-LAYOUTS = ("rows", "batched", "position", "weight")
+LAYOUTS = ("rows", "batched", "position", "weight", "tile")
 
 
 @dataclass(slots=True)
@@ -80,6 +80,9 @@ class CheckRecord:
     * ``'batched'``: a (batched) product; ``dims`` = its batch dims: ``(*batch, row, col)``;
     * ``'position'``: a convolution's Y or dX, one row per position; ``dims`` = (N, *spatial):
       ``(n, None, *p)`` -- the checksum sums the group's channels;
+    * ``'tile'``: a bf16/fp16 result checked by tiles (:mod:`~sdcscope.detect.abft.tiles`): one
+      column per tile; ``dims`` = (r, s, tile columns, flat, *lead): the tile's first element,
+      ``(*token, row, col)`` of a flattened result (flat = 1), else ``(*batch, row, col)``;
     * ``'weight'``: a convolution's dW, one column per weight column; ``dims`` = (C_g, *taps):
       ``(None, i, *t)``.
     """
@@ -98,6 +101,14 @@ class CheckRecord:
         """The event's index of the failing ``row`` / ``col`` (None: that side did not fail) of
         batch entry ``batch``."""
         dims = self.dims
+        if self.layout == "tile":
+            r, s, q, flat, *lead = dims
+            if col is None:
+                return (None, None)
+            p, j = divmod(col, q)
+            if flat:
+                return (*(unravel(p * r, tuple(lead)) if lead else (p * r,)), j * s)
+            return (*(unravel(batch, tuple(lead)) if lead else ()), p * r, j * s)
         if self.layout == "position":
             return (row, None) if row is None else (lambda n, *p: (n, None, *p))(*unravel(row, dims))
         if self.layout == "weight":

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import random
 import time
 
 from sdcscope.detect.abft.config import ABFTConfig
@@ -19,6 +20,9 @@ class Sampler:
 
     def __init__(self, config: ABFTConfig, n_layers: int) -> None:
         self.budget = config.budget
+        self.random = config.order == "random" and config.budget is None
+        self.seed = config.seed
+        self.fraction = config.layer_fraction
         self.plan = (
             (n_layers, 2)
             if config.budget is not None
@@ -45,8 +49,12 @@ class Sampler:
             else:
                 n = len(pool)
                 k = min(k, n)
-                chosen = [pool[(self.rot + i) % n] for i in range(k)]
-                self.rot = (self.rot + k) % max(n, 1)
+                if self.random:  # each layer with probability fraction; a function of (seed, step) alone
+                    rng = random.Random(self.seed * 1_000_003 + step)
+                    chosen = [x for x in pool if rng.random() < self.fraction]
+                else:
+                    chosen = [pool[(self.rot + i) % n] for i in range(k)]
+                    self.rot = (self.rot + k) % max(n, 1)
         self.chosen_rot = self.rot
         return chosen
 

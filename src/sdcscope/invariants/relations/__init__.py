@@ -5,7 +5,7 @@
 from sdcscope.invariants.relations import consistent, contain, count, fields, loss, metrics, sequence  # noqa: F401
 
 # Registered last, in the order they were added.
-from sdcscope.invariants.relations import causal, gradshare  # noqa: F401
+from sdcscope.invariants.relations import causal, gradshare, schedule  # noqa: F401
 from sdcscope.invariants.relations.base import (
     RELATIONS,
     Check,

@@ -123,6 +123,10 @@ class Check:
         """What the recorder must collect beyond its defaults (``TraceConfig`` fields)."""
         return {}
 
+    def finish(self) -> list[tuple[str, dict[str, Any]]]:
+        """Violations only the end of the run shows (a warm-up still rising when it ended)."""
+        return []
+
 
 class Relation:
     name: ClassVar[str]

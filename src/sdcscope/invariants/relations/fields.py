@@ -14,7 +14,9 @@ Both learn from the fields of recorded calls, separately for training steps and 
   norm ``clip_grad_norm_`` returns, the learning rate at ``optimizer.step``.
 
 A float is a constant only if it never varied in the references (a learning rate that settles
-after warm-up is a range, so that another configuration's rate does not raise alarms).  Fields
+after warm-up is a range, so that another configuration's rate does not raise alarms); a
+learning rate is a range even then (references that all ran at one constant rate do not make
+another rate a mistake: ``[0, rate x margin]``).  Fields
 that record a style (``spec.STYLE_FIELDS``: how ``zero_grad`` was called) are not learned, nor
 are the causality probe's (``spec.PROBE_FIELDS``: the ``Causal`` relation's).
 
@@ -47,6 +49,7 @@ from sdcscope.invariants.relations.base import (
     Relation,
     View,
     as_number,
+    decays_to_zero,
     in_bounds,
     learn_min_step,
     register,
@@ -147,7 +150,7 @@ class _CallField(Relation):
                 mode = "distinct"
         elif all(n is not None for n in numbers):
             if all(n == n and abs(n) != float("inf") for n in numbers):
-                if len(set(numbers)) == 1:
+                if len(set(numbers)) == 1 and not decays_to_zero(field):
                     mode, extra = "constant", {"value": values[0]}
                 else:
                     bounds = widen(min(numbers), max(numbers), config.margin, field)

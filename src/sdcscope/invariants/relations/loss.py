@@ -18,7 +18,11 @@ has, so a run with another gradient accumulation than the references is no viola
 - ``LossTrend``: from a learned step on, the step loss averaged over the last ``window`` steps
   is lower than over the run's first ``window`` steps, as it was in every reference, and by at
   least half as much as the slowest reference improved it (``max_ratio``: the recent / first
-  ratio stays below ``1 - TREND_SLACK x (1 - worst reference ratio)``).  Breaks when training
+  ratio stays below ``1 - TREND_SLACK x (1 - worst reference ratio)``).  Progress scales with
+  the learning rate in effect: a window is judged only once the learning rates of the run's
+  steps before it add up to as much as they did in the slowest reference at that step
+  (``from_lr_sum``), so a lower learning rate or a longer warm-up is judged later, at the
+  same progress, and a higher one no earlier than the references' step.  Breaks when training
   makes no progress or makes the model worse at a normal-looking loss: labels that do not
   belong to their inputs, gradient ascent, updates that never reach the weights.  Only the first
   window is the baseline (not the best one), so noise and a late plateau are no violation; a run
@@ -67,12 +71,27 @@ def step_loss(view: View) -> float | None:
     return None
 
 
+def step_lr(view: View) -> float:
+    """The first param group's learning rate at the record's ``optimizer.step`` (0 without one:
+    a step a GradScaler skipped moves nothing)."""
+    calls = view.fields.get("optimizer.step")
+    x = as_number(calls[0].get("lr")) if calls else None
+    return x if x is not None and math.isfinite(x) and x > 0 else 0.0
+
+
 def _series(trace) -> list[tuple[int, float]]:
-    out = []
+    return [(step, x) for step, x, _ in _lr_series(trace)]
+
+
+def _lr_series(trace) -> list[tuple[int, float, float]]:
+    """(step, step loss, learning rate summed over the steps before it) per step with a loss."""
+    out, tau = [], 0.0
     for r in trace.phase("train"):
-        x = step_loss(View(r))
+        view = View(r)
+        x = step_loss(view)
         if x is not None:
-            out.append((r["step"], x))
+            out.append((r["step"], x, tau))
+        tau += step_lr(view)
     return out
 
 
@@ -135,6 +154,7 @@ class _InitialCheck(Check):
 class LossTrend(Relation):
     name = "LossTrend"
     required = {"start": int, "window": int, "from_step": int, "max_ratio": (int, float)}
+    optional = {"from_lr_sum": (int, float)}
 
     @classmethod
     def validate(cls, params):
@@ -144,33 +164,38 @@ class LossTrend(Relation):
 
     @classmethod
     def infer(cls, traces, config: InferConfig) -> list[Invariant]:
-        series = [_series(t) for t in traces]
+        series = [_lr_series(t) for t in traces]
         if not all(len(s) >= 2 * WINDOW for s in series) or len({s[0][0] for s in series}) != 1:
             return []
-        ratios = []  # per reference: (step, recent window mean / first window mean)
+        ratios = []  # per reference: (step, lr sum before the window, recent window mean / first window mean)
         for s in series:
-            losses = [x for _, x in s]
+            losses = [x for _, x, _ in s]
             base = sum(losses[:WINDOW]) / WINDOW
             if not all(map(math.isfinite, losses)) or not base > 0:
                 return []
             ratios.append(
-                [(s[i][0], sum(losses[i - WINDOW + 1 : i + 1]) / WINDOW / base) for i in range(2 * WINDOW - 1, len(s))]
+                [
+                    (s[i][0], s[i - WINDOW + 1][2], sum(losses[i - WINDOW + 1 : i + 1]) / WINDOW / base)
+                    for i in range(2 * WINDOW - 1, len(s))
+                ]
             )
-        k = learn_min_step([[(step, r < 1) for step, r in rs] for rs in ratios], config)
+        k = learn_min_step([[(step, r < 1) for step, _, r in rs] for rs in ratios], config)
         if k is None:
             return []
-        worst = max(r for rs in ratios for step, r in rs if step >= k)
+        worst = max(r for rs in ratios for step, _, r in rs if step >= k)
+        tau = min(next(t for step, t, _ in rs if step >= k) for rs in ratios)  # the slowest reference's
         bound = 1 - TREND_SLACK * (1 - worst)
         start = series[0][0][0]
         return [
             Invariant(
                 id="trend.train.loss",
                 relation=cls.name,
-                params={"start": start, "window": WINDOW, "from_step": k, "max_ratio": bound},
+                params={"start": start, "window": WINDOW, "from_step": k, "max_ratio": bound, "from_lr_sum": tau},
                 precondition=Precondition(phase="train", when=("backward",)),
-                description=f"from step {k} on, the training loss averaged over {WINDOW} steps is below "
-                f"{bound:.4g} x its average over the run's first {WINDOW} steps",
-                support=sum(1 for rs in ratios for step, _ in rs if step >= k),
+                description=f"from step {k} on, once the learning rates summed over the steps reach {tau:.4g}, "
+                f"the training loss averaged over {WINDOW} steps is below {bound:.4g} x its average over the "
+                f"run's first {WINDOW} steps",
+                support=sum(1 for rs in ratios for step, _, _ in rs if step >= k),
             )
         ]
 
@@ -184,15 +209,20 @@ class _TrendCheck(Check):
         super().__init__(inv)
         p = inv.params
         self.start, self.window, self.from_step = p["start"], p["window"], p["from_step"]
-        self.max_ratio = p["max_ratio"]
+        self.max_ratio, self.from_tau = p["max_ratio"], p.get("from_lr_sum", 0.0)
         self.first: list[float] = []  # the run's first window: the baseline
         self.recent: deque[float] = deque(maxlen=self.window)
+        self.taus: deque[float] = deque(maxlen=self.window)  # the lr sum before each step of the window
+        self.tau = 0.0
         self.n = 0
         self.judged = True  # False: the run did not start where the references did
 
     def check(self, view: View):
         x = step_loss(view)
-        if not self.judged or x is None:
+        if not self.judged:
+            return []
+        if x is None:
+            self.tau += step_lr(view)
             return []
         if not self.n and view.step != self.start:
             self.judged = False
@@ -201,8 +231,10 @@ class _TrendCheck(Check):
         if len(self.first) < self.window:
             self.first.append(x)
         self.recent.append(x)
+        self.taus.append(self.tau)
+        self.tau += step_lr(view)
         w = self.window
-        if self.n < 2 * w or view.step < self.from_step:
+        if self.n < 2 * w or view.step < self.from_step or self.taus[0] < self.from_tau:
             return []
         base, recent = sum(self.first) / w, sum(self.recent) / w
         if not base > 0 or recent < base * self.max_ratio:  # NaN compares False: no improvement

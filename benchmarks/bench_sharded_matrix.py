@@ -1,0 +1,179 @@
+"""The guard over sharded training: topology × fault → detected / step / named / repaired / final-equal,
+and the guard's cost ratio per topology (gloo on CPU).
+
+    python benchmarks/bench_sharded_matrix.py                      # 2-rank FSDP2 and TP, 12 steps
+    python benchmarks/bench_sharded_matrix.py --full               # + FSDP2 on 4, FSDP×TP 2×2, HSDP 2×2
+    python benchmarks/bench_sharded_matrix.py --steps 300 --full   # the issue's 300-step rows
+
+Each row runs the GPT (tiny preset) sharded with ``--parallel`` semantics through the torchrun
+job's own code (``run_job`` on spawned gloo ranks), guarded, with one fault on a chosen rank, and
+compares the final full parameters with the clean guarded run's. ``named``: an event names the
+fault's rank and layer. The cost ratio is the guarded clean run's training-loop time (summary.json)
+over the unguarded one's (each run once per repeat, interleaved; median), measured on a shared,
+loaded machine: the ratios are pessimistic. The figure on the last line is the median guard-cost ratio over topologies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from sdcscope.engine import TrainConfig
+from sdcscope.engine.dist import DistConfig, init_distributed, spawn
+from sdcscope.engine.parallel import ParallelConfig
+from sdcscope.faults import FaultSpec
+from sdcscope.guard import GuardConfig
+from sdcscope.workloads import WorkloadConfig
+
+WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=200_000)
+TOPOLOGIES = {"fsdp/2": ("fsdp", 2), "tp/2": ("tp", 2)}
+FULL = {"fsdp/4": ("fsdp", 4), "fsdp+tp/4": ("fsdp+tp", 4), "hsdp/4": ("hsdp", 4)}
+
+
+def faults(kind: str, step: int, rank: int) -> dict[str, dict]:
+    """One fault per row, on ``rank`` at ``step``: a layer each topology's ABFT checks (the attention
+    product under tensor parallelism, an MLP linear otherwise)."""
+    gemm = "blocks.0.attn.score" if kind in ("tp", "fsdp+tp") else "blocks.0.mlp.fc"
+    flip = {"model": "bitflip", "rank": rank, "pattern": {"kind": "element", "index": 5}, "seed": 1}
+    when = {"kind": "transient", "step": step}
+    return {
+        "gemm.forward": {**flip, "site": "gemm.forward", "target": gemm, "bits": [30], "schedule": when},
+        "gemm.grad_input": {**flip, "site": "gemm.grad_input", "target": gemm, "bits": [30], "schedule": when},
+        "weight": {**flip, "site": "weight", "target": "blocks.0.mlp.fc", "bits": [30], "schedule": when},
+        "optimizer_state": {
+            **flip,
+            "site": "optimizer_state",
+            "target": "blocks.0.mlp.fc",
+            "bits": [30],
+            "schedule": when,
+            "state_key": "exp_avg_sq",
+        },
+        "param_grad": {**flip, "site": "param_grad", "target": "blocks.0.mlp.fc", "bits": [30], "schedule": when},
+        # a broken unit: the ledger's strikes make the site persistent and the guard stops the run
+        "permanent": {
+            **flip,
+            "site": "gemm.forward",
+            "target": gemm,
+            "bits": [26],
+            "schedule": {"kind": "permanent", "start": step},
+        },
+    }
+
+
+def _rank(rank: int, world: int, job: dict) -> None:
+    from sdcscope.jobs.torchrun import GuardStopped, Job, run_job
+
+    init_distributed(DistConfig(backend="gloo", timeout_s=120))
+    try:
+        run_job(Job.from_dict(job))
+    except GuardStopped:
+        pass
+
+
+def run(out: Path, kind: str, nproc: int, steps: int, specs: list[dict], guard: bool) -> tuple[dict, list, float]:
+    """One sharded run: ``(summary, events, wall seconds)``."""
+    from sdcscope.jobs.torchrun import make_job
+
+    job = make_job(
+        out,
+        nproc,
+        steps=steps,
+        workload=WORKLOAD,
+        train=TrainConfig(seed=0),
+        dist_config=DistConfig(backend="gloo", timeout_s=120),
+        specs=[FaultSpec.from_dict(s) for s in specs],
+        guard=GuardConfig() if guard else None,
+        parallel=ParallelConfig(kind=kind, inner=2),
+        crossrank=guard,
+    )
+    spawn(_rank, nproc, (job.to_dict(),), timeout_s=600)
+    summary = json.loads((out / "summary.json").read_text())
+    wall = summary["wall_seconds"]  # the training loop's own time (no process start, no final gather)
+    path = out / "events.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return summary, events, wall
+
+
+def judge(events: list[dict], spec: dict, step: int, clean: dict, summary: dict) -> dict:
+    found = [e for e in events if e["detector"] != "guard"]
+    first = min((e["step"] for e in found), default=None)
+    layer = spec["target"]
+    named = any(e.get("rank") == spec["rank"] and (e.get("module") or "").startswith(layer) for e in found)
+    memory = spec["site"] in ("weight", "optimizer_state")
+    if spec["schedule"]["kind"] == "permanent":  # repaired = stopped cleanly, every rank, ledger written
+        stop = [e for e in events if e["detector"] == "guard" and e["verdict"] == "stopped"]
+        named = named and summary.get("outcome") == "stopped"
+        return {
+            "detected": bool(found),
+            "step": first,
+            "named": named,
+            "repaired": bool(stop) and summary.get("outcome") == "stopped",
+            "final_equal": "n/a",
+            "actions": sorted({e.get("action") for e in events}),
+        }
+    return {
+        "detected": bool(found),
+        "step": first,
+        "in_time": first is not None and step <= first <= step + (1 if memory else 0),
+        "named": named,
+        "repaired": summary["outcome"] == "completed" and bool(found) and all(e.get("action") for e in found),
+        "final_equal": summary["param_sha256"] == clean["param_sha256"],
+        "actions": sorted({e.get("action") for e in found}),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--full", action="store_true", help="add the 4-rank topologies")
+    p.add_argument("--repeats", type=int, default=1, help="guarded/unguarded clean pairs per topology")
+    p.add_argument("--fault-step", type=int, default=5)
+    p.add_argument("--rank", type=int, default=1, help="the rank the faults live on")
+    p.add_argument("--only", nargs="*", default=None, help="topologies to run (e.g. hsdp/4 fsdp+tp/4)")
+    a = p.parse_args()
+    topologies = {**TOPOLOGIES, **(FULL if a.full or a.only else {})}
+    if a.only:
+        unknown = sorted(set(a.only) - set(topologies))
+        if unknown:
+            p.error(f"unknown topologies {unknown}; allowed: {', '.join(topologies)}")
+        topologies = {k: v for k, v in topologies.items() if k in a.only}
+    ratios = {}
+    print(f"{'topology':10} {'fault':16} {'detected':8} {'step':>4} {'named':6} {'repaired':8} {'final=':6} actions")
+    with tempfile.TemporaryDirectory(prefix="sdcscope-sharded-") as tmp:
+        root = Path(tmp)
+        for label, (kind, nproc) in topologies.items():
+            tag = label.replace("/", "_").replace("+", "_")
+            walls = {True: [], False: []}
+            clean = None
+            for r in range(a.repeats):
+                for guarded in (False, True):
+                    summary, events, wall = run(
+                        root / f"{tag}-clean{int(guarded)}-{r}", kind, nproc, a.steps, [], guarded
+                    )
+                    walls[guarded].append(wall)
+                    if guarded:
+                        clean = summary
+                        print(
+                            f"{label:10} {'(clean)':16} {'events=' + str(len(events)):8} {'':>4} {'':6} {'':8} {'':6}"
+                        )
+            ratios[label] = statistics.median(walls[True]) / statistics.median(walls[False])
+            for site, spec in faults(kind, a.fault_step, a.rank).items():
+                summary, events, _ = run(root / f"{tag}-{site}", kind, nproc, a.steps, [spec], True)
+                j = judge(events, spec, a.fault_step, clean, summary)
+                print(
+                    f"{label:10} {site:16} {str(j['detected']):8} {str(j['step']):>4} {str(j['named']):6} "
+                    f"{str(j['repaired']):8} {str(j['final_equal']):6} {', '.join(map(str, j['actions']))}",
+                    flush=True,
+                )
+    for label, ratio in ratios.items():
+        print(f"guard cost ratio {label}: {ratio:.2f}x (guarded / unguarded wall, median of {a.repeats})")
+    print(f"median guard cost ratio over topologies: {statistics.median(ratios.values()):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

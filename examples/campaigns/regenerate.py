@@ -1,0 +1,326 @@
+"""Regenerate every table of examples/campaigns/RESULTS.md from the campaign specs beside it.
+
+    python examples/campaigns/regenerate.py                    # full specs: runs/results/, then RESULTS.md
+    python examples/campaigns/regenerate.py --shrink --out /tmp/R.md   # shrunken specs (CI)
+
+Runs (or resumes: a finished campaign is only read) each campaign of CAMPAIGNS in ``--runs``, re-runs
+the worst plain GPT MAC-cell trial with evaluations along the way (the gap table), then writes each
+generated block of RESULTS.md (between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``)
+and checks each finding the prose states (FINDINGS: which outcome classes appear, the sign and
+order of magnitude of each effect). ``--shrink`` runs shrunken variants (fewer trials and steps,
+SHRINK) into their own folder and writes to ``--out``; the CI test runs it and asserts every
+finding's shape. Exit status 1 when a finding does not hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_blocks import (  # noqa: E402
+    CAMPAIGNS,
+    MARK,
+    bits_block,
+    drift_block,
+    fill,
+    findings,
+    gap_block,
+    nvdla_block,
+    nvdla_facts_text,
+)
+
+__all__ = ["CAMPAIGNS", "HERE", "MARK", "SHRINK", "main", "regenerate", "run"]
+
+HERE = Path(__file__).resolve().parent
+GAP_POINTS = 6
+# what --shrink changes in each spec (merged into it): the same fault models, fewer trials and steps
+_NVDLA_CNN = {"horizon": 60, "faults": {"repeats": 2}, "baseline": {"seeds": [1, 2]}}
+_NVDLA_GPT = {
+    "horizon": 100,
+    "workload": {"eval_batches": 2, "batch_size": 8},
+    "faults": {"repeats": 2},
+    "baseline": {"seeds": [1, 2]},
+}
+SHRINK = {
+    "gpt_bits": {
+        "inject_steps": [10],
+        "horizon": 6,
+        "workload": {"eval_batches": 2, "batch_size": 4},
+        "faults": {"targets": ["head"], "bits": [0, 22, 27, 30, 31]},
+        "sampling": {"kind": "exhaustive"},
+        "baseline": {"seeds": [101, 102]},
+    },
+    "nvdla_cnn": _NVDLA_CNN,
+    "nvdla_cnn_swizzled": _NVDLA_CNN,
+    "nvdla_gpt": _NVDLA_GPT,
+    "nvdla_gpt_swizzled": _NVDLA_GPT,
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """``over`` merged into ``base`` (nested mappings merged, except ``sampling``: replaced whole)."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        deep = isinstance(v, dict) and isinstance(out.get(k), dict) and k != "sampling"
+        out[k] = _merge(out[k], v) if deep else copy.deepcopy(v)
+    return out
+
+
+# ------------------------------------------------------------------------------------- running
+
+
+_RUN = """
+import resource, sys, time
+from sdcscope.study import run_campaign
+for d in sys.argv[2:]:
+    t0 = time.perf_counter()
+    run_campaign(d, workers=int(sys.argv[1]))
+    print(f"{d}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+u = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+print(f"{sys.argv[2:]}: {sum(x.ru_utime + x.ru_stime for x in u):.1f} s CPU", file=sys.stderr)
+"""
+
+
+def run(runs: Path, shrink: bool, workers: int, parallel: int = 1, names: tuple[str, ...] = CAMPAIGNS) -> float:
+    """Init (when new) and run or resume every campaign of ``names``: ``parallel`` groups share them
+    out (longest horizon first), the lightest run here and each other in a process of its own, each running
+    its campaigns one after the other with ``workers`` workers; returns the wall seconds."""
+    from sdcscope.study import init_campaign, run_campaign
+
+    runs.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        directory, spec = runs / name, HERE / f"{name}.yaml"
+        if shrink:
+            data = _merge(yaml.safe_load(spec.read_text()), SHRINK[name])
+            spec = runs / f"{name}.shrunk.yaml"
+            spec.write_text(yaml.safe_dump(data, sort_keys=False))
+        if not (directory / "campaign.yaml").is_file():
+            init_campaign(directory, spec)
+    cost = {n: yaml.safe_load((runs / n / "campaign.yaml").read_text())["horizon"] for n in names}
+    groups: list[list[str]] = [[] for _ in range(max(1, parallel))]
+    for name in sorted(names, key=lambda n: -cost[n]):
+        min(groups, key=lambda g: sum(cost[n] for n in g)).append(name)
+    t0, env = time.perf_counter(), {**os.environ, "OMP_NUM_THREADS": "1"}
+    groups = sorted((g for g in groups if g), key=lambda g: sum(cost[n] for n in g))
+    procs = [  # the lightest group runs here (this process has more to do after), the others apart
+        subprocess.Popen([sys.executable, "-c", _RUN, str(workers), *(str(runs / n) for n in g)], env=env)
+        for g in groups[1:]
+    ]
+    with torch.random.fork_rng():
+        threads = torch.get_num_threads()
+        try:
+            for name in groups[0]:
+                run_campaign(runs / name, workers=workers)
+        finally:
+            torch.set_num_threads(threads)
+    if any(p.wait() for p in procs):
+        raise RuntimeError("a campaign failed (see above); run again to resume")
+    return time.perf_counter() - t0
+
+
+def load(directory: Path) -> dict:
+    from sdcscope.study.spec import load_campaign
+    from sdcscope.study.store import ResultsDB
+
+    spec = load_campaign(directory / "campaign.yaml")
+    with ResultsDB(directory / "results.sqlite", spec) as db:
+        return {
+            "spec": spec,
+            "dir": directory,
+            "rows": db.trials(),
+            "baselines": db.baselines(),
+            "refs": db.references(),
+            "thresholds": db.thresholds(),
+        }
+
+
+def _finished(c: dict) -> bool:
+    """Whether every planned trial of the campaign has its row."""
+    return len(c["rows"]) == len(_plan(c))
+
+
+def _plan(c: dict) -> list:
+    """The campaign's trials (planned once per campaign)."""
+    from sdcscope.study.runner import plan_campaign
+
+    if "plan" not in c:
+        c["plan"] = plan_campaign(c["spec"])
+    return c["plan"]
+
+
+def _trial(c: dict, trial_id: int):
+    return next(t for t in _plan(c) if t.trial_id == trial_id)
+
+
+def mac_cells(c: dict) -> dict[int, tuple[int, int]]:
+    """The MAC cell (input row a, output column b) of each trial, by fault seed: one forward pass
+    with the trial's fault, read from its first injection record (the weight element it hit)."""
+    from sdcscope.inject import Injector
+    from sdcscope.workloads import make_workload
+
+    spec = c["spec"]
+    workload = make_workload(spec.workload_config())
+    with torch.random.fork_rng():
+        model = workload.build_model()
+    x = workload.batch(spec.seed, 0)[0]
+    out = {}
+    for t in _plan(c):
+        fault = t.fault_spec(spec.faults.format)
+        with Injector(model, [fault], warn_unfired=False) as inj:
+            inj.set_position(0, 0)
+            with torch.no_grad():
+                model(x)
+        rec = next(r for r in inj.records if r["index"])  # a cell outside conv1's one input row misses it
+        o, i = np.unravel_index(rec["index"][0], tuple(model.get_submodule(rec["module"]).weight.shape))[:2]
+        rows, cols = fault.pattern.array
+        out[t.fault_seed] = (int(i) % rows, int(o) % cols)
+    return out
+
+
+def gap_curve(c: dict, trial_id: int, points: int = GAP_POINTS) -> dict:
+    """Re-run one permanent-fault trial from its golden snapshot, evaluating ``points`` times along
+    the horizon with the fault present and removed (a hook-free copy of the model)."""
+    from sdcscope.engine import Trainer, load_checkpoint
+    from sdcscope.inject import Injector
+    from sdcscope.workloads import make_workload
+
+    spec, trial = c["spec"], _trial(c, trial_id)
+    torch.set_num_threads(1)
+    workload = make_workload(spec.workload_config())
+    trainer = Trainer(workload, spec.train_config())
+    trainer.restore(load_checkpoint(c["dir"] / "golden" / f"step-{trial.inject_step}"))
+    injector = Injector(trainer.model, [trial.fault_spec(spec.faults.format)], trainer.optimizer, warn_unfired=False)
+    trainer.add_callback(injector.attach().callback())
+    with torch.random.fork_rng():
+        clean = workload.build_model()
+    clean.eval()
+    out = {"trial_id": trial_id, "steps": [], "present": [], "removed": []}
+    for k in range(1, points + 1):
+        stop = trial.inject_step + round(spec.horizon * k / points)
+        while trainer.step < stop:
+            trainer.train_step()
+        out["steps"].append(trainer.step - trial.inject_step)
+        out["present"].append(trainer.evaluate()["val_loss"])  # as the campaign did at the end
+        clean.load_state_dict(trainer.model.state_dict())
+        out["removed"].append(workload.evaluate(clean)["val_loss"])
+    injector.close()
+    return out
+
+
+def gap(c: dict, cache: Path) -> dict:
+    """The gap curve of the plain GPT trial with the largest loss change with the fault removed
+    (cached in ``cache``, keyed by spec hash and trial)."""
+    worst = max(c["rows"], key=lambda r: r["val_delta"] if r["val_delta"] is not None else -math.inf)
+    key = f"{c['spec'].hash}:{worst['trial_id']}:{GAP_POINTS}"
+    if cache.is_file() and json.loads(cache.read_text()).get("key") == key:
+        return json.loads(cache.read_text())
+    curve = {"key": key, **gap_curve(c, worst["trial_id"])}
+    cache.write_text(json.dumps(curve))
+    return curve
+
+
+NEEDS = {
+    "cnn-table": ("nvdla_cnn", "nvdla_cnn_swizzled"),
+    "cnn-facts": ("nvdla_cnn", "nvdla_cnn_swizzled"),
+    "gpt-table": ("nvdla_gpt", "nvdla_gpt_swizzled"),
+    "gpt-facts": ("nvdla_gpt", "nvdla_gpt_swizzled"),
+    "gap-table": ("nvdla_gpt",),
+    "bits-table": ("gpt_bits",),
+    "bits-facts": ("gpt_bits",),
+}
+FINDING_NEEDS = {"a": NEEDS["cnn-table"], "b": NEEDS["gpt-table"], "c": NEEDS["bits-table"]}
+
+
+def regenerate(
+    runs: Path,
+    shrink: bool,
+    workers: int,
+    template: Path,
+    out: Path,
+    parallel: int = 1,
+    only: tuple[str, ...] = CAMPAIGNS,
+) -> list[tuple[str, str, bool | None]]:
+    """Run (or resume) the campaigns ``only`` (default all), write ``out`` from ``template`` with every
+    finished campaign in ``runs`` and return the findings (holds: None for a finding whose
+    campaigns are not finished; their blocks say so)."""
+    walls = run(runs, shrink, workers, parallel, only)
+    cs = {n: c for n in CAMPAIGNS if (runs / n / "results.sqlite").is_file() and _finished(c := load(runs / n))}
+    blocks: dict[str, str] = {}
+    curve = None
+    for kind, metric in (("cnn", "acc"), ("gpt", "loss")):
+        if f"nvdla_{kind}" not in cs:
+            continue
+        plain, swz = cs[f"nvdla_{kind}"], cs.get(f"nvdla_{kind}_swizzled")
+        cells = mac_cells(plain)
+        if swz is not None:
+            table, facts = nvdla_block(plain, swz, cells, metric)
+            blocks[f"{kind}-table"] = table
+            blocks[f"{kind}-facts"] = nvdla_facts_text(kind, plain, swz, facts)
+        if kind == "gpt":
+            curve = gap(plain, runs / "gap.json")
+            row = next(r for r in plain["rows"] if r["trial_id"] == curve["trial_id"])
+            blocks["gap-table"] = gap_block(curve, row, cells)
+    if "gpt_bits" in cs:
+        blocks["bits-table"], blocks["bits-facts"], _ = bits_block(cs["gpt_bits"])
+    for name, needs in NEEDS.items():
+        if name not in blocks:
+            missing = ", ".join(f"`{n}`" for n in needs if n not in cs)
+            blocks[name] = (
+                f"_Not regenerated: campaign {missing} has not finished in `{runs}` (see the provenance line)._"
+            )
+    blocks["drift-table"] = drift_block(cs)
+    found = [
+        (i, claim, ok if all(n in cs for n in FINDING_NEEDS[i[0]]) else None) for i, claim, ok in findings(cs, curve)
+    ]
+    word = {True: "holds", False: "**does not hold**", None: "not measured in this run"}
+    blocks["findings"] = "\n".join(f"- {word[ok]} ({i}): {claim}" for i, claim, ok in found)
+    load_avg = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    blocks["provenance"] = (
+        f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python examples/campaigns/regenerate.py"
+        f"{' --shrink' if shrink else ''} --workers {workers} --parallel {parallel}` from the specs in this folder "
+        f"({'shrunken' if shrink else 'full'}): {walls:.0f} s of campaign wall time in this call (a campaign "
+        f"already finished is only read); load average at the end {load_avg} on {os.cpu_count()} cores."
+        + ("" if only == CAMPAIGNS else f" Campaigns run by this call: {', '.join(only)}.")
+        + ("" if len(cs) == len(CAMPAIGNS) else f" Not finished: {', '.join(n for n in CAMPAIGNS if n not in cs)}.")
+    )
+    out.write_text(fill(template.read_text(encoding="utf-8"), blocks), encoding="utf-8")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shrink", action="store_true", help="shrunken specs (fewer trials and steps), as CI runs them")
+    ap.add_argument("--runs", type=Path, help="campaign folders (default runs/results, or runs/results-shrink)")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes per campaign (0: in this process)")
+    ap.add_argument("--parallel", type=int, default=1, help="campaigns run at once, each in its own process")
+    ap.add_argument(
+        "--only", nargs="+", choices=CAMPAIGNS, help="run only these (others are read when finished, else left out)"
+    )
+    ap.add_argument(
+        "--out", type=Path, help="the document to write (default RESULTS.md; with --shrink: RUNS/RESULTS.md)"
+    )
+    args = ap.parse_args(argv)
+    runs = args.runs or Path("runs") / ("results-shrink" if args.shrink else "results")
+    out = args.out or (runs / "RESULTS.md" if args.shrink else HERE / "RESULTS.md")
+    only = tuple(n for n in CAMPAIGNS if n in (args.only or CAMPAIGNS))
+    found = regenerate(runs, args.shrink, args.workers, HERE / "RESULTS.md", out, args.parallel, only)
+    for i, claim, ok in found:
+        print(f"{ {True: 'holds', False: 'FAILS', None: 'not measured'}[ok] } {i}: {claim}")
+    print(f"wrote {out}; {sum(ok is True for *_, ok in found)}/{len(found)} findings hold")
+    return 1 if any(ok is False for *_, ok in found) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Guard profiles: what each sets, the balanced profile's sampling probability, and escalation to
+full coverage after a finding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sdcscope.detect import ABFTConfig, ABFTDetector
+from sdcscope.detect.abft.hooks import keep_last
+from sdcscope.guard import GuardConfig
+from sdcscope.guard.config import PROFILES
+from sdcscope.workloads import WorkloadConfig, make_workload
+
+
+def gpt():
+    torch.manual_seed(0)
+    return make_workload(WorkloadConfig(workload="gpt", preset="tiny", batch_size=2)).build_model()
+
+
+def test_profiles_set_the_sections_left_unset_and_your_keys_win():
+    assert GuardConfig(profile="minimal").abft is None
+    bal = GuardConfig(profile="balanced").abft
+    assert (bal.order, bal.layer_fraction, bal.escalate_steps) == ("random", 0.05, 10)
+    full = GuardConfig(profile="full").abft
+    assert full == ABFTConfig() and full.layer_fraction == 1.0
+    mine = GuardConfig.from_dict({"profile": "balanced", "abft": {"c": 9.0}}).abft
+    assert (mine.c, mine.order, mine.layer_fraction) == (9.0, "random", 0.05)
+    assert GuardConfig.from_dict({"profile": "minimal", "abft": {"every": 2}}).abft.every == 2
+    again = GuardConfig.from_dict(GuardConfig(profile="balanced").to_dict())
+    assert again.abft == bal and again.profile == "balanced"
+    assert set(PROFILES) == {"minimal", "balanced", "full"}
+    with pytest.raises(ValueError, match="profile 'fast'.*minimal, balanced, full"):
+        GuardConfig(profile="fast")
+
+
+def test_balanced_checks_each_layer_with_its_stated_probability_and_a_replay_checks_the_same():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(60)])
+    det = ABFTDetector(model, GuardConfig(profile="balanced").abft).attach()
+    n = len(det.layers)
+    chosen = []
+    x = torch.randn(2, 4)
+    for step in range(250):
+        det.begin_step(step)
+        chosen.append(det.active_layers)
+        model(x)  # the forward alone: the checks of Y
+        assert det.check(step) == []
+        if step == 100:
+            det.begin_step(step)  # a replay of the step just judged
+            assert det.active_layers == chosen[-1]
+            det.check(step)
+    share = sum(len(c) for c in chosen) / (250 * n)
+    assert 0.04 <= share <= 0.06
+    assert len(set(chosen)) > 80  # a fresh draw per step, not a short cycle
+
+
+def chain():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
+
+
+def test_escalation_checks_every_layer_on_the_replay_and_the_next_steps_then_samples_again():
+    model, x = chain(), torch.randn(2, 4)
+    det = ABFTDetector(model, ABFTConfig(order="random", layer_fraction=0.05, escalate_steps=3)).attach()
+    every = frozenset(x.name for x in det.layers)
+
+    def run(step):
+        det.begin_step(step)
+        armed = det.active_layers
+        model(x).sum().backward()
+        assert det.check(step) == []
+        return armed
+
+    run(10)
+    det.escalate(3)  # what the guard calls on a spike or non-finite finding, before its replay
+    assert det.active_layers == every  # step 11, armed: re-armed in full
+    assert run(10) == every  # the replay of step 10
+    assert [run(s) == every for s in (11, 12, 13, 14)] == [True, True, True, False]
+
+
+def test_a_checksum_mismatch_in_a_sampled_step_escalates_by_itself():
+    model = gpt()
+    det = ABFTDetector(model, ABFTConfig(order="random", layer_fraction=0.05, escalate_steps=2)).attach()
+    every = frozenset(x.name for x in det.layers)
+    w = make_workload(WorkloadConfig(workload="gpt", preset="tiny", batch_size=2))
+    step = next(s for s in range(200) if (det.begin_step(s) or det.active_layers) and det.check(s) == [])
+    det.begin_step(step)
+    name = sorted(det.active_layers)[0]
+    module = model.get_submodule(name)
+    hook = module.register_forward_hook(lambda m, a, out: out * 1.5)  # every output of one sampled layer
+    keep_last(next(x for x in det.layers if x.name == name))
+    w.loss(model, w.batch(0, step)).backward()
+    hook.remove()
+    assert any(e.module == name for e in det.check(step))
+    det.begin_step(step)  # its replay
+    assert det.active_layers == every
