@@ -42,6 +42,7 @@ from sdcscope.engine.rundir import (
     prune_checkpoints,
     read_json,
     read_jsonl,
+    remove_incomplete_checkpoints,
     remove_stale_temps,
     write_json,
 )
@@ -271,6 +272,8 @@ class Run:
         with stop_requests() as stop:
             if self._written is not None:
                 remove_stale_temps(self.out)
+            if self.resumed_from is not None:
+                remove_incomplete_checkpoints(self.out)
             metrics, last = self._open_logs()  # a corrupt log is refused before config.json changes
             self._write_config(steps)
             for cb in callbacks:

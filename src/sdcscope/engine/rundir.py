@@ -38,6 +38,7 @@ __all__ = [
     "choose_checkpoint",
     "periodic_dir",
     "prune_checkpoints",
+    "remove_incomplete_checkpoints",
     "remove_stale_temps",
 ]
 
@@ -129,6 +130,18 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     kept = {p for _, p in complete[-keep:]}
     newest = complete[-1][0]
     removed = [p for s, p in dirs if p not in kept and s <= newest]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def remove_incomplete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Remove periodic checkpoint folders without a manifest (their writer was killed); only for
+    a run being resumed, whose own writer is this process. The removed paths."""
+    periodic = Path(run_dir) / PERIODIC_DIR
+    if not periodic.is_dir():
+        return []
+    removed = [p for p in periodic.iterdir() if _STEP_DIR.fullmatch(p.name) and not (p / MANIFEST_FILE).is_file()]
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed

@@ -49,7 +49,8 @@ _original: list = []
 
 
 def _sdpa(*args, **kwargs):
-    out = _original[0](*args, **kwargs)
+    # (a copy of the wrapper restored by code that saved it after the last observer left: the kernel)
+    out = (_original[0] if _original else torch._C._nn.scaled_dot_product_attention)(*args, **kwargs)
     if _taps and not torch.compiler.is_compiling():
         call = dict(zip(_ARGS, args), **kwargs)
         frame = sys._getframe(1)
@@ -64,8 +65,9 @@ def add_sdpa_observer(observer) -> None:
     observer -- the metrics' taps here and the guard's attention check -- reference counted, so
     observers can come and go in any order and the last one out restores torch's function."""
     with _lock:
-        if not _original:
-            _original[:] = [torch.nn.functional.scaled_dot_product_attention]
+        current = torch.nn.functional.scaled_dot_product_attention
+        if current is not _sdpa:  # not installed, or replaced since (a test's monkeypatch undone)
+            _original[:] = [current]
             torch.nn.functional.scaled_dot_product_attention = _sdpa
         _taps.add(observer)
 
@@ -76,7 +78,9 @@ def remove_sdpa_observer(observer) -> None:
         if _taps:  # observers of models dropped without removal (held in reference cycles) leave now
             gc.collect()
         if not _taps and _original:
-            torch.nn.functional.scaled_dot_product_attention = _original.pop()
+            if torch.nn.functional.scaled_dot_product_attention is _sdpa:
+                torch.nn.functional.scaled_dot_product_attention = _original[0]
+            _original.clear()
 
 
 class SDPATap:
