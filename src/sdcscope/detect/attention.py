@@ -32,10 +32,9 @@ from torch import nn
 from sdcscope.common.tensors import no_autocast
 from sdcscope.detect.events import Event
 from sdcscope.detect.rounding import UNIT_ROUNDOFF
-from sdcscope.observe.attention import add_sdpa_observer, remove_sdpa_observer
+from sdcscope.observe.attention import add_sdpa_observer, calling_module, remove_sdpa_observer
 
 log = logging.getLogger("sdcscope.detect.attention")
-_MAX_DEPTH = 16
 
 
 class SDPACheck:
@@ -64,16 +63,8 @@ class SDPACheck:
         self._pending.clear()
 
     def _owner(self, frame) -> str | None:
-        for _ in range(_MAX_DEPTH):
-            if frame is None:
-                return None
-            code = frame.f_code
-            if code.co_argcount and code.co_varnames[0] == "self":
-                hit = self._modules.get(id(frame.f_locals.get("self")))
-                if hit is not None:
-                    return hit[0] if hit[1].training or torch.is_grad_enabled() else None
-            frame = frame.f_back
-        return None
+        hit = calling_module(self._modules, frame)
+        return hit[0] if hit is not None and (hit[1].training or torch.is_grad_enabled()) else None
 
     def observe(self, call: dict, out, frame) -> None:
         q, k, v = call.get("query"), call.get("key"), call.get("value")

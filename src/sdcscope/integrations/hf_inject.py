@@ -38,7 +38,7 @@ except ImportError as exc:
 
 from sdcscope.faults import FaultSpec
 from sdcscope.inject import Injector, validate_specs
-from sdcscope.integrations.injection import load_fault_specs, open_injector
+from sdcscope.integrations.injection import callback_args, open_injector
 
 __all__ = ["SDCInjectorCallback", "inject_trainer"]
 
@@ -75,13 +75,7 @@ class SDCInjectorCallback(TrainerCallback):
         run_dir: str | os.PathLike | None = None,
         rank: int = 0,
     ) -> None:
-        if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
-            raise TypeError(f"run_dir must be a directory path or None, got {run_dir!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank={rank!r} must be an int >= 0")
-        self.specs = load_fault_specs(specs)
-        self.run_dir = None if run_dir is None else Path(run_dir)
-        self.rank = rank
+        self.specs, self.run_dir, self.rank = callback_args(specs, run_dir, rank)
         self.injector: Injector | None = None
         """The injector of the current (or last) ``train()``: built when training begins."""
         self._micro = 0

@@ -45,6 +45,18 @@ def load_fault_specs(specs: str | os.PathLike | FaultSpec | Mapping | Iterable) 
     return out
 
 
+def callback_args(
+    specs: str | os.PathLike | FaultSpec | Mapping | Iterable, run_dir: str | os.PathLike | None, rank: int
+) -> tuple[list[FaultSpec], Path | None, int]:
+    """An injector callback's arguments, checked: the specs loaded, ``run_dir`` a path or None,
+    ``rank`` an int >= 0 (both trainers' callbacks take the same three)."""
+    if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+        raise TypeError(f"run_dir must be a directory path or None, got {run_dir!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank={rank!r} must be an int >= 0")
+    return load_fault_specs(specs), None if run_dir is None else Path(run_dir), rank
+
+
 def open_injector(
     model, specs: list[FaultSpec], optimizer, run_dir: str | os.PathLike, *, grad_accum: int, rank: int = 0
 ) -> Injector:

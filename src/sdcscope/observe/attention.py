@@ -83,6 +83,21 @@ def remove_sdpa_observer(observer) -> None:
             _original.clear()
 
 
+def calling_module(modules: dict[int, tuple[str, nn.Module]], frame) -> tuple[str, nn.Module] | None:
+    """The innermost ``(name, module)`` of ``modules`` (keyed by ``id``) whose method is on the
+    stack at or above ``frame``: the attention module that made an SDPA call."""
+    for _ in range(_MAX_DEPTH):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            hit = modules.get(id(frame.f_locals.get("self")))
+            if hit is not None:
+                return hit
+        frame = frame.f_back
+    return None
+
+
 class SDPATap:
     """Records the attention metrics of ``model``'s SDPA calls through ``recorder``: an object
     with ``_record_max(key, tensor)``, ``_record_mean(key, tensor)`` and a boolean ``_probe``
@@ -104,16 +119,7 @@ class SDPATap:
 
     # -- recording
     def _owner(self, frame) -> tuple[str, nn.Module] | None:
-        for _ in range(_MAX_DEPTH):
-            if frame is None:
-                return None
-            code = frame.f_code
-            if code.co_argcount and code.co_varnames[0] == "self":
-                hit = self._modules.get(id(frame.f_locals.get("self")))
-                if hit is not None:
-                    return hit
-            frame = frame.f_back
-        return None
+        return calling_module(self._modules, frame)
 
     def observe(self, call: dict, out, frame) -> None:
         q, k = call.get("query"), call.get("key")
