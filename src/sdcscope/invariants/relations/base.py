@@ -217,6 +217,12 @@ def widen(lo: float, hi: float, margin: float, name: str = "") -> list[float]:
     return [lo - span, hi + span]
 
 
+def check_bounds(name: str, bounds: Any) -> None:
+    """``bounds`` of relation ``name`` are two numbers, low <= high; else ValueError naming them."""
+    if len(bounds) != 2 or any(as_number(x) is None for x in bounds) or not bounds[0] <= bounds[1]:
+        raise ValueError(f"{name}: bounds {bounds!r} must be two numbers, low <= high")
+
+
 def in_bounds(value: float, bounds: list[float]) -> bool:
     """False for NaN and ±inf as well as for values outside [lo, hi]."""
     return math.isfinite(value) and bounds[0] <= value <= bounds[1]

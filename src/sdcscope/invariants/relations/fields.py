@@ -49,6 +49,7 @@ from sdcscope.invariants.relations.base import (
     Relation,
     View,
     as_number,
+    check_bounds,
     decays_to_zero,
     in_bounds,
     learn_min_step,
@@ -100,9 +101,7 @@ class _CallField(Relation):
                 f"{cls.name} mode {mode!r} takes {'param ' + repr(expect) if expect else 'no value or bounds'}"
             )
         if mode == "range":
-            b = params["bounds"]
-            if len(b) != 2 or any(as_number(x) is None for x in b) or not b[0] <= b[1]:
-                raise ValueError(f"{cls.name}: bounds {b!r} must be two numbers, low <= high")
+            check_bounds(cls.name, params["bounds"])
         if mode == "distinct" and field not in FINGERPRINT_FIELDS:
             raise ValueError(f"{cls.name}: mode 'distinct' applies to {sorted(FINGERPRINT_FIELDS)} only")
         if field in MASK_FIELDS and mode == "constant":

@@ -41,6 +41,7 @@ from sdcscope.invariants.relations.base import (
     Relation,
     View,
     as_number,
+    check_bounds,
     learn_min_step,
     register,
 )
@@ -103,9 +104,7 @@ class InitialLoss(Relation):
     @classmethod
     def validate(cls, params):
         super().validate(params)
-        b = params["bounds"]
-        if len(b) != 2 or any(as_number(x) is None for x in b) or not b[0] <= b[1]:
-            raise ValueError(f"InitialLoss: bounds {b!r} must be two numbers, low <= high")
+        check_bounds("InitialLoss", params["bounds"])
 
     @classmethod
     def infer(cls, traces, config: InferConfig) -> list[Invariant]:

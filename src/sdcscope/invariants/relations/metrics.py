@@ -28,6 +28,7 @@ from sdcscope.invariants.relations.base import (
     Relation,
     View,
     as_number,
+    check_bounds,
     in_bounds,
     register,
     widen,
@@ -51,9 +52,7 @@ class MetricBound(Relation):
     @classmethod
     def validate(cls, params):
         super().validate(params)
-        b = params["bounds"]
-        if len(b) != 2 or any(as_number(x) is None for x in b) or not b[0] <= b[1]:
-            raise ValueError(f"MetricBound: bounds {b!r} must be two numbers, low <= high")
+        check_bounds("MetricBound", params["bounds"])
 
     @classmethod
     def infer(cls, traces, config: InferConfig) -> list[Invariant]:
