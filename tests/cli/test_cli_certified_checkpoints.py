@@ -48,3 +48,20 @@ def test_resume_after_a_tainted_checkpoint_picks_the_last_verified_one(tmp_path)
     for skipped in (run / "checkpoint", periodic_dir(run, 6), periodic_dir(run, 4)):
         assert f"skipped checkpoint {skipped}: written from state with an unresolved guard finding" in text, text
     assert f"resuming from {periodic_dir(run, 2)} (step 2)" in text
+
+
+def test_newer_tainted_checkpoints_never_prune_away_the_last_verified_one(tmp_path):
+    (tmp_path / "faults.yaml").write_text(FAULT)
+    (tmp_path / "guard.yaml").write_text("policy: {defaults: false}\n")  # findings reported, never repaired
+    run = tmp_path / "run"
+    args = ["--batch-size", "2", "--checkpoint-every", "2", "--keep-checkpoints", "2"]
+    trained = invoke(
+        "train", "--steps", "8", *args, "--faults", tmp_path / "faults.yaml", "--guard-config", tmp_path / "guard.yaml",
+        "--out", run,
+    )  # fmt: skip
+    assert trained.exit_code == 0, trained.output
+    # the two newest (tainted) are kept, and the verified step 2 beside them; nothing else
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [periodic_dir(run, s).name for s in (2, 4, 6)]
+    resumed = invoke("train", "--resume", run, "--steps", "8")
+    assert resumed.exit_code == 0, resumed.output
+    assert f"resuming from {periodic_dir(run, 2)} (step 2)" in " ".join(resumed.output.split())

@@ -117,9 +117,19 @@ def choose_checkpoint(run_dir: str | Path) -> tuple[Path, dict, list[tuple[Path,
     raise CheckpointError(f"no checkpoint in {str(run_dir)!r}")
 
 
+def _certified(path: Path) -> bool:
+    """A complete checkpoint a resume may take: its manifest reads and is not ``verified: false``."""
+    try:
+        return read_json(path / MANIFEST_FILE).get("verified") is not False
+    except (OSError, ValueError):
+        return False
+
+
 def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
-    """Remove periodic checkpoints beyond the ``keep`` newest complete ones, and incomplete ones
-    (no manifest: a writer was killed) older than the newest complete one; the removed paths."""
+    """Remove periodic checkpoints beyond the ``keep`` newest complete ones -- except the newest
+    certified one, which newer uncertified ones never push out (it is what a resume takes) -- and
+    incomplete ones (no manifest: a writer was killed) older than the newest complete one; the
+    removed paths."""
     periodic = Path(run_dir) / PERIODIC_DIR
     if not periodic.is_dir():
         return []
@@ -128,6 +138,7 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     if not complete:
         return []
     kept = {p for _, p in complete[-keep:]}
+    kept.update(next(([p] for _, p in reversed(complete) if _certified(p)), []))
     newest = complete[-1][0]
     removed = [p for s, p in dirs if p not in kept and s <= newest]
     for p in removed:
