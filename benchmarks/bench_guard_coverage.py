@@ -1,63 +1,88 @@
 """The guard's coverage matrix: for each profile, what share of each fault class is detected, how
 fast, and repaired -- and how many events clean runs raise.
 
-    python benchmarks/bench_guard_coverage.py [--quick] [--profiles minimal balanced full]
+    python benchmarks/bench_guard_coverage.py [--quick] [--misses] [--profiles minimal balanced full]
 
-Fault classes: site (a Linear's forward Y, dX, dW; the weights) × bit field (high exponent, low
-exponent, high mantissa of the dtype) × dtype (fp32, bf16 and fp16 autocast) × schedule (transient
-at one step; intermittent with p = 0.3 from that step; permanent from it) × moment in the step
-(first or second of two micro-batches). Each cell trains the tiny GPT in a plain loop with
-gradient accumulation (``step_fn``) for a few steps after the fault from the same seed as a
-golden run, with a random element of a random Linear hit by ``sdcscope.inject`` (seeded per
-cell), and reports: detected (any guard event from the fault's first step on), latency (steps
-from the fault's first step to the first event), repaired (final validation loss within 0.5 % of
-the golden run's), and the false events of clean guarded runs of each profile. Per profile the
-matrix is summed by each axis; the last line holds each profile's detected / repaired shares and
-clean events. ``--quick``: fewer cells (no intermittent, one moment), fewer steps.
+A fault class is site (a Linear's forward output Y, its dX, its dW, its weight in memory) × bit
+field of the stored format (top exponent bit, lowest exponent bit, top mantissa bit; Y, dX and
+dW are stored in the autocast dtype, weights in fp32) × dtype (fp32, bf16 autocast, fp16
+autocast) × schedule (transient at the fault step; intermittent, p = 0.3 per micro-batch from
+it on; permanent from it on) × moment in the step (micro-batch 0 or 1 of two). The full mode
+runs every class of this cross-product; ``--quick`` runs a stratified sample of it: every
+(site, field, dtype) once, with the (schedule, moment) pairs dealt out evenly by a fixed seed
+(each schedule a third of the classes, each moment half). A class's Linear and element are
+drawn with a seed fixed per class, so a class is the same fault in both modes.
+
+Workload: the tiny GPT, batch 4 as two micro-batches, in a plain loop with gradient
+accumulation driven through ``Guard(step_fn=...)``; faults come from ``sdcscope.inject``; the
+profile is taken by name (``GuardConfig(profile=...)``, whatever
+:data:`sdcscope.guard.config.PROFILES` makes of it). Each dtype first trains 100 steps without
+a guard (past the loss's steep first descent, so that one lost update moves the validation loss
+little); every run goes on from there for a few steps, the fault from its fourth step on, with
+the guard's spike detectors fed the losses and gradient norms of those 100 steps (what a guard
+on from step 0 would have seen: their warm-up is over). Per class and profile: detected (a
+detector's event at or after the fault's first firing), latency (steps from that firing to the
+first such event), repaired (final validation loss within 0.5 % of the golden -- fault-free,
+unguarded -- run's; a run the guard stopped counts as not repaired), stopped. As context,
+harmful: the same fault without a guard leaves the validation loss more than 0.5 % off (or
+non-finite). False events: those of clean guarded runs of each profile in each dtype, and those
+of the faulty runs before their fault. The last line holds each profile's detected / repaired
+shares and its false events. One torch thread: the tiny model gains nothing from more.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import math
 import random
 import statistics
 import sys
+import time
 import warnings
 from collections import defaultdict
 
 import torch
 
-from sdcscope.faults import FaultSpec
+from sdcscope.faults import FaultSpec, get_format
 from sdcscope.guard import Guard, GuardConfig
+from sdcscope.guard.config import PROFILES
 from sdcscope.inject import Injector
 from sdcscope.workloads import WorkloadConfig, make_workload
 
-FIELDS = {  # bit field -> bits per dtype width
-    "exp-high": {32: 30, 16: 14},
-    "exp-low": {32: 24, 16: 8},
-    "mantissa-high": {32: 22, 16: 6},
-}
 SITES = {"Y": "gemm.forward", "dX": "gemm.grad_input", "dW": "gemm.grad_weight", "weight": "weight"}
+FIELDS = ("exp-high", "exp-low", "mant-high")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-FAULT_STEP = 3
+SCHEDULES = ("transient", "intermittent", "permanent")
+MOMENTS = (0, 1)
+AXES = ("site", "field", "dtype", "schedule", "moment")
+WARM = 100  # steps of each dtype's start (:class:`Start`)
+FAULT_STEP = 3  # steps of each run before its fault (the guard's first snapshot, clean checks)
+TOLERANCE = 0.005  # repaired: validation loss within 0.5 % of the golden run's
+SAMPLE_SEED = 0
+QUIET = ("stopped", "stalled")  # the guard's own events that are no failure of it
 
 
-def spec(site: str, field: str, dtype: str, schedule: str, moment: int, target: str, seed: int) -> FaultSpec:
-    width = 32 if dtype == "fp32" or site == "weight" else 16
+def field_bit(field: str, fmt: str) -> int:
+    """The bit of ``field`` in the stored format ``fmt``."""
+    f = get_format(fmt)
+    return {"exp-high": f.exponent[-1], "exp-low": f.exponent[0], "mant-high": f.mantissa[-1]}[field]
+
+
+def make_spec(cell: tuple, target: str, seed: int, at: int) -> FaultSpec:
+    site, field, dtype, schedule, moment = cell
+    stored = "fp32" if site == "weight" else dtype  # weights stay fp32; GEMM results are autocast's
     sched = {
-        "transient": {"kind": "transient", "step": FAULT_STEP, "micro_batch": moment},
-        "intermittent": {"kind": "intermittent", "p": 0.3, "start": FAULT_STEP},
-        "permanent": {"kind": "permanent", "start": FAULT_STEP},
+        "transient": {"kind": "transient", "step": at, "micro_batch": moment},
+        "intermittent": {"kind": "intermittent", "p": 0.3, "start": at},
+        "permanent": {"kind": "permanent", "start": at},
     }[schedule]
-    if site == "weight":
-        sched.pop("micro_batch", None)
     return FaultSpec(
         site=SITES[site],
         target=target,
         model="bitflip",
-        bits=(FIELDS[field][width],),
+        bits=(field_bit(field, stored),),
         pattern={"kind": "element", "index": "random"},
         schedule=sched,
         seed=seed,
@@ -65,21 +90,33 @@ def spec(site: str, field: str, dtype: str, schedule: str, moment: int, target: 
 
 
 class Run:
-    """One plain loop with gradient accumulation (two micro-batches per step) on the tiny GPT."""
+    """One plain loop with gradient accumulation (two micro-batches per step) on the tiny GPT: no
+    guard (``profile`` None) or a guard of that profile, with or without a fault, from a fresh
+    model (``start`` None) or from ``start`` (a :class:`Start`). Like the engine it keeps step
+    and data position apart: a rollback resumes at the snapshot's step and data position,
+    batches the guard skipped are never drawn again, a vetoed step is lost."""
 
-    def __init__(self, profile: str | None, dtype: str, fault: FaultSpec | None, steps: int) -> None:
-        self.w = make_workload(WorkloadConfig(workload="gpt", preset="tiny", batch_size=4))
+    def __init__(self, w, start, profile: str | None, dtype: str, fault: FaultSpec | None, steps: int) -> None:
+        self.w, self.steps, self.dtype = w, steps, DTYPES[dtype]
+        self.first = 0 if start is None else start.steps  # data position and LR schedule go on from the start
         torch.manual_seed(0)
-        self.model = self.w.build_model()
-        self.opt = self.w.build_optimizer(self.model)
-        self.dtype, self.steps = DTYPES[dtype], steps
-        self.inj = Injector(self.model, [fault] if fault else [], self.opt).attach()
+        self.model = w.build_model()
+        self.opt = w.build_optimizer(self.model)
+        if start is not None:
+            self.model.load_state_dict(copy.deepcopy(start.model_state))
+            self.opt.load_state_dict(copy.deepcopy(start.opt_state))
+        self.inj = Injector(self.model, [fault] if fault else [], self.opt, warn_unfired=False).attach()
+        self.history: list[tuple[float, float]] = []  # (loss, gradient norm) of the unguarded steps
         self.guard = None
-        if profile is not None:
-            cfg = GuardConfig(profile=profile, stall_after=steps)
-            self.guard = Guard(self.model, self.opt, cfg, step_fn=self.step_fn).attach()
+        if profile is not None:  # the profile by name, nothing else changed
+            self.guard = Guard(self.model, self.opt, GuardConfig(profile=profile), step_fn=self.step_fn).attach()
+            for i, (loss, norm) in enumerate(start.history if start is not None else ()):
+                # the spike detectors have watched the start's training, as a guard on from step 0 would
+                for spike, value in ((self.guard.loss_spike, loss), (self.guard.grad_spike, norm)):
+                    if spike is not None:
+                        spike.check(i - self.first, value)
 
-    def step_fn(self, model, micro):
+    def step_fn(self, model, micro) -> torch.Tensor:
         total = 0.0
         for i, mb in enumerate(micro):
             self.inj.set_position(self.step, i)
@@ -89,129 +126,211 @@ class Run:
             total += float(loss.detach())
         return torch.tensor(total)
 
-    def run(self) -> tuple[float, list[dict]]:
+    def run(self) -> dict:
         clip = lambda: torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)  # noqa: E731
-        step = 0
-        while step < self.steps:
-            self.step = step
-            x, y = self.w.batch(0, step)
+        step, pos = 0, self.first
+        pos_of: dict[int, int] = {}  # step -> data position it trained on
+        skipped: set[int] = set()  # data positions the guard said never to train on again
+        for _ in range(4 * self.steps):  # a bound on rollbacks; the guard stalls long before
+            if step >= self.steps:
+                break
+            while pos in skipped:
+                pos += 1
+            self.step, pos_of[step] = step, pos
+            for g in self.opt.param_groups:
+                g["lr"] = self.w.lr_at(self.first + step)
+            x, y = self.w.batch(0, pos)
             micro = [(x[:2], y[:2]), (x[2:], y[2:])]
             self.opt.zero_grad(set_to_none=True)
             if self.guard is None:
-                self.step_fn(self.model, micro)
-                clip()
+                loss = self.step_fn(self.model, micro)
+                self.history.append((float(loss), float(clip())))
                 self.opt.step()
-                step += 1
+                step, pos = step + 1, pos + 1
                 continue
             with self.guard.step(step, micro):
                 loss = self.step_fn(self.model, micro)
             self.guard.optimizer_step(loss, before_step=clip)
-            if self.guard.stalled:
+            skipped |= {pos_of[s] for s in self.guard.skip_batches if s in pos_of}
+            if self.guard.stopped:
                 break
             back = self.guard.rolled_back_to
-            step = back + 1 if back is not None else step + 1
+            step, pos = (back, pos_of[back]) if back is not None else (step + 1, pos + 1)
+        self.inj.close()  # evaluate the trained weights on healthy hardware
         self.model.eval()
-        with torch.no_grad():
-            val = float(self.w.evaluate(self.model)["val_loss"])
-        return val, [] if self.guard is None else self.guard.events
+        val = float(self.w.evaluate(self.model)["val_loss"])
+        fired = [r["step"] for r in self.inj.records if r["when"] == "train"]
+        events = [] if self.guard is None else list(self.guard.events)
+        stopped = self.guard is not None and self.guard.stopped
+        if self.guard is not None:
+            self.guard.close()
+        return {"val": val, "fired": min(fired) if fired else None, "events": events, "stopped": stopped}
 
 
-def smallest_detected(dtype: str, trials: int = 24) -> tuple[float, float]:
-    """Smallest relative change y → y(1+ε) of one random element of a Linear(128, 128)'s Y over
-    2,048 tokens caught in at least half / all of ``trials`` (ε = 2^-j, j = 0..22)."""
-    from sdcscope.detect import ABFTConfig, ABFTDetector
+class Start:
+    """Where every run of a dtype starts: the tiny GPT trained ``steps`` steps in that dtype
+    without faults or a guard, past the steep first descent of the loss (one lost update then
+    moves the validation loss little, as mid-training), with the losses and gradient norms the
+    spike detectors of a guard on from step 0 would have seen."""
 
-    torch.manual_seed(0)
-    layer = torch.nn.Sequential(torch.nn.Linear(128, 128))
-    x = torch.randn(16, 128, 128)
-    change: dict = {}
+    def __init__(self, w, dtype: str, steps: int) -> None:
+        run = Run(w, None, None, dtype, None, steps)
+        run.run()
+        self.steps, self.history = steps, run.history
+        self.model_state, self.opt_state = run.model.state_dict(), run.opt.state_dict()
 
-    def hook(mod, args, out):
-        if change:
-            out = out.clone()
-            flat = out.view(-1)
-            flat[change["i"]] = flat[change["i"]] * (1 + change["eps"])
-            return out
 
-    layer[0].register_forward_hook(hook)
-    det = ABFTDetector(layer, ABFTConfig(gemms=("forward",), kinds=["linear"])).attach()
-    rng = random.Random(0)
-    half = every = None
-    for j in range(22, -1, -1):
-        eps, hits = 2.0**-j, 0
-        for t in range(trials):
-            change.update(i=rng.randrange(16 * 128 * 128), eps=eps)
-            with torch.no_grad(), torch.autocast("cpu", dtype=DTYPES[dtype] or torch.bfloat16, enabled=dtype != "fp32"):
-                layer(x)
-            hits += bool(det.check(t))
-        if half is None and hits >= trials / 2:
-            half = eps
-        if every is None and hits == trials:
-            every = eps
-    det.detach()
-    return half or math.inf, every or math.inf
+def cells_for(quick: bool) -> list[tuple]:
+    """Every fault class, or (quick) the stratified sample described in the module docstring."""
+    if not quick:
+        return list(itertools.product(SITES, FIELDS, DTYPES, SCHEDULES, MOMENTS))
+    base = list(itertools.product(SITES, FIELDS, DTYPES))
+    pairs = list(itertools.product(SCHEDULES, MOMENTS))
+    dealt = (pairs * math.ceil(len(base) / len(pairs)))[: len(base)]
+    random.Random(SAMPLE_SEED).shuffle(dealt)
+    return [(*b, *p) for b, p in zip(base, dealt)]
+
+
+def rel(val: float, golden: float) -> float:
+    """``val`` off ``golden``, in percent."""
+    return 100 * (val - golden) / abs(golden)
+
+
+def off(val: float, golden: float) -> bool:
+    return not math.isfinite(val) or abs(val - golden) > TOLERANCE * abs(golden)
+
+
+def pct(k: int, n: int) -> str:
+    return f"{k:3d}/{n:<3d} {100 * k / n:3.0f}%" if n else "   -       "
+
+
+def table(rows: list[dict]) -> list[str]:
+    """One row per value of each axis, then all classes."""
+    head = f"  {'group':22s} {'n':>3s}  {'harmful':11s}  {'detected':11s}  {'lat':>4s}  {'repaired':11s}  "
+    out = [head + f"{'rep|harm':11s}  stopped"]
+    groups = [
+        (f"{axis} {key}", [r for r in rows if r["cell"][a] == key])
+        for a, axis in enumerate(AXES)
+        for key in dict.fromkeys(r["cell"][a] for r in rows)
+    ]
+    for name, rs in groups + [("all", rows)]:
+        n, hurt = len(rs), [r for r in rs if r["harmful"]]
+        lats = [r["lat"] for r in rs if r["lat"] is not None]
+        lat = f"{statistics.median(lats):4.1f}" if lats else "   -"
+        out.append(
+            f"  {name:22s} {n:3d}  {pct(len(hurt), n)}  {pct(sum(r['det'] for r in rs), n)}  {lat}  "
+            f"{pct(sum(r['rep'] for r in rs), n)}  {pct(sum(r['rep'] for r in hurt), len(hurt))}  "
+            f"{sum(r['stopped'] for r in rs)}"
+        )
+    return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--profiles", nargs="+", default=["minimal", "balanced", "full"])
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 10, quick 7)")
-    parser.add_argument("--clean-steps", type=int, default=None, help="steps of the clean runs (default 200, quick 40)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a stratified sample of the classes, fewer steps")
+    parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
+    parser.add_argument("--after", type=int, default=None, help="steps from the fault on (default 6, quick 4)")
+    parser.add_argument("--clean-steps", type=int, default=None, help="steps of each clean run (default 100, quick 40)")
+    parser.add_argument("--misses", action="store_true", help="list each harmful class a profile did not repair")
     args = parser.parse_args()
+    after = args.after or (4 if args.quick else 6)
+    if after < 1:
+        parser.error(f"--after {after} must be >= 1")
     warnings.simplefilter("ignore")
-    torch.set_num_threads(2)
-    steps = args.steps or (7 if args.quick else 10)
-    schedules = ["transient", "permanent"] if args.quick else ["transient", "intermittent", "permanent"]
-    moments = [1] if args.quick else [0, 1]
-    w = make_workload(WorkloadConfig(workload="gpt", preset="tiny"))
-    torch.manual_seed(0)
+    torch.set_num_threads(1)  # a tiny model gains nothing from more; on shared cores extra threads spin
+    t0 = time.perf_counter()
+    w = make_workload(WorkloadConfig(workload="gpt", preset="tiny", batch_size=4))
+    at = FAULT_STEP
+    steps = at + after
+    clean_steps = args.clean_steps or (40 if args.quick else 100)
+    starts = {d: Start(w, d, WARM) for d in DTYPES}
     targets = [n for n, m in w.build_model().named_modules() if isinstance(m, torch.nn.Linear)]
-    golden = {d: Run(None, d, None, steps).run()[0] for d in DTYPES}
-    cells = list(itertools.product(SITES, FIELDS, DTYPES, schedules, moments))
-    rows = defaultdict(list)  # profile -> [(cell, detected, latency, repaired)]
-    for i, (site, field, dtype, sched, moment) in enumerate(cells):
-        rng = random.Random(i)
-        target = rng.choice(targets)
-        fault = spec(site, field, dtype, sched, moment, target, seed=i)
+    golden = {d: Run(w, starts[d], None, d, None, steps).run()["val"] for d in DTYPES}
+    every = list(itertools.product(SITES, FIELDS, DTYPES, SCHEDULES, MOMENTS))
+    cells = cells_for(args.quick)
+    mode = f"a stratified sample (seed {SAMPLE_SEED}) of {len(cells)}" if args.quick else "all"
+    print(
+        f"tiny GPT trained {WARM} steps in each dtype (spike detectors primed with them), then {steps} steps per run "
+        f"(batch 4 = 2 micro-batches), faults from step {at}; {mode} of the {len(every)} fault classes",
+        flush=True,
+    )
+    rows: dict[str, list[dict]] = defaultdict(list)
+    early: dict[str, list[dict]] = defaultdict(list)  # events of the faulty runs before their fault fired
+    unfired = 0
+    for cell in cells:
+        k = every.index(cell)  # the class's own seed: the same fault in quick and full mode
+        fault = make_spec(cell, random.Random(k).choice(targets), seed=k, at=at)
+        bare = Run(w, starts[cell[2]], None, cell[2], fault, steps).run()
+        if bare["fired"] is None:  # an intermittent fault that drew no event: no fault to find
+            unfired += 1
+            continue
+        harmful = off(bare["val"], golden[cell[2]])
         for prof in args.profiles:
-            val, events = Run(prof, dtype, fault, steps).run()
-            late = [e["step"] for e in events if e["step"] >= FAULT_STEP]
-            repaired = abs(val - golden[dtype]) <= 0.005 * abs(golden[dtype])
+            r = Run(w, starts[cell[2]], prof, cell[2], fault, steps).run()
+            first = r["fired"] if r["fired"] is not None else bare["fired"]
+            early[prof] += [dict(e, dtype=cell[2]) for e in r["events"] if e["step"] < first]
+            late = [e["step"] for e in r["events"] if e["step"] >= first and e["detector"] != "guard"]
             rows[prof].append(
-                ((site, field, dtype, sched, moment), bool(late), min(late) - FAULT_STEP if late else None, repaired)
+                {
+                    "cell": cell,
+                    "harmful": harmful,
+                    "det": bool(late),
+                    "lat": min(late) - first if late else None,
+                    "rep": not off(r["val"], golden[cell[2]]),
+                    "stopped": r["stopped"],
+                    "errors": [e for e in r["events"] if e["detector"] == "guard" and e["verdict"] not in QUIET],
+                    "bare": rel(bare["val"], golden[cell[2]]),
+                    "off": rel(r["val"], golden[cell[2]]),
+                    "first": next((f"{e['detector']}:{e['verdict']}" for e in r["events"] if e["step"] >= first), None),
+                }
             )
-    clean_steps = args.clean_steps or (40 if args.quick else 200)
-    false = {}
+    t_cells = time.perf_counter() - t0
+    clean: dict[str, list[dict]] = {}
     for prof in args.profiles:
-        false[prof] = sum(len(Run(prof, d, None, clean_steps).run()[1]) for d in DTYPES)
-    axes = ("site", "field", "dtype", "schedule", "moment")
+        clean[prof] = [
+            dict(e, dtype=d) for d in DTYPES for e in Run(w, starts[d], prof, d, None, clean_steps).run()["events"]
+        ]
     summary = []
     for prof in args.profiles:
         n = len(rows[prof])
-        print(f"== profile {prof}: {n} fault classes, clean events {false[prof]} over {clean_steps} steps x 3 dtypes")
-        for a, axis in enumerate(axes):
-            groups = defaultdict(list)
-            for cell, det, lat, rep in rows[prof]:
-                groups[cell[a]].append((det, lat, rep))
-            for key, vals in groups.items():
-                lats = [lat for _, lat, _ in vals if lat is not None]
-                print(
-                    f"  {axis:8s} {str(key):14s} detected {sum(v[0] for v in vals)}/{len(vals)}  "
-                    f"latency {statistics.median(lats) if lats else float('nan'):4.1f}  "
-                    f"repaired {sum(v[2] for v in vals)}/{len(vals)}"
-                )
-        n = len(rows[prof])
-        det = sum(r[1] for r in rows[prof])
-        rep = sum(r[3] for r in rows[prof])
-        summary.append(f"{prof} detected {det}/{n} repaired {rep}/{n} clean-events {false[prof]}")
-    for d in DTYPES:
-        half, every = smallest_detected(d)
+        false = clean[prof] + early[prof]
         print(
-            f"smallest relative change of one element of Y caught ({d}): half of the elements {half:.1e}, "
-            f"all {every:.1e}"
+            f"\n== profile {prof}: {n} fault classes"
+            f"{f' ({unfired} intermittent ones drew no event: left out)' if unfired else ''}; false events: "
+            f"{len(clean[prof])} in clean runs of {clean_steps} steps x {len(DTYPES)} dtypes, {len(early[prof])} in "
+            f"the {at} steps before the fault of each faulty run"
         )
-    print("coverage: " + "; ".join(summary))
+        print("\n".join(table(rows[prof])))
+        misses = [r for r in rows[prof] if r["harmful"] and not r["rep"]]
+        for r in misses if args.misses else ():
+            print(
+                f"   harmful, not repaired: {'/'.join(map(str, r['cell']))}: unguarded {r['bare']:+.2f} %, guarded "
+                f"{r['off']:+.2f} %, first event {r['first']}{', stopped' if r['stopped'] else ''}"
+            )
+        for r in rows[prof]:
+            for e in r["errors"]:
+                print(
+                    f"   guard's own event ({'/'.join(map(str, r['cell']))}): step {e['step']} {e['verdict']} "
+                    f"{e.get('evidence')}"
+                )
+        for e in false:
+            print(f"   false event ({e['dtype']}): step {e['step']} {e['detector']}:{e['verdict']} {e.get('evidence')}")
+        det, rep = (100 * sum(r[k] for r in rows[prof]) / max(n, 1) for k in ("det", "rep"))
+        summary.append((prof, det, rep, len(false)))
+    print(
+        f"\nrepaired: final validation loss within {100 * TOLERANCE:.1f} % of the golden run's; harmful: so is not the "
+        f"unguarded faulty run's; rep|harm: repaired of the harmful; a stopped run counts as not repaired"
+    )
+    print(
+        f"wall {time.perf_counter() - t0:.0f} s (fault classes {t_cells:.0f} s); golden val loss "
+        + ", ".join(f"{d} {v:.4f}" for d, v in golden.items())
+    )
+    print(
+        f"coverage detected/repaired ({'quick: ' if args.quick else ''}{len(cells)} classes): "
+        + ", ".join(f"{p} {d:.0f}%/{r:.0f}%" for p, d, r, _ in summary)
+        + "; false events "
+        + "/".join(str(f) for *_, f in summary)
+    )
 
 
 if __name__ == "__main__":

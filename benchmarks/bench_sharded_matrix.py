@@ -7,10 +7,12 @@ and the guard's cost ratio per topology (gloo on CPU).
 
 Each row runs the GPT (tiny preset) sharded with ``--parallel`` semantics through the torchrun
 job's own code (``run_job`` on spawned gloo ranks), guarded, with one fault on a chosen rank, and
-compares the final full parameters with the clean guarded run's. ``named``: an event names the
-fault's rank and layer. The cost ratio is the guarded clean run's training-loop time (summary.json)
-over the unguarded one's (each run once per repeat, interleaved; median), measured on a shared,
-loaded machine: the ratios are pessimistic. The figure on the last line is the median guard-cost ratio over topologies.
+compares the final full parameters with the clean guarded run's (``--profile``, default ``full``:
+every GEMM every step). ``named``: an event names the fault's rank and layer (a GEMM fault:
+ABFT's check of that GEMM; under tensor parallelism the rank's local shard GEMM). The cost ratio
+is the guarded clean run's training-loop time (summary.json) over the unguarded one's (each run
+once per repeat, interleaved; median), measured on a shared, loaded machine: the ratios are
+pessimistic. The figure on the last line is the median guard-cost ratio over topologies.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from sdcscope.engine.dist import DistConfig, init_distributed, spawn
 from sdcscope.engine.parallel import ParallelConfig
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import GuardConfig
+from sdcscope.guard.config import PROFILES
 from sdcscope.workloads import WorkloadConfig
 
 WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=200_000)
@@ -35,14 +38,16 @@ FULL = {"fsdp/4": ("fsdp", 4), "fsdp+tp/4": ("fsdp+tp", 4), "hsdp/4": ("hsdp", 4
 
 
 def faults(kind: str, step: int, rank: int) -> dict[str, dict]:
-    """One fault per row, on ``rank`` at ``step``: a layer each topology's ABFT checks (the attention
-    product under tensor parallelism, an MLP linear otherwise)."""
-    gemm = "blocks.0.attn.score" if kind in ("tp", "fsdp+tp") else "blocks.0.mlp.fc"
+    """One fault per row, on ``rank`` at ``step``, in an MLP linear: under tensor parallelism the
+    forward GEMM of the colwise ``fc`` (its output features split) and the dX of the rowwise
+    ``proj`` (its input features split), each this rank's local shard GEMM."""
+    gemm = "blocks.0.mlp.fc"
+    dx = "blocks.0.mlp.proj" if kind in ("tp", "fsdp+tp") else gemm
     flip = {"model": "bitflip", "rank": rank, "pattern": {"kind": "element", "index": 5}, "seed": 1}
     when = {"kind": "transient", "step": step}
     return {
         "gemm.forward": {**flip, "site": "gemm.forward", "target": gemm, "bits": [30], "schedule": when},
-        "gemm.grad_input": {**flip, "site": "gemm.grad_input", "target": gemm, "bits": [30], "schedule": when},
+        "gemm.grad_input": {**flip, "site": "gemm.grad_input", "target": dx, "bits": [30], "schedule": when},
         "weight": {**flip, "site": "weight", "target": "blocks.0.mlp.fc", "bits": [30], "schedule": when},
         "optimizer_state": {
             **flip,
@@ -74,8 +79,10 @@ def _rank(rank: int, world: int, job: dict) -> None:
         pass
 
 
-def run(out: Path, kind: str, nproc: int, steps: int, specs: list[dict], guard: bool) -> tuple[dict, list, float]:
-    """One sharded run: ``(summary, events, wall seconds)``."""
+def run(
+    out: Path, kind: str, nproc: int, steps: int, specs: list[dict], guard: bool, profile: str = "full"
+) -> tuple[dict, list, float]:
+    """One sharded run: ``(summary, events, wall seconds)``; ``profile``: the guard's."""
     from sdcscope.jobs.torchrun import make_job
 
     job = make_job(
@@ -86,7 +93,7 @@ def run(out: Path, kind: str, nproc: int, steps: int, specs: list[dict], guard: 
         train=TrainConfig(seed=0),
         dist_config=DistConfig(backend="gloo", timeout_s=120),
         specs=[FaultSpec.from_dict(s) for s in specs],
-        guard=GuardConfig() if guard else None,
+        guard=GuardConfig(profile=profile) if guard else None,
         parallel=ParallelConfig(kind=kind, inner=2),
         crossrank=guard,
     )
@@ -102,7 +109,13 @@ def judge(events: list[dict], spec: dict, step: int, clean: dict, summary: dict)
     found = [e for e in events if e["detector"] != "guard"]
     first = min((e["step"] for e in found), default=None)
     layer = spec["target"]
-    named = any(e.get("rank") == spec["rank"] and (e.get("module") or "").startswith(layer) for e in found)
+    gemm = spec["site"].partition("gemm.")[2] or None  # a GEMM fault: named by ABFT's check of that GEMM
+    named = any(
+        e.get("rank") == spec["rank"]
+        and (e.get("module") or "").startswith(layer)
+        and (gemm is None or (e["detector"] == "abft" and e.get("gemm") == gemm))
+        for e in found
+    )
     memory = spec["site"] in ("weight", "optimizer_state")
     if spec["schedule"]["kind"] == "permanent":  # repaired = stopped cleanly, every rank, ledger written
         stop = [e for e in events if e["detector"] == "guard" and e["verdict"] == "stopped"]
@@ -134,6 +147,12 @@ def main() -> int:
     p.add_argument("--fault-step", type=int, default=5)
     p.add_argument("--rank", type=int, default=1, help="the rank the faults live on")
     p.add_argument("--only", nargs="*", default=None, help="topologies to run (e.g. hsdp/4 fsdp+tp/4)")
+    p.add_argument(
+        "--profile",
+        default="full",
+        choices=sorted(PROFILES),
+        help="the guard's profile (full: every GEMM every step, so ABFT checks the faulted one)",
+    )
     a = p.parse_args()
     topologies = {**TOPOLOGIES, **(FULL if a.full or a.only else {})}
     if a.only:
@@ -152,7 +171,7 @@ def main() -> int:
             for r in range(a.repeats):
                 for guarded in (False, True):
                     summary, events, wall = run(
-                        root / f"{tag}-clean{int(guarded)}-{r}", kind, nproc, a.steps, [], guarded
+                        root / f"{tag}-clean{int(guarded)}-{r}", kind, nproc, a.steps, [], guarded, a.profile
                     )
                     walls[guarded].append(wall)
                     if guarded:
@@ -162,7 +181,7 @@ def main() -> int:
                         )
             ratios[label] = statistics.median(walls[True]) / statistics.median(walls[False])
             for site, spec in faults(kind, a.fault_step, a.rank).items():
-                summary, events, _ = run(root / f"{tag}-{site}", kind, nproc, a.steps, [spec], True)
+                summary, events, _ = run(root / f"{tag}-{site}", kind, nproc, a.steps, [spec], True, a.profile)
                 j = judge(events, spec, a.fault_step, clean, summary)
                 print(
                     f"{label:10} {site:16} {str(j['detected']):8} {str(j['step']):>4} {str(j['named']):6} "

@@ -31,7 +31,9 @@ def _verified(path) -> bool | None:
 
 def test_resume_after_a_tainted_checkpoint_picks_the_last_verified_one(tmp_path):
     (tmp_path / "faults.yaml").write_text(FAULT)
-    (tmp_path / "guard.yaml").write_text("policy: {defaults: false}\n")  # findings reported, never repaired
+    (tmp_path / "guard.yaml").write_text(
+        "profile: full\npolicy: {defaults: false}\n"
+    )  # findings reported, never repaired
     run = tmp_path / "run"
     args = ["--batch-size", "2", "--checkpoint-every", "2", "--keep-checkpoints", "3"]
     trained = invoke(
@@ -52,7 +54,9 @@ def test_resume_after_a_tainted_checkpoint_picks_the_last_verified_one(tmp_path)
 
 def test_newer_tainted_checkpoints_never_prune_away_the_last_verified_one(tmp_path):
     (tmp_path / "faults.yaml").write_text(FAULT)
-    (tmp_path / "guard.yaml").write_text("policy: {defaults: false}\n")  # findings reported, never repaired
+    (tmp_path / "guard.yaml").write_text(
+        "profile: full\npolicy: {defaults: false}\n"
+    )  # findings reported, never repaired
     run = tmp_path / "run"
     args = ["--batch-size", "2", "--checkpoint-every", "2", "--keep-checkpoints", "2"]
     trained = invoke(

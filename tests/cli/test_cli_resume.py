@@ -307,6 +307,7 @@ def test_a_guard_that_vetoes_every_step_stalls_the_run(tmp_path):
         "- {site: gemm.forward, target: fc2, model: bitflip, bits: [30], pattern: {kind: element, index: 3},"
         " schedule: {kind: permanent, start: 0}, seed: 5}\n"
     )
+    (tmp_path / "guard.yaml").write_text("profile: full\n")  # every GEMM checked every step
     _ok(
         "train",
         "--workload",
@@ -319,7 +320,8 @@ def test_a_guard_that_vetoes_every_step_stalls_the_run(tmp_path):
         3,
         "--faults",
         spec,
-        "--guard",
+        "--guard-config",
+        tmp_path / "guard.yaml",
         "--out",
         tmp_path / "run",
         code=4,  # ExitCode.GUARD_STOPPED

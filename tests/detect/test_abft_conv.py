@@ -150,7 +150,7 @@ def _run(workload, spec=None):
     if spec is not None:
         inj = Injector(trainer.model, [FaultSpec.from_dict(spec)], trainer.optimizer).attach()
         trainer.add_callback(inj.callback())
-    guard = Guard(trainer.model, trainer.optimizer, GuardConfig())
+    guard = Guard(trainer.model, trainer.optimizer, GuardConfig(profile="full"))
     trainer.add_callback(guard.callback())
     while trainer.step < STEP + 3:
         trainer.train_step()

@@ -34,7 +34,7 @@ def plain_run(steps=10, fault=None, config=None, check=None, guarded=True):
     torch.manual_seed(0)
     model = BNNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, opt, config or GuardConfig(), loss_fn=ce).attach() if guarded else None
+    guard = Guard(model, opt, config or GuardConfig(profile="full"), loss_fn=ce).attach() if guarded else None
     now = [None]
     if fault is not None:
         flip_once(model.fc1, lambda: now[0] == fault, index=(3, 4))
@@ -76,7 +76,7 @@ def test_veto_restores_buffers_plain_loop():
             for k, v in buffers(model).items():
                 assert torch.equal(v, before[k]), k
 
-    plain_run(fault=FAULT, check=check, config=GuardConfig(policy={"rules": {"*:transient": ["veto"]}}))
+    plain_run(fault=FAULT, check=check, config=GuardConfig(profile="full", policy={"rules": {"*:transient": ["veto"]}}))
     assert vetoed == [FAULT]
 
 
@@ -84,7 +84,7 @@ def test_rollback_restores_buffers():
     torch.manual_seed(0)
     model = BNNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, opt, GuardConfig(snapshots={"every": 4}), loss_fn=ce).attach()
+    guard = Guard(model, opt, GuardConfig(profile="full", snapshots={"every": 4}), loss_fn=ce).attach()
     saved = {}
     step = 0
     while step < 7:
@@ -142,7 +142,7 @@ def engine_run(guard_config=None, fault=None, bad=None, steps=10, net=BNNet):
 
 def test_recompute_restores_buffers_engine():
     golden, _, _ = engine_run()
-    trainer, guard, _ = engine_run(GuardConfig(), fault=FAULT)
+    trainer, guard, _ = engine_run(GuardConfig(profile="full"), fault=FAULT)
     (e,) = guard.events
     assert (e["step"], e["verdict"], e["action"]) == (FAULT, "transient", "recompute")
     for k, v in golden.model.state_dict().items():
@@ -162,7 +162,9 @@ def test_veto_restores_buffers_engine():
 
     trainer = Trainer(TinyWorkload(WorkloadConfig(workload="cnn", warmup=0, grad_clip=0.0)), TrainConfig(seed=1))
     flip_once(trainer.model.fc1, lambda: trainer.step == FAULT, index=(3, 4))
-    guard = Guard(trainer.model, trainer.optimizer, GuardConfig(policy={"rules": {"*:transient": ["veto"]}}))
+    guard = Guard(
+        trainer.model, trainer.optimizer, GuardConfig(profile="full", policy={"rules": {"*:transient": ["veto"]}})
+    )
     check = Check()
     trainer.add_callback(guard.callback())
     trainer.add_callback(check)

@@ -26,7 +26,7 @@ def run(workload, spec=None, guard=True, steps=STEP + 6, config=None):
         trainer.add_callback(inj.callback())
     g = None
     if guard:
-        g = Guard(trainer.model, trainer.optimizer, config or GuardConfig())
+        g = Guard(trainer.model, trainer.optimizer, config or GuardConfig(profile="full"))
         trainer.add_callback(g.callback())
     while trainer.step < steps:
         trainer.train_step()
@@ -116,7 +116,7 @@ def test_plain_loop_api_replays_with_loss_fn(gpt):
     opt = gpt.build_optimizer(model)
     spec = FaultSpec.from_dict(flip("gemm.grad_input", "blocks.0.mlp.proj", 28))
     inj = Injector(model, [spec], opt).attach()
-    guard = Guard(model, opt, GuardConfig(), loss_fn=gpt.loss).attach()
+    guard = Guard(model, opt, GuardConfig(profile="full"), loss_fn=gpt.loss).attach()
     applied = []
     for step in range(STEP + 2):
         inj.set_position(step)
@@ -140,7 +140,7 @@ def test_reproducible_data_spike_is_skipped(gpt):
     torch.manual_seed(0)
     model = gpt.build_model()
     opt = gpt.build_optimizer(model)
-    cfg = GuardConfig(loss_spike={"warmup": 20, "alarm_z": 5.0}, abft=None)
+    cfg = GuardConfig(profile="full", loss_spike={"warmup": 20, "alarm_z": 5.0}, abft=None)
     guard = Guard(model, opt, cfg, loss_fn=gpt.loss).attach()
     results = []
     for step in range(SPIKE + 2):

@@ -38,7 +38,7 @@ def amp_run(mode: str | None, fault_at: int | None = None, steps: int = 10):
         None
         if mode is None
         else Guard(
-            model, opt, GuardConfig(), scaler=scaler, **{mode: amp_loss if mode == "loss_fn" else step_fn}
+            model, opt, GuardConfig(profile="full"), scaler=scaler, **{mode: amp_loss if mode == "loss_fn" else step_fn}
         ).attach()
     )
     now = [None]
@@ -86,7 +86,7 @@ def test_the_scaler_rolls_back_with_the_model_and_a_veto_lets_it_go_on():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), 0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
-    config = GuardConfig(snapshots={"every": 4}, policy={"rules": {"*:transient": ["veto"]}})
+    config = GuardConfig(profile="full", snapshots={"every": 4}, policy={"rules": {"*:transient": ["veto"]}})
     guard = Guard(model, opt, config, loss_fn=amp_loss, scaler=scaler).attach()
     assert guard.stateful == [scaler]
     now, scale_at, step = [None], {}, 0
@@ -141,7 +141,9 @@ def test_a_fault_that_overflows_downstream_under_a_gradscaler_is_found_and_recom
         opt = torch.optim.AdamW(model.parameters(), 1e-3)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         inj = Injector(model, [random_flip("gemm.grad_input", step=5, bit=14)], opt).attach() if fault else None
-        guard = Guard(model, opt, GuardConfig(), run_dir=tempfile.mkdtemp(), loss_fn=amp_ce, scaler=scaler).attach()
+        guard = Guard(
+            model, opt, GuardConfig(profile="full"), run_dir=tempfile.mkdtemp(), loss_fn=amp_ce, scaler=scaler
+        ).attach()
         events = guarded_train(model, opt, guard, inj, 7, loss_fn=amp_ce, scale=scaler.scale)
         guard.close()
         if inj is not None:

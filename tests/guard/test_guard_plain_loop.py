@@ -37,7 +37,9 @@ def clipped_run(guarded: bool, fault: bool, config: GuardConfig | None = None):
         calls.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
 
     guard = (
-        Guard(model, opt, config or GuardConfig(), run_dir=tempfile.mkdtemp(), loss_fn=ce).attach() if guarded else None
+        Guard(model, opt, config or GuardConfig(profile="full"), run_dir=tempfile.mkdtemp(), loss_fn=ce).attach()
+        if guarded
+        else None
     )
     for step in range(STEPS):
         batch = loop_batch(step)
@@ -69,7 +71,7 @@ def test_clipping_in_before_step_survives_a_recompute():
 
 
 def test_before_step_is_not_run_on_a_vetoed_step():
-    config = GuardConfig(policy={"rules": {"*:transient": ["veto"]}})
+    config = GuardConfig(profile="full", policy={"rules": {"*:transient": ["veto"]}})
     _, events, norms = clipped_run(True, True, config)
     assert events[0]["action"] == "veto"
     assert len(norms) == STEPS - 1
@@ -77,7 +79,7 @@ def test_before_step_is_not_run_on_a_vetoed_step():
 
 def test_before_step_must_be_callable():
     model, opt, _ = make_loop(False)
-    guard = Guard(model, opt, GuardConfig(), loss_fn=ce).attach()
+    guard = Guard(model, opt, GuardConfig(profile="full"), loss_fn=ce).attach()
     before = params(model)
     with guard.step(0, loop_batch(0)):
         loss = ce(model, loop_batch(0))
@@ -102,7 +104,11 @@ def accum_run(guarded: bool, fault: bool):
             total += loss.detach()
         return total
 
-    guard = Guard(model, opt, GuardConfig(), run_dir=tempfile.mkdtemp(), step_fn=step_fn).attach() if guarded else None
+    guard = (
+        Guard(model, opt, GuardConfig(profile="full"), run_dir=tempfile.mkdtemp(), step_fn=step_fn).attach()
+        if guarded
+        else None
+    )
     for step in range(STEPS):
         at["step"] = step
         mbs = [loop_batch(10 * step + k) for k in range(ACC)]
@@ -132,9 +138,9 @@ def test_step_fn_replays_every_micro_batch():
 def test_step_fn_and_loss_fn_are_exclusive_and_callable():
     model, opt, _ = make_loop(False)
     with pytest.raises(ValueError, match="loss_fn or step_fn, not both"):
-        Guard(model, opt, GuardConfig(), loss_fn=ce, step_fn=lambda m, b: ce(m, b))
+        Guard(model, opt, GuardConfig(profile="full"), loss_fn=ce, step_fn=lambda m, b: ce(m, b))
     with pytest.raises(TypeError, match="step_fn must be a callable or None, got 'train'"):
-        Guard(model, opt, GuardConfig(), step_fn="train")
+        Guard(model, opt, GuardConfig(profile="full"), step_fn="train")
 
 
 @pytest.mark.parametrize("every, target", [(100, 0), (2, 2)])
@@ -146,7 +152,7 @@ def test_rollback_restores_the_loops_scheduler_with_the_model(every, target):
     guard = Guard(
         model,
         opt,
-        GuardConfig(snapshots={"every": every}),
+        GuardConfig(profile="full", snapshots={"every": every}),
         run_dir=tempfile.mkdtemp(),
         loss_fn=ce,
         stateful=[sched],
@@ -169,7 +175,7 @@ def test_stateful_items_need_state_dicts():
 # -- 4. a non-scalar loss ---------------------------------------------------------------------------
 def test_vector_loss_is_a_clear_usage_error_before_any_change():
     model, opt, _ = make_loop(False)
-    guard = Guard(model, opt, GuardConfig(), run_dir=tempfile.mkdtemp(), loss_fn=ce).attach()
+    guard = Guard(model, opt, GuardConfig(profile="full"), run_dir=tempfile.mkdtemp(), loss_fn=ce).attach()
     x, y = loop_batch(0)
     before = params(model)
     with guard.step(0, (x, y)):
@@ -194,7 +200,7 @@ def test_step_fn_returning_a_vector_fails_the_replay_not_the_run():
         per.mean().backward()
         return per.detach()
 
-    guard = Guard(model, opt, GuardConfig(), run_dir=tempfile.mkdtemp(), step_fn=step_fn).attach()
+    guard = Guard(model, opt, GuardConfig(profile="full"), run_dir=tempfile.mkdtemp(), step_fn=step_fn).attach()
     for step in range(FAULT_STEP + 1):
         opt.zero_grad()
         inj.set_position(step)
@@ -212,7 +218,7 @@ def test_step_fn_returning_a_vector_fails_the_replay_not_the_run():
 @pytest.mark.parametrize("loss, error", [("1.5", TypeError), ([1.0, 2.0], ValueError)])
 def test_loss_that_is_no_number_is_refused(loss, error):
     model, opt, _ = make_loop(False)
-    guard = Guard(model, opt, GuardConfig()).attach()
+    guard = Guard(model, opt, GuardConfig(profile="full")).attach()
     with guard.step(0, loop_batch(0)):
         ce(model, loop_batch(0)).backward()
     with pytest.raises(error, match="loss must be a scalar"):
@@ -222,7 +228,7 @@ def test_loss_that_is_no_number_is_refused(loss, error):
 
 def test_events_file_exists_from_attach_on_a_clean_run(tmp_path):
     model, opt, _ = make_loop(False)
-    guard = Guard(model, opt, GuardConfig(), run_dir=tmp_path, loss_fn=ce).attach()
+    guard = Guard(model, opt, GuardConfig(profile="full"), run_dir=tmp_path, loss_fn=ce).attach()
     for step in range(3):
         opt.zero_grad()
         with guard.step(step, loop_batch(step)):
@@ -244,7 +250,7 @@ def test_weight_edits_in_after_step_are_no_corruption(tmp_path):
 
     for inside in (True, False):
         model, opt, _ = make_loop(False)
-        guard = Guard(model, opt, GuardConfig(), loss_fn=ce).attach()
+        guard = Guard(model, opt, GuardConfig(profile="full"), loss_fn=ce).attach()
         for step in range(3):
             opt.zero_grad()
             with guard.step(step, loop_batch(step)):
@@ -275,7 +281,7 @@ def test_a_plain_loop_learns_that_its_guard_discards_every_step(tmp_path):
         schedule={"kind": "permanent", "start": 0},
     )
     inj = Injector(model, [spec], opt).attach()
-    guard = Guard(model, opt, GuardConfig(stall_after=3), run_dir=tmp_path, loss_fn=ce).attach()
+    guard = Guard(model, opt, GuardConfig(profile="full", stall_after=3), run_dir=tmp_path, loss_fn=ce).attach()
     seen = []
     for step in range(5):
         batch = loop_batch(step)
@@ -309,7 +315,7 @@ def test_a_guard_used_without_attach_attaches_at_its_first_step():
     torch.manual_seed(0)
     model = deep_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, opt, GuardConfig(), run_dir=tempfile.mkdtemp(), loss_fn=ce)
+    guard = Guard(model, opt, GuardConfig(profile="full"), run_dir=tempfile.mkdtemp(), loss_fn=ce)
     inj = Injector(model, [random_flip("gemm.forward", step=3, bit=30)], opt).attach()
     events = guarded_train(model, opt, guard, inj, 5)
     assert guard.abft.checks_run > 0

@@ -30,7 +30,7 @@ def test_a_checksum_mismatch_that_vanishes_on_replay_is_transient_even_when_mask
             return out
 
     events = []
-    guard = Guard(model, opt, GuardConfig(), loss_fn=loss_fn, on_event=events.append).attach()
+    guard = Guard(model, opt, GuardConfig(profile="full"), loss_fn=loss_fn, on_event=events.append).attach()
     model.fc1.register_forward_hook(flip, prepend=True)
     stepped = []
     for step in range(FAULT + 2):
@@ -52,7 +52,7 @@ def test_a_reproducible_spike_stays_reproducible_when_the_optimizer_holds_only_t
     gradient to the first pass's (doubled, it looked like a transient fault and was applied)."""
     model = mlp()
     opt = torch.optim.SGD(model[2].parameters(), 0.05)
-    guard = Guard(model, opt, GuardConfig(), loss_fn=ce).attach()
+    guard = Guard(model, opt, GuardConfig(profile="full"), loss_fn=ce).attach()
     for step in range(4):
         model.zero_grad()
         assert guarded_step(guard, model, step, batch_of(step))
@@ -76,7 +76,7 @@ def test_a_recomputed_step_gives_a_second_optimizer_the_clean_gradient():
         model = mlp()
         opt = torch.optim.SGD(model[2].parameters(), 0.1)
         opt_body = torch.optim.SGD(model[0].parameters(), 0.1)
-        guard = Guard(model, opt, GuardConfig(), loss_fn=ce, stateful=[opt_body]).attach()
+        guard = Guard(model, opt, GuardConfig(profile="full"), loss_fn=ce, stateful=[opt_body]).attach()
         now = [None]
         if fault:
             flip_once(model[2], lambda: now[0] == 3)
@@ -98,7 +98,7 @@ def test_a_recomputed_step_gives_a_second_optimizer_the_clean_gradient():
 def test_without_a_loss_the_replay_compares_gradients_and_a_data_spike_stays_reproducible():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), 0.05)
-    guard = Guard(model, opt, GuardConfig(), loss_fn=ce).attach()
+    guard = Guard(model, opt, GuardConfig(profile="full"), loss_fn=ce).attach()
     for step in range(4):
         assert guarded_step(guard, model, step, batch_of(step), pass_loss=False)
     assert not guarded_step(guard, model, 4, batch_of(4, scale=1e4), pass_loss=False)

@@ -33,7 +33,9 @@ def run(model, guard, steps, *, before=lambda step: None, inside=lambda step: No
 
 def guard_for(model, config=None, **kw):
     opt = torch.optim.Adam(model.parameters(), 1e-3)
-    return Guard(model, opt, config or GuardConfig(), run_dir=tempfile.mkdtemp(), loss_fn=ce, **kw).attach()
+    return Guard(
+        model, opt, config or GuardConfig(profile="full"), run_dir=tempfile.mkdtemp(), loss_fn=ce, **kw
+    ).attach()
 
 
 def test_a_parametrized_linear_is_left_to_the_other_detectors_and_never_touched():
@@ -50,7 +52,11 @@ def test_sparse_gradients_are_measured_and_checked():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 8, sparse=True), nn.Flatten(), nn.Linear(40, 3))
     guard = Guard(
-        model, torch.optim.SGD(model.parameters(), 0.1), GuardConfig(), run_dir=tempfile.mkdtemp(), loss_fn=ce
+        model,
+        torch.optim.SGD(model.parameters(), 0.1),
+        GuardConfig(profile="full"),
+        run_dir=tempfile.mkdtemp(),
+        loss_fn=ce,
     ).attach()
 
     def batch(step):
@@ -121,7 +127,7 @@ def test_weights_the_attention_applies_with_f_linear_are_checked_there():
     out_proj is found after two sampled steps without its forward, in_proj_weight at once."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), nn.Linear(16, 4))
-    guard = guard_for(model, GuardConfig(abft={"layer_fraction": 0.25}))
+    guard = guard_for(model, GuardConfig(profile="full", abft={"layer_fraction": 0.25}))
 
     def batch(step):
         x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(step))
@@ -162,7 +168,9 @@ def test_abft_checks_a_model_built_under_a_float64_default_dtype(fault):
         model = deep_mlp()
         opt = torch.optim.AdamW(model.parameters(), 1e-3)
         inj = Injector(model, [random_flip("gemm.forward", step=3, bit=62)], opt).attach() if fault else None
-        guard = Guard(model, opt, GuardConfig(metrics=None), run_dir=tempfile.mkdtemp(), loss_fn=ce).attach()
+        guard = Guard(
+            model, opt, GuardConfig(profile="full", metrics=None), run_dir=tempfile.mkdtemp(), loss_fn=ce
+        ).attach()
         events = guarded_train(model, opt, guard, inj, 5)
         guard.close()
     finally:
@@ -181,7 +189,7 @@ def test_the_default_guard_under_a_float64_default_dtype_raises_no_internal_erro
         torch.manual_seed(0)
         model = deep_mlp()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        guard = Guard(model, opt, GuardConfig(), run_dir=tempfile.mkdtemp(), loss_fn=ce).attach()
+        guard = Guard(model, opt, GuardConfig(profile="full"), run_dir=tempfile.mkdtemp(), loss_fn=ce).attach()
         assert guarded_train(model, opt, guard, None, 3) == []  # stable rank (step 0) included
     finally:
         torch.set_default_dtype(old)

@@ -110,7 +110,8 @@ def make_trainer(tmp_path, *, build=llama, spec=None, accum=1, callbacks=(), eva
 
 def train(tmp_path, config=None, *, guard=True, **kw):
     trainer, injector = make_trainer(tmp_path, **kw)
-    sdc = guard_trainer(trainer, config, run_dir=tmp_path / "sdc") if guard else None
+    full = GuardConfig(profile="full")  # every GEMM checked every step
+    sdc = guard_trainer(trainer, full if config is None else config, run_dir=tmp_path / "sdc") if guard else None
     trainer.train()
     return trainer, sdc, injector
 
@@ -191,7 +192,7 @@ class Watch(TrainerCallback):
 
 def test_veto_leaves_parameters_and_adam_state_untouched(tmp_path):
     watch = Watch(FAULT_STEP, FAULT_STEP + 1)
-    config = GuardConfig(policy={"rules": {"abft:transient": ["veto"]}})
+    config = GuardConfig(profile="full", policy={"rules": {"abft:transient": ["veto"]}})
     trainer, sdc, _ = train(tmp_path, config, spec=flip(), callbacks=[watch])
     assert event_summary(sdc.events) == [(FAULT_STEP, "abft", "transient", "veto", TARGET)]
     assert same_state(watch.seen["begin", FAULT_STEP], watch.seen["end", FAULT_STEP])
@@ -228,14 +229,14 @@ def test_guard_failure_is_an_event_not_a_crash(tmp_path, monkeypatch, clean):
     assert {(e["detector"], e["verdict"]) for e in sdc.events} == {("guard", "internal_error")}
     assert "checksum unit on fire" in sdc.events[0]["evidence"]["error"]
     with pytest.raises(ZeroDivisionError):  # unless told to
-        train(tmp_path / "strict", GuardConfig(strict=True))
+        train(tmp_path / "strict", GuardConfig(profile="full", strict=True))
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # step 0 vetoed
 def test_a_stalled_guard_stops_training(tmp_path):
     """A permanent fault the replay reproduces: every step is vetoed; after stall_after of them
     the adapter ends training rather than spin."""
-    trainer, sdc, _ = train(tmp_path, {"stall_after": 2}, spec=flip(kind="permanent"))
+    trainer, sdc, _ = train(tmp_path, {"profile": "full", "stall_after": 2}, spec=flip(kind="permanent"))
     assert trainer.state.global_step == 2 and sdc.guard.discarded_steps == 2
     assert [e["verdict"] for e in sdc.events if e["detector"] == "guard"] == ["stalled"]
     assert {e["action"] for e in sdc.events if e["detector"] == "abft"} == {"veto"}

@@ -76,7 +76,8 @@ def fit(tmp_path, config=None, *, guard=True, spec=None, callbacks=(), manual=Fa
     torch.manual_seed(0)
     module = (Validated if validate else Classifier)(manual)
     record = Record(Injector(module, [spec] if spec else []).attach())
-    sdc = SDCGuardCallback(config, run_dir=tmp_path / "sdc") if guard else None
+    full = GuardConfig(profile="full")  # every GEMM checked every step
+    sdc = SDCGuardCallback(full if config is None else config, run_dir=tmp_path / "sdc") if guard else None
     trainer_args = {"max_steps": STEPS, "gradient_clip_val": CLIP, **trainer_args}
     trainer = L.Trainer(
         accelerator="cpu",
@@ -159,7 +160,7 @@ class Watch(L.Callback):
 
 def test_veto_leaves_parameters_and_adam_state_untouched(tmp_path):
     watch = Watch(FAULT_STEP, FAULT_STEP + 1)
-    config = GuardConfig(policy={"rules": {"abft:transient": ["veto"]}})
+    config = GuardConfig(profile="full", policy={"rules": {"abft:transient": ["veto"]}})
     _, sdc, record = fit(tmp_path, config, spec=flip(), callbacks=[watch])
     assert event_summary(sdc.events) == [(FAULT_STEP, "abft", "transient", "veto", TARGET)]
     assert same_state(watch.seen["begin", FAULT_STEP], watch.seen["end", FAULT_STEP])
@@ -181,7 +182,9 @@ def test_weight_corruption_is_rolled_back(tmp_path):
 def test_accumulation_needs_replay_off_and_then_vetoes_unverified(tmp_path):
     with pytest.raises(ValueError, match="accumulate_grad_batches=2 with replay"):
         fit(tmp_path, accumulate_grad_batches=2)
-    _, sdc, record = fit(tmp_path, {"replay": False}, spec=flip(micro_batch=1), accumulate_grad_batches=2)
+    _, sdc, record = fit(
+        tmp_path, {"profile": "full", "replay": False}, spec=flip(micro_batch=1), accumulate_grad_batches=2
+    )
     assert [(r["step"], r["micro_batch"]) for r in record.injector.records] == [(FAULT_STEP, 1)]
     assert event_summary(sdc.events) == [(FAULT_STEP, "abft", "unverified", "veto", TARGET)]
 
@@ -195,11 +198,11 @@ def test_guard_failure_is_an_event_not_a_crash(tmp_path, monkeypatch, clean):
     assert same(params(module), clean[0])
     assert {(e["detector"], e["verdict"]) for e in sdc.events} == {("guard", "internal_error")}
     with pytest.raises(ZeroDivisionError):  # unless told to
-        fit(tmp_path / "strict", GuardConfig(strict=True))
+        fit(tmp_path / "strict", GuardConfig(profile="full", strict=True))
 
 
 def test_a_stalled_guard_stops_training(tmp_path):
-    _, sdc, record = fit(tmp_path, {"stall_after": 2}, spec=flip(kind="permanent"))
+    _, sdc, record = fit(tmp_path, {"profile": "full", "stall_after": 2}, spec=flip(kind="permanent"))
     assert len(record.losses) == 2 and sdc.guard.discarded_steps == 2
     assert [e["verdict"] for e in sdc.events if e["detector"] == "guard"] == ["stalled"]
 

@@ -40,7 +40,7 @@ def test_hf_report_to_gets_guard_counts_and_metrics(tmp_path, monkeypatch):
         model=LlamaForCausalLM(config), args=args, train_dataset=[{"input_ids": r, "labels": r} for r in x]
     )
     inject_trainer(trainer, [output_flip("model.layers.0.mlp.up_proj", 1, 1)])
-    sdc = guard_trainer(trainer)
+    sdc = guard_trainer(trainer, {"profile": "full"})  # every GEMM checked every step
     trainer.train()
     assert [(e["step"], e["action"]) for e in sdc.events] == [(1, "recompute")]
     logged = [h for h in trainer.state.log_history if "loss" in h]
@@ -74,7 +74,7 @@ def test_lightning_logger_gets_guard_counts_and_metrics(tmp_path):
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g))
     torch.manual_seed(0)
-    sdc = SDCGuardCallback(run_dir=tmp_path / "sdc")
+    sdc = SDCGuardCallback({"profile": "full"}, run_dir=tmp_path / "sdc")  # every GEMM checked every step
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=4, logger=CSVLogger(tmp_path, name="csv", version=0),
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -105,7 +105,7 @@ def _world(rank: int, world: int, root) -> None:
         guard = Guard(
             run.trainer.model,
             run.trainer.optimizer,
-            GuardConfig.from_dict(config[0] if config else {}),
+            GuardConfig.from_dict({"profile": "full", **(config[0] if config else {})}),  # every GEMM checked
             ddp=run.trainer.ddp,
             run_dir=root / name,
         )

@@ -45,7 +45,9 @@ def guarded():
     logger.addHandler(lines)
     try:
         model, opt, inj = make_loop(fault=True)
-        guard = Guard(model, opt, GuardConfig(metrics=MetricsConfig(prometheus_port=0)), loss_fn=ce).attach()
+        guard = Guard(
+            model, opt, GuardConfig(profile="full", metrics=MetricsConfig(prometheus_port=0)), loss_fn=ce
+        ).attach()
         for step in range(5):
             inj.set_position(step)
             guarded_step(guard, model, step, loop_batch(step))

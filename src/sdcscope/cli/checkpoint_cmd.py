@@ -3,6 +3,8 @@ certification (whether a guard vouched for the state it holds), on demand.
 
 sdcscope checkpoint verify runs/r1/checkpoint      # one checkpoint directory
 sdcscope checkpoint verify runs/r1                 # every checkpoint of a run, and the one --resume takes
+
+A sharded run's checkpoints (torch.distributed.checkpoint: every rank's shard files) verify alike.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ CERTIFICATION = {True: "verified by the guard", False: "NOT verified (an unresol
 
 def _line(path: Path) -> tuple[bool, str]:
     """Whether the checkpoint in ``path`` verifies, and one line saying so."""
-    from sdcscope.engine.state import CheckpointError, verify_checkpoint
+    from sdcscope.engine.state import DCP_FORMAT, CheckpointError, verify_checkpoint
 
     try:
         manifest = verify_checkpoint(path)
@@ -30,7 +32,12 @@ def _line(path: Path) -> tuple[bool, str]:
         return False, f"{path}: BAD: {exc}"
     files = len(manifest["files"])
     certified = CERTIFICATION[manifest.get("verified")]
-    return True, f"{path}: step {manifest['step']}, {files} file(s) match their sha256, {certified}"
+    layout = manifest.get("layout") or {}
+    sharded = ""
+    if manifest.get("format") == DCP_FORMAT:
+        where = f"--parallel {layout.get('parallel')} on {layout.get('world_size')} ranks"
+        sharded = f", sharded (torch.distributed.checkpoint, {where})"
+    return True, f"{path}: step {manifest['step']}, {files} file(s) match their sha256{sharded}, {certified}"
 
 
 @checkpoint_app.command()

@@ -191,64 +191,77 @@ def train(
         from sdcscope.engine.parallel import ParallelConfig
 
         pcfg = ParallelConfig(kind=parallel)
-        if nproc == 1 and pcfg.kind != "ddp":
+        if nproc == 1 and pcfg.kind != "ddp" and not (resume is not None and _sharded(resume)):
             raise CLIError(f"--parallel {parallel} splits the model over ranks: give --nproc N (N >= 2)")
-    if nproc != 1:
+    if nproc != 1 or (resume is not None and _sharded(resume)):
         with user_errors():
-            if resume is not None:
-                raise CLIError(
-                    f"--resume with --nproc {nproc}: resuming a distributed run is not supported "
-                    "(the distributed entry point starts new runs only); start a new run with --out"
-                )
-            if _given(ctx, "checkpoint_every") or _given(ctx, "keep_checkpoints"):
-                raise CLIError(
-                    "--checkpoint-every/--keep-checkpoints apply to single-process runs (a distributed "
-                    "run saves its checkpoint at the end and cannot be resumed yet); drop them or use --nproc 1"
-                )
-            if out is None:
-                raise CLIError("--out DIR is required")
-            if invariants is not None:
-                raise CLIError("--invariants is not supported in a distributed run yet; drop it or use --nproc 1")
-            if prometheus_port is not None:
-                raise CLIError("--prometheus-port serves one process; a distributed run is not supported yet")
-            for flag, path in (("--faults", faults), ("--guard-config", guard_config_path)):
-                if path is not None:
-                    check_file(flag, path)
             from sdcscope.engine.dist import DistConfig
             from sdcscope.engine.run import Interrupted
-            from sdcscope.faults import load_specs
-            from sdcscope.jobs import launch, make_job
+            from sdcscope.jobs import launch
 
-            gcfg = guard_config(guard, guard_config_path, resolve=False)
-            specs = [] if faults is None else load_specs(faults)
-            wcfg, tcfg = build_configs(
-                workload,
-                preset,
-                seed,
-                corpus=corpus,
-                batch_size=batch_size,
-                lr=lr,
-                grad_accum=grad_accum,
-                eval_every=eval_every,
-                resolve=False,
-            )
-            job = make_job(
-                out,
-                nproc,
-                steps=steps,
-                workload=wcfg,
-                train=tcfg,
-                dist_config=DistConfig(timeout_s=timeout),
-                specs=specs,
-                guard=gcfg,
-                parallel=pcfg,
-            )
+            if resume is not None and _sharded(resume):
+                job = _sharded_resume(ctx, resume, out, steps, DistConfig(timeout_s=timeout), policy)
+                out, specs, guarded = resume, job.specs, job.guard is not None
+            else:
+                if resume is not None:
+                    raise CLIError(
+                        f"--resume with --nproc {nproc}: resuming a DDP run is not supported (a sharded "
+                        "one, --parallel fsdp|tp|fsdp+tp|hsdp, is); start a new run with --out"
+                    )
+                if pcfg.kind == "ddp" and (_given(ctx, "checkpoint_every") or _given(ctx, "keep_checkpoints")):
+                    raise CLIError(
+                        "--checkpoint-every/--keep-checkpoints apply to single-process and sharded (--parallel "
+                        "fsdp|tp|fsdp+tp|hsdp) runs (a DDP run saves its checkpoint at the end and cannot be "
+                        "resumed yet); drop them, or use --nproc 1 or a sharded --parallel"
+                    )
+                if out is None:
+                    raise CLIError("--out DIR is required")
+                if invariants is not None:
+                    raise CLIError("--invariants is not supported in a distributed run yet; drop it or use --nproc 1")
+                if prometheus_port is not None:
+                    raise CLIError("--prometheus-port serves one process; a distributed run is not supported yet")
+                for flag, path in (("--faults", faults), ("--guard-config", guard_config_path)):
+                    if path is not None:
+                        check_file(flag, path)
+                from sdcscope.faults import load_specs
+                from sdcscope.jobs import make_job
+
+                gcfg = guard_config(guard, guard_config_path, resolve=False)
+                specs = [] if faults is None else load_specs(faults)
+                wcfg, tcfg = build_configs(
+                    workload,
+                    preset,
+                    seed,
+                    corpus=corpus,
+                    batch_size=batch_size,
+                    lr=lr,
+                    grad_accum=grad_accum,
+                    eval_every=eval_every,
+                    resolve=False,
+                )
+                job = make_job(
+                    out,
+                    nproc,
+                    steps=steps,
+                    workload=wcfg,
+                    train=tcfg,
+                    dist_config=DistConfig(timeout_s=timeout),
+                    specs=specs,
+                    guard=gcfg,
+                    parallel=pcfg,
+                    checkpoints=policy,
+                )
+                guarded = guard or guard_config_path is not None
             try:
                 rc = launch(job)  # validates first: ValueError → exit 2, nothing created
             except Interrupted as stop:  # every rank stopped (or was killed); summary.json written
+                then = (
+                    f"checkpoint and summary saved; continue with: sdcscope train --resume {out} --steps {steps}"
+                    if job.parallel is not None
+                    else f"summary saved in {out / 'summary.json'} (a DDP run cannot be resumed)"
+                )
                 err_console.print(
-                    f"interrupted at step {stop.summary['steps']} of {steps}: summary saved in "
-                    f"{out / 'summary.json'} (a distributed run cannot be resumed)",
+                    f"interrupted at step {stop.summary['steps']} of {steps}: {then}",
                     highlight=False,
                     soft_wrap=True,
                 )
@@ -260,7 +273,7 @@ def train(
             raise fail(message, code)
         if (out / "summary.json").is_file():
             note(**json.loads((out / "summary.json").read_text()), run_dir=str(out))
-        _print_distributed(out, specs, guard or guard_config_path is not None)
+        _print_distributed(out, specs, guarded)
         return
     with user_errors():
         from sdcscope.engine import Run
@@ -326,6 +339,61 @@ def train(
         out_console.print(f"guard: {len(tools.guard.events)} event(s) in {run.out / 'events.jsonl'}")
         note(guard_events=len(tools.guard.events))
     _exit_for(summary)
+
+
+def _sharded(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a sharded run (--parallel fsdp|tp|fsdp+tp|hsdp), resumed on its ranks."""
+    from sdcscope.common.io import read_json
+
+    try:
+        recorded = read_json(run_dir / "config.json").get("parallel") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(recorded, dict) and recorded.get("kind") not in (None, "ddp")
+
+
+RECORDED_ON_SHARDED_RESUME = {
+    "faults": "--faults",
+    "guard": "--guard",
+    "guard_config_path": "--guard-config",
+    "invariants": "--invariants",
+    "eval_every": "--eval-every",
+    "prometheus_port": "--prometheus-port",
+}
+
+
+def _sharded_resume(ctx: typer.Context, resume: Path, out, steps: int, dist_config, policy):
+    """The job that continues the sharded run in ``resume``; says which checkpoint it takes and
+    which newer ones it passes over (as a single-process resume does)."""
+    from sdcscope.common.io import read_json
+    from sdcscope.jobs.torchrun import resume_job
+
+    if out is not None:
+        raise CLIError("give either --out (a new run) or --resume (an existing run), not both")
+    given = [flag for name, flag in RECORDED_ON_SHARDED_RESUME.items() if _given(ctx, name)]
+    if given:
+        raise CLIError(
+            f"--resume {str(resume)!r} continues a sharded run with the faults and guard its config.json "
+            f"records; drop {', '.join(given)}"
+        )
+    check_kept_options(ctx, resume, read_json(resume / "config.json"))
+    job, chosen, skipped = resume_job(
+        resume,
+        steps,
+        nproc=ctx.params["nproc"] if _given(ctx, "nproc") else None,
+        parallel=ctx.params["parallel"] if _given(ctx, "parallel") else None,
+        dist_config=dist_config,
+        checkpoints=policy,
+    )
+    for path, why in skipped:
+        err_console.print(f"skipped checkpoint {path}: {why}", markup=False, highlight=False, soft_wrap=True)
+    err_console.print(
+        f"resuming from {chosen} on {job.nproc} ranks (--parallel {job.parallel.kind})",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    return job
 
 
 OUTCOME_CODES = {"crash": ExitCode.CRASHED, "stalled": ExitCode.GUARD_STOPPED}

@@ -31,9 +31,9 @@ from sdcscope.detect.events import Event
 BLOCK = 256
 """32-bit words per checksum block: the granularity a multi-word corruption is named at. Blocks
 never straddle two tensors (small tensors summed together are padded to whole blocks)."""
-CHUNK_ROWS = 16384
-"""Blocks summed per pass of a large tensor (bounds the temporary to 16 MiB)."""
-GROUP_WORDS = 1 << 20
+CHUNK_ROWS = 4096
+"""Blocks summed per pass of a large tensor (bounds the temporaries to 4 MiB)."""
+GROUP_WORDS = 1 << 16
 """Tensors smaller than this are concatenated by device and summed together."""
 MAX_NAMED = 16
 """Elements listed per event."""
@@ -47,6 +47,16 @@ def _mult(device: torch.device) -> torch.Tensor:
     if m is None:
         m = _MULT[device] = _CPU_MULT.to(device)
     return m
+
+
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+
+
+def _zeros(device: torch.device) -> torch.Tensor:
+    z = _ZEROS.get(device)
+    if z is None:
+        z = _ZEROS[device] = torch.zeros(BLOCK, dtype=torch.int32, device=device)
+    return z
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -70,28 +80,42 @@ def words_of(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([raw, raw.new_zeros(4 - nbytes % 4)]).view(torch.int32)
 
 
-def block_sums(words: torch.Tensor) -> torch.Tensor:
+def _lanes(rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
+    """The two sums of ``rows`` (``[blocks, k]`` or one ``[k]`` block): on CPU as integer GEMVs,
+    which wrap mod 2^32 like the elementwise form and need no temporary of the words' size (the
+    shifted words go to ``scratch``); elsewhere (no integer GEMV on accelerators) elementwise."""
+    plain = rows.sum(-1, dtype=torch.int32)
+    if rows.device.type == "cpu":
+        hi = torch.empty_like(rows) if scratch is None else scratch[: rows.numel()].view(rows.shape)
+        torch.bitwise_right_shift(rows, 16, out=hi)
+        mixed = torch.mv(rows, a).add_(torch.mv(hi, b)) if rows.dim() == 2 else rows @ a + hi @ b
+    else:
+        mixed = _mixed_terms(rows, a, b).sum(-1, dtype=torch.int32)
+    return torch.stack([plain, mixed], -1)
+
+
+def _mixed_terms(rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    mixed = rows >> 16
+    mixed.mul_(b)
+    return mixed.add_(rows * a)
+
+
+def block_sums(words: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``[ceil(n / BLOCK), 2]`` int32 (arithmetic mod 2^32): each block's plain word sum and its
     mixed sum Σ wᵢ·aᵢ + (wᵢ >> 16)·bᵢ with odd random multipliers aᵢ, bᵢ. The shifted term brings
     the high half-word down: a flip of bit k changes the mixed sum by 2^(k mod 16)·(odd), so no
-    bit is invisible, and flips in many elements cancel only if random multipliers do."""
+    bit is invisible, and flips in many elements cancel only if random multipliers do.
+    ``scratch``: int32 room for ``min(n, CHUNK_ROWS * BLOCK)`` words, reused between calls."""
     n = words.numel()
     full = n // BLOCK
     m = _mult(words.device)
     parts = []
-
-    def lanes(rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        mixed = rows >> 16
-        mixed.mul_(b)
-        mixed.add_(rows * a)
-        return torch.stack([rows.sum(-1, dtype=torch.int32), mixed.sum(-1, dtype=torch.int32)], -1)
-
     if full:
         main = words[: full * BLOCK].view(full, BLOCK)
-        parts += [lanes(main[r : r + CHUNK_ROWS], m[0], m[1]) for r in range(0, full, CHUNK_ROWS)]
+        parts += [_lanes(main[r : r + CHUNK_ROWS], m[0], m[1], scratch) for r in range(0, full, CHUNK_ROWS)]
     if n > full * BLOCK:
         r = n - full * BLOCK
-        parts.append(lanes(words[full * BLOCK :], m[0, :r], m[1, :r]).view(1, 2))
+        parts.append(_lanes(words[full * BLOCK :], m[0, :r], m[1, :r], scratch).view(1, 2))
     return torch.cat(parts) if parts else torch.zeros(0, 2, dtype=torch.int32, device=words.device)
 
 
@@ -135,6 +159,8 @@ class StateChecksum:
         self.model, self.optimizer, self.rank = model, optimizer, rank
         self._key: list[tuple] | None = None
         self._sums: torch.Tensor | None = None  # [blocks, 2] int32
+        self._layout_of: tuple[list[tuple], list[_Segment]] | None = None
+        self._scratch: torch.Tensor | None = None  # the shifted words of one chunk (CPU)
         self.recorded = False
 
     def _tensors(self) -> tuple[list[str], list[torch.Tensor]]:
@@ -172,10 +198,19 @@ class StateChecksum:
     def _state(self) -> tuple[list[tuple], list[str], list[torch.Tensor], list[_Segment], torch.Tensor]:
         names, tensors = self._tensors()
         key = [(n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors)]
-        segments = self._layout(tensors)
+        if self._layout_of is None or self._layout_of[0] != key:  # the layout follows the key
+            self._layout_of = (key, self._layout(tensors))
+        segments = self._layout_of[1]
         sums = []
         for seg in segments:
-            sums.append(block_sums(self._flat(seg, tensors)))
+            words = self._flat(seg, tensors)
+            scratch = None
+            if words.device.type == "cpu":
+                need = min(words.numel(), CHUNK_ROWS * BLOCK)
+                if self._scratch is None or self._scratch.numel() < need:
+                    self._scratch = torch.empty(need, dtype=torch.int32)
+                scratch = self._scratch
+            sums.append(block_sums(words, scratch))
         device = sums[0].device if sums else torch.device("cpu")
         total = torch.cat([s.to(device) for s in sums]) if sums else torch.zeros(0, 2, dtype=torch.int32)
         return key, names, tensors, segments, total
@@ -190,7 +225,7 @@ class StateChecksum:
             w = words_of(tensors[i])
             pieces.append(w)
             if n % BLOCK:
-                pieces.append(w.new_zeros(BLOCK - n % BLOCK))
+                pieces.append(_zeros(w.device)[: BLOCK - n % BLOCK])
         return torch.cat(pieces)
 
     def due(self, step: int) -> bool:

@@ -194,7 +194,7 @@ class DDPRun:
     ) -> None:
         self.out = Path(out)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        check_new_run_dir(self.out)  # every rank, before any rank writes (barrier below)
+        self._check_out()  # every rank, before any rank writes (barrier below)
         self.workload = make_workload(workload)
         self._injections = JsonlWriter(self.out / f"injections.rank{self.rank}.jsonl")
         self.trainer = self.make_trainer(train, dist_config, specs, self._injections.write)
@@ -212,6 +212,10 @@ class DDPRun:
         self._stop_signal = 0
         """The signal some rank was stopped by, as every rank learnt it in the last step (0: none)."""
         dist.barrier()
+
+    def _check_out(self) -> None:
+        """Refuse an ``out`` that holds another run (a resumed sharded run checks its own)."""
+        check_new_run_dir(self.out)
 
     def make_trainer(
         self, train: TrainConfig, dist_config: DistConfig | None, specs: Sequence[FaultSpec], log: Callable
@@ -321,7 +325,7 @@ class DDPRun:
     def _merge_injections(self) -> None:
         records = [r for k in range(self.world) for r in read_jsonl(self.out / f"injections.rank{k}.jsonl")]
         records.sort(key=lambda r: (r["step"], r["micro_batch"] or 0, r["rank"]))
-        writer = JsonlWriter(self.out / "injections.jsonl")
+        writer = JsonlWriter(self.out / "injections.jsonl", append=False)  # rebuilt whole from the rank logs
         writer.touch()
         for r in records:
             writer.write(r)

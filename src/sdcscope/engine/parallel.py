@@ -13,7 +13,10 @@ parallel (``parallelize_module``), FSDP×TP on a 2-D mesh, and HSDP (``fully_sha
 - **Clipping** is over the global gradient norm: squared local norms, a replicated shard counted
   once, gathered and summed in rank order (every rank clips by the same bits).
 - **Run directory.** As :class:`~sdcscope.engine.ddp.DDPRun`; the final ``param_sha256`` is of the
-  full parameters (gathered once at the end). No checkpoint: a sharded run is not resumed here.
+  full parameters (gathered once at the end). Checkpoints (periodic ``checkpoints/step-N/`` and
+  ``checkpoint/`` at the end of a session) are sharded, through ``torch.distributed.checkpoint``
+  (:mod:`sdcscope.engine.shardckpt`); ``ParallelRun(..., resume=True)`` continues from the newest
+  verified one on the same layout, bitwise as if uninterrupted.
 """
 
 from __future__ import annotations
@@ -34,7 +37,21 @@ from sdcscope.common.tensors import is_dtensor, local
 from sdcscope.common.validate import check_choice, check_positive
 from sdcscope.engine.ddp import DDPRun, DDPTrainer
 from sdcscope.engine.dist import DistConfig, shard
-from sdcscope.engine.rundir import write_json
+from sdcscope.engine.rundir import (
+    CHECKPOINT_DIR,
+    LOG_FILES,
+    CheckpointPolicy,
+    JsonlWriter,
+    as_written,
+    check_new_run_dir,
+    periodic_dir,
+    prune_checkpoints,
+    read_json,
+    remove_incomplete_checkpoints,
+    write_json,
+)
+from sdcscope.engine.shardckpt import choose_sharded, layout_of, load_sharded, remove_sharded_temps, save_sharded
+from sdcscope.engine.state import CheckpointError
 from sdcscope.engine.trainer import TrainConfig, Trainer
 from sdcscope.faults import FaultSpec
 from sdcscope.workloads import Workload
@@ -235,10 +252,32 @@ def full_sha256(model: nn.Module) -> str:
 
 
 class ParallelRun(DDPRun):
-    """A sharded run bound to a run directory (call inside an initialized process group)."""
+    """A sharded run bound to a run directory (call inside an initialized process group).
 
-    def __init__(self, out: str | Path, workload, train: TrainConfig, *, parallel: ParallelConfig, **kwargs) -> None:
+    ``checkpoints``: the periodic checkpoint policy; ``resume``: continue the run in ``out`` (its
+    config.json describes the same run) from its newest complete, certified checkpoint."""
+
+    def __init__(
+        self,
+        out: str | Path,
+        workload,
+        train: TrainConfig,
+        *,
+        parallel: ParallelConfig,
+        checkpoints: CheckpointPolicy | None = None,
+        resume: bool = False,
+        **kwargs,
+    ) -> None:
         parallel.check(dist.get_world_size(), workload)
+        self.checkpoints = checkpoints or CheckpointPolicy()
+        self._resuming = resume
+        self.resumed_from: Path | None = None
+        self.skipped_checkpoints: list[tuple[Path, str]] = []
+        self.certify: Any = None
+        """A callable returning whether this rank's state is verified (a guard's ``state_verified``)
+        for each checkpoint's certification; None: no guard watched."""
+        self._target = 0
+        self._session = False
         if train.eval_every:
             raise ValueError(
                 f"--eval-every with --parallel {parallel.kind}: evaluation of a sharded model is a collective "
@@ -250,6 +289,78 @@ class ParallelRun(DDPRun):
         self.stopped: str | None = None
         extra = {**(kwargs.pop("extra_config", None) or {}), "parallel": parallel.to_dict()}
         super().__init__(out, workload, train, extra_config=extra, **kwargs)
+        if resume:
+            self._resume()
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        return layout_of(self.parallel.kind, self.parallel.inner, self.world)
+
+    def _check_out(self) -> None:
+        if not self._resuming:
+            check_new_run_dir(self.out)
+        elif not (self.out / "config.json").is_file():
+            raise ValueError(f"--resume {str(self.out)!r} is not a run directory (no config.json)")
+
+    def _resume(self) -> None:
+        """Load the checkpoint rank 0 chose (every rank the same one); drop what the logs hold
+        after it (those steps are trained again); take config.json's configuration."""
+        from sdcscope.engine.run import _differences, _identity
+
+        recorded = read_json(self.out / "config.json")
+        choice: list[Any] = [None, None, None]
+        if self.rank == 0:
+            try:
+                remove_sharded_temps(self.out)
+                remove_incomplete_checkpoints(self.out)
+                data = _differences(recorded.get("data"), as_written(self.workload.describe()))
+                if "data" in recorded and data:
+                    raise CheckpointError(
+                        f"{str(self.out / 'config.json')!r} does not match the workload it describes: "
+                        f"{', '.join(f'data.{k}' for k in data)} differ (a resumed run needs the same model and data)"
+                    )
+                path, manifest, skipped = choose_sharded(self.out, self.layout, _identity(recorded))
+                choice = [str(path), manifest, [(str(p), why) for p, why in skipped]]
+            except (CheckpointError, OSError) as exc:
+                choice = [None, str(exc), None]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            raise CheckpointError(choice[1])
+        path, manifest = Path(choice[0]), choice[1]
+        injector = self.trainer.injector
+        if injector is not None:  # loading steps the optimizer once (lr 0) to build its state: no fault there
+            injector.detach()
+        load_sharded(self.trainer, path, manifest)
+        if injector is not None:  # the permanent memory faults restored in place are not applied again
+            injector.resumed_at = self.trainer.step
+            injector.attach()
+        self.resumed_from, self.skipped_checkpoints = path, [(Path(p), why) for p, why in choice[2]]
+        step = self.trainer.step
+        own = [f"injections.rank{self.rank}.jsonl", f"events.rank{self.rank}.jsonl"]
+        for name in [*own, *(LOG_FILES if self.rank == 0 else ())]:
+            JsonlWriter(self.out / name).truncate_after("step", step)
+        if self.rank == 0:  # a summary of an earlier session: this one writes its own
+            (self.out / "summary.json").unlink(missing_ok=True)
+        self.config = {k: v for k, v in recorded.items() if k != "steps"}
+        dist.barrier()
+
+    def train(self, steps: int, **kwargs) -> dict[str, Any]:
+        """As :meth:`DDPRun.train`; a resumed run records the session in config.json's ``resumes``."""
+        if isinstance(steps, int) and steps < self.trainer.step:
+            raise ValueError(f"steps={steps} is below the {self.trainer.step} steps this run already has")
+        self._target = steps
+        if self.resumed_from is not None and not self._session:
+            self._session = True
+            entry = {"from_step": self.trainer.step, "steps": steps}
+            self.config["resumes"] = [*self.config.get("resumes", []), entry]
+        return super().train(steps, **kwargs)
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """The sharded state now, to ``directory`` (a collective: every rank writes its shards)."""
+        from sdcscope.engine.run import _identity
+
+        verified = None if self.certify is None else self.certify()
+        return save_sharded(self.trainer, directory, layout=self.layout, run=_identity(self.config), verified=verified)
 
     def make_trainer(self, train: TrainConfig, dist_config: DistConfig | None, specs, log) -> ParallelTrainer:
         return ParallelTrainer(
@@ -262,9 +373,15 @@ class ParallelRun(DDPRun):
         if reason and not self.stopped:  # every rank stops after this step, as on a signal
             self.stopped = reason
             self._stop_signal = int(signal.SIGTERM)
+        step, every = self.trainer.step, self.checkpoints.every
+        if every and step % every == 0 and step < self._target and not self._stop_signal and not m.get("stop"):
+            self.save_checkpoint(periodic_dir(self.out, step))
+            if self.rank == 0:
+                prune_checkpoints(self.out, self.checkpoints.keep)
         return m
 
     def _finish(self, last: dict[str, Any], wall: float, *, interrupted: bool = False) -> None:
+        self.save_checkpoint(self.out / CHECKPOINT_DIR)  # also when interrupted: the session resumes from it
         digest = full_sha256(self.trainer.model)
         hashes: list[str | None] = [None] * self.world
         dist.all_gather_object(hashes, digest)

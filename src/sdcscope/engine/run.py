@@ -159,8 +159,9 @@ class Run:
         if world != 1:
             raise ValueError(
                 f"--resume {str(out)!r}: the run was trained on {world} ranks (world_size in "
-                f"{str(path)!r}) and resuming a distributed run is not supported; start a new "
-                f"one with --nproc {world} --out NEW"
+                f"{str(path)!r}): a sharded run (--parallel) resumes on its ranks (sdcscope train "
+                f"--resume, sdcscope.jobs.torchrun.resume_job); resuming a DDP run is not supported, start "
+                f"a new one with --nproc {world} --out NEW"
             )
         try:
             wcfg = build_config(WorkloadConfig, config.get("workload"), "workload")

@@ -31,6 +31,11 @@ MANIFEST_KEYS = ("format", "files", "step")
 FORMAT = "sdcscope-checkpoint/1"
 """``files`` maps every file of the checkpoint to its sha256 (a sharded one lists each shard);
 ``verified`` (optional, null when absent) certifies the state: see :func:`save_checkpoint`."""
+DCP_FORMAT = "sdcscope-dcp-checkpoint/1"
+"""A sharded run's checkpoint, written through ``torch.distributed.checkpoint``
+(:mod:`sdcscope.engine.shardckpt`): the same manifest, its ``files`` led by DCP's ``.metadata``."""
+REQUIRED_FILE = {FORMAT: CHECKPOINT_FILE, DCP_FORMAT: ".metadata"}
+"""The file a manifest of each format must list."""
 
 
 class CheckpointError(ValueError):
@@ -197,13 +202,14 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     files, step = manifest.get("files"), manifest.get("step")
     bad_step = not isinstance(step, int) or isinstance(step, bool) or step < 0
     bad_files = not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values())
-    if missing or bad_files or not isinstance(files.get(CHECKPOINT_FILE), str) or bad_step:
+    required = REQUIRED_FILE.get(manifest.get("format"), CHECKPOINT_FILE)
+    if missing or bad_files or not isinstance(files.get(required), str) or bad_step:
         problem = (
             f"it lacks {', '.join(map(repr, missing))}"
             if missing
             else f"its 'step' must be a non-negative integer, got {step!r}"
             if bad_step
-            else f"its 'files' must map {CHECKPOINT_FILE!r} to its sha256, got {reprlib.repr(files)}"
+            else f"its 'files' must map {required!r} to its sha256, got {reprlib.repr(files)}"
         )
         raise CheckpointError(
             f"corrupt checkpoint manifest {str(manifest_path)!r}: {problem} (keys: "
@@ -237,7 +243,11 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
 
 def load_checkpoint(directory: str | Path) -> TrainState:
     """Verify the manifest, then load with ``weights_only=True``."""
-    verify_checkpoint(directory)
+    if verify_checkpoint(directory).get("format") == DCP_FORMAT:
+        raise CheckpointError(
+            f"{str(directory)!r} is a sharded checkpoint (torch.distributed.checkpoint) of a --parallel run; "
+            "it loads on the ranks that wrote it: sdcscope train --resume RUN_DIR relaunches them"
+        )
     path = Path(directory) / CHECKPOINT_FILE
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)

@@ -64,19 +64,20 @@ _DEFAULT_SECTIONS = {"abft": ABFTConfig}
 class GuardConfig:
     """A section set to ``None`` (``null`` in YAML) is switched off."""
 
-    profile: str = "full"
+    profile: str = "balanced"
     """``minimal`` | ``balanced`` | ``full`` (:data:`PROFILES`): the defaults of the sections you
-    leave unset; a section you give keeps your keys over the profile's. ``balanced`` is the
-    affordable one (≲ 5 % of a step); ``full`` stays the default until every caller that relies
-    on each step's GEMMs being checked names it."""
+    leave unset; a section you give keeps your keys over the profile's. ``balanced``, the default,
+    samples the GEMMs it checks (escalating to all of them on any finding); ``full`` checks every
+    GEMM every step."""
 
     metrics: MetricsConfig | None = field(default_factory=MetricsConfig)
     nonfinite: NonFiniteConfig | None = field(default_factory=NonFiniteConfig)
     loss_spike: SpikeConfig | None = field(default_factory=SpikeConfig.loss)
     grad_spike: SpikeConfig | None = field(default_factory=SpikeConfig.grad_norm)
     abft: ABFTConfig | None = field(default_factory=ABFTConfig)
-    """Checksums of every Linear and attention product, forward, dX and dW, every step; set
-    ``budget`` (e.g. 0.02) to sample layers and steps to an overhead budget."""
+    """Checksums of the Linear and attention products, forward, dX and dW: the profile's sample of
+    them (``balanced``) or every one every step (``full``); ``budget`` (e.g. 0.02) samples layers
+    and steps to an overhead budget instead."""
     state_checksum: StateChecksumConfig | None = field(default_factory=StateChecksumConfig)
     replay: bool = True
     """Re-execute a step that raised a detection, from the pre-step state with the same data and

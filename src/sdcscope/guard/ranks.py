@@ -21,7 +21,12 @@ Per step, on every rank (collectives: a rank must never skip one):
    the suspect repeats it; ``unverified`` without a replay), the Guard's policy turns verdicts
    into actions, and since every rank holds the same findings and verdicts, every rank takes the
    same actions. A finding that every rank made alike (in the all-reduced gradient) is one
-   finding about the world: the replays of every rank decide whose it is, if anyone's.
+   finding about the world: the replays of every rank decide whose it is, if anyone's. With two
+   healthy ranks a rank's own findings decide before a peer's replay
+   (:func:`~sdcscope.localize.ranks.settle_two_replicas`); two ranks that accuse each other
+   (``ambiguous``) are both left in the average, and the guard stops the run cleanly
+   (:attr:`Guard.stop_reason <sdcscope.guard.Guard.stop_reason>`, a ``guard: stopped`` event)
+   rather than quarantine a rank that may be the healthy one.
 3. **end** -- after the update (or the veto): the replica hash check when due, and at once after
    the Guard rolled back.
 
@@ -57,11 +62,15 @@ TO_GUARD = {
     "persistent": "reproducible",
     "correct_result": "reproducible",
     "unverified": "unverified",
+    "cleared": "unverified",
+    "ambiguous": "unverified",
 }
 """A rank replay verdict as the Guard's policy knows replay verdicts."""
 WHY = {
     "persistent": "the fault acted again on re-execution: a persistent fault",
     "correct_result": "a peer reproduces it: the data or the optimization, not the hardware",
+    "ambiguous": "two replicas accuse each other and neither holds evidence against itself: "
+    "which one is faulty cannot be told",
 }
 
 
@@ -118,6 +127,12 @@ class GuardRanks:
     def quarantined(self) -> list[int]:
         return sorted(self.rank_guard.quarantined)
 
+    @property
+    def stop(self) -> str | None:
+        """Why the rank guard stopped the run (two ranks it cannot tell apart), or None; the same
+        on every rank (:attr:`Guard.stop_reason <sdcscope.guard.Guard.stop_reason>` reads it)."""
+        return self.rank_guard.stop
+
     def begin(self, step: int) -> None:
         self.rank_guard.begin(step)
 
@@ -129,6 +144,7 @@ class GuardRanks:
         session once it has acted. ``local``: this rank's findings; ``replay(r)``: recompute rank
         r's local gradient of this step into ``.grad``, without collectives."""
         g, s = self.guard, self.guard.session
+        stopped = self.stop
         replayed: list[int] = []
         own_buffers: list = []  # this rank's buffers after its own forward pass of the step
 
@@ -168,6 +184,11 @@ class GuardRanks:
                 chosen += [a] if a not in chosen else []
             e.action = ", ".join(chosen)
             actions += [a for a in chosen if a not in actions and a in PRIORITY]
+        if self.stop and not stopped:  # neither rank quarantined: the step is void, the run ends
+            actions += [] if "veto" in actions or "rollback" in actions else ["veto"]
+            ledger = self.rank_guard.ledger.path
+            evidence = {"reason": self.stop, "ledger": None if ledger is None else str(ledger)}
+            extra.append(Event(step, "guard", "stopped", rank=None, evidence=evidence, action="stop"))
         if "rollback" in actions and g.ring.latest() is None:
             actions.remove("rollback")
             actions += [] if "veto" in actions else ["veto"]
@@ -181,7 +202,7 @@ class GuardRanks:
         evidence); a world finding takes the rank its replays blame, when exactly one."""
         ranks = [e.rank] if e.rank is not None else list(e.evidence.get("candidates", []))
         got = {r: self.rank_guard.verdicts[r].verdict for r in ranks if r in self.rank_guard.verdicts}
-        for kind in ("transient", "persistent"):
+        for kind in ("transient", "persistent", "ambiguous"):
             blamed = [r for r, v in got.items() if v == kind]
             if blamed:
                 break
@@ -197,7 +218,7 @@ class GuardRanks:
             replay["evidence"] = WHY[kind]
         e.evidence = {**e.evidence, "finding": e.verdict, "replay": replay}
         e.verdict = TO_GUARD[kind]
-        if e.rank is None and len(blamed) == 1:
+        if e.rank is None and len(blamed) == 1 and kind != "ambiguous":
             e.rank = blamed[0]
 
     def _quarantine(self, step: int, e: Event) -> list[Event]:

@@ -2,12 +2,13 @@
 FSDP×TP and HSDP -- every model whose parameters are DTensors.
 
 Each rank's detectors work on what that rank holds and computes: ABFT checks the GEMMs the rank
-runs (under FSDP2 the unsharded weights its forward and backward use; under tensor parallel its
-local shard GEMMs), the state checksums hash its local shards of the weights and Adam moments,
-the non-finite detector reads its local gradient shards, and a rollback restores its own local
-shards (the snapshot ring holds them, nothing is gathered). Only what must be global is reduced,
-in one small gather a step: the world-mean loss and the global gradient norm (squared local
-norms summed over the shards, a replicated shard counted once). Then, per step, on every rank:
+runs (under FSDP2 the unsharded weights its forward and backward use; under tensor parallel the
+GEMMs of its local shards, an event naming the element in shard and global coordinates), the
+state checksums hash its local shards of the weights and Adam moments, the non-finite detector
+reads its local gradient shards, and a rollback restores its own local shards (the snapshot
+ring holds them, nothing is gathered). Only what must be global is reduced, in one small gather
+a step: the world-mean loss and the global gradient norm (squared local norms summed over the
+shards, a replicated shard counted once). Then, per step, on every rank:
 
 1. the ranks' findings are shared (one all-reduce of a count; an object gather only when there
    is something to share) -- so every rank holds the same list and takes the same actions;
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sdcscope.common.modules import CHANNELS_FIRST, weight_in_out
 from sdcscope.common.tensors import is_dtensor, local, shard_coords
 from sdcscope.detect import Event
 from sdcscope.guard.actions import PRIORITY
@@ -74,8 +76,8 @@ def is_sharded(model: nn.Module) -> bool:
 
 def tensor_parallel_layers(model: nn.Module) -> list[str]:
     """Modules whose ``weight`` is split by tensor parallelism (a DTensor that is not one of
-    FSDP2's own shards of a plain parameter): their GEMM runs on local shards inside DTensor's
-    dispatch, and a rowwise layer's output is reduced before any hook sees it."""
+    FSDP2's own shards of a plain parameter): their GEMMs run on local shards inside DTensor's
+    dispatch, where ABFT reads them for a split ``nn.Linear`` only (:func:`abft_targets`)."""
     fsdp_own: set[int] = set()
     for m in model.modules():
         state = getattr(m, "_get_fsdp_state", None)
@@ -91,13 +93,32 @@ def tensor_parallel_layers(model: nn.Module) -> list[str]:
 
 
 def abft_targets(model: nn.Module, config: Any) -> list[str]:
-    """The tensor-parallel layers the ABFT ``config`` would check (see :func:`tensor_parallel_layers`)."""
+    """The tensor-parallel layers the ABFT ``config`` would check but cannot (see
+    :func:`tensor_parallel_layers`): ABFT checks a split ``nn.Linear`` on each rank's local shards
+    (:mod:`sdcscope.detect.abft.tensorparallel`); any other split module it targets (a
+    convolution, transformers' ``Conv1D``) runs its GEMM inside DTensor's dispatch unchecked."""
     tp = tensor_parallel_layers(model)
     if config is None or not tp:
         return []
-    if config.targets is None:
-        return [n for n in tp if "linear" in config.kinds or "conv" in config.kinds]
-    return [n for n in tp if any(fnmatch.fnmatchcase(n, pat) for pat in config.targets)]
+    kinds = config.kinds
+
+    def targeted(m: nn.Module) -> bool:  # as ABFTDetector picks its layers
+        return ("linear" in kinds and (isinstance(m, nn.Linear) or weight_in_out(m))) or (
+            "conv" in kinds and isinstance(m, CHANNELS_FIRST)
+        )
+
+    picked = [
+        n
+        for n in tp
+        if (config.targets is None or any(fnmatch.fnmatchcase(n, pat) for pat in config.targets))
+        and targeted(model.get_submodule(n))
+    ]
+    return [n for n in picked if not _tp_linear(model.get_submodule(n))]
+
+
+def _tp_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` computing x·Wᵀ + b with W stored (out, in): ABFT maps its local GEMM."""
+    return isinstance(module, nn.Linear) and not weight_in_out(module)
 
 
 def check_sharded(config: GuardConfig, *, scaler: Any = None, ddp: Any = None, model: nn.Module | None = None) -> None:
@@ -105,12 +126,11 @@ def check_sharded(config: GuardConfig, *, scaler: Any = None, ddp: Any = None, m
     parameters, before any step."""
     tp = [] if model is None else abft_targets(model, config.abft)
     if tp:
-        others = sorted({n for n, m in model.named_modules() if getattr(m, "is_matmul", False)})
         raise ValueError(
             f"guard abft cannot check tensor-parallel layers ({', '.join(tp[:4])}{', ...' if len(tp) > 4 else ''}): "
-            "their GEMMs run on local shards inside DTensor's dispatch and a rowwise layer's output is "
-            "all-reduced before any hook sees it; leave them out with abft: {targets: [...]} (e.g. the "
-            f"attention products {', '.join(others[:2]) or 'none'} and the layers outside the plan) or set abft: null"
+            "only a split nn.Linear (ColwiseParallel, RowwiseParallel) is checked on each rank's local shards; "
+            "the GEMMs of these run inside DTensor's dispatch; leave them out with abft: {targets: [...]} "
+            "or set abft: null"
         )
     for name, why in UNSUPPORTED.items():
         if getattr(config, name) is not None:
@@ -374,11 +394,9 @@ class ShardedRanks:
 
 def sharded_guard_config(config: GuardConfig, kind: str) -> GuardConfig:
     """The engine's guard settings for ``--parallel kind`` (GPT workload): the sections refused
-    over shards (:data:`UNSUPPORTED`) switched off, each named in a log line, and under tensor
-    parallelism ABFT on what the TP plan leaves whole (the attention products of each rank's own
-    heads, the head) -- the split linears are named as unchecked."""
-    from sdcscope.engine.parallel import TP_PLAN
-
+    over shards (:data:`UNSUPPORTED`) switched off, each named in a log line. ABFT keeps its
+    targets: under tensor parallelism each rank checks the local GEMMs of the split linears, the
+    attention products of its own heads and the head."""
     changes = {}
     for name in UNSUPPORTED:
         if getattr(config, name) is not None:
@@ -386,13 +404,4 @@ def sharded_guard_config(config: GuardConfig, kind: str) -> GuardConfig:
             log.warning("guard %s is off under --parallel %s: %s", name, kind, UNSUPPORTED[name])
     if config.ranks is None:
         raise ValueError("guard ranks: null cannot watch a sharded run; give ranks: {} for the defaults")
-    if kind in ("tp", "fsdp+tp") and config.abft is not None and config.abft.targets is None:
-        targets = ("blocks.*.attn.score", "blocks.*.attn.context", "head")
-        changes["abft"] = replace(config.abft, targets=targets)
-        log.warning(
-            "guard abft under --parallel %s checks %s; the tensor-parallel linears (%s) stay unchecked",
-            kind,
-            ", ".join(targets),
-            ", ".join(f"blocks.*.{n}" for n in TP_PLAN),
-        )
     return replace(config, **changes)

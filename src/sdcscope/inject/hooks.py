@@ -38,6 +38,12 @@ optimizer_state     memory fault on the state tensors with a value per element (
                     of the step whose update reads them; a permanent fault is re-applied after
                     every update
 ==================  ==========================================================================
+
+A DTensor (a tensor-parallel GEMM's result or gradient -- a rowwise layer's output and a colwise
+layer's dX are ``Partial`` sums -- or a sharded parameter) is faulted on this rank's local shard
+and rewrapped with ``DTensor.from_local(..., run_check=False)``: an op on the DTensor itself could
+redistribute it (an all-reduce) on the faulting rank alone, putting the ranks' collectives out of
+step. Element indices are then in shard coordinates; the record's ``shard`` places them globally.
 """
 
 from __future__ import annotations
@@ -50,11 +56,34 @@ from torch import nn
 
 from sdcscope.common.graph import operand_grad_edge, weight_grad_edge
 from sdcscope.common.modules import CHANNELS_FIRST
+from sdcscope.common.tensors import is_dtensor, local, shard_coords
 from sdcscope.faults import FaultResult, FaultSpec
 from sdcscope.inject.optstate import element_state
 from sdcscope.inject.targets import Target, operand_channel_dims, primary_output
 
 MEMORY_SITES = ("weight", "optimizer_state")
+
+
+def _local_copy(t: torch.Tensor, memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
+    """A copy of the values this rank holds of ``t``: a DTensor's local shard. An op on
+    the DTensor itself (``clone``, ``+``, ``equal``) may redistribute it -- an all-reduce of a
+    ``Partial`` GEMM result -- on the faulting rank alone, putting the ranks' collectives out of
+    step; the fault is a change of this rank's hardware's values, so it is made on those."""
+    return local(t).clone(memory_format=memory_format)
+
+
+def _like(values: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``values`` (this rank's part, as :func:`_local_copy` of ``t`` gives it) as a tensor like
+    ``t``: for a DTensor, wrapped with its mesh, placements and global shape, without a collective
+    (``run_check=False``); a plain tensor is itself."""
+    if not is_dtensor(t):
+        return values
+    from torch.distributed.tensor import DTensor
+
+    stride = t.stride()
+    if values.stride() != local(t).stride():  # a contiguous copy: the global tensor's contiguous strides
+        stride = tuple(math.prod(t.shape[d + 1 :]) for d in range(len(t.shape)))
+    return DTensor.from_local(values, t.device_mesh, t.placements, shape=t.shape, stride=stride, run_check=False)
 
 
 class _Replace(torch.autograd.Function):
@@ -63,7 +92,9 @@ class _Replace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, clean, faulty):  # noqa: D401
-        return faulty.clone()  # a new tensor, not an input: an in-place op after it (ReLU(inplace=True)) is fine
+        # a new tensor, not an input: an in-place op after it (ReLU(inplace=True)) is fine; of a
+        # DTensor, a copy of its local shard, rewrapped (no collective)
+        return _like(_local_copy(faulty), faulty)
 
     @staticmethod
     def backward(ctx, grad):
@@ -109,9 +140,10 @@ class SiteHooks:
             log = self._call(i, spec, t, index, args[0] if args else None)
             if log is None:
                 return None
-            faulty = tensor.detach().clone()
-            self._corrupt(i, spec, t, faulty, channel_dim=channel_dim, call=index, log=log)
-            return rebuild(_replaced(tensor, faulty))
+            faulty = _local_copy(tensor.detach())  # a DTensor's local shard: indices in shard coordinates
+            shard = shard_coords(tensor)
+            self._corrupt(i, spec, t, faulty, channel_dim=channel_dim, call=index, log=log, shard=shard)
+            return rebuild(_replaced(tensor, _like(faulty, tensor)))
 
         return hook
 
@@ -125,16 +157,17 @@ class SiteHooks:
             log = self._call(i, spec, t, index, args[0])
             if log is None:
                 return None
-            w = module.weight.detach()
+            # of a tensor-parallel GEMM: this rank's local product, Y_local' = Y_local + op(x_local, ΔW_local)
+            w = local(module.weight.detach())
             faulty_w = w.clone()
-            self._corrupt(i, spec, t, faulty_w, call=index, log=log)
+            self._corrupt(i, spec, t, faulty_w, call=index, log=log, shard=shard_coords(module.weight))
             delta = (faulty_w - w).to(output.dtype)
-            x = args[0].detach()
+            x = local(args[0].detach())
             if isinstance(module, nn.Linear):
                 err = F.linear(x, delta)
             else:  # the module's own padding (padding_mode 'circular', 'reflect', ... included)
                 err = module._conv_forward(x, delta, None)
-            return _replaced(output, output.detach() + err)
+            return _replaced(output, _like(local(output.detach()) + err, output))
 
         return hook
 
@@ -153,13 +186,21 @@ class SiteHooks:
                 raise RuntimeError(f"{spec.site} on {t.name!r}: {exc}") from None
             if edge is None:  # no gradient flows to the operand in this call
                 return None
+            # the operand's shape on this rank: a tensor-parallel X (replicated, or split over
+            # its features) is the DTensor whose local shard the local dX is shaped as
+            shape = tuple(local(args[position]).shape) if is_dtensor(args[position]) else edge.shape
 
             def corrupt(grad_inputs, grad_outputs):
                 g = grad_inputs[edge.index]
                 if g is None or g.numel() == 0 or (log := self._call(i, spec, t, index, backward=True)) is None:
                     return None
-                faulty = g.clone(memory_format=torch.contiguous_format)  # a Linear's (tokens, in): as X
-                self._corrupt(i, spec, t, faulty.view(edge.shape), channel_dim=channel_dim, call=index, log=log)
+                # a Linear's (tokens, in), viewed as X; of a DTensor (a colwise layer's Partial
+                # dX), the local shard's, in shard coordinates
+                faulty = _local_copy(g, torch.contiguous_format)
+                view = faulty if is_dtensor(g) and faulty.numel() != math.prod(shape) else faulty.view(shape)
+                shard = shard_coords(g)
+                self._corrupt(i, spec, t, view, channel_dim=channel_dim, call=index, log=log, shard=shard)
+                faulty = _like(faulty, g)
                 return tuple(faulty if k == edge.index else gi for k, gi in enumerate(grad_inputs))
 
             edge.node.register_hook(corrupt)
@@ -186,8 +227,9 @@ class SiteHooks:
                 g = grad_inputs[at]
                 if g is None or (log := self._call(i, spec, t, index, backward=True)) is None:
                     return None
-                faulty = g.clone()
-                self._corrupt(i, spec, t, faulty, call=index, log=log)
+                faulty = _local_copy(g)  # a DTensor's local shard (no collective)
+                self._corrupt(i, spec, t, faulty, call=index, log=log, shard=shard_coords(g))
+                faulty = _like(faulty, g)
                 return tuple(faulty if k == at else gi for k, gi in enumerate(grad_inputs))
 
             node.register_hook(corrupt)
@@ -273,11 +315,12 @@ class SiteHooks:
         key = (i, t.name + suffix)
         got = self._resident.get(key)
         if permanent and got is None and spec.schedule.start < self.resumed_at:
-            index = self._apply(spec, t, tensor.clone(), suffix=suffix, step=self.resumed_at - 1).index
+            index = self._apply(spec, t, _local_copy(tensor), suffix=suffix, step=self.resumed_at - 1).index
             got = self._resident[key] = (id(owner), owner._version, index)
         if permanent and got is not None and got[:2] == (id(owner), owner._version):
-            values = tensor.reshape(-1)[got[2]].clone()  # in place: logged as such (before == after)
-            self._record(i, spec, t.name + suffix, FaultResult(got[2], values, values), when=when)
+            values = local(tensor).reshape(-1)[got[2]].clone()  # in place: logged as such (before == after)
+            result = FaultResult(got[2], values, values)
+            self._record(i, spec, t.name + suffix, result, when=when, shard=shard_coords(tensor))
             return
         result = self._corrupt(i, spec, t, tensor, suffix=suffix, when=when)
         if permanent:

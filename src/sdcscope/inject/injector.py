@@ -34,7 +34,11 @@ when it changed a value bitwise) or ``"eval"`` (an evaluation pass: permanent fa
 memory faults logged only when they changed a value; one record per spec and module per
 evaluation at a step, however many batches it runs); and ``call``: for the module sites, the
 0-based index of the module's forward call within the micro-batch (see above; None for the
-parameter sites). Evaluation records
+parameter sites). ``index`` is the flat index of each element in the tensor this rank holds: of a
+DTensor (a tensor-parallel GEMM's result or gradient, a sharded parameter), its local shard -- the
+fault is made there, without a collective -- and the record has ``shard``: ``placement``,
+``offset`` and ``local_shape`` of the shard, ``global_shape`` and ``global_index`` (the flat
+indices in the global tensor; of a ``Partial`` sum, the same as ``index``). Evaluation records
 never suppress or replace training ones; count training injections as the records whose
 ``when`` is not ``"eval"``. A re-execution (:func:`reexecution`: its permanent faults act
 again) logs nothing; training a step again after a rollback logs only events its first
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -55,7 +60,7 @@ from torch import nn
 
 from sdcscope.common.graph import in_backward
 from sdcscope.common.io import JsonlWriter
-from sdcscope.common.tensors import local
+from sdcscope.common.tensors import local, shard_coords
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, FaultSpecError, apply_spec, fault_generator, fires
 from sdcscope.inject.hooks import MEMORY_SITES, SiteHooks
 from sdcscope.inject.targets import MODULE_SITES, UNREACHED, Target
@@ -94,6 +99,27 @@ def _changed(result) -> bool:
         ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[before.element_size()]
         before, after = before.view(ints), after.view(ints)
     return not torch.equal(before, after)
+
+
+def _global_indices(shard: dict, index: list[int]) -> dict:
+    """``shard`` (:func:`~sdcscope.common.tensors.shard_coords`: ``placements`` named
+    ``placement`` as in ABFT's events) with ``global_index``: the flat local ``index`` of each
+    element as a flat index in the global tensor (global = offset + local, per dimension)."""
+    local_shape, global_shape, offset = shard["local_shape"], shard["global_shape"], shard["offset"]
+    out = []
+    for flat in index:
+        g = 0
+        for d in range(len(local_shape)):
+            below = math.prod(local_shape[d + 1 :])
+            g = g * global_shape[d] + (flat // below) % local_shape[d] + offset[d]
+        out.append(g)
+    return {
+        "placement": shard["placements"],
+        "offset": offset,
+        "local_shape": local_shape,
+        "global_shape": global_shape,
+        "global_index": out,
+    }
 
 
 class Injector(SiteHooks):
@@ -330,14 +356,15 @@ class Injector(SiteHooks):
                 self._calls.get(key, 0) == 1
                 or not isinstance(x, torch.Tensor)
                 or not isinstance(ref, torch.Tensor)
-                or (ref.shape == x.shape and ref.dtype == x.dtype and torch.equal(ref, x))
+                or (ref.shape == x.shape and ref.dtype == x.dtype and torch.equal(local(ref), local(x)))
             )
             return False if same else None
         if once:
             if key in self._acted:  # one event in time: the first call only
                 return None
             self._acted.add(key)
-            if not backward:  # its input tells its recomputation from another call's
+            if not backward:  # its input tells its recomputation from another call's (a DTensor:
+                # compared on this rank's shard, as ``torch.equal`` of DTensors is a collective)
                 self._fired_input[key] = x.detach() if isinstance(x, torch.Tensor) else None
         return True
 
@@ -382,15 +409,28 @@ class Injector(SiteHooks):
         call: int | None = None,
         when: str | None = None,
         log: bool = True,
+        shard: dict | None = None,
     ) -> FaultResult:
+        """Apply the event's fault to ``tensor`` in place (a DTensor: its local shard) and log it;
+        ``shard``: :func:`~sdcscope.common.tensors.shard_coords` of the DTensor whose local values
+        ``tensor`` is (default: of ``tensor`` itself), for the record."""
         result = self._apply(spec, t, tensor, suffix=suffix, channel_dim=channel_dim)
         if log:
-            self._record(i, spec, t.name + suffix, result, call=call, when=when)
+            shard = shard if shard is not None else shard_coords(tensor)
+            self._record(i, spec, t.name + suffix, result, call=call, when=when, shard=shard)
         return result
 
     # -- records -----------------------------------------------------------------------------
     def _record(
-        self, i: int, spec: FaultSpec, name: str, result, *, call: int | None = None, when: str | None = None
+        self,
+        i: int,
+        spec: FaultSpec,
+        name: str,
+        result,
+        *,
+        call: int | None = None,
+        when: str | None = None,
+        shard: dict | None = None,
     ) -> None:
         site = spec.site
         if _REEXECUTING.get():  # a replay: the permanent faults acting again were logged
@@ -418,6 +458,8 @@ class Injector(SiteHooks):
             "count": len(values["index"]),
             **{k: vals[:MAX_RECORDED] for k, vals in values.items()},
         }
+        if shard is not None:  # a DTensor's local shard: where its elements sit in the global tensor
+            record["shard"] = _global_indices(shard, record["index"])
         self.records.append(record)
         if self._file is not None:
             self._file.write(record)

@@ -9,7 +9,9 @@ Importing this package imports neither library. It holds what both adapters shar
 :func:`load_config` (the config argument they take), :func:`open_guard` (the guard and its
 files in the run directory), :class:`GuardSession` (the guard's per-step protocol cut at the
 points such a trainer lets an adapter in) and :class:`Patches` (the trainer methods an adapter
-wraps for one run, put back after it).
+wraps for one run, put back after it). Under DDP both adapters build the Guard with ``ddp=`` (the
+trainer's ``DistributedDataParallel`` wrapper) and replay a suspect rank's step through
+:mod:`sdcscope.integrations.ddp`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.actions import Applied
@@ -46,15 +50,25 @@ def load_config(config: GuardConfig | str | os.PathLike | Mapping | None) -> Gua
 
 
 def open_guard(
-    model, optimizer, config: GuardConfig, run_dir: str | os.PathLike, on_event: Callable[[dict], None] | None = None
+    model,
+    optimizer,
+    config: GuardConfig,
+    run_dir: str | os.PathLike,
+    on_event: Callable[[dict], None] | None = None,
+    *,
+    ddp=None,
 ) -> Guard:
     """An attached Guard writing ``run_dir/events.jsonl`` and, unless the config names another
-    file, ``run_dir/metrics.jsonl`` (the user's config object is left as it is)."""
+    file, ``run_dir/metrics.jsonl`` (the user's config object is left as it is). ``ddp``: the
+    trainer's ``DistributedDataParallel`` wrapper of ``model`` (a data-parallel run: rank 0
+    writes the world's events, rank r > 0 its metrics to ``metrics.rank{r}.jsonl``)."""
     run_dir = Path(run_dir)
     m = config.metrics
     if m is not None and m.path is None and m.sink == "jsonl":
-        config = dataclasses.replace(config, metrics=dataclasses.replace(m, path=str(run_dir / "metrics.jsonl")))
-    return Guard(model, optimizer, config, run_dir=run_dir, on_event=on_event).attach()
+        rank = 0 if ddp is None else dist.get_rank(ddp.process_group)
+        path = run_dir / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl")
+        config = dataclasses.replace(config, metrics=dataclasses.replace(m, path=str(path)))
+    return Guard(model, optimizer, config, run_dir=run_dir, on_event=on_event, ddp=ddp).attach()
 
 
 class GuardSession:
@@ -86,14 +100,20 @@ class GuardSession:
         self.open, self.discard, self.loss = True, False, None
         self.guard.safe(lambda: self.session.begin(step), "begin")
 
-    def decide(self, loss: Any, rerun: Callable[[], Any] | None) -> Any:
+    def decide(
+        self, loss: Any, rerun: Callable[[], Any] | None, rank_replay: Callable[[int], Any] | None = None
+    ) -> Any:
         """Check the finished backward, replay with ``rerun()`` (zero the gradients, run the
         step's forward and backward again, return its loss) if anything fired, and act on the
-        policy's answer; returns the step's loss (a recompute's, if the replay was kept)."""
+        policy's answer; returns the step's loss (a recompute's, if the replay was kept). Under
+        DDP every rank decides together (a collective: every rank calls it every step) and
+        ``rank_replay(r)`` (:class:`~sdcscope.integrations.ddp.RankReplay`) replaces ``rerun``."""
         s = self.session
         if not self.open:
             return loss
-        applied, self.loss = self.guard.safe(lambda: s.check(loss, rerun), "decide", default=(Applied(), loss))
+        applied, self.loss = self.guard.safe(
+            lambda: s.check(loss, rerun, rank_replay=rank_replay), "decide", default=(Applied(), loss)
+        )
         self.discard = applied.discarded
         if self.discard:
             s.clear_grads()  # nothing left for the library to clip or apply

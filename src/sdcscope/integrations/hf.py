@@ -40,9 +40,25 @@ after the update, one more). Once the guard stops (stalled: ``GuardConfig.stall_
 in a row discarded; or a persistent fault: :attr:`Guard.stopped`, with ``stop_reason``) the
 adapter stops training after that step.
 
-Not supported, refused when the adapter is built (and again when training begins): DeepSpeed,
-FSDP, more than one process or GPU, fp16 mixed precision (its GradScaler), ``torch_compile``
-and the LOMO optimizers (their update happens inside backward).
+**Data parallel (DDP).** Launched by ``torchrun`` (or ``accelerate launch``), one process per
+device, the Trainer wraps the model in ``DistributedDataParallel``; the adapter then builds the
+Guard with ``ddp=`` (:mod:`sdcscope.guard.ranks`): each rank checks what it computed, every
+rank's findings are shared and every rank takes the same decision each step (a collective: no
+rank skips one). A finding is localized by replaying the suspect rank's micro-batches on itself
+and on a healthy peer (the suspect sends them to the peer, only then:
+:class:`~sdcscope.integrations.ddp.RankReplay`); events name the rank. A ``recompute`` becomes a
+``veto`` (the replay is one rank's, not a world step), and a rank the device ledger calls
+faulty is quarantined: it leaves the gradient average from the next step (its data is not
+learned from) while the others train on. Rank 0 writes ``events.jsonl`` (the world's verdicts)
+and ``metrics.jsonl``, rank r > 0 ``metrics.rank{r}.jsonl``. Under DDP the guard config's
+``ranks`` section applies; ``invariants`` and ``qk_clip`` are refused.
+
+Not supported, refused when the adapter is built (and again when training begins), naming the
+setting: DeepSpeed, FSDP (``TrainingArguments.fsdp``: parameters and gradients are sharded, and
+the adapter guards whole replicas only), tensor/context parallelism (``parallelism_config``),
+DataParallel over several GPUs in one process, fp16 mixed precision (its GradScaler),
+``torch_compile`` and the LOMO optimizers (their update happens inside backward). Supported:
+one process, or DDP with one process per device.
 """
 
 from __future__ import annotations
@@ -62,8 +78,12 @@ except ImportError as exc:
         "pip install 'sdcscope[transformers]'"
     ) from exc
 
+from torch.nn.parallel import DistributedDataParallel
+
 from sdcscope.guard import Guard, GuardConfig
+from sdcscope.guard.ranks import check_config
 from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
+from sdcscope.integrations.ddp import RankReplay
 from sdcscope.observe.eventlog import EventCounts
 from sdcscope.observe.sinks import LatestRow
 
@@ -107,6 +127,7 @@ class SDCGuardCallback(TrainerCallback):
             raise TypeError(f"on_event must be a callable or None, got {on_event!r}")
         self.config = load_config(config)
         _check_supported(trainer)
+        _check_distributed(trainer, self.config)
         self.trainer = trainer
         self.run_dir = Path(run_dir) if run_dir is not None else Path(trainer.args.output_dir) / "sdcscope"
         self.on_event = on_event
@@ -114,6 +135,8 @@ class SDCGuardCallback(TrainerCallback):
         """The guard of the current (or last) ``train()``: built when training begins."""
         self._session: GuardSession | None = None
         self._micro: list[tuple[tuple, dict, torch.Tensor]] = []  # the open step's micro-batches
+        self._replay: RankReplay | None = None  # under DDP: a suspect rank's step, replayed
+        self._training_step: Callable | None = None
         self._patches = Patches()
         self.counts = EventCounts()
         """Detections, actions, replays and rollbacks of the current (or last) ``train()``."""
@@ -131,12 +154,14 @@ class SDCGuardCallback(TrainerCallback):
         _check_supported(trainer)
         optimizer = trainer.optimizer
         inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+        ddp = _ddp(trainer)
         self.counts, self._latest = EventCounts(), LatestRow()
-        self.guard = open_guard(trainer.model, inner, self.config, self.run_dir, self._count)
+        self.guard = open_guard(trainer.model, inner, self.config, self.run_dir, self._count, ddp=ddp)
         if self.guard.metrics is not None:
             self.guard.metrics.sinks.append(self._latest)
         self._session = GuardSession(self.guard)
         self._micro = []
+        self._replay = None if ddp is None else RankReplay(self.guard, self._replay_batches)
         self._patches.set(trainer, "training_step", self._wrap_training_step)
         self._patches.set(optimizer, "step", self._wrap_optimizer_step)
         self._patches.set(trainer, "log", self._wrap_log)
@@ -154,6 +179,7 @@ class SDCGuardCallback(TrainerCallback):
         if self.guard is not None:
             self.guard.close()
         self._micro = []
+        self._replay = None
 
     def _count(self, record: dict) -> None:
         self.counts.add(record)
@@ -185,18 +211,27 @@ class SDCGuardCallback(TrainerCallback):
         return guarded
 
     def _wrap_training_step(self, training_step: Callable) -> Callable:
+        self._training_step = training_step  # the Trainer's own, for a rank replay
+
         def guarded(model, inputs, *args, **kwargs):
             session, trainer = self._session, self.trainer
             if not session.open:
                 self._micro = []
+                if self._replay is not None:
+                    self._replay.start()
                 session.begin(trainer.state.global_step)
             loss = training_step(model, inputs, *args, **kwargs)
             self._micro.append(((model, inputs, *args), kwargs, loss))
+            if self._replay is not None:
+                self._replay.add(((inputs, *args), kwargs))
             if not trainer.accelerator.sync_gradients:  # more micro-batches to come
                 return loss
             earlier = [m[2] for m in self._micro[:-1]]
             total = torch.stack([*earlier, loss]).sum()
-            clean = session.decide(total, lambda: self._rerun(training_step))
+            if self._replay is not None:  # every rank decides together; the rank guard replays
+                clean = session.decide(total, None, self._replay)
+            else:
+                clean = session.decide(total, lambda: self._rerun(training_step))
             if clean is total:
                 return loss
             # the Trainer sums what training_step returns: make the step's sum the recomputed loss
@@ -209,6 +244,12 @@ class SDCGuardCallback(TrainerCallback):
         self._session.clear_grads()
         return torch.stack([training_step(*args, **kwargs) for args, kwargs, _ in self._micro]).sum()
 
+    def _replay_batches(self, batches: list) -> torch.Tensor:
+        """A rank's micro-batches (its own or a suspect's) through ``training_step`` on the plain
+        module: the forward and backward without DDP's all-reduce."""
+        module, step = self.trainer.model, self._training_step
+        return torch.stack([step(module, *args, **kwargs) for args, kwargs in batches]).sum()
+
 
 def _check_supported(trainer: Trainer) -> None:
     """Refuse, naming the setting, what the adapter cannot guard correctly."""
@@ -217,11 +258,20 @@ def _check_supported(trainer: Trainer) -> None:
     if getattr(trainer, "is_deepspeed_enabled", False):
         problems.append("DeepSpeed (TrainingArguments.deepspeed): its engine owns the gradients and the optimizer step")
     if getattr(trainer, "is_fsdp_enabled", False):
-        problems.append("FSDP (TrainingArguments.fsdp): parameters and gradients are sharded across ranks")
-    if args.world_size > 1:
         problems.append(
-            f"distributed training (world_size={args.world_size}): each rank would decide alone; "
-            f"data-parallel runs need the Guard's ddp= mode, which this adapter does not set up"
+            "FSDP (TrainingArguments.fsdp): parameters and gradients are sharded across ranks, and this "
+            "adapter guards whole replicas only"
+        )
+    pc = getattr(trainer.accelerator, "parallelism_config", None) or getattr(args, "parallelism_config", None)
+    sharded = [
+        name
+        for name in ("tp_size", "cp_size", "sp_size", "dp_shard_size")
+        if isinstance(getattr(pc, name, 1), int) and getattr(pc, name, 1) > 1
+    ]
+    if sharded:
+        problems.append(
+            f"parallelism_config with {', '.join(f'{n}={getattr(pc, n)}' for n in sharded)}: the model is "
+            f"sharded across ranks, and this adapter guards whole replicas only"
         )
     if args.n_gpu > 1:
         problems.append(f"DataParallel over n_gpu={args.n_gpu} GPUs: run one process per GPU")
@@ -234,4 +284,29 @@ def _check_supported(trainer: Trainer) -> None:
     if str(getattr(args.optim, "value", args.optim)) in ("lomo", "adalomo"):
         problems.append(f"optim={args.optim!r}: LOMO updates the weights inside backward, before any check")
     if problems:
-        raise ValueError("SDCGuardCallback cannot guard this Trainer: " + "; ".join(problems))
+        raise ValueError(
+            "SDCGuardCallback cannot guard this Trainer: "
+            + "; ".join(problems)
+            + " (supported: one process, or DDP with one process per device)"
+        )
+
+
+def _ddp(trainer: Trainer) -> DistributedDataParallel | None:
+    """The Trainer's DDP wrapper of its model in a data-parallel run (None in one process), checked
+    when training begins (the Trainer wraps the model in ``train()``)."""
+    if trainer.args.world_size <= 1:
+        return None
+    wrapped = trainer.model_wrapped
+    if not isinstance(wrapped, DistributedDataParallel) or wrapped.module is not trainer.model:
+        raise ValueError(
+            f"SDCGuardCallback cannot guard this Trainer: world_size={trainer.args.world_size} but the "
+            f"model is wrapped in {type(wrapped).__name__}, not a DistributedDataParallel of "
+            f"trainer.model (supported: one process, or DDP with one process per device)"
+        )
+    return wrapped
+
+
+def _check_distributed(trainer: Trainer, config: GuardConfig) -> None:
+    """Guard settings that cannot run under DDP, refused before training (not on every rank later)."""
+    if trainer.args.world_size > 1:
+        check_config(config)

@@ -5,6 +5,12 @@ A trainer's loop runs micro-batches and optimizer steps; the callbacks tell an
 :class:`~sdcscope.inject.Injector` where the loop is (``set_position(step, micro_batch)``) and mark
 what runs between steps (evaluation, logging, checkpoints) as ``evaluating``, where only permanent
 faults act. Importing this module imports neither library.
+
+Under data parallelism (DDP, one process per device) every rank runs its own injector: a spec's
+``rank`` says which process it lives on (``None``: every one) and each callback compares it with
+its own process's rank (the trainer's global rank unless given). Rank r logs its fired faults to
+``injections.rank{r}.jsonl``; when training ends rank 0 merges them into ``injections.jsonl``
+(ordered by step, micro-batch, rank), as a torchrun job of sdcscope's own does.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import torch.distributed as dist
+
+from sdcscope.common.io import JsonlWriter, read_jsonl
 from sdcscope.faults import FaultSpec, load_specs
 from sdcscope.inject import Injector
 
@@ -46,23 +55,55 @@ def load_fault_specs(specs: str | os.PathLike | FaultSpec | Mapping | Iterable) 
 
 
 def callback_args(
-    specs: str | os.PathLike | FaultSpec | Mapping | Iterable, run_dir: str | os.PathLike | None, rank: int
-) -> tuple[list[FaultSpec], Path | None, int]:
+    specs: str | os.PathLike | FaultSpec | Mapping | Iterable, run_dir: str | os.PathLike | None, rank: int | None
+) -> tuple[list[FaultSpec], Path | None, int | None]:
     """An injector callback's arguments, checked: the specs loaded, ``run_dir`` a path or None,
-    ``rank`` an int >= 0 (both trainers' callbacks take the same three)."""
+    ``rank`` an int >= 0 or None (the trainer's own; both trainers' callbacks take the same three)."""
     if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
         raise TypeError(f"run_dir must be a directory path or None, got {run_dir!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"rank={rank!r} must be an int >= 0")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ValueError(f"rank={rank!r} must be an int >= 0, or None for this process's rank")
     return load_fault_specs(specs), None if run_dir is None else Path(run_dir), rank
 
 
+def injections_file(run_dir: str | os.PathLike, rank: int, world_size: int) -> Path:
+    """Where this rank logs its fired faults: ``injections.jsonl`` in one process, else
+    ``injections.rank{r}.jsonl`` (merged by :func:`merge_injections`)."""
+    name = INJECTIONS_FILE if world_size == 1 else f"injections.rank{rank}.jsonl"
+    return Path(run_dir) / name
+
+
 def open_injector(
-    model, specs: list[FaultSpec], optimizer, run_dir: str | os.PathLike, *, grad_accum: int, rank: int = 0
+    model,
+    specs: list[FaultSpec],
+    optimizer,
+    run_dir: str | os.PathLike,
+    *,
+    grad_accum: int,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Injector:
-    """An attached :class:`Injector` logging every fired fault to ``run_dir/injections.jsonl``."""
-    path = Path(run_dir) / INJECTIONS_FILE
-    return Injector(model, specs, optimizer, rank=rank, log=path, grad_accum=grad_accum).attach()
+    """An attached :class:`Injector` logging every fired fault to :func:`injections_file`; a
+    spec's ``rank`` outside the world is refused."""
+    path = injections_file(run_dir, rank, world_size)
+    return Injector(model, specs, optimizer, rank=rank, world_size=world_size, log=path, grad_accum=grad_accum).attach()
+
+
+def merge_injections(run_dir: str | os.PathLike, rank: int, world_size: int) -> None:
+    """When training ends in a world of several processes (a collective: every rank calls it):
+    rank 0 rebuilds ``injections.jsonl`` from every rank's log, once all are complete."""
+    if world_size == 1:
+        return
+    dist.barrier()
+    if rank != 0:
+        return
+    records = [r for k in range(world_size) for r in read_jsonl(injections_file(run_dir, k, world_size))]
+    records.sort(key=lambda r: (r["step"], r["micro_batch"] or 0, r["rank"]))
+    writer = JsonlWriter(Path(run_dir) / INJECTIONS_FILE, append=False)
+    writer.touch()
+    for record in records:
+        writer.write(record)
+    writer.close()
 
 
 class Position:

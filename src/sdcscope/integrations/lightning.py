@@ -37,12 +37,27 @@ on from the next batch. Once the guard stops (stalled: ``GuardConfig.stall_after
 discarded; or a persistent fault: :attr:`Guard.stopped`, with ``stop_reason``) the callback
 stops training (``trainer.should_stop``).
 
+**Data parallel (DDP).** With ``strategy="ddp"`` (or ``ddp_spawn``, ``ddp_fork``, ...; one
+process per device, on GPUs or on CPUs with gloo) the callback builds the Guard with ``ddp=`` (the
+strategy's ``DistributedDataParallel`` wrapper; :mod:`sdcscope.guard.ranks`): each rank checks
+what it computed, every rank's findings are shared and every rank takes the same decision each
+step (a collective: no rank skips one). A finding is localized by replaying the suspect rank's
+batch -- its ``training_step`` and backward on the plain module, ``self.log`` muted -- on itself
+and on a healthy peer (the suspect sends its batch to the peer, only then:
+:class:`~sdcscope.integrations.ddp.RankReplay`); events name the rank. A ``recompute`` becomes a
+``veto`` (the replay is one rank's, not a world step), and a rank the device ledger calls faulty
+is quarantined: it leaves the gradient average from the next step while the others train on.
+Rank 0 writes ``events.jsonl`` (the world's verdicts) and ``metrics.jsonl``, rank r > 0
+``metrics.rank{r}.jsonl``. Under DDP the guard config's ``ranks`` section applies;
+``invariants`` and ``qk_clip`` are refused.
+
 Refused when fitting starts, naming the setting: manual optimization (use the Guard itself in
-``training_step``), more than one process or a strategy other than single-device, more than one
-optimizer, LBFGS (its step calls the closure many times), fp16 mixed precision (its GradScaler
-steps the optimizer), and ``accumulate_grad_batches > 1`` with replay on (the closure holds the
-last micro-batch only: set ``replay: false``, and findings are judged unverified -- vetoed by
-the default policy). Works with ``lightning.pytorch`` and with ``pytorch_lightning``.
+``training_step``), a strategy other than single-device or DDP (FSDP, DeepSpeed, model
+parallel: the parameters are sharded, and the callback guards whole replicas only), more than
+one optimizer, LBFGS (its step calls the closure many times), fp16 mixed precision (its
+GradScaler steps the optimizer), and ``accumulate_grad_batches > 1`` with replay on (the closure
+holds the last micro-batch only: set ``replay: false``, and findings are judged unverified --
+vetoed by the default policy). Works with ``lightning.pytorch`` and with ``pytorch_lightning``.
 """
 
 from __future__ import annotations
@@ -53,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 try:
     import lightning.pytorch as pl
@@ -66,7 +82,9 @@ except ImportError:
         ) from exc
 
 from sdcscope.guard import Guard, GuardConfig
+from sdcscope.guard.ranks import check_config
 from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
+from sdcscope.integrations.ddp import RankReplay
 from sdcscope.observe.eventlog import EventCounts
 from sdcscope.observe.sinks import LatestRow
 
@@ -98,6 +116,8 @@ class SDCGuardCallback(pl.Callback):
         self._closure: Callable[[], Any] | None = None  # the open step's training_step + backward
         self._loss: torch.Tensor | None = None
         self._replaying = False
+        self._replay: RankReplay | None = None  # under DDP: a suspect rank's step, replayed
+        self._module: Any = None
         self._patches = Patches()
         self.counts = EventCounts()
         """Detections, actions, replays and rollbacks of the current (or last) fit."""
@@ -121,18 +141,25 @@ class SDCGuardCallback(pl.Callback):
             raise ValueError(f"SDCGuardCallback guards one optimizer, got {len(optimizers)}")
         (optimizer,) = optimizers  # (one the Guard cannot drive, LBFGS, the Guard refuses)
         run_dir = self.run_dir if self.run_dir is not None else Path(trainer.default_root_dir) / "sdcscope"
+        ddp = _ddp(trainer, pl_module)
         self.counts, self._latest = EventCounts(), LatestRow()
-        self.guard = open_guard(pl_module, optimizer, self.config, run_dir, self._count)
+        self.guard = open_guard(pl_module, optimizer, self.config, run_dir, self._count, ddp=ddp)
         if self.guard.metrics is not None:
             self.guard.metrics.sinks.append(self._latest)
         self._session = GuardSession(self.guard)
+        self._module = pl_module
+        self._replay = None if ddp is None else RankReplay(self.guard, self._replay_batches)
         self._patches.set(pl_module, "optimizer_step", self._wrap_module_optimizer_step)
         self._patches.set(optimizer, "step", self._wrap_optimizer_step)
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         if not self._session.open:  # the step's first micro-batch
             self._loss = None
+            if self._replay is not None:
+                self._replay.start()
             self._session.begin(trainer.global_step)
+        if self._replay is not None:
+            self._replay.add((batch, batch_idx))
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
         if not self._replaying:  # a replay's loss is the closure's return value
@@ -140,6 +167,9 @@ class SDCGuardCallback(pl.Callback):
             self._loss = loss if self._loss is None else self._loss + loss
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._replay is not None:  # every rank decides together; the rank guard replays
+            self._session.decide(self._loss, None, self._replay)
+            return
         replayable = self._closure is not None and trainer.accumulate_grad_batches == 1
         self._session.decide(self._loss, self._rerun if replayable else None)
 
@@ -171,6 +201,7 @@ class SDCGuardCallback(pl.Callback):
         if self.guard is not None:
             self.guard.close()
         self._closure = None
+        self._replay = self._module = None
 
     # -- the wrapped methods -----------------------------------------------------------------
     def _wrap_module_optimizer_step(self, optimizer_step: Callable) -> Callable:
@@ -209,6 +240,30 @@ class SDCGuardCallback(pl.Callback):
         finally:
             self._replaying = False
 
+    def _replay_batches(self, batches: list) -> torch.Tensor:
+        """A rank's batch (its own or a suspect's): ``training_step`` and backward on the plain
+        module (no all-reduce), as the step's closure runs them, with ``self.log`` muted (a
+        replay's values are no step's, and ``sync_dist`` would be a collective)."""
+        module = self._module
+        mute = Patches()
+        for name in ("log", "log_dict"):
+            mute.set(module, name, lambda _original: _muted)
+        total = None
+        try:
+            with self._trainer_context():
+                for batch, batch_idx in batches:
+                    out = module.training_step(batch, batch_idx)
+                    loss = out if isinstance(out, torch.Tensor) else out["loss"]
+                    module.backward(loss)
+                    total = loss.detach() if total is None else total + loss.detach()
+        finally:
+            mute.undo()
+        return total
+
+    def _trainer_context(self):
+        """The precision plugin's context of a training step (autocast under bf16-mixed)."""
+        return self._module.trainer.strategy.precision_plugin.train_step_context()
+
     def _check_supported(self, trainer, pl_module) -> None:
         """Refuse, naming the setting, what the callback cannot guard correctly."""
         problems = []
@@ -217,13 +272,20 @@ class SDCGuardCallback(pl.Callback):
                 "manual optimization (automatic_optimization=False): call the Guard yourself in "
                 "training_step (guard.step(...), guard.optimizer_step(loss))"
             )
-        if trainer.world_size > 1:
-            problems.append(
-                f"world_size={trainer.world_size}: each rank would decide alone; data-parallel runs "
-                f"need the Guard's ddp= mode, which this callback does not set up"
+        kinds = {c.__name__ for c in type(trainer.strategy).__mro__}
+        name = type(trainer.strategy).__name__
+        if "DDPStrategy" in kinds and "DeepSpeedStrategy" not in kinds:
+            check_config(self.config)
+        elif "SingleDeviceStrategy" not in kinds:
+            why = (
+                "the parameters are sharded across ranks, and this callback guards whole replicas only"
+                if kinds & {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"}
+                else "not a strategy this callback knows"
             )
-        if not any(c.__name__ == "SingleDeviceStrategy" for c in type(trainer.strategy).__mro__):
-            problems.append(f"strategy {type(trainer.strategy).__name__}: only single-device strategies are supported")
+            problems.append(
+                f"strategy {name}: {why} (supported: single-device, or DDP -- strategy='ddp', "
+                f"'ddp_spawn', 'ddp_fork', ...)"
+            )
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             problems.append(f"precision={trainer.precision!r}: its GradScaler steps the optimizer; use bf16 or fp32")
         if self.config.replay and trainer.accumulate_grad_batches > 1:
@@ -234,3 +296,20 @@ class SDCGuardCallback(pl.Callback):
             )
         if problems:
             raise ValueError("SDCGuardCallback cannot guard this fit: " + "; ".join(problems))
+
+
+def _muted(*args, **kwargs) -> None:
+    """``LightningModule.log`` during a rank replay."""
+
+
+def _ddp(trainer, pl_module) -> DistributedDataParallel | None:
+    """The DDP strategy's wrapper of ``pl_module`` (None under a single-device strategy)."""
+    if not any(c.__name__ == "DDPStrategy" for c in type(trainer.strategy).__mro__):
+        return None
+    wrapped = trainer.strategy.model
+    if not isinstance(wrapped, DistributedDataParallel) or wrapped.module is not pl_module:
+        raise ValueError(
+            f"SDCGuardCallback cannot guard this fit: strategy {type(trainer.strategy).__name__} wraps the "
+            f"module in {type(wrapped).__name__}, not a DistributedDataParallel of the LightningModule"
+        )
+    return wrapped

@@ -18,6 +18,10 @@ step, where only permanent faults act. With the guard
 transient fault no more, a permanent one again. The injector is built when training starts (the
 optimizer exists then) and detached when it ends; values already corrupted stay so. Works with
 ``lightning.pytorch`` and with ``pytorch_lightning``; ``pip install 'sdcscope[lightning]'``.
+
+Under DDP (``strategy="ddp"``, one process per device) a spec's ``rank`` picks the process it
+lives on (``trainer.global_rank``); rank r logs to ``injections.rank{r}.jsonl`` and rank 0 merges
+them into ``injections.jsonl`` when training ends.
 """
 
 from __future__ import annotations
@@ -40,26 +44,28 @@ except ImportError:
 
 from sdcscope.faults import FaultSpec
 from sdcscope.inject import Injector
-from sdcscope.integrations.injection import Position, callback_args, open_injector
+from sdcscope.integrations.injection import Position, callback_args, merge_injections, open_injector
 
 __all__ = ["SDCInjectorCallback"]
 
 
 class SDCInjectorCallback(pl.Callback):
     """``run_dir`` (default ``<default_root_dir>/sdcscope``) gets ``injections.jsonl``; ``rank``:
-    the process the faults' ``rank`` fields are compared with (0 in a single-process fit)."""
+    the process the faults' ``rank`` fields are compared with (None: this process's,
+    ``trainer.global_rank``; 0 in a single-process fit)."""
 
     def __init__(
         self,
         specs: str | os.PathLike | FaultSpec | Mapping | Iterable,
         *,
         run_dir: str | os.PathLike | None = None,
-        rank: int = 0,
+        rank: int | None = None,
     ) -> None:
         self.specs, self.run_dir, self.rank = callback_args(specs, run_dir, rank)
         self.injector: Injector | None = None
         """The injector of the current (or last) fit: built when training starts."""
         self._position = Position()
+        self._world: tuple[int, int, Path] | None = None  # (rank, world size, run_dir) of the fit
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -76,8 +82,10 @@ class SDCInjectorCallback(pl.Callback):
             optimizers[0] if len(optimizers) == 1 else None,
             run_dir,
             grad_accum=trainer.accumulate_grad_batches,
-            rank=self.rank,
+            rank=trainer.global_rank if self.rank is None else self.rank,
+            world_size=trainer.world_size,
         )
+        self._world = (trainer.global_rank, trainer.world_size, run_dir)
         self._position = Position()
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
@@ -90,6 +98,8 @@ class SDCInjectorCallback(pl.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._close()
+        if self._world is not None:
+            merge_injections(self._world[2], *self._world[:2])
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._close()

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from sdcscope.engine.ddp import DDPRun
 from sdcscope.engine.dist import DistConfig, DistributedError, init_distributed, leave_world
 from sdcscope.engine.parallel import ParallelConfig, ParallelRun
 from sdcscope.engine.run import Interrupted, stop_requests
-from sdcscope.engine.rundir import read_json, write_json
+from sdcscope.engine.rundir import CheckpointPolicy, read_json, write_json
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.ranks import check_config
@@ -40,7 +40,18 @@ from sdcscope.guard.sharded import sharded_guard_config
 from sdcscope.jobs.assemble import check_faults, guard_trainer
 from sdcscope.workloads import WorkloadConfig, make_workload
 
-__all__ = ["Job", "make_job", "save_job", "load_job", "check_job", "run_job", "main", "watch_launcher", "LAUNCHER_ENV"]
+__all__ = [
+    "Job",
+    "make_job",
+    "resume_job",
+    "save_job",
+    "load_job",
+    "check_job",
+    "run_job",
+    "main",
+    "watch_launcher",
+    "LAUNCHER_ENV",
+]
 
 LAUNCHER_ENV = "SDCSCOPE_LAUNCHER_PID"
 """The launcher's pid, in every rank's environment: a rank outlives neither it nor torchrun."""
@@ -64,6 +75,10 @@ class Job:
     guard: GuardConfig | None = None
     parallel: ParallelConfig | None = None
     """How the model is split (:mod:`sdcscope.engine.parallel`); None: DDP."""
+    checkpoints: CheckpointPolicy | None = None
+    """A sharded run's periodic checkpoints (None: the policy's defaults)."""
+    resume: bool = False
+    """Continue the sharded run in ``out`` from its newest verified checkpoint (:func:`resume_job`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,6 +98,8 @@ class Job:
             "ledger": None if self.ledger is None else str(self.ledger),
             "guard": None if self.guard is None else self.guard.to_dict(),
             "parallel": None if self.parallel is None else self.parallel.to_dict(),
+            "checkpoints": None if self.checkpoints is None else asdict(self.checkpoints),
+            "resume": self.resume,
         }
 
     @classmethod
@@ -100,6 +117,8 @@ class Job:
             ledger=None if d["ledger"] is None else Path(d["ledger"]),
             guard=None if d["guard"] is None else GuardConfig.from_dict(d["guard"]),
             parallel=None if d.get("parallel") is None else ParallelConfig(**d["parallel"]),
+            checkpoints=None if d.get("checkpoints") is None else CheckpointPolicy(**d["checkpoints"]),
+            resume=bool(d.get("resume", False)),
         )
 
 
@@ -127,11 +146,13 @@ def make_job(
     hash_every: int | None = None,
     ledger: str | Path | None = None,
     parallel: ParallelConfig | None = None,
+    checkpoints: CheckpointPolicy | None = None,
 ) -> Job:
     """A validated :class:`Job` for ``nproc`` ranks; raises ValueError before anything is started.
 
     ``hash_every``: the replica hash check every N steps (0: off; None: the rank guard's default);
-    ``ledger``: a device ledger shared across jobs (default: ``out/ledger.json``)."""
+    ``ledger``: a device ledger shared across jobs (default: ``out/ledger.json``); ``checkpoints``:
+    the periodic checkpoints of a sharded run (a DDP run saves one at the end)."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r} must be an integer >= 1")
     if steps < 0:
@@ -171,7 +192,71 @@ def make_job(
         ledger=None if ledger is None else Path(ledger),
         guard=guard,
         parallel=parallel if sharded else None,
+        checkpoints=checkpoints if sharded else None,
     )
+
+
+def resume_job(
+    out: str | Path,
+    steps: int,
+    *,
+    nproc: int | None = None,
+    parallel: str | None = None,
+    dist_config: DistConfig | None = None,
+    checkpoints: CheckpointPolicy | None = None,
+) -> tuple[Job, Path, list[tuple[Path, str]]]:
+    """The job that continues the sharded run in ``out`` to ``steps`` steps, with the workload,
+    faults and guard its config.json records: ``(job, the checkpoint it starts from, the newer
+    ones passed over and why)``. ``nproc`` and ``parallel`` (None: as recorded) must be the run's:
+    a sharded checkpoint is not resharded. Raises ValueError (CheckpointError) before any rank starts."""
+    from sdcscope.engine.run import _identity
+    from sdcscope.engine.shardckpt import choose_sharded, layout_of
+
+    out = Path(out)
+    path = out / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--resume {str(out)!r} is not a run directory (no config.json)")
+    config = read_json(path)
+    recorded = config.get("parallel") or {}
+    world = config.get("world_size", 1)
+    if recorded.get("kind") in (None, "ddp"):
+        raise ValueError(
+            f"--resume {str(out)!r}: only a sharded distributed run (--parallel fsdp|tp|fsdp+tp|hsdp) "
+            f"is resumed on several ranks; this one is {'a DDP' if world != 1 else 'a single-process'} run"
+        )
+    try:
+        pcfg = ParallelConfig(**recorded)
+        wcfg, tcfg = WorkloadConfig(**config["workload"]), TrainConfig(**config["train"])
+        specs = [FaultSpec.from_dict(d) for d in config.get("faults") or []]
+        guard = GuardConfig.from_dict(config["guard"]) if config.get("guard") else None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{str(path)!r}: {exc}") from None
+    for flag, given, was in (("--nproc", nproc, world), ("--parallel", parallel, pcfg.kind)):
+        if given is not None and given != was:
+            raise ValueError(
+                f"--resume {str(out)!r} with {flag} {given}: the run and its checkpoints are {flag} {was} "
+                f"(--parallel {pcfg.kind}, --nproc {world}); a sharded checkpoint is not resharded: "
+                f"drop {flag} or give {flag} {was}"
+            )
+    checkpoint, manifest, skipped = choose_sharded(out, layout_of(pcfg.kind, pcfg.inner, world), _identity(config))
+    if steps < manifest["step"]:
+        raise ValueError(f"--steps {steps} is below the {manifest['step']} steps of checkpoint {str(checkpoint)!r}")
+    job = Job(
+        out=out,
+        nproc=world,
+        steps=steps,
+        workload=wcfg,
+        train=tcfg,
+        dist=dist_config or DistConfig(backend=config.get("backend")),
+        specs=specs,
+        crossrank=config.get("crossrank", True),
+        hash_every=config.get("hash_every"),
+        guard=guard,
+        parallel=pcfg,
+        checkpoints=checkpoints,
+        resume=True,
+    )
+    return job, checkpoint, skipped
 
 
 def save_job(job: Job, path: str | Path) -> Path:
@@ -244,11 +329,14 @@ def _run_sharded(job: Job, extra: dict[str, Any], stop: list[int] | None) -> dic
         specs=job.specs,
         dist_config=job.dist,
         extra_config=extra,
+        checkpoints=job.checkpoints,
+        resume=job.resume,
     )
     guard = callbacks = None
     if job.guard is not None:
         guard = guard_trainer(run.trainer, job.guard, run_dir=job.out, ledger=job.ledger)
         run.guard_stop = lambda: guard.ranks.stop
+        run.certify = lambda: bool(guard.state_verified)
         callbacks = [guard.callback(run.trainer)]
     try:
         try:

@@ -45,6 +45,7 @@ SUSPICIONS = (
     "grad_outlier",
     "transient",
     "unverified",
+    "ambiguous",
     "replica_mismatch",
     "reduce_mismatch",
     "corrupt",
@@ -53,7 +54,8 @@ SUSPICIONS = (
 """Verdicts that count as a suspicion of the device (``persistent`` makes it faulty at once;
 ``correct_result`` and a reproducible non-finite value or spike are the data's doing). An ABFT
 finding the replay reproduced (``abft`` + ``reproducible``) counts too: the GEMM fails its
-checksum again on re-execution."""
+checksum again on re-execution; so does ``ambiguous``, each of two replicas that accuse each other
+(:func:`sdcscope.localize.ranks.settle_two_replicas`)."""
 log = logging.getLogger("sdcscope.localize.ledger")
 
 

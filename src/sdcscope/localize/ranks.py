@@ -15,6 +15,18 @@ no                      no                   ``transient``: a one-off fault on t
 no healthy peer         --                   ``unverified``
 =====================  ===================  =====================================================
 
+With **two** healthy replicas each one's peer is the other, and a peer's replay is symmetric
+evidence: a faulty replayer accuses its healthy peer just as a healthy one accuses a faulty peer.
+There (:func:`settle_two_replicas`) rank-local, peer-free evidence decides first -- a finding of a
+rank's own ABFT, state checksum or non-finite detector on its own computation
+(:func:`own_evidence`), or its own replay not reproducing what it sent. A peer's disagreement
+counts only when that peer holds no such evidence against itself; a suspect accused by a doubtful
+peer alone is ``cleared`` (its own replay reproduces its gradient and nothing of its own speaks
+against it), or ``unverified`` when it holds evidence against itself too. Two replicas whose own
+evidence is clean and whose replays accuse each other are ``ambiguous``: which one is faulty
+cannot be told, and :class:`~sdcscope.mitigate.quarantine.RankGuard` quarantines neither. With
+three or more replicas the peer is not the only witness and the table stands as it is.
+
 By default the bits decide (each bucket's bit checksum must match: CPU training is
 deterministic) and the per-parameter norms name the parameters inside a differing bucket;
 ``rtol > 0`` compares the norms within a relative tolerance instead (non-deterministic GPU
@@ -34,7 +46,7 @@ carried into a later job keeps it so.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,10 +70,17 @@ __all__ = [
     "RankLedger",
     "RankLocalizer",
     "device_id",
+    "own_evidence",
+    "settle_two_replicas",
 ]
 
-VERDICTS = ("correct_result", "transient", "persistent", "unverified")
-"""What :meth:`RankLocalizer.diagnose` can say about a suspect."""
+VERDICTS = ("correct_result", "transient", "persistent", "unverified", "cleared", "ambiguous")
+"""What :meth:`RankLocalizer.diagnose` can say about a suspect (``cleared`` and ``ambiguous`` only
+with two healthy replicas: :func:`settle_two_replicas`)."""
+NOT_ACCUSED = ("correct_result", "cleared")
+"""Verdicts that accuse nobody: the suspect is no suspicion of its device."""
+SELF_EVIDENCE = ("abft", "state_checksum", "nonfinite")
+"""Detectors whose finding a rank makes on its own computation, without a peer."""
 
 
 @dataclass(kw_only=True)
@@ -118,10 +137,13 @@ class RankLocalizer:
         suspects: Sequence[int],
         healthy: Sequence[int],
         replay: Callable[[int], None],
+        against_self: Mapping[int, Sequence[str]] | None = None,
     ) -> list[Event]:
         """Verdicts for ``suspects`` at ``step``. ``reported``: the signatures every rank sent;
         ``replay(r)``: recompute rank r's local gradient of this step into ``.grad`` on this rank
-        (e.g. :meth:`sdcscope.engine.ddp.DDPTrainer.local_gradients`)."""
+        (e.g. :meth:`sdcscope.engine.ddp.DDPTrainer.local_gradients`); ``against_self``: each rank's
+        rank-local evidence against itself (:func:`own_evidence`), which decides first when two
+        healthy replicas are each other's only peer (:func:`settle_two_replicas`)."""
         p = len(self.names)
         peers = {s: self.peer(s, healthy) for s in suspects}
         row = torch.full((2 * len(suspects) * 2 * p,), math.nan, dtype=torch.float64)
@@ -141,6 +163,8 @@ class RankLocalizer:
             own = rows[s, 2 * i * 2 * p : (2 * i + 1) * 2 * p].view(2, p)
             peer = None if peers[s] is None else rows[peers[s], (2 * i + 1) * 2 * p : (2 * i + 2) * 2 * p].view(2, p)
             results.append(self._verdict(step, s, peers[s], reported, own, peer))
+        if len(healthy) == 2:
+            settle_two_replicas(results, against_self or {})
         return results
 
     def _differs(self, a: torch.Tensor, b: torch.Tensor) -> list[int]:
@@ -173,6 +197,8 @@ class RankLocalizer:
                 rank=suspect,
                 evidence={**evidence, "reason": "no healthy peer to replay on"},
             )
+        reproduces = not self._differs(sent, own)
+        evidence["self_reproduces"] = reproduces
         differ = self._differs(sent, theirs)
         if not differ:
             return Event(
@@ -183,12 +209,10 @@ class RankLocalizer:
                 evidence={**evidence, "reason": "a peer reproduces the gradient: data, not device"},
             )
         backward = [self.names[k] for k in reversed(differ)]
-        reproduces = not self._differs(sent, own)
         k = differ[-1]
         evidence.update(
             params=backward[: self.config.max_listed],
             count=len(differ),
-            self_reproduces=reproduces,
             sent_norm=sent[0, k].item(),
             peer_norm=theirs[0, k].item(),
         )
@@ -200,6 +224,72 @@ class RankLocalizer:
             rank=suspect,
             evidence=evidence,
         )
+
+
+def own_evidence(events: Iterable[Event], crossrank: str = "crossrank") -> dict[int, list[str]]:
+    """Per rank, the rank-local, peer-free findings among ``events`` that speak against its own
+    computation: a shared finding of its own ABFT, state checksum or non-finite detector
+    (:data:`SELF_EVIDENCE`), or a non-finite gradient of its own before the reduction
+    (``crossrank: nonfinite``). A finding about the world (``rank`` None) is no one's."""
+    found: dict[int, list[str]] = {}
+    for e in events:
+        if e.rank is None:
+            continue
+        if e.detector in SELF_EVIDENCE or (e.detector == crossrank and e.verdict == "nonfinite"):
+            where = f" in {e.module}" if e.module else ""
+            found.setdefault(e.rank, []).append(f"{e.detector}: {e.verdict}{where}")
+    return found
+
+
+def _settle(e: Event, verdict: str, reason: str) -> None:
+    e.evidence = {**e.evidence, "replay_verdict": e.verdict, "reason": reason}
+    e.verdict = verdict
+
+
+def settle_two_replicas(verdicts: Sequence[Event], own: Mapping[int, Sequence[str]]) -> list[Event]:
+    """Re-judge ``verdicts`` (:meth:`RankLocalizer.diagnose`'s, one per suspect) of a world of two
+    healthy replicas, each the other's peer, in place; ``own``: :func:`own_evidence` of the step.
+
+    A replica is in doubt when it holds rank-local evidence against itself (``own``) or its own
+    replay does not reproduce what it sent. A peer's agreement still clears a suspect
+    (``correct_result``: two devices computed the same bits), but its disagreement -- an
+    accusation -- counts only when the peer is not in doubt; else the suspect's own evidence
+    decides: ``transient`` stays (it disagrees with itself), ``unverified`` when it is in doubt by
+    its own findings, ``cleared`` when nothing of its own speaks against it. Two ``persistent``
+    verdicts left standing mean two clean replicas accusing each other: both ``ambiguous``."""
+    doubt = {r: list(v) for r, v in own.items() if v}
+    for e in verdicts:
+        if e.rank is not None and e.evidence.get("self_reproduces") is False:
+            doubt.setdefault(e.rank, []).append("its own replay does not reproduce its gradient")
+    for e in verdicts:
+        peer = e.evidence.get("peer")
+        if e.verdict not in ("persistent", "transient") or peer is None or not doubt.get(peer):
+            continue
+        e.evidence = {**e.evidence, "peer_in_doubt": list(doubt[peer])}
+        if e.evidence.get("self_reproduces") is False:
+            continue  # transient: its own replay disagrees with what it sent, no peer needed
+        if own.get(e.rank):
+            _settle(e, "unverified", "its only peer holds evidence against itself: no trusted replay")
+        else:
+            _settle(
+                e,
+                "cleared",
+                "accused only by a peer in doubt; its own replay reproduces its gradient and no "
+                "detector of its own found anything",
+            )
+    accused = [e for e in verdicts if e.verdict == "persistent"]
+    if len(accused) == 2 and {e.evidence.get("peer") for e in accused} == {e.rank for e in accused}:
+        for e in accused:
+            _settle(
+                e,
+                "ambiguous",
+                "two replicas accuse each other: each one's replay of the other disagrees, each "
+                "reproduces its own gradient and neither holds evidence against itself",
+            )
+    for e in verdicts:
+        if own.get(e.rank):
+            e.evidence = {**e.evidence, "own_evidence": list(own[e.rank])}
+    return list(verdicts)
 
 
 class RankLedger(Ledger):

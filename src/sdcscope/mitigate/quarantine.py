@@ -17,6 +17,12 @@ localization and the device ledger (:mod:`sdcscope.localize.ranks`) on the DDP b
   its forward/backward (collectives stay in step; its shard of the data is not learned from) and
   receives the healthy average, so its replica stays bitwise equal to the others. It is left out
   of every test from then on. The last healthy rank is never quarantined.
+- **two replicas** -- each is the other's only peer, so a replay accuses symmetrically; rank-local
+  evidence decides first (:func:`~sdcscope.localize.ranks.settle_two_replicas`). When it cannot
+  -- the two accuse each other (``ambiguous``), or the ledger calls both faulty -- neither is
+  quarantined (either may be the healthy one): the step is vetoed, both stay suspects in the
+  ledger, and the guard stops the run cleanly (:attr:`RankGuard.stop`, one
+  ``quarantine: not_quarantined`` event naming both).
 - **rollback** -- when the replica hash check (every ``hash_every`` steps, and on any finding)
   finds replicas that differ (a flipped optimizer moment, a weight, a corrupted post-reduction
   bucket), every rank restores the last state the check verified as identical; the step counter
@@ -62,7 +68,16 @@ from sdcscope.detect.crossrank import CrossRankConfig, CrossRankDetector, Replic
 from sdcscope.detect.events import Event
 from sdcscope.engine.buckets import bucket_hook
 from sdcscope.engine.state import TrainState, capture, clone_tree
-from sdcscope.localize.ranks import LEDGER_FILE, LedgerConfig, LocalizeConfig, RankLedger, RankLocalizer, device_id
+from sdcscope.localize.ranks import (
+    LEDGER_FILE,
+    NOT_ACCUSED,
+    LedgerConfig,
+    LocalizeConfig,
+    RankLedger,
+    RankLocalizer,
+    device_id,
+    own_evidence,
+)
 from sdcscope.observe.eventlog import event_line
 
 log = logging.getLogger(__name__)
@@ -141,6 +156,9 @@ class RankGuard:
         self.events: list[Event] = []
         self.verdicts: dict[int, Event] = {}
         self.veto = False
+        self.stop: str | None = None
+        """Why the rank guard asks the run to stop (None: it does not): two replicas it cannot tell
+        apart. The same on every rank; a loop ends after the step it was set in."""
         self._writer = (
             JsonlWriter(Path(run_dir) / "events.jsonl")
             if run_dir is not None and self.rank == 0 and write_events
@@ -191,18 +209,19 @@ class RankGuard:
         desync = self._replicas(step, step)  # a replay on a peer means something only on equal replicas
         verdicts = [] if desync or replay is None or not self.config.replay else self._localize(step, events, replay)
         self.verdicts = {e.rank: e for e in verdicts}
-        cleared = {e.rank for e in verdicts if e.verdict == "correct_result"}
+        cleared = {e.rank for e in verdicts if e.verdict in NOT_ACCUSED}
+        reproduced = {e.rank for e in verdicts if e.verdict == "correct_result"}
         suspects = {r for e in own for r in ([e.rank] if e.rank is not None else e.evidence.get("candidates", []))}
         natural = (
             bool(own)
             and all(e.verdict == "grad_outlier" for e in own)
-            and suspects <= cleared
+            and suspects <= reproduced
             and (delegate or len(own) == len(events))
         )
         if natural:  # every suspect's gradient reproduces on a peer: the data did it; apply the step
             self.detector.learn()
         self.veto = bool(desync) or (bool(own) and not natural) or (not delegate and len(own) < len(events))
-        events += [e for e in verdicts if e.verdict != "correct_result"] or verdicts
+        events += [e for e in verdicts if e.verdict not in NOT_ACCUSED] or verdicts
         for e in events:  # delegated: the caller's final decision fills in the rest
             if not delegate or e.detector == self.detector.name:
                 e.action = e.action or ("veto" if self.veto else "report")
@@ -258,6 +277,8 @@ class RankGuard:
     def after_step(self, ctx) -> None:
         self.end(ctx.step)
         ctx.metrics["quarantined"] = sorted(self.quarantined)
+        if self.stop:  # the run ends after this step, on every rank
+            ctx.metrics["stop"] = self.stop
 
     # -- decisions ---------------------------------------------------------------------------
     def healthy(self) -> list[int]:
@@ -274,18 +295,53 @@ class RankGuard:
         suspects -= self.quarantined
         if not suspects:
             return []
-        return self.localizer.diagnose(step, reported, sorted(suspects), self.healthy(), replay)
+        against_self = own_evidence(events, self.detector.name)
+        return self.localizer.diagnose(step, reported, sorted(suspects), self.healthy(), replay, against_self)
 
     def _judge(self, step: int, events: list[Event]) -> list[Event]:
-        """Ledger the suspicions; quarantine the devices that became faulty."""
-        out = []
+        """Ledger the suspicions; quarantine the devices that became faulty -- except two replicas
+        the evidence cannot tell apart: neither is quarantined, and the run stops."""
+        faulty: dict[int, str] = {}
         for e in events:
             if e.rank is None or e.rank in self.quarantined:
                 continue
             self.ledger.record(e)
-            if self.config.quarantine and self.ledger.faulty(e.rank) and e.rank not in self.quarantined:
-                out.append(self._quarantine(step, e.rank, f"{e.detector}: {e.verdict}"))
-        return out
+            if self.ledger.faulty(e.rank) and e.rank not in faulty:
+                faulty[e.rank] = f"{e.detector}: {e.verdict}"
+        if not self.config.quarantine:
+            return []
+        healthy = self.healthy()
+        if len(healthy) == 2:
+            ambiguous = [e for e in events if e.detector == self.localizer.name and e.verdict == "ambiguous"]
+            if ambiguous:
+                return [self._stand_down(step, healthy, ambiguous[0].evidence.get("reason", "ambiguous"))]
+            if set(healthy) <= set(faulty):
+                return [self._stand_down(step, healthy, "the ledger calls both devices faulty")]
+        return [self._quarantine(step, r, why) for r, why in faulty.items() if r not in self.quarantined]
+
+    def _stand_down(self, step: int, ranks: list[int], why: str) -> Event:
+        """Two replicas that cannot be told apart: quarantine neither (either may be the healthy
+        one), keep both as suspects in the ledger, and ask the run to stop cleanly."""
+        ledger = None if self.ledger.path is None else str(self.ledger.path)
+        self.stop = self.stop or (
+            f"ambiguous fault between ranks {ranks[0]} and {ranks[1]} at step {step}: {why}; neither was "
+            f"quarantined (either may be the healthy one), both are suspects in the ledger"
+            + (f" {ledger}" if ledger else "")
+        )
+        log.error("rank guard: stopping the run: %s", self.stop)
+        return Event(
+            step,
+            "quarantine",
+            "not_quarantined",
+            action="stop",
+            evidence={
+                "suspects": list(ranks),
+                "devices": [self.devices[r] for r in ranks],
+                "why": why,
+                "reason": self.stop,
+                "ledger": ledger,
+            },
+        )
 
     def quarantine(self, step: int, rank: int, reason: str) -> Event:
         """Exclude ``rank`` from the gradient average from the next bucket on (on every rank

@@ -24,6 +24,11 @@ far below it, while a fault that moves a result by more than the rounding noise 
 caught; the event names the layer, the GEMM, the failing column (with both sides, the element),
 the residuals and thresholds.
 
+Tensor parallel. A ``nn.Linear`` split by ``parallelize_module`` (``ColwiseParallel``,
+``RowwiseParallel``, with FSDP2 on a 2-D mesh, sequence-parallel layouts) is checked on each rank's
+local shards, before the plan's collectives; an event names the element in shard and global
+coordinates (:mod:`~sdcscope.detect.abft.tensorparallel`).
+
 Calls. A layer called several times (a shared layer, gradient accumulation) numbers its calls as
 the injector does: ``evidence["micro_batch"]`` counts the micro-batches since the last
 :meth:`ABFTDetector.check`, ``evidence["call"]`` the layer's forward calls within it (its dX and

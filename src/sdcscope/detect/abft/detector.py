@@ -22,6 +22,7 @@ from sdcscope.detect.abft.linear import LinearChecks
 from sdcscope.detect.abft.records import CheckRecord, Layer
 from sdcscope.detect.abft.sampling import Sampler
 from sdcscope.detect.abft.taps import FunctionalTaps, install_tap, owner_module, remove_tap
+from sdcscope.detect.abft.tensorparallel import TensorParallelChecks
 from sdcscope.detect.attention import SDPACheck
 from sdcscope.detect.checksum import Operand, line_ratios
 from sdcscope.detect.events import Event
@@ -29,7 +30,7 @@ from sdcscope.detect.events import Event
 log = logging.getLogger("sdcscope.detect.abft")
 
 
-class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps):
+class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, TensorParallelChecks):
     """Checksum detector for the GEMMs of ``model`` (see :mod:`sdcscope.detect.abft`)."""
 
     name = "abft"
@@ -86,6 +87,8 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps):
                     w_in_out=weight_in_out(mod),
                 )
             )
+        self._by_name = {x.name: x for x in self.layers}
+        self._tp_unchecked: dict[str, str] = {}  # tensor-parallel layers without a local GEMM, and why
         self.unreached: set[str] = set()
         """Layers sampled twice without a call ABFT could check while their weight got gradients
         (a weight applied by ``bmm`` or ``einsum`` instead of ``F.linear``): unchecked, and out of
@@ -208,6 +211,7 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps):
                     layer.fwd = layer.module.register_forward_hook(
                         self._fwd_hook(layer), prepend=False, with_kwargs=True
                     )
+                    keep_last(layer)  # before a tensor-parallel plan's output hook
                 self._sync_pre_hook(layer)
             else:
                 for handle in (layer.fwd, layer.pre):
@@ -410,6 +414,7 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps):
             evidence["operand"] = rec.operand
         if rec.layout == "tile":  # the residual beyond the tile's hard output-rounding bound
             evidence["tile"] = list(rec.dims[:2])
+        evidence.update(self._shard_evidence(name, gemm, index))  # tensor parallel: shard and global index
         return [
             Event(
                 step,

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from sdcscope.common.graph import in_backward
+from sdcscope.common.tensors import local
 from sdcscope.detect.abft.records import CallContext, Layer
 from sdcscope.detect.rounding import rounding_model
 
@@ -139,7 +140,7 @@ class ModuleHooks:
             if layer.kind == "conv":  # a self-padding conv: dX as the module's input receives it
                 self._conv_module_dx(layer, ctx, grad)
             else:
-                self._operand_grad(layer, ctx, pos, grad)
+                self._operand_grad(layer, ctx, pos, local(grad))  # tensor parallel: the local shard
             return None
 
         return self._shielded(hook)
@@ -147,13 +148,31 @@ class ModuleHooks:
 
 def keep_last(layer: Layer) -> None:
     """Move ABFT's forward hook back to the end of the module's hook order, so that a hook
-    registered after ``attach()`` (an injector editing the output) still runs before the check.
-    Uses the module's ordered hook dict (no public API reorders hooks)."""
-    hooks = getattr(layer.module, "_forward_hooks", None)
+    registered after ``attach()`` (an injector editing the output) still runs before the check --
+    but before a tensor-parallel plan's output hook (which reduces a rowwise layer's partial
+    sums), and ABFT's pre-hook after the plan's input hook (:mod:`~sdcscope.detect.abft.tensorparallel`).
+    Uses the module's ordered hook dicts (no public API reorders hooks)."""
+    module = layer.module
+    hooks = getattr(module, "_forward_hooks", None)
     hid = layer.fwd.id if layer.fwd is not None else None
-    if hooks is None or hid not in hooks or next(reversed(hooks)) == hid:
+    if hooks is None or hid not in hooks:
         return
-    hooks.move_to_end(hid)
+    pre = getattr(module, "_forward_pre_hooks", None)
+    pid = layer.pre.id if layer.pre is not None else None
+    if pre is not None and pid in pre and next(reversed(pre)) != pid and any(map(_plan_hook, pre.values())):
+        pre.move_to_end(pid)
+    keys = [k for k in hooks if k != hid]
+    plan = next((i for i, k in enumerate(keys) if _plan_hook(hooks[k])), len(keys))
+    want = [*keys[:plan], hid, *keys[plan:]]
+    if list(hooks) != want:
+        for k in want[plan:]:  # ABFT's, then the plan's and those after it, in their order
+            hooks.move_to_end(k)
+
+
+def _plan_hook(fn) -> bool:
+    """Whether a module hook is a tensor-parallel plan's (``distribute_module``, ``ParallelStyle``)."""
+    fn = getattr(fn, "func", fn)  # a functools.partial
+    return str(getattr(fn, "__module__", "") or "").startswith("torch.distributed.tensor")
 
 
 def backward_hooked(module: nn.Module) -> bool:

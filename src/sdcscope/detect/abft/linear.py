@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sdcscope.common.graph import linear_nodes, weight_grad_edge
-from sdcscope.common.tensors import autocast_on, no_autocast
+from sdcscope.common.tensors import autocast_on, is_dtensor, local, no_autocast
 from sdcscope.detect.abft.records import CallContext, CheckRecord, Layer
 from sdcscope.detect.abft.tiles import tile_line
 from sdcscope.detect.checksum import SIDES, GemmCheck, Line, Operand, frobenius, gemm_lines
@@ -103,17 +103,25 @@ class LinearChecks:
         path) and dW (at the node handing it to the weight)."""
         cd = out.dtype
         x = ctx.x if ctx.x is not None else x  # before ABFT's own view
+        y, bias = out, module.bias
+        if is_dtensor(out) or is_dtensor(module.weight):  # tensor parallel: the rank's local GEMM
+            got = self._tp_locals(layer, x, module, out)
+            if got is None:
+                ctx.release()
+                return
+            x, w, bias, y = got
+            b = self._operand(w, cd, bound=False)
+        else:
+            b = self._weight(layer, cd)
         a = self._operand(x, cd)
-        b = self._weight(layer, cd)
-        lean = self._lean_ok(x, out, module)
+        lean = self._lean_ok(x, y, module)
         if "forward" in gemms:
-            bias = module.bias
             if lean:
-                self._lean_forward(layer, ctx.call, a, b, out, bias)
+                self._lean_forward(layer, ctx.call, a, b, y, bias)
             else:
                 if bias is not None and bias.dtype != cd:
                     bias = bias.to(cd)
-                self._record(layer, "forward", ctx.call, a, b.T, out, rows=tuple(out.shape[:-1]), bias=bias)
+                self._record(layer, "forward", ctx.call, a, b.T, y, rows=tuple(y.shape[:-1]), bias=bias)
         ctx.a, ctx.b, ctx.a_shape = a, b, tuple(x.shape)
         want_dw = module.weight.requires_grad and "grad_weight" in gemms
         nodes = None
@@ -270,7 +278,7 @@ class LinearChecks:
         return self._shielded(hook)
 
     def _set_dy(self, ctx: CallContext, dy: torch.Tensor | None) -> None:
-        ctx.dy = dy
+        ctx.dy = local(dy)  # tensor parallel: this rank's dY shard
         self._backward_ran = True
         if torch.is_grad_enabled() and not ctx.higher_order:
             # A backward with create_graph=True (a gradient penalty, a Hessian-vector product):
@@ -286,14 +294,14 @@ class LinearChecks:
 
         def hook(grad_inputs, grad_outputs):
             self._set_dy(ctx, grad_outputs[0])
-            db = grad_inputs[0] if xi == 1 else None
+            db = local(grad_inputs[0]) if xi == 1 else None
+            dx = local(grad_inputs[xi])  # tensor parallel: the local dX, before the TP reduction
             if lean:
-                self._lean_backward(layer, ctx, db, grad_inputs[xi])
+                self._lean_backward(layer, ctx, db, dx)
                 return None
             if db is not None and ctx.dy is not None and ctx.b is not None and db.dtype == self._cs:
                 ctx.dy_operand(self._cs).seed("s0", db)  # autograd's bias gradient: dY's column sums
             if "op0" in ctx.need:
-                dx = grad_inputs[xi]
                 if dx is not None and ctx.dy is not None and ctx.a is not None and not ctx.higher_order:
                     with torch.no_grad():
                         self._record(
@@ -332,7 +340,7 @@ class LinearChecks:
         """Post-hook of the call's node handing dW to the weight: dW = dYᵀ · X of this call."""
 
         def hook(grad_inputs, grad_outputs):
-            g = grad_inputs[index]
+            g = local(grad_inputs[index])
             if g is not None and layer.w_in_out:
                 g = g.t()  # dW as nn.Linear's, (out, in)
             if g is not None and ctx.dy is not None and ctx.a is not None and not ctx.higher_order:

@@ -63,6 +63,7 @@ class Layer:
     grad_seen: bool = False  # the weight got a gradient since the last check
     w_in_out: bool = False  # weight stored (in, out): transformers' Conv1D, Y = X·W + b
     functional: object = None  # F.linear on a weight a module applies itself: its hook
+    shard: tuple | None = None  # tensor parallel: (layout key, ShardMap) of its last call (tensorparallel.py)
 
 
 LAYOUTS = ("rows", "batched", "position", "weight", "tile")
