@@ -34,6 +34,15 @@ def test_profiles_set_the_sections_left_unset_and_your_keys_win():
         GuardConfig(profile="fast")
 
 
+def test_the_default_is_the_affordable_balanced_profile():
+    """A guard built without a profile samples its GEMMs (the default a user leaves switched on);
+    every GEMM every step is asked for by name."""
+    default = GuardConfig()
+    assert default.profile == "balanced"
+    assert default.abft == GuardConfig(profile="balanced").abft and default.abft.layer_fraction == 0.05
+    assert GuardConfig.from_dict(None).abft.layer_fraction == 0.05
+
+
 def test_balanced_checks_each_layer_with_its_stated_probability_and_a_replay_checks_the_same():
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(60)])
