@@ -36,7 +36,14 @@ from sdcscope import __version__
 from sdcscope.engine.buckets import bucket_hook
 from sdcscope.engine.dist import DistConfig, DistributedError, device_for, gather_rows, shard
 from sdcscope.engine.run import Interrupted, stop_requests
-from sdcscope.engine.rundir import CHECKPOINT_DIR, JsonlWriter, check_new_run_dir, read_jsonl, write_json
+from sdcscope.engine.rundir import (
+    CHECKPOINT_DIR,
+    JsonlWriter,
+    check_new_run_dir,
+    merge_injection_logs,
+    rank_injections_file,
+    write_json,
+)
 from sdcscope.engine.state import param_sha256, save_checkpoint
 from sdcscope.engine.trainer import TrainConfig, Trainer
 from sdcscope.faults import FaultSpec
@@ -196,7 +203,7 @@ class DDPRun:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._check_out()  # every rank, before any rank writes (barrier below)
         self.workload = make_workload(workload)
-        self._injections = JsonlWriter(self.out / f"injections.rank{self.rank}.jsonl")
+        self._injections = JsonlWriter(rank_injections_file(self.out, self.rank))
         self.trainer = self.make_trainer(train, dist_config, specs, self._injections.write)
         self.config = {
             "sdcscope_version": __version__,
@@ -319,17 +326,8 @@ class DDPRun:
             }
         dist.barrier()  # every rank's injection log is complete
         if self.rank == 0:
-            self._merge_injections()
+            merge_injection_logs(self.out, self.world)
             write_json(self.out / "summary.json", self.summary)
-
-    def _merge_injections(self) -> None:
-        records = [r for k in range(self.world) for r in read_jsonl(self.out / f"injections.rank{k}.jsonl")]
-        records.sort(key=lambda r: (r["step"], r["micro_batch"] or 0, r["rank"]))
-        writer = JsonlWriter(self.out / "injections.jsonl", append=False)  # rebuilt whole from the rank logs
-        writer.touch()
-        for r in records:
-            writer.write(r)
-        writer.close()
 
 
 _COMM_WORDS = ("gloo", "nccl", "connection", "pair closure", "timed out", "timeout", "socket", "peer", "collective")

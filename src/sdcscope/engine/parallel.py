@@ -44,6 +44,7 @@ from sdcscope.engine.rundir import (
     JsonlWriter,
     as_written,
     check_new_run_dir,
+    merge_injection_logs,
     periodic_dir,
     prune_checkpoints,
     read_json,
@@ -410,7 +411,7 @@ class ParallelRun(DDPRun):
             }
         dist.barrier()
         if self.rank == 0:
-            self._merge_injections()
+            merge_injection_logs(self.out, self.world)
             write_json(self.out / "summary.json", self.summary)
 
 

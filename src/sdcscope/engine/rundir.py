@@ -195,6 +195,24 @@ def has_checkpoint(run_dir: str | Path) -> bool:
     return bool(checkpoint_candidates(run_dir))
 
 
+def rank_injections_file(run_dir: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` of a multi-process run logs its fired faults (merged by
+    :func:`merge_injection_logs`)."""
+    return Path(run_dir) / f"injections.rank{rank}.jsonl"
+
+
+def merge_injection_logs(run_dir: str | Path, world_size: int) -> None:
+    """Rebuild ``injections.jsonl`` whole from every rank's log, ordered by step, micro-batch and
+    rank (call on one rank, once every rank's log is complete)."""
+    records = [r for k in range(world_size) for r in read_jsonl(rank_injections_file(run_dir, k))]
+    records.sort(key=lambda r: (r["step"], r["micro_batch"] or 0, r["rank"]))
+    writer = JsonlWriter(Path(run_dir) / "injections.jsonl", append=False)
+    writer.touch()
+    for record in records:
+        writer.write(record)
+    writer.close()
+
+
 def check_writable(path: Path, flag: str = "--out") -> None:
     """Refuse, before any work, an output ``path`` (a folder, or a file's path) that cannot be
     written (a read-only mount, a parent without write permission, /proc): tried with a probe

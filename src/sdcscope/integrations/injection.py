@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from sdcscope.common.io import JsonlWriter, read_jsonl
+from sdcscope.engine.rundir import merge_injection_logs, rank_injections_file
 from sdcscope.faults import FaultSpec, load_specs
 from sdcscope.inject import Injector
 
@@ -69,8 +69,7 @@ def callback_args(
 def injections_file(run_dir: str | os.PathLike, rank: int, world_size: int) -> Path:
     """Where this rank logs its fired faults: ``injections.jsonl`` in one process, else
     ``injections.rank{r}.jsonl`` (merged by :func:`merge_injections`)."""
-    name = INJECTIONS_FILE if world_size == 1 else f"injections.rank{rank}.jsonl"
-    return Path(run_dir) / name
+    return Path(run_dir) / INJECTIONS_FILE if world_size == 1 else rank_injections_file(run_dir, rank)
 
 
 def open_injector(
@@ -95,15 +94,8 @@ def merge_injections(run_dir: str | os.PathLike, rank: int, world_size: int) -> 
     if world_size == 1:
         return
     dist.barrier()
-    if rank != 0:
-        return
-    records = [r for k in range(world_size) for r in read_jsonl(injections_file(run_dir, k, world_size))]
-    records.sort(key=lambda r: (r["step"], r["micro_batch"] or 0, r["rank"]))
-    writer = JsonlWriter(Path(run_dir) / INJECTIONS_FILE, append=False)
-    writer.touch()
-    for record in records:
-        writer.write(record)
-    writer.close()
+    if rank == 0:
+        merge_injection_logs(run_dir, world_size)
 
 
 class Position:
