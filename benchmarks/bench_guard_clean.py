@@ -6,13 +6,13 @@ seeds of the engine's training of the tiny GPT.
 
 Workload: the ``tiny`` GPT preset on the default corpus (the standard library's sources) at its
 default batch (16; at batch 8 the noisier loss gives seed 2 a real gradient spike at step 460,
-reproduced by the replay: the data, not the hardware, and the guard says so), or
-``--workload cnn`` (the tiny LeNet on the digits, its default batch). Each profile is taken by name (``GuardConfig(profile=...)``,
-whatever :data:`sdcscope.guard.config.PROFILES` makes of it) and drives the engine's trainer
-through its callback, every step, from step 0. Every event is printed (step, detector, verdict,
-module, action, evidence): on a clean run each one is a false positive. The last line holds the
-events per profile. One torch thread: the tiny model gains nothing from more, and on shared
-cores extra threads spin.
+reproduced by the replay: the data, not the hardware, and the guard says so), or ``--workload
+cnn`` (the tiny LeNet on the digits, its default batch). Each profile is taken by name
+(``GuardConfig(profile=...)``, whatever :data:`sdcscope.guard.config.PROFILES` makes of it) and
+drives the engine's trainer through its callback, every step, from step 0. Every event is
+printed (step, detector, verdict, module, action, evidence): on a clean run each one is a false
+positive. The last line holds the events per profile. One torch thread: the tiny model gains
+nothing from more, and on shared cores extra threads spin.
 """
 
 from __future__ import annotations
