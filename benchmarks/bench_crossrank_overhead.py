@@ -61,15 +61,15 @@ def _rank(rank: int, world: int, rounds: int, batch_size: int) -> None:
     import torch
 
     from sdcscope.engine import TrainConfig
-    from sdcscope.engine.ddp import DDPTrainer
     from sdcscope.engine.dist import DistConfig, init_distributed
+    from sdcscope.engine.distributed import DistTrainer
     from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
     from sdcscope.workloads import WorkloadConfig, make_workload
 
     torch.set_num_threads(1)
     init_distributed(DistConfig(backend="gloo", timeout_s=120))
     workload = make_workload(WorkloadConfig(workload="gpt", preset="tiny", batch_size=batch_size))
-    trainer = DDPTrainer(workload, TrainConfig(seed=0))
+    trainer = DistTrainer(workload, TrainConfig(seed=0))
     guard = RankGuard(trainer.ddp, trainer.optimizer, config=RankGuardConfig(hash_every=0))
     signatures = guard.detector.signatures
 

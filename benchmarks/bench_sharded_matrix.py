@@ -26,7 +26,7 @@ from pathlib import Path
 
 from sdcscope.engine import TrainConfig
 from sdcscope.engine.dist import DistConfig, init_distributed, spawn
-from sdcscope.engine.parallel import ParallelConfig
+from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import GuardConfig
 from sdcscope.guard.config import PROFILES
@@ -70,13 +70,10 @@ def faults(kind: str, step: int, rank: int) -> dict[str, dict]:
 
 
 def _rank(rank: int, world: int, job: dict) -> None:
-    from sdcscope.jobs.torchrun import GuardStopped, Job, run_job
+    from sdcscope.jobs.torchrun import Job, run_job
 
     init_distributed(DistConfig(backend="gloo", timeout_s=120))
-    try:
-        run_job(Job.from_dict(job))
-    except GuardStopped:
-        pass
+    run_job(Job.from_dict(job))  # a guard's stop ends every rank cleanly: summary outcome "stopped"
 
 
 def run(
@@ -94,7 +91,7 @@ def run(
         dist_config=DistConfig(backend="gloo", timeout_s=120),
         specs=[FaultSpec.from_dict(s) for s in specs],
         guard=GuardConfig(profile=profile) if guard else None,
-        parallel=ParallelConfig(kind=kind, inner=2),
+        parallel=Topology(kind=kind, inner=2),
         crossrank=guard,
     )
     spawn(_rank, nproc, (job.to_dict(),), timeout_s=600)

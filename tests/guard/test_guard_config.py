@@ -161,3 +161,44 @@ def test_stall_after_is_validated():
     with pytest.raises(ValueError, match="stall_after=0 must be a positive integer"):
         GuardConfig(stall_after=0)
     assert GuardConfig(stall_after=None).stall_after is None
+
+
+# -- a --guard-config file: the bare mapping or the one under a top-level `guard:` key -----------
+@pytest.mark.parametrize("text", ["guard: {profile: minimal}\n", "profile: minimal\n"], ids=["wrapped", "bare"])
+def test_guard_config_load_takes_the_mapping_bare_or_under_a_guard_key(tmp_path, text):
+    path = tmp_path / "guard.yaml"
+    path.write_text(text)
+    config = GuardConfig.load(path)
+    assert config.profile == "minimal" and config.abft is None
+    assert config == GuardConfig(profile="minimal")
+
+
+@pytest.mark.parametrize("text", ["guard:\n", "guard: null\n", "guard: {}\n"], ids=repr)
+def test_an_empty_guard_key_is_the_defaults(tmp_path, text):
+    path = tmp_path / "guard.yaml"
+    path.write_text(text)
+    assert GuardConfig.load(path) == GuardConfig()
+
+
+def test_the_docs_form_with_sections_loads_from_a_file_and_the_command_line(tmp_path):
+    from sdcscope.cli.options import guard_config
+
+    path = tmp_path / "guard.yaml"
+    path.write_text("guard:\n  profile: full\n  abft: {c: 9}\n  replay: false\n")
+    config = guard_config(False, path)
+    assert (config.profile, config.abft.c, config.abft.layer_fraction, config.replay) == ("full", 9.0, 1.0, False)
+
+
+def test_keys_beside_a_top_level_guard_key_are_refused_by_name(tmp_path):
+    path = tmp_path / "guard.yaml"
+    path.write_text("guard: {profile: full}\nabft: {c: 9}\nreplay: false\n")
+    with pytest.raises(ValueError, match=r"guard config '.*guard\.yaml': .*'guard'.*\['abft', 'replay'\] stand beside"):
+        GuardConfig.load(path)
+
+
+@pytest.mark.parametrize("text", ["guard: [abft]\n", "guard: full\n"], ids=repr)
+def test_a_guard_key_that_holds_no_mapping_is_refused(tmp_path, text):
+    path = tmp_path / "guard.yaml"
+    path.write_text(text)
+    with pytest.raises(TypeError, match=r"guard config '.*guard\.yaml': guard config must be a mapping"):
+        GuardConfig.load(path)

@@ -3,13 +3,16 @@ full coverage after a finding."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
 from sdcscope.detect import ABFTConfig, ABFTDetector
 from sdcscope.detect.abft.hooks import keep_last
 from sdcscope.guard import GuardConfig
-from sdcscope.guard.config import PROFILES
+from sdcscope.guard.config import NOT_GIVEN, PROFILES
 from sdcscope.workloads import WorkloadConfig, make_workload
 
 
@@ -18,20 +21,64 @@ def gpt():
     return make_workload(WorkloadConfig(workload="gpt", preset="tiny", batch_size=2)).build_model()
 
 
-def test_profiles_set_the_sections_left_unset_and_your_keys_win():
+def test_profiles_set_the_sections_left_unset_and_a_given_section_is_yours():
     assert GuardConfig(profile="minimal").abft is None
     bal = GuardConfig(profile="balanced").abft
     assert (bal.order, bal.layer_fraction, bal.escalate_steps) == ("random", 0.05, 10)
     full = GuardConfig(profile="full").abft
     assert full == ABFTConfig() and full.layer_fraction == 1.0
     mine = GuardConfig.from_dict({"profile": "balanced", "abft": {"c": 9.0}}).abft
-    assert (mine.c, mine.order, mine.layer_fraction) == (9.0, "random", 0.05)
+    assert mine == ABFTConfig(c=9.0) and mine.layer_fraction == 1.0  # the section's defaults, not the preset's
     assert GuardConfig.from_dict({"profile": "minimal", "abft": {"every": 2}}).abft.every == 2
     again = GuardConfig.from_dict(GuardConfig(profile="balanced").to_dict())
     assert again.abft == bal and again.profile == "balanced"
     assert set(PROFILES) == {"minimal", "balanced", "full"}
     with pytest.raises(ValueError, match="profile 'fast'.*minimal, balanced, full"):
         GuardConfig(profile="fast")
+
+
+@pytest.mark.parametrize("profile", ["minimal", "balanced", "full"])
+def test_a_section_given_as_an_object_is_kept_even_when_it_equals_the_default(profile):
+    """``ABFTConfig()`` given is not "left unset": every profile keeps it (full coverage), where
+    the profile's preset would have switched ABFT off (minimal) or sampled 5 % (balanced)."""
+    assert GuardConfig(profile=profile, abft=ABFTConfig()).abft == ABFTConfig()
+    mine = GuardConfig(profile=profile, abft=ABFTConfig(c=9.0)).abft
+    assert mine == ABFTConfig(c=9.0) and mine.layer_fraction == 1.0  # an object is complete
+    assert GuardConfig(profile=profile, abft=None).abft is None
+
+
+@pytest.mark.parametrize("profile", ["minimal", "balanced", "full"])
+def test_a_section_given_as_a_mapping_means_what_the_same_object_means(profile):
+    """``abft: {c: 9}`` and ``abft=ABFTConfig(c=9)`` are one config in every profile (the issue's
+    complaint: the mapping took the profile's 5 % coverage, the object kept 1.0)."""
+    assert GuardConfig.from_dict({"profile": profile, "abft": {}}).abft == ABFTConfig()
+    mine = GuardConfig.from_dict({"profile": profile, "abft": {"c": 9.0}}).abft
+    assert mine == GuardConfig(profile=profile, abft=ABFTConfig(c=9.0)).abft == ABFTConfig(c=9.0)
+    assert GuardConfig(profile=profile, abft={"c": 9.0}).abft == mine  # the same mapping in Python
+    assert GuardConfig.from_dict({"profile": profile, "abft": None}).abft is None
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        GuardConfig(),
+        GuardConfig(profile="minimal"),
+        GuardConfig(profile="full"),
+        GuardConfig(profile="minimal", abft=ABFTConfig()),
+        GuardConfig(profile="balanced", abft=ABFTConfig(c=9.0, kinds=("linear",))),
+        GuardConfig(profile="full", abft=None),
+        GuardConfig.from_dict({"profile": "minimal", "abft": {"every": 2}}),
+    ],
+    ids=lambda c: f"{c.profile}-{None if c.abft is None else (c.abft.layer_fraction, c.abft.c)}",
+)
+def test_a_resolved_config_survives_config_json_and_replace(config):
+    """What config.json records (``to_dict`` as JSON) loads back, as ``--resume`` does, to the
+    same resolved config; ``dataclasses.replace`` keeps every section too."""
+    recorded = json.loads(json.dumps(config.to_dict()))
+    assert recorded["profile"] == config.profile
+    assert GuardConfig.from_dict(recorded) == config
+    assert dataclasses.replace(config) == config
+    assert NOT_GIVEN not in vars(config).values()
 
 
 def test_the_default_is_the_affordable_balanced_profile():

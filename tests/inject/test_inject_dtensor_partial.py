@@ -15,7 +15,7 @@ from torch import nn
 from helpers import at, rank_flip
 from sdcscope.engine import TrainConfig
 from sdcscope.engine.dist import DistConfig, init_distributed, spawn
-from sdcscope.engine.parallel import ParallelConfig
+from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
 from sdcscope.workloads import WorkloadConfig
 
@@ -113,7 +113,7 @@ def _guarded_job(out) -> dict:
         dist_config=DistConfig(backend="gloo", timeout_s=30),
         specs=[FaultSpec.from_dict(spec)],
         guard=GuardConfig(profile="full"),
-        parallel=ParallelConfig(kind="tp"),
+        parallel=Topology(kind="tp"),
     ).to_dict()
 
 

@@ -278,9 +278,12 @@ def _exchange(rank: int, world: int, out: Path) -> None:
     from sdcscope.integrations.ddp import RankReplay
 
     init_distributed(DistConfig(backend="gloo", timeout_s=60))
-    rank_guard = SimpleNamespace(localizer=SimpleNamespace(group=None), rank=rank, healthy=lambda: [0, 1])
+    plan = {0: [1], 1: [0]}  # who replays whom, as the localizer planned it on every rank
+    rank_guard = SimpleNamespace(localizer=SimpleNamespace(group=None, plan=plan), rank=rank)
     guard = SimpleNamespace(
-        ranks=SimpleNamespace(rank_guard=rank_guard), session=SimpleNamespace(clear_grads=lambda: None)
+        ranks=SimpleNamespace(rank_guard=rank_guard),
+        session=SimpleNamespace(clear_grads=lambda: None),
+        world=SimpleNamespace(data_parallel=True),
     )
     seen = []
     replay = RankReplay(guard, lambda batches: seen.append([b.tolist() for b in batches]) or torch.zeros(()))
@@ -294,7 +297,8 @@ def _exchange(rank: int, world: int, out: Path) -> None:
 
 def test_a_peer_replays_the_suspect_ranks_own_micro_batches(tmp_path):
     """A library trainer's ranks hold only their own batches: the suspect sends its micro-batches
-    to the peer that replays it (point to point), and keeps replaying its own."""
+    to the peers that replay it (point to point, as the localizer's plan says), and keeps
+    replaying its own."""
     from sdcscope.engine.dist import spawn
 
     spawn(_exchange, 2, (tmp_path,), timeout_s=120)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from sdcscope.engine import TrainConfig, read_jsonl
-from sdcscope.engine.ddp import DDPRun
 from sdcscope.engine.dist import DistConfig, DistributedError, free_port, init_distributed, spawn
+from sdcscope.engine.distrun import DistRun
 from sdcscope.jobs import make_job, save_job
 from sdcscope.workloads import WorkloadConfig
 
@@ -31,7 +31,7 @@ class DieAt:
 def _dies(rank: int, world: int, out) -> None:
     torch.set_num_threads(1)
     init_distributed(DistConfig(backend="gloo", timeout_s=30))
-    DDPRun(out, WORKLOAD, TrainConfig(seed=0)).train(10, callbacks=[DieAt(rank=1, step=3)])
+    DistRun(out, WORKLOAD, TrainConfig(seed=0)).train(10, callbacks=[DieAt(rank=1, step=3)])
 
 
 def test_a_rank_that_dies_fails_the_world_clearly_and_keeps_the_run_directory(tmp_path):

@@ -9,8 +9,8 @@ import torch
 
 from helpers import at, event_keys, load_run, rank_flip
 from sdcscope.engine import TrainConfig
-from sdcscope.engine.ddp import DDPRun
 from sdcscope.engine.dist import DistConfig, init_distributed, spawn
+from sdcscope.engine.distrun import DistRun
 from sdcscope.faults import FaultSpec
 from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
 from sdcscope.workloads import WorkloadConfig
@@ -47,7 +47,7 @@ def _world(rank: int, world: int, root) -> None:  # every rank runs every scenar
     torch.set_num_threads(1)
     init_distributed(DistConfig(backend="gloo", timeout_s=60))
     for name, (steps, hash_every, specs) in SCENARIOS[world].items():
-        run = DDPRun(root / name, WORKLOAD, TrainConfig(seed=0), specs=[FaultSpec.from_dict(s) for s in specs])
+        run = DistRun(root / name, WORKLOAD, TrainConfig(seed=0), specs=[FaultSpec.from_dict(s) for s in specs])
         guard = RankGuard(
             run.trainer.ddp, run.trainer.optimizer, run_dir=root / name, config=RankGuardConfig(hash_every=hash_every)
         )

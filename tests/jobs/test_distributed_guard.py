@@ -15,8 +15,8 @@ from helpers import at, event_keys, load_run, rank_flip
 from sdcscope.cli import app
 from sdcscope.detect import CrossRankDetector, Event
 from sdcscope.engine import TrainConfig, param_sha256, read_jsonl
-from sdcscope.engine.ddp import DDPRun
 from sdcscope.engine.dist import DistConfig, init_distributed, spawn
+from sdcscope.engine.distrun import DistRun
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.workloads import WorkloadConfig
@@ -101,7 +101,7 @@ def _world(rank: int, world: int, root) -> None:
     torch.set_num_threads(1)
     init_distributed(DistConfig(backend="gloo", timeout_s=60))
     for name, (steps, specs, *config) in SCENARIOS[world].items():
-        run = DDPRun(root / name, WORKLOAD, TrainConfig(seed=0), specs=[FaultSpec.from_dict(s) for s in specs])
+        run = DistRun(root / name, WORKLOAD, TrainConfig(seed=0), specs=[FaultSpec.from_dict(s) for s in specs])
         guard = Guard(
             run.trainer.model,
             run.trainer.optimizer,

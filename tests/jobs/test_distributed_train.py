@@ -13,8 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sdcscope.detect.events import Event
 from sdcscope.engine import TrainConfig, param_sha256, read_jsonl
-from sdcscope.engine.ddp import NO_BUFFER_SYNC, DDPRun
 from sdcscope.engine.dist import DistConfig, init_distributed, spawn
+from sdcscope.engine.distributed import NO_BUFFER_SYNC
+from sdcscope.engine.distrun import DistRun
 from sdcscope.faults import load_specs
 from sdcscope.jobs import launch, make_job
 from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
@@ -83,13 +84,13 @@ def _clean_world(rank: int, world: int, root) -> None:
     torch.set_num_threads(1)
     init_distributed(DistConfig(backend="gloo", timeout_s=60))
     for name in ("a", "b"):
-        run = DDPRun(root / name, WORKLOAD, TrainConfig(seed=1))
+        run = DistRun(root / name, WORKLOAD, TrainConfig(seed=1))
         guard = RankGuard(
             run.trainer.ddp, run.trainer.optimizer, run_dir=root / name, config=RankGuardConfig(hash_every=3)
         )
         run.train(STEPS, callbacks=[guard])
         guard.close()
-    run = DDPRun(root / "c", WORKLOAD, TrainConfig(seed=1))  # a later job, with the fleet's ledger
+    run = DistRun(root / "c", WORKLOAD, TrainConfig(seed=1))  # a later job, with the fleet's ledger
     guard = RankGuard(run.trainer.ddp, run.trainer.optimizer, run_dir=root / "c", ledger=root / "fleet.json")
     run.train(3, callbacks=[guard])
     guard.close()

@@ -13,7 +13,6 @@ from sdcscope.detect.events import Event
 from sdcscope.detect.signatures import bitsum, bucket_norms, fletcher, grad_signatures
 from sdcscope.engine import TrainConfig, Trainer, param_sha256
 from sdcscope.engine.buckets import BucketView
-from sdcscope.engine.ddp import DDPTrainer
 from sdcscope.engine.dist import (
     DistConfig,
     DistributedError,
@@ -23,11 +22,12 @@ from sdcscope.engine.dist import (
     gather_rows,
     init_distributed,
 )
+from sdcscope.engine.distributed import DistTrainer
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.inject.comm import CommInjector, comm_phase
 from sdcscope.jobs import launch, make_job
-from sdcscope.localize.ranks import LedgerConfig, LocalizeConfig, RankLedger, RankLocalizer
+from sdcscope.localize.ranks import LedgerConfig, LocalizeConfig, RankLedger
 from sdcscope.mitigate.quarantine import RankGuardConfig
 from sdcscope.study import write_report
 from sdcscope.workloads import WorkloadConfig, make_workload
@@ -60,7 +60,7 @@ def test_one_rank_ddp_trains_bitwise_like_the_plain_trainer(world_of_one):
     workload = make_workload(WORKLOAD)
     plain, ddp = (
         Trainer(workload, TrainConfig(seed=3, grad_accum=2)),
-        DDPTrainer(workload, TrainConfig(seed=3, grad_accum=2)),
+        DistTrainer(workload, TrainConfig(seed=3, grad_accum=2)),
     )
     for _ in range(3):
         plain.train_step()
@@ -71,7 +71,7 @@ def test_one_rank_ddp_trains_bitwise_like_the_plain_trainer(world_of_one):
 
 
 def test_local_gradients_replays_the_step_exactly(world_of_one):
-    trainer = DDPTrainer(make_workload(WORKLOAD), TrainConfig(seed=0, grad_accum=2))
+    trainer = DistTrainer(make_workload(WORKLOAD), TrainConfig(seed=0, grad_accum=2))
     trainer.train_step()
     same = []
 
@@ -87,7 +87,7 @@ def test_local_gradients_replays_the_step_exactly(world_of_one):
 
 
 def test_bucket_hook_rejects_excluding_every_rank(world_of_one):
-    trainer = DDPTrainer(make_workload(WORKLOAD), TrainConfig(seed=0))
+    trainer = DistTrainer(make_workload(WORKLOAD), TrainConfig(seed=0))
     with pytest.raises(ValueError, match="every rank"):
         trainer.hook.exclude([0])
     with pytest.raises(ValueError, match="allowed: 0..0"):
@@ -169,13 +169,6 @@ def test_ledger_counts_suspicions_per_step_and_persists(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="corrupt ledger"):
         RankLedger.read(path)
-
-
-def test_peer_is_the_next_healthy_rank():
-    assert RankLocalizer.peer(1, [0, 1, 2]) == 2
-    assert RankLocalizer.peer(2, [0, 1, 2]) == 0
-    assert RankLocalizer.peer(0, [0, 2]) == 2
-    assert RankLocalizer.peer(1, [1]) is None
 
 
 @pytest.mark.parametrize(
@@ -266,8 +259,8 @@ def test_rows_ride_a_bucket_of_any_float_dtype_bit_exactly(dtype):
 def test_guard_rejects_settings_a_data_parallel_run_cannot_honour(tmp_path):
     cfg = tmp_path / "guard.yaml"
     for text, match in (
-        ("ranks: null\n", "ranks: null cannot watch a data-parallel run"),
-        ("qk_clip: 50\n", "qk_clip is not supported in data-parallel runs"),
+        ("ranks: null\n", "ranks: null cannot watch a ddp run"),
+        ("qk_clip: 50\n", "qk_clip is not supported in a ddp run"),
         ("ranks: {hash_evry: 3}\n", "did you mean 'hash_every'"),
     ):
         cfg.write_text(text)
@@ -280,7 +273,7 @@ def test_guard_rejects_settings_a_data_parallel_run_cannot_honour(tmp_path):
 
 def test_guard_on_a_ddp_module_in_a_world_of_one_trains_like_the_plain_trainer(world_of_one, tmp_path):
     workload = make_workload(WORKLOAD)
-    plain, ddp = Trainer(workload, TrainConfig(seed=2)), DDPTrainer(workload, TrainConfig(seed=2))
+    plain, ddp = Trainer(workload, TrainConfig(seed=2)), DistTrainer(workload, TrainConfig(seed=2))
     with pytest.raises(ValueError, match="pass ddp.module as model"):
         Guard(plain.model, ddp.optimizer, ddp=ddp.ddp)
     guard = Guard(ddp.ddp, ddp.optimizer, GuardConfig(), run_dir=tmp_path)  # the wrapper as the model

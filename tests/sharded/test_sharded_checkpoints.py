@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from helpers import at, rank_flip
 from sdcscope.engine import TrainConfig
 from sdcscope.engine.dist import DistConfig, init_distributed, spawn
-from sdcscope.engine.parallel import ParallelConfig
 from sdcscope.engine.rundir import CheckpointPolicy, periodic_dir
 from sdcscope.engine.state import CheckpointError
+from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import GuardConfig
 from sdcscope.workloads import WorkloadConfig
@@ -38,7 +38,7 @@ def _job(out, kind: str, steps: int, specs=(), guard: GuardConfig | None = None)
         dist_config=DIST,
         specs=[FaultSpec.from_dict(s) for s in specs],
         guard=guard,
-        parallel=ParallelConfig(kind=kind),
+        parallel=Topology(kind=kind),
         checkpoints=EVERY_2,
     ).to_dict()
 

@@ -11,12 +11,21 @@ import torch
 from helpers import at, rank_flip
 from sdcscope.engine import TrainConfig
 from sdcscope.engine.dist import DistConfig, init_distributed, spawn
-from sdcscope.engine.parallel import ParallelConfig, parallelize
+from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.workloads import WorkloadConfig, make_workload
 
 WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=100_000)
+NONFINITE = {  # an output element's exponent stuck at all ones on rank 1 from step 2: inf or NaN
+    "site": "gemm.forward",
+    "target": "blocks.1.mlp.fc",
+    "rank": 1,
+    "model": "stuck_at_1",
+    "bits": list(range(23, 31)),
+    "pattern": {"kind": "element", "index": 5},
+    "schedule": {"kind": "permanent", "start": 2},
+}
 
 
 def _job(out, kind: str, steps: int, specs=(), guard: GuardConfig | None | bool = True):
@@ -31,7 +40,7 @@ def _job(out, kind: str, steps: int, specs=(), guard: GuardConfig | None | bool 
         dist_config=DistConfig(backend="gloo", timeout_s=60),
         specs=[FaultSpec.from_dict(s) for s in specs],
         guard=GuardConfig(profile="full") if guard is True else guard or None,  # every GEMM every step
-        parallel=ParallelConfig(kind=kind),
+        parallel=Topology(kind=kind),
         crossrank=bool(guard),
     ).to_dict()
 
@@ -39,31 +48,28 @@ def _job(out, kind: str, steps: int, specs=(), guard: GuardConfig | None | bool 
 def _world(rank: int, world: int, jobs: list[dict], out) -> None:
     """Every job on the same two ranks (one world: the process start is paid once), then the
     refusals a user meets in an own script with a tensor-parallel model."""
-    from sdcscope.jobs.torchrun import GuardStopped, Job, run_job
+    from sdcscope.jobs.torchrun import Job, run_job
 
     init_distributed(DistConfig(backend="gloo", timeout_s=60))
     for job in jobs:
-        try:
-            run_job(Job.from_dict(job))
-        except GuardStopped as exc:
-            (Job.from_dict(job).out / f"stopped.rank{rank}").write_text(str(exc))
+        run_job(Job.from_dict(job))  # a guard's stop ends every rank cleanly, after the same step
     wl = make_workload(WORKLOAD)
     torch.manual_seed(0)
     model = wl.build_model()
-    from sdcscope.engine.parallel import build_mesh
-
-    config = ParallelConfig(kind="tp")
-    parallelize(model, config, build_mesh(config, world, "cpu"))
+    topology = Topology(kind="tp")
+    topology.apply(model, topology.build_mesh(world, "cpu"), wl)
     opt = wl.build_optimizer(model)
     refused = {}
     for name, cfg in {
         "abft": GuardConfig(metrics=None),
-        "metrics": GuardConfig(abft=None),
+        "metrics": GuardConfig(abft=None, metrics={"stats_every": 2}),  # set by the user: refused
+        "default metrics": GuardConfig(abft=None),  # the default's: switched off, by the one table
         "zclip": GuardConfig(metrics=None, abft=None, zclip={}),
     }.items():
         try:
-            Guard(model, opt, cfg).close()
-            refused[name] = None
+            guard = Guard(model, opt, cfg)
+            refused[name] = None if guard.metrics is None else "built with metrics on"
+            guard.close()
         except ValueError as exc:
             refused[name] = str(exc)
     if rank == 0:
@@ -97,6 +103,9 @@ def test_fsdp_and_tp_guarded_runs_detect_name_repair_and_refuse(tmp_path):
             [rank_flip("gemm.forward", "blocks.0.mlp.fc", 1, at(1), bit=26)],
             quarantine,
         ),
+        # a permanent fault that makes a GEMM's output non-finite on rank 1, under the default
+        # (balanced: sampled ABFT) profile: the non-finite loss reaches every rank
+        _job(tmp_path / "fsdp_nonfinite", "fsdp", 8, [NONFINITE], GuardConfig()),
     ]
     spawn(_world, 2, (jobs, tmp_path), timeout_s=300)
 
@@ -119,34 +128,54 @@ def test_fsdp_and_tp_guarded_runs_detect_name_repair_and_refuse(tmp_path):
     assert config["guard"]["abft"]["targets"] is None  # every GEMM, the split linears' local ones too
 
     stop = _summary(tmp_path / "fsdp_stop")
-    assert stop["outcome"] == "stopped" and stop["steps"] == 2 and "owns a shard" in stop["stopped"]
-    assert all((tmp_path / "fsdp_stop" / f"stopped.rank{r}").is_file() for r in (0, 1))
+    assert stop["outcome"] == "stopped" and stop["steps"] == 2 and "owns a shard" in stop["stop_reason"]
     last = _events(tmp_path / "fsdp_stop")[-1]
     assert (last["detector"], last["verdict"], last["action"]) == ("guard", "stopped", "stop")
     ledger = json.loads((tmp_path / "fsdp_stop" / "ledger.json").read_text())
     assert [d["rank"] for d in ledger["devices"].values() if d["suspicions"]] == [1]
 
+    # a sharded non-finite escalates like a single-process one: its replay checks every GEMM, so
+    # the first finding names rank 1 and the faulty layer (one event, not one per rank that saw
+    # the NaN surface at ln_f), and the site's strikes stop the run with the ledger naming rank 1
+    events = _events(tmp_path / "fsdp_nonfinite")
+    first = events[0]
+    assert (first["step"], first["detector"], first["rank"], first["module"]) == (2, "nonfinite", 1, "blocks.1.mlp.fc")
+    assert first["evidence"]["replay"]["caught"] == {"1": ["blocks.1.mlp.fc"]}
+    assert [e["step"] for e in events if e["detector"] == "nonfinite"] == sorted({e["step"] for e in events})
+    assert all(e["rank"] in (1, None) for e in events)  # the healthy rank is never named
+    nonfinite = _summary(tmp_path / "fsdp_nonfinite")
+    assert nonfinite["outcome"] == "stopped" and "blocks.1.mlp.fc" in nonfinite["stop_reason"]
+    ledger = json.loads((tmp_path / "fsdp_nonfinite" / "ledger.json").read_text())
+    assert [d["rank"] for d in ledger["devices"].values() if d.get("faulty")] == [1]
+
     refused = json.loads((tmp_path / "refused.json").read_text())
     assert refused["abft"] is None  # ABFT checks the split linears on each rank's local shards
-    assert refused["metrics"].startswith("guard metrics is not supported over sharded")
-    assert refused["zclip"].startswith("guard zclip is not supported over sharded")
+    assert refused["metrics"].startswith("guard metrics is not supported in a sharded run")
+    assert refused["default metrics"] is None
+    assert refused["zclip"].startswith("guard zclip is not supported in a sharded run")
 
 
 def test_parallel_layouts_are_checked_before_any_rank_starts(tmp_path):
-    with pytest.raises(ValueError, match="parallel"):
-        ParallelConfig(kind="zero3")
-    with pytest.raises(ValueError, match="--nproc a multiple of 2"):
-        ParallelConfig(kind="hsdp").check(3, WORKLOAD)
-    with pytest.raises(ValueError, match="gpt workload"):
-        ParallelConfig(kind="fsdp").check(2, WorkloadConfig(workload="cnn"))
-    with pytest.raises(ValueError, match="eval-every"):
-        _job_with_eval(tmp_path)
-
-
-def _job_with_eval(tmp_path):
     from sdcscope.jobs.torchrun import make_job
 
-    return make_job(tmp_path / "x", 2, train=TrainConfig(eval_every=2), parallel=ParallelConfig(kind="fsdp"))
+    with pytest.raises(ValueError, match="parallel"):
+        Topology(kind="zero3")
+    with pytest.raises(ValueError, match="--nproc a multiple of 2"):
+        Topology(kind="hsdp").check(3)
+    with pytest.raises(ValueError, match="cnn workload has no parallelize plan"):
+        Topology(kind="fsdp").check(2, make_workload(WorkloadConfig(workload="cnn")))
+    with pytest.raises(ValueError, match="n_head=2 .* allowed degrees: 1, 2"):
+        Topology(kind="tp").check(3, make_workload(WORKLOAD))
+    with pytest.raises(ValueError, match="eval-every with --parallel fsdp: evaluation of a sharded model"):
+        make_job(tmp_path / "x", 2, train=TrainConfig(eval_every=2), parallel=Topology(kind="fsdp"))
+    with pytest.raises(ValueError, match="site 'comm' under --parallel tp"):
+        make_job(
+            tmp_path / "x",
+            2,
+            specs=[FaultSpec.from_dict(rank_flip("comm", "bucket.0", 1, at(1)))],
+            parallel=Topology(kind="tp"),
+        )
+    assert not (tmp_path / "x").exists()
 
 
 def test_train_parallel_needs_several_ranks_and_a_known_layout(tmp_path):

@@ -13,7 +13,7 @@ from torch import nn
 from helpers import at, rank_flip
 from sdcscope.engine import TrainConfig
 from sdcscope.engine.dist import DistConfig, init_distributed, spawn
-from sdcscope.engine.parallel import ParallelConfig
+from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
 from sdcscope.workloads import WorkloadConfig, make_workload
 
@@ -43,7 +43,7 @@ def _job(out, steps: int, specs=()):
         dist_config=DistConfig(backend="gloo", timeout_s=60),
         specs=[FaultSpec.from_dict(s) for s in specs],
         guard=GuardConfig(profile="full"),  # every GEMM every step: the faulted one is checked
-        parallel=ParallelConfig(kind="tp"),
+        parallel=Topology(kind="tp"),
         crossrank=True,
     ).to_dict()
 

@@ -10,7 +10,7 @@ import pytest
 from sdcscope.study import init_campaign, run_campaign, write_report
 from sdcscope.study.outcomes import TWIN_BOUND
 from sdcscope.study.spec import load_campaign
-from sdcscope.study.store import ResultsDB
+from sdcscope.study.store import SCHEMA, ResultsDB
 
 # A weight fault in a layer that learns: one row of the MLP's first Linear has exponent bit 24
 # flipped (each element x4 or /4, by its exponent) -- a mid-exponent flip that scales a whole row;
@@ -86,6 +86,6 @@ def test_a_schema_1_database_is_migrated_and_reclassified(campaign, tmp_path):
     dst.close()
     with _db(old) as db:
         rows, meta = {r["bit"]: r for r in db.trials()}, db.meta()
-    assert meta["schema"] == "2"
+    assert meta["schema"] == str(SCHEMA)
     assert (rows[24]["outcome"], rows[24]["sdc_kind"], rows[24]["drift_twin"]) == ("sdc", "drift", 1)
     assert rows[24]["disagree"] is None and rows[0]["drift_twin"] == 0  # not measured then

@@ -21,7 +21,12 @@ GRAD_ACCUM_OPT = typer.Option(1, "--grad-accum", help="Micro-batches per optimiz
 EVAL_EVERY_OPT = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at the end).")
 
 GUARD_OPT = typer.Option(False, "--guard", help="Watch the run with the Guard (detect, localize, repair).")
-GUARD_CONFIG_OPT = path_option(None, "--guard-config", help="YAML guard settings (implies --guard).")
+GUARD_CONFIG_OPT = path_option(
+    None,
+    "--guard-config",
+    help="YAML guard settings: the guard mapping (profile: full, abft: {...}) or the same under a "
+    "top-level guard: key (implies --guard).",
+)
 INVARIANTS_OPT = path_option(
     None, "--invariants", help="Invariants file checked online by the guard (implies --guard)."
 )

@@ -157,8 +157,9 @@ def train(
     parallel: str = typer.Option(
         "ddp",
         "--parallel",
-        help="With --nproc N, how the GPT is split: ddp, fsdp (FSDP2), tp (tensor parallel), "
-        "fsdp+tp (2-D, TP degree 2) or hsdp (2-D: replicas of 2-rank FSDP2 groups).",
+        help="With --nproc N, how the model is laid over the ranks: ddp (a replica per rank), or split by the "
+        "workload's plan (gpt): fsdp (FSDP2), tp (tensor parallel), fsdp+tp (2-D, TP degree 2) or hsdp (2-D: "
+        "replicas of 2-rank FSDP2 groups). A topology the model does not fit is refused before any rank starts.",
     ),
     faults: Optional[Path] = path_option(
         None, "--faults", help="Fault specs (YAML/JSON) injected into the run; with --nproc N bound to ranks."
@@ -188,10 +189,10 @@ def train(
         from sdcscope.engine.rundir import CheckpointPolicy
 
         policy = CheckpointPolicy(every=checkpoint_every, keep=keep_checkpoints)
-        from sdcscope.engine.parallel import ParallelConfig
+        from sdcscope.engine.topology import Topology
 
-        pcfg = ParallelConfig(kind=parallel)
-        if nproc == 1 and pcfg.kind != "ddp" and not (resume is not None and _sharded(resume)):
+        pcfg = Topology(kind=parallel)
+        if nproc == 1 and pcfg.sharded and not (resume is not None and _sharded(resume)):
             raise CLIError(f"--parallel {parallel} splits the model over ranks: give --nproc N (N >= 2)")
     if nproc != 1 or (resume is not None and _sharded(resume)):
         with user_errors():
@@ -208,7 +209,7 @@ def train(
                         f"--resume with --nproc {nproc}: resuming a DDP run is not supported (a sharded "
                         "one, --parallel fsdp|tp|fsdp+tp|hsdp, is); start a new run with --out"
                     )
-                if pcfg.kind == "ddp" and (_given(ctx, "checkpoint_every") or _given(ctx, "keep_checkpoints")):
+                if not pcfg.sharded and (_given(ctx, "checkpoint_every") or _given(ctx, "keep_checkpoints")):
                     raise CLIError(
                         "--checkpoint-every/--keep-checkpoints apply to single-process and sharded (--parallel "
                         "fsdp|tp|fsdp+tp|hsdp) runs (a DDP run saves its checkpoint at the end and cannot be "
@@ -257,7 +258,7 @@ def train(
             except Interrupted as stop:  # every rank stopped (or was killed); summary.json written
                 then = (
                     f"checkpoint and summary saved; continue with: sdcscope train --resume {out} --steps {steps}"
-                    if job.parallel is not None
+                    if job.parallel.sharded
                     else f"summary saved in {out / 'summary.json'} (a DDP run cannot be resumed)"
                 )
                 err_console.print(
@@ -401,7 +402,10 @@ OUTCOME_CODES = {"crash": ExitCode.CRASHED, "stalled": ExitCode.GUARD_STOPPED}
 
 
 def _exit_for(summary: dict) -> None:
+    """Exit with the outcome's code; a guard's stop says why in one line (the site it found)."""
     code = OUTCOME_CODES.get(summary.get("outcome"))
+    if code == ExitCode.GUARD_STOPPED and summary.get("stop_reason"):
+        raise fail(f"the guard stopped the run: {summary['stop_reason']}", code)
     if code is not None:
         raise typer.Exit(code=int(code))
 

@@ -7,33 +7,7 @@ import contextlib
 
 import torch
 
-
-def is_dtensor(t: object) -> bool:
-    """Whether ``t`` is a ``torch.distributed`` DTensor (a sharded or replicated parameter of an
-    FSDP2 / tensor-parallel model), without importing torch.distributed when it is not."""
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this process holds: a DTensor's local shard (no collective), else ``t``."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-def shard_coords(t: torch.Tensor) -> dict | None:
-    """Where a DTensor's local shard sits in the global tensor -- ``{"global_shape", "offset",
-    "local_shape", "placements"}`` (an event names an element in both coordinates: global index
-    = offset + local index) -- or None for a plain tensor."""
-    if not is_dtensor(t):
-        return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return {
-        "global_shape": list(t.shape),
-        "offset": list(offset),
-        "local_shape": list(shape),
-        "placements": [str(p) for p in t.placements],
-    }
+from sdcscope.common.world import local
 
 
 def dense_values(grads: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,7 +1,10 @@
 """Detectors: non-finite values, spikes, ABFT checksums of every GEMM, cross-rank signatures.
 
 Each detector is a small class with a config dataclass and ``check(...) -> list[Event]``;
-:class:`Event` is one line of ``events.jsonl``. May import :mod:`sdcscope.observe`.
+:class:`Event` is one line of ``events.jsonl``. The guard drives them through one protocol,
+``check(view)``, and a registry (:mod:`sdcscope.detect.protocol`): importing this package
+registers the built-ins, in the order of the imports below (the order the guard runs them in).
+May import :mod:`sdcscope.observe`.
 """
 
 from sdcscope.detect.abft import ABFTConfig, ABFTDetector
@@ -9,6 +12,7 @@ from sdcscope.detect.checksum import gemm_check
 from sdcscope.detect.crossrank import CrossRankConfig, CrossRankDetector, ReplicaHashCheck
 from sdcscope.detect.events import GEMMS, Event
 from sdcscope.detect.nonfinite import NonFiniteConfig, NonFiniteDetector
+from sdcscope.detect.protocol import CheckView, Detector, Registration, register, registered, unregister
 from sdcscope.detect.rounding import RoundingModel, rounding_model, unit_roundoff
 from sdcscope.detect.signatures import Gathered, GradientSignatures, bitsum, bucket_norms, fletcher, grad_signatures
 from sdcscope.detect.spike import SpikeConfig, SpikeDetector, SpikeState
@@ -21,13 +25,16 @@ __all__ = [
     "ABFTConfig",
     "ABFTDetector",
     "CrossRankConfig",
+    "CheckView",
     "CrossRankDetector",
+    "Detector",
     "Event",
     "GEMMS",
     "Gathered",
     "GradientSignatures",
     "NonFiniteConfig",
     "NonFiniteDetector",
+    "Registration",
     "ReplicaHashCheck",
     "RoundingModel",
     "SpikeConfig",
@@ -40,6 +47,9 @@ __all__ = [
     "fletcher",
     "gemm_check",
     "grad_signatures",
+    "register",
+    "registered",
     "rounding_model",
     "unit_roundoff",
+    "unregister",
 ]

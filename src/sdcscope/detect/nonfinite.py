@@ -4,7 +4,10 @@ The per-gradient max-abs (``torch._foreach_norm(grads, inf)``, one fused pass th
 overflow the way a sum of squares can) and the loss are stacked and reduced on device into one
 ``all finite`` flag; :meth:`NonFiniteDetector.check` reads it with a single ``.item()``. Only when
 it is false does a second read name the offending parameters (the optimizer is gated on a
-finiteness flag, as Megatron checks loss and grads before the DP reduce).
+finiteness flag, as Megatron checks loss and grads before the DP reduce). In the guard
+(``check(view)``, :mod:`sdcscope.detect.protocol`) even that sync is saved on a clean step: the
+world's loss and global gradient norm, read once for every detector, are finite iff the loss and
+every gradient are (or a norm overflowed), and only then does the detector look closer.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 from sdcscope.common.tensors import dense_values
 from sdcscope.common.validate import check_bool, check_positive
 from sdcscope.detect.events import Event
+from sdcscope.detect.protocol import CheckView, Registration, register
 
 
 @dataclass(kw_only=True)
@@ -34,7 +38,8 @@ class NonFiniteConfig:
 
 
 class NonFiniteDetector:
-    """``check(step, loss)`` after backward (and before ``optimizer.step()``) -> events."""
+    """``check(step, loss)`` after backward (and before ``optimizer.step()``) -> events; the guard
+    calls ``check(view)``."""
 
     name = "nonfinite"
 
@@ -66,7 +71,11 @@ class NonFiniteDetector:
             return None
         return torch.stack(parts).all()
 
-    def check(self, step: int, loss: torch.Tensor | float | None = None) -> list[Event]:
+    def check(self, step: int | CheckView, loss: torch.Tensor | float | None = None) -> list[Event]:
+        """Events for a non-finite loss and for the parameters with non-finite gradients; one host
+        sync on a clean step. ``check(view)``: the guard's protocol (:meth:`check_view`)."""
+        if isinstance(step, CheckView):
+            return self.check_view(step)
         cfg = self.config
         names, maxabs = self._maxabs() if cfg.check_grads else ([], None)
         loss_t = None
@@ -113,3 +122,48 @@ class NonFiniteDetector:
                 )
             )
         return events
+
+    def check_view(self, view: CheckView) -> list[Event]:
+        """The guard's check: a closer look only when the view's world values are non-finite (or
+        on a replay's re-check, which has none); finite gradients whose norm overflowed its dtype
+        are reported too when this rank can name them (:attr:`CheckView.own_overflow`)."""
+        if view.replay:
+            return self.check(view.step, view.loss)
+        bad_loss = view.loss_value is not None and not math.isfinite(view.loss_value)
+        bad_grad = view.grad_norm is not None and not math.isfinite(view.grad_norm)
+        if not (bad_loss or bad_grad):
+            return []
+        found = self.check(view.step, view.loss)
+        if bad_grad and view.own_overflow and not any(e.evidence.get("what") == "grad" for e in found):
+            found.append(self._overflow(view))
+        return found
+
+    def _overflow(self, view: CheckView) -> Event:
+        """Every gradient element is finite, but a gradient's norm overflowed (its square is not
+        finite): the event names those parameters, nearest the output first."""
+        sq = view.grad_sq
+        over = [] if sq is None else [n for n, v in zip(view.grad_names, sq.tolist()) if not math.isfinite(v)]
+        return Event(
+            view.step,
+            self.name,
+            "nonfinite",
+            module=over[-1].rpartition(".")[0] or None if over else None,
+            rank=self.rank,
+            evidence={
+                **({"params": over[-self.config.max_listed :][::-1]} if over else {}),
+                "what": "grad_norm",
+                "value": view.grad_norm,
+                "note": "finite gradients whose norm overflows",
+            },
+        )
+
+
+register(
+    Registration(
+        "nonfinite",
+        NonFiniteConfig,
+        lambda model, optimizer, config, rank: NonFiniteDetector(model, config, rank=rank),
+        world_values=True,
+        recheck=True,
+    )
+)

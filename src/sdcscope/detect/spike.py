@@ -38,8 +38,11 @@ import torch
 
 from sdcscope.common.validate import check_bool, check_choice, check_float, check_non_negative, check_positive
 from sdcscope.detect.events import Event
+from sdcscope.detect.protocol import CheckView, Registration, register
 
 SPIKE_METHODS = ("mad", "ema")
+WATCHED = ("loss_value", "grad_norm")
+"""The world values of a :class:`~sdcscope.detect.protocol.CheckView` a guard's spike detector watches."""
 _MAD_TO_SIGMA = 1.4826
 
 
@@ -117,13 +120,18 @@ class SpikeState:
 
 
 class SpikeDetector:
-    """``check(step, value) -> list[Event]`` once per step, for one signal."""
+    """``check(step, value) -> list[Event]`` once per step, for one signal; in the guard
+    ``check(view)`` reads the value from the view's ``watch`` (one of :data:`WATCHED`)."""
 
     name = "spike"
 
-    def __init__(self, config: SpikeConfig | None = None, *, rank: int | None = None) -> None:
+    def __init__(
+        self, config: SpikeConfig | None = None, *, rank: int | None = None, watch: str = "loss_value"
+    ) -> None:
+        check_choice("spike watch", watch, WATCHED)
         self.config = config or SpikeConfig()
         self.rank = rank
+        self.watch = watch
         self.state = SpikeState()
         self.seen = 0
         self._win: deque[float] = deque()
@@ -187,7 +195,14 @@ class SpikeDetector:
         st.consecutive = 0
         return []
 
-    def check(self, step: int, value: float | torch.Tensor) -> list[Event]:
+    def check(self, step: int | CheckView, value: float | torch.Tensor | None = None) -> list[Event]:
+        """The verdict on ``value`` at ``step``, which then joins the statistics. ``check(view)``:
+        the guard's protocol, the value the view's :attr:`watch` (None -- no loss, no gradient --
+        gives no verdict and teaches nothing)."""
+        if isinstance(step, CheckView):
+            step, value = step.step, getattr(step, self.watch)
+            if value is None:
+                return []
         cfg = self.config
         v = float(value.item() if isinstance(value, torch.Tensor) else value)
         st = SpikeState(value=v, consecutive=self.state.consecutive)
@@ -262,3 +277,23 @@ def _kth_deviation(s: list[float], center: float, k: int) -> float:
     left = center - s[p - a] if a else -math.inf  # L[a - 1]
     right = s[p + b - 1] - center if b else -math.inf  # R[b - 1]
     return max(left, right)
+
+
+register(
+    Registration(
+        "loss_spike",
+        SpikeConfig,
+        lambda model, optimizer, config, rank: SpikeDetector(config, rank=rank, watch="loss_value"),
+        world_values=True,
+        rolls_back=True,
+    )
+)
+register(
+    Registration(
+        "grad_spike",
+        SpikeConfig,
+        lambda model, optimizer, config, rank: SpikeDetector(config, rank=rank, watch="grad_norm"),
+        world_values=True,
+        rolls_back=True,
+    )
+)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from sdcscope.common.validate import check_bool, check_positive
+from sdcscope.common.world import local
 from sdcscope.detect.events import Event
 
 BLOCK = 256
@@ -59,15 +60,9 @@ def _zeros(device: torch.device) -> torch.Tensor:
     return z
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (its checksums cover what this rank stores), else the tensor."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) and type(t).__name__ == "DTensor" else t
-
-
 def words_of(t: torch.Tensor) -> torch.Tensor:
     """The stored bytes of ``t`` as a flat tensor of int32 words (zero-padded to a whole word)."""
-    t = _local(t).detach().reshape(-1)
+    t = local(t).detach().reshape(-1)
     if t.dtype == torch.bool:
         t = t.view(torch.uint8)
     nbytes = t.numel() * t.element_size()
@@ -182,8 +177,8 @@ class StateChecksum:
         """Large tensors alone, small ones grouped by device, in tensor order."""
         segments, groups = [], {}
         for i, t in enumerate(tensors):
-            n = -(-_local(t).numel() * t.element_size() // 4)
-            device = _local(t).device
+            n = -(-local(t).numel() * t.element_size() // 4)
+            device = local(t).device
             if n >= GROUP_WORDS:
                 segments.append(_Segment([(i, 0, n)], n))
                 continue
@@ -285,7 +280,7 @@ class StateChecksum:
                     new = int(now[single - w0])
                     self._one_word(info, tensors[i], single - off, (new - int(d0)) & 0xFFFFFFFF, new & 0xFFFFFFFF)
                 else:
-                    numel = _local(tensors[i]).numel()
+                    numel = local(tensors[i]).numel()
                     info["blocks"].append([4 * (lo - off) // es, min(numel, -(-4 * (hi - off) // es))])
         events = []
         for i, info in found.items():
@@ -304,7 +299,7 @@ class StateChecksum:
             if named and len(elements) == 1:
                 evidence.update(info["value"])
             index = (
-                tuple(int(x) for x in torch.unravel_index(torch.tensor(elements[0]), _local(t).shape))
+                tuple(int(x) for x in torch.unravel_index(torch.tensor(elements[0]), local(t).shape))
                 if named and len(elements) == 1 and t.dim()
                 else None
             )
@@ -324,25 +319,25 @@ class StateChecksum:
     def _one_word(self, info: dict, t: torch.Tensor, word: int, old: int, new: int) -> None:
         """Name the corrupted word ``word`` of ``t`` (stored bits ``old`` → ``new``): the elements
         and bits it holds that changed, and the value before and now of the first."""
-        local = _local(t).detach().reshape(-1)
-        es = local.element_size()
+        flat = local(t).detach().reshape(-1)
+        es = flat.element_size()
         flipped = old ^ new
         elements = []
         for b in range(32):
             if flipped >> b & 1:
                 byte = 4 * word + b // 8
-                if byte // es < local.numel():
+                if byte // es < flat.numel():
                     elements.append(byte // es)
                     info["bits"].add((byte % es) * 8 + b % 8)
         info["elements"] += elements
         if not elements or info["value"]:
             return
         e = elements[0]
-        raw = local.view(torch.uint8) if local.dtype != torch.bool else local.view(torch.uint8)
+        raw = flat.view(torch.uint8) if flat.dtype != torch.bool else flat.view(torch.uint8)
         before = raw[e * es : (e + 1) * es].clone().cpu()
         for j in range(es):
             byte = e * es + j
             if 4 * word <= byte < 4 * word + 4:
                 before[j] = (old >> (8 * (byte - 4 * word))) & 0xFF
-        view = local.dtype if local.dtype != torch.bool else torch.uint8
-        info["value"] = {"value_before": before.view(view).item(), "value_now": local[e].item()}
+        view = flat.dtype if flat.dtype != torch.bool else torch.uint8
+        info["value"] = {"value_before": before.view(view).item(), "value_now": flat[e].item()}

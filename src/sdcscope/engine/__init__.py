@@ -1,6 +1,8 @@
 """A small deterministic training loop with callbacks, snapshots and verified checkpoints; its
-data-parallel form under ``torch.distributed`` (:mod:`sdcscope.engine.ddp`, with the cross-rank
-plumbing in :mod:`~sdcscope.engine.dist` and the gradient-bucket hook in :mod:`~sdcscope.engine.buckets`)."""
+distributed form under ``torch.distributed``: one trainer (:mod:`~sdcscope.engine.distributed`) and
+one run (:mod:`~sdcscope.engine.distrun`) composed with a topology (:mod:`~sdcscope.engine.topology`:
+DDP, FSDP2, tensor parallel, FSDP×TP, HSDP), with the cross-rank plumbing in
+:mod:`~sdcscope.engine.dist` and the gradient-bucket hook in :mod:`~sdcscope.engine.buckets`."""
 
 from sdcscope.engine.run import CHECKPOINT_DIR, Run
 from sdcscope.engine.rundir import JsonlWriter, check_new_run_dir, read_jsonl, write_json
@@ -31,8 +33,9 @@ __all__ = [
     "read_jsonl",
     "write_json",
     "check_new_run_dir",
-    "DDPTrainer",
-    "DDPRun",
+    "DistTrainer",
+    "DistRun",
+    "Topology",
     "DistConfig",
     "DistributedError",
     "BucketHook",
@@ -44,8 +47,9 @@ __all__ = [
 ]
 
 _DISTRIBUTED = {  # name: module
-    "DDPTrainer": "ddp",
-    "DDPRun": "ddp",
+    "DistTrainer": "distributed",
+    "DistRun": "distrun",
+    "Topology": "topology",
     "BucketHook": "buckets",
     "BucketView": "buckets",
     "bucket_hook": "buckets",
@@ -54,7 +58,7 @@ _DISTRIBUTED = {  # name: module
 
 
 def __getattr__(name: str):
-    """The data-parallel names load on first use: single-process users skip ``torch.distributed``."""
+    """The distributed names load on first use: single-process users skip ``torch.distributed``."""
     if name in _DISTRIBUTED:
         import importlib
 

@@ -172,7 +172,7 @@ def save_sharded(
     run: dict[str, Any] | None = None,
     verified: bool | None = None,
 ) -> Path:
-    """Write the sharded state of ``trainer`` (a :class:`~sdcscope.engine.parallel.ParallelTrainer`)
+    """Write the sharded state of ``trainer`` (a sharded world's :class:`~sdcscope.engine.distributed.DistTrainer`)
     to ``directory`` on every rank (a collective; see the module docstring). ``verified``: this
     rank's guard verdict (None: no guard); ``run``: the run's identity, checked on resume."""
     import torch.distributed.checkpoint as dcp

@@ -24,6 +24,7 @@ from torch import nn
 
 from sdcscope.common.io import atomic_path, read_json
 from sdcscope.common.storage import writing
+from sdcscope.common.world import full
 
 CHECKPOINT_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
@@ -275,9 +276,11 @@ def load_checkpoint(directory: str | Path) -> TrainState:
 
 
 def param_sha256(model: nn.Module) -> str:
-    """sha256 of the parameters' bytes in name order (names included)."""
+    """sha256 of the parameters' bytes in name order (names included). A sharded model's
+    parameters are gathered whole first (a collective: every rank calls it, each gets the same
+    digest, that of the unsharded model)."""
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(full(p).detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

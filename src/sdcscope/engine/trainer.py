@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from sdcscope.common.validate import check_non_negative, check_positive
+from sdcscope.common.world import World
 from sdcscope.engine.state import TrainState, apply, capture
 from sdcscope.workloads import Workload
 
@@ -119,6 +120,9 @@ class Trainer:
         self.data_pos = 0
         self.lr_scale = 1.0
         self.skip_data: set[int] = set()
+        self.world = World()
+        """The world the trainer lives in: one process here; a distributed trainer's is described
+        from its wrapped model (:class:`~sdcscope.engine.distributed.DistTrainer`)."""
 
     # -- callbacks ---------------------------------------------------------------------------
     def add_callback(self, callback: object) -> None:
@@ -197,7 +201,7 @@ class Trainer:
 
     def clip_gradients(self, params: list[nn.Parameter], clip: float, ctx: StepContext) -> torch.Tensor:
         """Clip the gradients to the global norm ``clip`` (0: no clipping); return that norm (a
-        sharded trainer computes it over every shard: :mod:`sdcscope.engine.parallel`)."""
+        sharded world's trainer computes it over every shard: :mod:`sdcscope.engine.distributed`)."""
         grad_norm = _shared_norm(ctx.grad_norms, params, clip)
         if grad_norm is None:
             grad_norm = (

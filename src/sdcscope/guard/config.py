@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from sdcscope.common.io import load_yaml, read_text
-from sdcscope.common.validate import build_config, check_bool, check_choice, check_float, check_positive
+from sdcscope.common.validate import (
+    build_config,
+    check_bool,
+    check_choice,
+    check_float,
+    check_positive,
+    did_you_mean,
+)
 from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
+from sdcscope.detect.protocol import Registration, registered
 from sdcscope.detect.state import StateChecksumConfig
 from sdcscope.localize.ledger import LedgerConfig
 from sdcscope.mitigate import LRBackoffConfig, PolicyConfig, RankGuardConfig, SnapshotConfig, ZClipConfig
@@ -52,33 +60,53 @@ PROFILES: dict[str, dict[str, Any]] = {
     "balanced": {"abft": {"order": "random", "layer_fraction": 0.05}},
     "full": {"abft": {}},
 }
-"""What each ``profile`` sets in the sections left at their defaults (their price and coverage:
+"""What each ``profile`` sets in the sections the user did not give (their price and coverage:
 docs/guard.md, ``benchmarks/bench_guard_cost.py`` and ``bench_guard_coverage.py``). ``minimal``:
 no ABFT -- the state checksums, non-finite and spike detectors and the metrics; ``balanced``:
 also ABFT on a random 5 % of the GEMM layers each step (a transient GEMM fault is checked with
 probability 0.05 in its step), every layer after any finding; ``full``: every GEMM every step."""
-_DEFAULT_SECTIONS = {"abft": ABFTConfig}
+DEFAULT_PROFILE = "balanced"
+
+
+class _NotGiven:
+    """The default of a section a profile presets: "the user did not give it", which a section
+    given equal to its default (``abft=ABFTConfig()``) must not be mistaken for."""
+
+    def __repr__(self) -> str:
+        return "<the profile's>"
+
+
+NOT_GIVEN = _NotGiven()
 
 
 @dataclass(kw_only=True)
 class GuardConfig:
     """A section set to ``None`` (``null`` in YAML) is switched off."""
 
-    profile: str = "balanced"
-    """``minimal`` | ``balanced`` | ``full`` (:data:`PROFILES`): the defaults of the sections you
-    leave unset; a section you give keeps your keys over the profile's. ``balanced``, the default,
-    samples the GEMMs it checks (escalating to all of them on any finding); ``full`` checks every
-    GEMM every step."""
+    profile: str = DEFAULT_PROFILE
+    """``minimal`` | ``balanced`` | ``full`` (:data:`PROFILES`): what the sections you do not give
+    are. A section you give is kept, equal to its default or not, and means the same as a mapping
+    (YAML, ``from_dict``) or as an object: ``abft: {c: 9}`` is ``abft=ABFTConfig(c=9)``, the
+    section's own defaults for the keys you did not write (``ABFTConfig()`` checks every layer). ``None``
+    switches a section off. ``balanced``, the default, samples the GEMMs it checks (escalating to
+    all of them on any finding); ``full`` checks every GEMM every step. Once built, every section
+    is given: ``dataclasses.replace`` and a ``to_dict``/``from_dict`` round trip keep them, so to
+    change the profile of a config build a new one."""
 
     metrics: MetricsConfig | None = field(default_factory=MetricsConfig)
     nonfinite: NonFiniteConfig | None = field(default_factory=NonFiniteConfig)
     loss_spike: SpikeConfig | None = field(default_factory=SpikeConfig.loss)
     grad_spike: SpikeConfig | None = field(default_factory=SpikeConfig.grad_norm)
-    abft: ABFTConfig | None = field(default_factory=ABFTConfig)
+    abft: ABFTConfig | None = NOT_GIVEN  # type: ignore[assignment]  # resolved in __post_init__
     """Checksums of the Linear and attention products, forward, dX and dW: the profile's sample of
     them (``balanced``) or every one every step (``full``); ``budget`` (e.g. 0.02) samples layers
     and steps to an overhead budget instead."""
     state_checksum: StateChecksumConfig | None = field(default_factory=StateChecksumConfig)
+    detectors: dict[str, Any] = field(default_factory=dict)
+    """The sections of registered detectors that are not built in (:mod:`sdcscope.detect.protocol`):
+    ``{name: settings}``, a mapping or the registration's config object switching one on (``{}``:
+    its defaults), ``None`` off; one not named stays off. A name that is not registered is refused,
+    naming those that are (register the detector before building the config)."""
     replay: bool = True
     """Re-execute a step that raised a detection, from the pre-step state with the same data and
     RNG: a result that differs was a transient fault (the clean re-run is used), one that repeats
@@ -114,9 +142,7 @@ class GuardConfig:
         check_choice("guard profile", self.profile, PROFILES)
         for name, preset in PROFILES[self.profile].items():
             value = getattr(self, name)
-            if isinstance(value, Mapping):  # the user's keys over the profile's
-                setattr(self, name, value if preset is None else {**preset, **value})
-            elif value == _DEFAULT_SECTIONS[name]():  # left at its default: the profile's
+            if value is NOT_GIVEN:  # the profile's; a section the user gave is the user's, whole
                 setattr(self, name, None if preset is None else dict(preset))
         for name, cls in _NESTED.items():
             value = getattr(self, name)
@@ -124,6 +150,7 @@ class GuardConfig:
                 setattr(self, name, _build_section(cls, dict(value), name))
             elif value is not None and not isinstance(value, cls):
                 raise TypeError(f"guard {name} must be a mapping or {cls.__name__}, got {value!r}")
+        self.detectors = _detector_sections(self.detectors)
         for name in ("snapshots", "lr_backoff", "policy", "ledger"):
             if getattr(self, name) is None:
                 raise ValueError(f"guard {name} cannot be null")
@@ -156,19 +183,82 @@ class GuardConfig:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> GuardConfig:
-        """From a YAML/JSON file; errors name the file and the bad key or value. An empty file
-        (or one holding only comments or ``null``) is every default; a document that is not a
-        mapping (a list, a string, a number) is refused (see :meth:`from_dict`)."""
+        """From a YAML/JSON file; errors name the file and the bad key or value. The file holds
+        the guard mapping itself (``profile: full``) or that mapping under one top-level ``guard``
+        key (``guard: {profile: full}``, the form the docs and a campaign spec write); anything
+        beside ``guard`` is refused. An empty file (or one holding only comments or ``null``, or
+        ``guard: null``) is every default; a document that is not a mapping (a list, a string, a
+        number) is refused (see :meth:`from_dict`)."""
+        where = repr(str(path))
         try:
-            data = load_yaml(read_text(path), repr(str(path)))
+            data = load_yaml(read_text(path), where)
         except FileNotFoundError:
-            raise FileNotFoundError(f"guard config {str(path)!r} does not exist") from None
+            raise FileNotFoundError(f"guard config {where} does not exist") from None
         if data is not None and not isinstance(data, dict):
-            raise ValueError(f"guard config {str(path)!r} must hold a mapping, got {data!r}")
+            raise ValueError(f"guard config {where} must hold a mapping, got {data!r}")
         try:
-            return cls.from_dict(data)
+            return cls.from_dict(unwrap(data))
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"guard config {str(path)!r}: {exc}") from None
+            raise type(exc)(f"guard config {where}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def detector_section(self, reg: Registration) -> Any:
+        """The section configuring the registered detector ``reg`` (None: off): a built-in's own
+        field, any other's entry of :attr:`detectors`."""
+        if reg.name not in _FIELDS:
+            return self.detectors.get(reg.name)
+        if _NESTED.get(reg.name) is not reg.config:
+            raise ValueError(
+                f"detector {reg.name!r} is registered with {reg.config.__name__}, but guard {reg.name} is "
+                f"another section; register it under a name that is not a guard setting"
+            )
+        return getattr(self, reg.name)
+
+
+assert all(
+    f.default is NOT_GIVEN for f in fields(GuardConfig) if any(f.name in preset for preset in PROFILES.values())
+), "a section a profile presets must default to NOT_GIVEN"
+
+
+_FIELDS = frozenset(f.name for f in fields(GuardConfig))
+
+
+def _detector_sections(value: Any) -> dict[str, Any]:
+    """``GuardConfig.detectors`` checked against the registry, each mapping built into its
+    registration's config."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"guard detectors must be a mapping of detector name to its settings, got {value!r}")
+    own = {r.name: r for r in registered() if r.name not in _FIELDS}
+    sections = {}
+    for name, section in value.items():
+        if name in _FIELDS:
+            raise ValueError(f"guard detectors: {name!r} is a section of its own: set guard {name} itself")
+        if name not in own:
+            raise ValueError(
+                f"guard detectors: unknown detector {name!r}{did_you_mean(name, own)}; "
+                f"registered: {', '.join(own) or 'none'}"
+            )
+        cls = own[name].config
+        if isinstance(section, Mapping):
+            section = _build_section(cls, dict(section), f"detectors {name}")
+        elif section is not None and not isinstance(section, cls):
+            raise TypeError(f"guard detectors {name} must be a mapping, {cls.__name__} or null, got {section!r}")
+        sections[name] = section
+    return sections
+
+
+def unwrap(data: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The guard mapping of a config document: ``data`` itself, or what its one top-level
+    ``guard`` key holds (``guard: {profile: full}``); a ``guard`` key beside other keys is refused,
+    naming them (a wrapped config and loose sections: which one is meant?)."""
+    if not isinstance(data, Mapping) or "guard" not in data:
+        return data
+    others = sorted(str(k) for k in data if k != "guard")
+    if others:
+        raise ValueError(
+            f"a top-level 'guard' key wraps the whole guard config, but {others} stand beside it; "
+            "put them under 'guard:' or drop the 'guard:' wrapper"
+        )
+    return data["guard"]

@@ -80,7 +80,8 @@ class GuardCallback:
         def rerun() -> torch.Tensor:
             return trainer.forward_backward(ctx)
 
-        replay = getattr(trainer, "local_gradients", None)
+        # a data-parallel world's trainer replays any rank's local gradient; elsewhere a step is one whole
+        replay = trainer.local_gradients if trainer.world.data_parallel else None
         rank_replay = None if replay is None else (lambda r: replay(r, ctx.step, ctx.data_pos))
         applied, ctx.step_loss = s.check(ctx.step_loss, rerun, TrainerLoop(s, ctx), rank_replay=rank_replay)
         if applied.rolled_back is not None:
@@ -97,7 +98,7 @@ class GuardCallback:
             group["lr"] *= scale
 
     def after_step(self, ctx) -> None:
-        if self.guard.ranks is not None:
+        if self.guard.world.distributed:
             ctx.metrics["quarantined"] = self.guard.ranks.quarantined
         if ctx.restored:
             self._stop(ctx)

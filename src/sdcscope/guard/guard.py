@@ -25,23 +25,27 @@ import math
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from sdcscope.common.io import JsonlWriter
-from sdcscope.detect import ABFTDetector, Event, NonFiniteDetector, SpikeDetector
+from sdcscope.common.world import world_of
+from sdcscope.detect import Event
+from sdcscope.detect.protocol import Detector, Registration, registered
 from sdcscope.detect.state import StateChecksum
 from sdcscope.guard.actions import Loop
 from sdcscope.guard.config import GuardConfig
 from sdcscope.guard.session import StepSession, check_loss
-from sdcscope.guard.strikes import Strikes
+from sdcscope.guard.world import fit_config, make_side
 from sdcscope.inject import reexecution
 from sdcscope.mitigate import LRBackoff, SnapshotRing, ZClip
 from sdcscope.observe import Metrics
 from sdcscope.observe.eventlog import event_line
+
+if TYPE_CHECKING:
+    from sdcscope.detect import ABFTDetector, NonFiniteDetector, SpikeDetector
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ class Guard:
         step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         rank: int | None = None,
         on_event: Callable[[dict], None] | None = None,
-        ddp: DistributedDataParallel | None = None,
+        ddp: nn.Module | None = None,
         ledger: str | Path | None = None,
         rank_batch: Callable[[int, int], Any] | None = None,
         stateful: Iterable[Any] = (),
@@ -130,11 +134,6 @@ class Guard:
         if scaler is not None:
             if not isinstance(scaler, torch.amp.GradScaler):
                 raise TypeError(f"Guard scaler must be a torch.amp.GradScaler or None, got {scaler!r}")
-            if ddp is not None or isinstance(model, DistributedDataParallel):
-                raise ValueError(
-                    "Guard scaler= is not supported in data-parallel runs yet: the rank guard "
-                    "compares gradients before the scaler unscales them"
-                )
             stateful += [] if any(obj is scaler for obj in stateful) else [scaler]
         for obj in stateful:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
@@ -142,27 +141,30 @@ class Guard:
                     f"Guard stateful items need state_dict() and load_state_dict() (an LR scheduler, "
                     f"a GradScaler), got {obj!r}"
                 )
-        if ddp is None and isinstance(model, DistributedDataParallel):
-            ddp, model = model, model.module
-        if ddp is not None:
-            from sdcscope.guard.ranks import check_distributed
-
-            rank = check_distributed(config or GuardConfig(), model, ddp, rank)
-        sharded = False
-        if any(type(p).__name__ == "DTensor" for p in model.parameters()):  # FSDP2, tensor parallel, HSDP
-            from sdcscope.guard.sharded import check_sharded, sharded_rank
-
-            check_sharded(config or GuardConfig(), scaler=scaler, ddp=ddp, model=model)
-            rank, sharded = sharded_rank(rank), True
+        world = world_of(model, ddp, rank=rank)
+        model, rank = world.ddp.module if world.ddp is not None else model, world.rank if world.distributed else rank
+        config = fit_config(config or GuardConfig(), world.kind)
+        if scaler is not None and (why := world.unsupported("guard.scaler")):
+            raise ValueError(f"Guard scaler= is not supported in a {world.kind} run: {why}")
+        self.world = world
+        """The world this guard's model trains in (:mod:`sdcscope.common.world`)."""
         self.model, self.optimizer = model, optimizer
         self.config = c = config or GuardConfig()
         self.loss_fn, self.step_fn, self.rank = loss_fn, step_fn, rank
         self.stateful, self.scaler = stateful, scaler
         self.metrics = Metrics(model, optimizer, c.metrics) if c.metrics else None
-        self.nonfinite = NonFiniteDetector(model, c.nonfinite, rank=rank) if c.nonfinite else None
-        self.loss_spike = SpikeDetector(c.loss_spike, rank=rank) if c.loss_spike else None
-        self.grad_spike = SpikeDetector(c.grad_spike, rank=rank) if c.grad_spike else None
-        self.abft = ABFTDetector(model, c.abft, rank=rank) if c.abft else None
+        self.detectors: dict[str, Detector] = {}
+        """The detectors whose sections are set, by name, in the order they run (:mod:`sdcscope.detect.protocol`)."""
+        self.registrations: dict[str, Registration] = {}
+        """Their registrations, as registered when this guard was built."""
+        for reg in registered():
+            section = c.detector_section(reg)
+            if section is None:
+                continue
+            detector = reg.build(model, optimizer, section, rank)
+            if not isinstance(detector, Detector):
+                raise TypeError(f"detector {reg.name!r}: build returned {detector!r}, which has no check(view)")
+            self.detectors[reg.name], self.registrations[reg.name] = detector, reg
         self.state = StateChecksum(model, optimizer, c.state_checksum, rank=rank) if c.state_checksum else None
         self.ring = SnapshotRing(c.snapshots)
         self.backoff = LRBackoff(c.lr_backoff)
@@ -181,7 +183,7 @@ class Guard:
             )
         self.events: list[dict[str, Any]] = []
         self.skip_batches: set[int] = set()
-        lead = (ddp is None and not sharded) or rank == 0  # under DDP or sharding rank 0 writes the world's events
+        lead = not world.distributed or rank == 0  # in a distributed world rank 0 writes the world's events
         self._writer = JsonlWriter(Path(run_dir) / "events.jsonl") if run_dir is not None and lead else None
         self._run_dir, self._rank_writer = run_dir, None
         self.rank_batch = rank_batch
@@ -190,31 +192,43 @@ class Guard:
         self.session = StepSession(self)
         """The step protocol every driver uses (:mod:`sdcscope.guard.session`)."""
         self._stop_reason: str | None = None
-        self.strikes: Strikes | None = None
-        """The device ledger and its strikes in a single process (:mod:`sdcscope.guard.strikes`)."""
-        self.ranks = None
-        if ddp is not None:
-            from sdcscope.guard.ranks import GuardRanks
+        if self._writer is not None and world.distributed:
+            self._writer.touch()
+        self.ranks = make_side(self, world, run_dir=run_dir, ledger=ledger)
+        """The world's side of the decision (:mod:`sdcscope.guard.world`)."""
 
-            if self._writer is not None:
-                self._writer.touch()
-            self.ranks = GuardRanks(self, ddp, c.ranks, run_dir=run_dir, ledger=ledger)
-        elif sharded:
-            from sdcscope.guard.sharded import ShardedRanks
+    # -- the built-in detectors ---------------------------------------------------------------
+    @property
+    def abft(self) -> ABFTDetector | None:
+        """The ABFT detector (None: off)."""
+        return self.detectors.get("abft")
 
-            if self._writer is not None:
-                self._writer.touch()
-            self.ranks = ShardedRanks(self, c.ranks, run_dir=run_dir, ledger=ledger)
-        else:
-            self.strikes = Strikes(self, c.ledger, run_dir=run_dir, ledger=ledger)
+    @property
+    def nonfinite(self) -> NonFiniteDetector | None:
+        """The non-finite detector (None: off)."""
+        return self.detectors.get("nonfinite")
+
+    @property
+    def loss_spike(self) -> SpikeDetector | None:
+        """The loss spike detector (None: off)."""
+        return self.detectors.get("loss_spike")
+
+    @property
+    def grad_spike(self) -> SpikeDetector | None:
+        """The gradient-norm spike detector (None: off)."""
+        return self.detectors.get("grad_spike")
 
     # -- lifecycle ---------------------------------------------------------------------------
+    def _parts(self) -> list[Any]:
+        """What has hooks to attach: the metrics, the detectors that have some, the invariants."""
+        parts = [self.metrics, *self.detectors.values(), self.invariants]
+        return [p for p in parts if p is not None and hasattr(p, "attach")]
+
     def attach(self) -> Guard:
         """Start watching; ``run_dir/events.jsonl`` exists from here on (empty on a clean run)."""
         if not self._attached:
-            for part in (self.metrics, self.abft, self.invariants):
-                if part is not None:
-                    part.attach()
+            for part in self._parts():
+                part.attach()
             if self._writer is not None:
                 self._writer.touch()
             self._attached = self._ever_attached = True
@@ -227,9 +241,8 @@ class Guard:
             self.attach()
 
     def detach(self) -> None:
-        for part in (self.metrics, self.abft, self.invariants):
-            if part is not None:
-                part.detach()
+        for part in self._parts():
+            part.detach()
         self._attached = False
 
     def close(self) -> None:
@@ -240,8 +253,7 @@ class Guard:
             self._writer.close()
         if self._rank_writer is not None:
             self._rank_writer.close()
-        if self.ranks is not None:
-            self.ranks.close()
+        self.ranks.close()
 
     def __enter__(self) -> Guard:
         return self.attach()
@@ -292,8 +304,7 @@ class Guard:
     def stop_reason(self) -> str | None:
         """Why the guard stopped training (None while it has not); a sharded run's rank section
         may stop it too (the same reason on every rank)."""
-        rank_stop = getattr(self.ranks, "stop", None)
-        return self._stop_reason or (rank_stop if isinstance(rank_stop, str) else None)
+        return self._stop_reason or self.ranks.stop
 
     def stop(self, reason: str, *, event: bool = True) -> None:
         """Stop training cleanly with ``reason`` (once): a warning and, with ``event``, a ``guard:
@@ -305,11 +316,10 @@ class Guard:
         log.warning("the guard stops training: %s", reason)
         if not event:
             return
-        evidence: dict[str, Any] = {"reason": reason}
-        if self.strikes is not None:
-            evidence.update(device=self.strikes.device, ledger=str(self.strikes.ledger.path or ""))
+        evidence: dict[str, Any] = {"reason": reason, **self.ranks.stop_evidence()}
+        rank = None if self.world.distributed else self.rank  # a world's stop is about no one rank
         self.record(
-            Event(self.session.step, "guard", "stopped", rank=self.rank, evidence=evidence, action="stop"),
+            Event(self.session.step, "guard", "stopped", rank=rank, evidence=evidence, action="stop"),
             world=True,
             finding=False,
         )
@@ -465,17 +475,18 @@ class Guard:
         self.events.append(record)
         if finding:  # see state_verified
             self.session.judge_finding(event)
-        if self.ranks is None or world:
+        distributed = self.world.distributed
+        if not distributed or world:
             self.session.events += 1
             self.session.findings += finding
         writer = self._writer
-        if self.ranks is not None and not world and self.rank != 0 and self._run_dir is not None:
+        if distributed and not world and self.rank != 0 and self._run_dir is not None:
             if self._rank_writer is None:  # this rank's own report, outside the world verdict
                 self._rank_writer = JsonlWriter(Path(self._run_dir) / f"events.rank{self.rank}.jsonl")
             writer = self._rank_writer
         if writer is not None:
             writer.write(record)
-        if not world or self.ranks is None or self.rank == 0:  # a world verdict: one line, from rank 0
+        if not world or not distributed or self.rank == 0:  # a world verdict: one line, from rank 0
             log.warning("%s", event_line(record))
         if self.metrics is not None:
             self.metrics.event(record)

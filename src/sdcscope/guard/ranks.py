@@ -8,21 +8,23 @@ checksums of its own weights and optimizer state. A
 the world sees: gradient signatures taken before the all-reduce, replica hashes, rank
 localization by replay, the device ledger and quarantine.
 
-Per step, on every rank (collectives: a rank must never skip one):
+In the one decision loop (:meth:`StepSession.decide <sdcscope.guard.session.StepSession.decide>`)
+this side supplies, per step and on every rank (collectives: a rank must never skip one):
 
 1. **begin** -- the signature stage of the DDP comm hook is armed for the step.
-2. **decide** -- this rank's findings are shared with every rank (one small all-reduce of a count,
+2. **share** -- this rank's findings are shared with every rank (one small all-reduce of a count,
    an object gather only when there is something to share); the cross-rank tests run on the
-   signatures that travelled with the gradients. Any finding triggers a replica check and a
-   replay of each suspect's micro-batches on the suspect and on a healthy peer
-   (:class:`~sdcscope.localize.ranks.RankLocalizer`). A replay is local -- no collective -- so it
-   runs only where it is needed, and its result travels in one gather. Each shared finding takes
-   its verdict from that replay (``transient``; ``reproducible`` when the peer reproduces it or
-   the suspect repeats it; ``unverified`` without a replay), the Guard's policy turns verdicts
-   into actions, and since every rank holds the same findings and verdicts, every rank takes the
-   same actions. A finding that every rank made alike (in the all-reduced gradient) is one
-   finding about the world: the replays of every rank decide whose it is, if anyone's. With two
-   healthy ranks a rank's own findings decide before a peer's replay
+   signatures that travelled with the gradients. Any finding triggers a replica check and a replay
+   of each suspect's micro-batches on the suspect and on peers free of suspicion (two from three
+   ranks on, whose agreement alone convicts: a faulty peer is one vote;
+   :class:`~sdcscope.localize.ranks.RankLocalizer`, :mod:`sdcscope.localize.verdicts`). A replay
+   is local -- no collective -- so it runs only where it is needed, and its result travels in one
+   gather. Each shared finding takes its verdict from that replay (``transient``; ``reproducible``
+   when a peer reproduces it or the suspect repeats it; ``unverified`` without a replay), the
+   Guard's policy turns verdicts into actions, and since every rank holds the same findings and
+   verdicts, every rank takes the same actions. A finding that every rank made alike (in the
+   all-reduced gradient) is one finding about the world: the replays of every rank decide whose it
+   is, if anyone's. With two healthy ranks a rank's own findings decide before a peer's replay
    (:func:`~sdcscope.localize.ranks.settle_two_replicas`); two ranks that accuse each other
    (``ambiguous``) are both left in the average, and the guard stops the run cleanly
    (:attr:`Guard.stop_reason <sdcscope.guard.Guard.stop_reason>`, a ``guard: stopped`` event)
@@ -42,17 +44,12 @@ go to ``events.rank{r}.jsonl``, written by that rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
+from sdcscope.common.world import World
 from sdcscope.detect import Event
-from sdcscope.guard.actions import PRIORITY
-from sdcscope.guard.config import GuardConfig
+from sdcscope.guard.world import WorldSide
 from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
 
 RANK_DETECTORS = ("crossrank", "rank_replay", "replica_hash", "quarantine")
@@ -74,52 +71,27 @@ WHY = {
 }
 
 
-def check_distributed(config: GuardConfig, model: nn.Module, ddp: DDP, rank: int | None) -> int:
-    """Validate a Guard for a DDP model; return this process's rank in the DDP's group."""
-    if not isinstance(ddp, DDP):
-        raise TypeError(f"ddp must be a torch DistributedDataParallel module, got {type(ddp).__name__}")
-    if model is not ddp.module:
-        raise ValueError(
-            "under DDP the guard watches the wrapped module: pass ddp.module as model (or the "
-            "DDP module itself as model and leave ddp out)"
-        )
-    check_config(config)
-    own = dist.get_rank(ddp.process_group)
-    if rank is not None and rank != own:
-        raise ValueError(f"rank={rank!r} is not this process's rank {own} in the DDP process group")
-    return own
+class GuardRanks(WorldSide):
+    """The Guard's data-parallel side: a :class:`RankGuard` shares, localizes and quarantines."""
 
-
-def check_config(config: GuardConfig) -> None:
-    """Raise ValueError for guard settings that cannot run under DDP (before a world exists)."""
-    if config.ranks is None:
-        raise ValueError(
-            "guard ranks: null cannot watch a data-parallel run: every rank must take the same "
-            "decision, which the ranks section provides; give ranks: {} for the defaults"
-        )
-    if config.invariants is not None:
-        raise ValueError(
-            "guard invariants are not supported in data-parallel runs yet; drop --invariants "
-            "(or invariants:) or train with --nproc 1"
-        )
-    if config.qk_clip is not None:
-        raise ValueError(
-            "guard qk_clip is not supported in data-parallel runs: each rank sees only its own "
-            "attention logits, and rescaling on some ranks would split the replicas; set qk_clip: null"
-        )
-
-
-class GuardRanks:
-    """The Guard's rank section: a :class:`RankGuard` plus the shared, identical decision."""
+    decided = RANK_DETECTORS
 
     def __init__(
-        self, guard: Any, ddp: DDP, config: RankGuardConfig, *, run_dir: str | Path | None, ledger: str | Path | None
+        self,
+        guard: Any,
+        world: World,
+        config: RankGuardConfig,
+        *,
+        run_dir: str | Path | None,
+        ledger: str | Path | None,
     ) -> None:
-        self.guard = guard
+        super().__init__(guard, world)
         self.rank_guard = RankGuard(
-            ddp, guard.optimizer, config=config, run_dir=run_dir, ledger=ledger, write_events=False
+            world.ddp, guard.optimizer, config=config, run_dir=run_dir, ledger=ledger, write_events=False
         )
-        self.rank, self.world = self.rank_guard.rank, self.rank_guard.world
+        self.rank, self.size = self.rank_guard.rank, self.rank_guard.world
+        self.restored = False  # this step's replicas were restored by the rank guard
+        self.quarantine_events: list[Event] = []  # this step's quarantines, recorded once acted on
         for e in self.rank_guard.events:  # devices the ledger already calls faulty
             guard.record(e, world=True)
 
@@ -130,72 +102,78 @@ class GuardRanks:
     @property
     def stop(self) -> str | None:
         """Why the rank guard stopped the run (two ranks it cannot tell apart), or None; the same
-        on every rank (:attr:`Guard.stop_reason <sdcscope.guard.Guard.stop_reason>` reads it)."""
+        on every rank."""
         return self.rank_guard.stop
 
     def begin(self, step: int) -> None:
         self.rank_guard.begin(step)
 
-    def decide(
-        self, step: int, local: list[Event], replay: Callable[[int], Any] | None
-    ) -> tuple[list[str], list[Event], list[Event]]:
-        """The world's decision for ``step`` (the same on every rank): ``(actions, most decisive
-        first; the world's findings; the events of the quarantines taken)``, recorded by the
-        session once it has acted. ``local``: this rank's findings; ``replay(r)``: recompute rank
-        r's local gradient of this step into ``.grad``, without collectives."""
-        g, s = self.guard, self.guard.session
-        stopped = self.stop
+    def own_overflow(self, sq: Any) -> bool:
+        return False  # the rank guard's pre-reduction signatures, overflow-safe, name the rank
+
+    def share(self, session: Any, events: list[Event], rank_replay: Any) -> list[Event]:
+        """Every rank's findings and the cross-rank tests, each suspect replayed on itself and on a
+        healthy peer (``rank_replay(r)``: rank r's local gradient of this step, no collectives)."""
+        g, step = self.guard, session.step
         replayed: list[int] = []
         own_buffers: list = []  # this rank's buffers after its own forward pass of the step
 
         def replay_here(r: int) -> Any:
             if not replayed:
-                own_buffers.extend(s.buffer_values())
+                own_buffers.extend(session.buffer_values())
             replayed.append(r)
-            s.restore_buffers()  # each replay starts from the step's buffers, as its rank did
-            return replay(r)
+            session.restore_buffers()  # each replay starts from the step's buffers, as its rank did
+            return rank_replay(r)
 
-        events = self.rank_guard.check(
+        shared = self.rank_guard.check(
             step,
-            replay=replay_here if replay is not None and g.config.replay else None,
-            local_events=local,
+            replay=replay_here if rank_replay is not None and g.config.replay else None,
+            local_events=events,
             delegate=True,
         )
         if replayed:
-            s.restore_buffers(own_buffers)
+            session.restore_buffers(own_buffers)
             if g.abft is not None:  # the replays' GEMM checks are no finding of this step
                 g.safe(lambda: g.abft.check(step), "abft")
-        restored = any(e.action == "rollback" for e in events)
-        actions = ["veto"] if self.rank_guard.veto else []
-        extra: list[Event] = []
+        self.restored = any(e.action == "rollback" for e in shared)
+        return shared
+
+    def replay(self, session: Any, events: list[Event], loss: Any, rerun: Any) -> Any:
+        """The rank replays ran while sharing: each finding takes its rank's replay verdict."""
         for e in events:
-            if e.detector in RANK_DETECTORS:
-                continue
-            if e.detector != "state_checksum":
+            if e.detector not in RANK_DETECTORS and e.detector != "state_checksum":
                 self._replay_verdict(e)
-            chosen = []
-            for a in g.config.policy.actions_for(e.detector, e.verdict):
-                if a == "recompute" or (a == "rollback" and restored):
-                    a = "veto"
-                elif a == "quarantine":  # the rank leaves the average from the next step; this one is void
-                    extra += self._quarantine(step, e)
-                    chosen += [] if "quarantine" in chosen else ["quarantine"]
-                    a = "veto"
-                chosen += [a] if a not in chosen else []
-            e.action = ", ".join(chosen)
-            actions += [a for a in chosen if a not in actions and a in PRIORITY]
-        if self.stop and not stopped:  # neither rank quarantined: the step is void, the run ends
-            actions += [] if "veto" in actions or "rollback" in actions else ["veto"]
-            ledger = self.rank_guard.ledger.path
-            evidence = {"reason": self.stop, "ledger": None if ledger is None else str(ledger)}
-            extra.append(Event(step, "guard", "stopped", rank=None, evidence=evidence, action="stop"))
-        if "rollback" in actions and g.ring.latest() is None:
-            actions.remove("rollback")
-            actions += [] if "veto" in actions else ["veto"]
+        return loss
+
+    def translate(self, session: Any, e: Event, chosen: list[str]) -> list[str]:
+        """``recompute`` is a ``veto`` (the clean re-execution is one rank's shard, not a world
+        step), so is a ``rollback`` of replicas the rank guard restored; ``quarantine`` leaves the
+        rank out of the average from the next step and vetoes this one."""
+        out: list[str] = []
+        for a in chosen:
+            if a == "recompute" or (a == "rollback" and self.restored):
+                a = "veto"
+            elif a == "quarantine":
+                self.quarantine_events += self._quarantine(session.step, e)
+                out += [] if "quarantine" in out else ["quarantine"]
+                a = "veto"
+            out += [a] if a not in out else []
+        return out
+
+    def conclude(self, session: Any, actions: list[str], events: list[Event]) -> list[Event]:
+        """The cross-rank findings' veto; the rank guard's own events keep their actions, the
+        others default to what the step did."""
+        if self.rank_guard.veto and "veto" not in actions:
+            actions.append("veto")
         final = "veto" if "veto" in actions or "rollback" in actions else "report"
         for e in events:
             e.action = e.action or final
-        return sorted(actions, key=PRIORITY.index), events, extra
+        extra, self.quarantine_events = self.quarantine_events, []
+        return extra
+
+    def stop_evidence(self) -> dict[str, Any]:
+        path = self.rank_guard.ledger.path
+        return {"ledger": None if path is None else str(path)}
 
     def _replay_verdict(self, e: Event) -> None:
         """Replace a shared finding's verdict with its replay verdict (the finding moves to the

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sdcscope.common.tensors import local
+from sdcscope.common.world import local
+from sdcscope.detect.protocol import CheckView
 from sdcscope.inject import reexecution
 
 if TYPE_CHECKING:
@@ -57,9 +58,9 @@ def replay_step(
     session: StepSession, loss: Any, rerun: Callable[[], torch.Tensor], recheckable: bool = False
 ) -> tuple[dict[str, Any], Any]:
     """Re-run the session's step with ``rerun()`` and compare with the first run: ``(the replay's
-    evidence, the loss to report)``. ``recheckable``: a finding the replay checks again (ABFT,
-    non-finite) fired; if it does not fire again the fault was transient, even when its effect
-    was masked (identical results)."""
+    evidence, the loss to report)``. The detectors registered with ``recheck`` check the re-executed
+    step again. ``recheckable``: a finding the replay checks again (ABFT, non-finite) fired; if it
+    does not fire again the fault was transient, even when its effect was masked (identical results)."""
     guard, step = session.guard, session.step
     named = [(n, p) for n, p in guard.model.named_parameters() if p.grad is not None]
     first_grads = {n: p.grad.detach().clone() for n, p in named}
@@ -68,17 +69,20 @@ def replay_step(
     set_rng_state(session.rng)
     try:
         session.restore_buffers()  # else the step's forward pass would update them twice
-        if guard.abft is not None:  # the layers this step checked, not the next step's sample
-            guard.abft.begin_step(step)
+        for detector in guard.detectors.values():  # ABFT: the layers this step checked, not the next step's sample
+            if hasattr(detector, "begin_step"):
+                detector.begin_step(step)
         if guard.metrics is not None:  # the step's row: the re-execution's forward alone
             guard.metrics.restart_step()
         with reexecution():
             new_loss = rerun()
-        again = []
-        if guard.nonfinite is not None:
-            again += guard.nonfinite.check(step, new_loss)
-        if guard.abft is not None:
-            again += guard.abft.check(step)
+        view = CheckView(step, new_loss, guard.model, replay=True)
+        again = [
+            e
+            for name, detector in guard.detectors.items()
+            if guard.registrations[name].recheck
+            for e in detector.check(view)
+        ]
     except Exception as exc:  # the replay itself failed: report, decide without it
         set_rng_state(after_rng)
         guard.internal_error("replay", exc)
@@ -103,6 +107,9 @@ def replay_step(
         "differing_grads": len(differs),
         "replay_detections": len(again),
     }
+    caught = list(dict.fromkeys(e.module for e in again if e.detector == "abft" and e.module))
+    if caught:  # the GEMMs the replay's checks caught: where a fault surfacing elsewhere acts
+        result["detected_in"] = caught[:4]
     if not transient:
         if again and (differs or loss_differs):
             result["evidence"] = "the fault acted again on re-execution: a persistent fault"

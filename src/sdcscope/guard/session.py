@@ -21,16 +21,17 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sdcscope.detect import Event
-from sdcscope.guard.actions import SOLO_QUARANTINE, Applied, Loop, make_actions, qk_clip_findings
+from sdcscope.detect.protocol import CheckView
+from sdcscope.guard.actions import PRIORITY, Applied, Loop, make_actions, qk_clip_findings
 from sdcscope.guard.progress import Progress
-from sdcscope.guard.replay import replay_step, rng_state
+from sdcscope.guard.replay import rng_state
 from sdcscope.guard.strikes import escalate, name_from_snapshot
 from sdcscope.observe import grad_norms
 
@@ -101,6 +102,7 @@ class StepSession:
         self.stop_reason: str | None = None  # why this step's ``stop`` action stops training
         self.unresolved: list[dict[str, Any]] = []  # findings since the last verified snapshot not repaired
         self.params = list(model.parameters())  # those with a gradient are checked, frozen or not
+        self.names = [name for name, _ in model.named_parameters()]  # of self.params, in order
         self.cuda = sorted({p.device.index or 0 for p in self.params if p.device.type == "cuda"})
         self.grads: StepGrads | None = None
         self.events = 0  # events of this step counted toward the world's decision
@@ -134,13 +136,12 @@ class StepSession:
         self.pending = self.verify_state() if due else None
         if due and not self.pending:
             take()
-        for part in (g.abft, g.metrics):
-            if part is not None:
+        for part in (*g.detectors.values(), g.metrics):
+            if part is not None and hasattr(part, "begin_step"):
                 g.safe(lambda p=part: p.begin_step(step), type(part).__name__)
         if g.invariants is not None:
             g.safe(lambda: g.invariants.step_begin(step), "invariants")
-        if g.ranks is not None:  # a collective's preparation: never skipped on one rank
-            g.ranks.begin(step)
+        g.ranks.begin(step)  # a collective's preparation: never skipped on one rank
 
     def verify_state(self) -> list[Event]:
         """The state checksums' findings now (when due this step): the weights and optimizer state
@@ -153,11 +154,13 @@ class StepSession:
     # -- snapshots ---------------------------------------------------------------------------
     def own_state(self) -> dict[str, Any]:
         """The guard's state that shapes later training and decisions, snapshotted with the model:
-        ZClip's running statistics (they scale the gradients) and the spike detectors' windows.
-        After a rollback the steps since the snapshot run again; without these the statistics
-        would count them twice and training would part from a run that never met the fault."""
+        ZClip's running statistics (they scale the gradients) and the windows of the detectors
+        registered with ``rolls_back`` (the spike detectors'). After a rollback the steps since the
+        snapshot run again; without these the statistics would count them twice and training
+        would part from a run that never met the fault."""
         g = self.guard
-        return {"zclip": g.zclip, "loss_spike": g.loss_spike, "grad_spike": g.grad_spike, "unresolved": self.unresolved}
+        kept = {name: d for name, d in g.detectors.items() if g.registrations[name].rolls_back}
+        return {"zclip": g.zclip, "detectors": kept, "unresolved": self.unresolved}
 
     def take_snapshot(self, step: int) -> None:
         """A plain loop's rollback target: model, optimizer, the ``stateful`` objects and the
@@ -179,7 +182,11 @@ class StepSession:
     def rolled_back(self, state: TrainState) -> None:
         """After the loop's state was restored to ``state``: the guard's own state too."""
         for name, saved in state.extra.get("guard", {}).items():
-            setattr(self if name == "unresolved" else self.guard, name, copy.deepcopy(saved))  # the snapshot stays
+            saved = copy.deepcopy(saved)  # the snapshot stays as taken
+            if name == "detectors":
+                self.guard.detectors.update(saved)
+            else:
+                setattr(self if name == "unresolved" else self.guard, name, saved)
         self.rolled_back_to = state.step
         self.progress.rolled_back()
 
@@ -246,62 +253,52 @@ class StepSession:
         rank_replay: Callable[[int], Any] | None = None,
         abft_events: list[Event] | None = None,
     ) -> Decision:
-        """Run the detectors on the finished backward pass; replay with ``rerun()`` if any fired;
-        the policy's actions. Under DDP the findings of every rank decide together and
-        ``rank_replay(r)`` (rank r's local gradient of this step, no collectives) replaces
-        ``rerun``. A non-scalar ``loss`` is refused (ValueError) before anything changes.
-        ``abft_events``: this step's ABFT findings when the caller already ran ``abft.check``."""
+        """The one decision loop of every world: run the detectors on the finished backward pass,
+        share the findings with the world, replay once, set verdicts, note strikes, map verdicts
+        to the policy's actions and let the world translate them (:mod:`sdcscope.guard.world`).
+        ``rerun()``: the step's forward and backward again; ``rank_replay(r)``: rank r's local
+        gradient of this step (data parallel, no collectives). A non-scalar ``loss`` is refused
+        (ValueError) before anything changes. ``abft_events``: this step's ABFT findings when the
+        caller already ran ``abft.check``."""
         check_loss(loss)
-        g, step = self.guard, self.step
+        g, step, side = self.guard, self.step, self.guard.ranks
         # memory faults since the last record -- between steps, between micro-batches, in backward --
         # are caught before an update builds on them
         events = list(self.pending) if self.pending else self.verify_state()
-        sharded = getattr(g.ranks, "sharded", False)
-        if sharded:  # the detectors' world values are collectives: every rank runs them
-            events += self.detect(loss, abft_events)
-            actions, events, loss, extra = g.ranks.decide(self, loss, rerun, events)
-            return Decision(actions, events, loss, extra)
-        if events:  # the step ran on corrupted state: its results are void, drain the detectors
-            if g.abft is not None:
-                g.safe(lambda: g.abft.check(step), "abft")
+        if events and not side.detect_on_corrupt_state:  # the step's results are void: drain the detectors
+            view = CheckView(step, loss, g.model)
+            for name, detector in g.detectors.items():
+                if g.registrations[name].drain:
+                    g.safe(lambda d=detector: d.check(view), name)
         else:
-            events = self.detect(loss, abft_events)
-        if g.ranks is not None:  # every rank, every step: one world decision
-            actions, events, extra = g.ranks.decide(step, events, rank_replay)
-            return Decision(actions, events, loss, extra)
+            events += self.detect(loss, None if abft_events is None else {"abft": abft_events})
+        stopped = side.stop
+        events = side.share(self, events, rank_replay)
         if not events:
             return Decision([], [], loss)
-        replay: dict[str, Any] = {}
         escalate(g, g.config.ledger.cooldown)  # suspicion: every GEMM checked, the replay's too
-        if any(e.detector != "state_checksum" for e in events) and g.config.replay and rerun is not None:
-            recheckable = any(e.detector in ("abft", "nonfinite") for e in events)
-            replay, loss = replay_step(self, loss, rerun, recheckable)
-        for e in events:
-            finding = e.verdict
-            if e.detector != "state_checksum":
-                e.verdict = replay.get("verdict", "unverified")
-                e.evidence = {**e.evidence, "finding": finding, **({"replay": replay} if replay else {})}
-        g.safe(lambda: name_from_snapshot(g, events), "state_checksum")  # a row fault's elements, if it can
-        if g.strikes is not None:  # repeats at one site, a faulty device: persistent
-            g.safe(lambda: g.strikes.judge(events, self.clock), "ledger")
+        loss = side.replay(self, events, loss, rerun)
+        mine = [e for e in events if e.rank in (None, g.rank)]
+        g.safe(lambda: name_from_snapshot(g, mine), "state_checksum")  # a row fault's elements, if it can
+        side.judge(self, events)  # repeats at one site, a faulty device: persistent
         actions: list[str] = []
         for e in events:
-            chosen = g.config.policy.actions_for(e.detector, e.verdict)
-            if "quarantine" in chosen:  # no other rank to carry on: the step is void and training stops
-                chosen = list(
-                    dict.fromkeys(x for a in chosen for x in (("veto", "stop") if a == "quarantine" else (a,)))
-                )
-                e.evidence = {**e.evidence, "quarantine": SOLO_QUARANTINE}
+            if e.detector in side.decided:
+                continue
+            chosen = side.translate(self, e, list(g.config.policy.actions_for(e.detector, e.verdict)))
             if "stop" in chosen and self.stop_reason is None:
-                self.stop_reason = (
-                    g.strikes.stop_reason(e) if g.strikes is not None else f"policy: {e.detector}: {e.verdict}"
-                )
+                self.stop_reason = side.stop_reason(e)
             e.action = ", ".join(chosen)
-            actions += [a for a in chosen if a not in actions]
+            actions += [a for a in chosen if a not in actions and a in PRIORITY]
+        extra = side.conclude(self, actions, events)
+        if side.stop and not stopped and "stop" not in actions:  # the world stopped: this step is void
+            self.stop_reason = self.stop_reason or side.stop
+            actions += ["stop"] + ([] if "veto" in actions or "rollback" in actions else ["veto"])
+            actions = [a for a in actions if a != "recompute"]
         if "rollback" in actions and g.ring.latest() is None:
             actions.remove("rollback")
-            actions.insert(0, "veto")
-        return Decision(actions, events, loss)
+            actions += [] if "veto" in actions else ["veto"]
+        return Decision(sorted(actions, key=PRIORITY.index), events, loss, extra)
 
     def act(self, decision: Decision, loop: Loop) -> Applied:
         """Apply the decision's actions (most decisive first), then record its events with what
@@ -323,7 +320,7 @@ class StepSession:
         self.acting = applied
         try:
             for e in decision.events + (decision.extra or []):
-                self.guard.record(e, world=self.guard.ranks is not None)
+                self.guard.record(e, world=self.guard.world.distributed)
         finally:
             self.acting = None
         if "stop" in names:
@@ -351,74 +348,53 @@ class StepSession:
             return None
         return grads, [x._version for x in grads], g.norms
 
-    def detect(self, loss: Any, abft_events: list[Event] | None = None) -> list[Event]:
-        """One fused pass over the gradients and one host sync decide the cheap detectors: the
-        global gradient norm is non-finite iff some gradient is (or overflowed), and only then
-        does the non-finite detector look closer."""
-        g, step = self.guard, self.step
-        events: list[Event] = list(abft_events or [])
-        if g.abft is not None and abft_events is None:
-            events += g.safe(lambda: g.abft.check(step), "abft")
-        if g.nonfinite is None and g.loss_spike is None and g.grad_spike is None:
-            return events
+    def detect(self, loss: Any, ran: Mapping[str, list[Event]] | None = None) -> list[Event]:
+        """The guard's detectors on the finished backward pass, in registry order, each through the
+        detector protocol (:mod:`sdcscope.detect.protocol`). The world values are computed once,
+        before the first detector that reads them (:meth:`world_view`); when they cannot be, those
+        detectors are skipped (an internal error says why). ``ran``: a detector's findings this
+        step, by name, when the caller already ran it."""
+        g = self.guard
+        base, world, valued = CheckView(self.step, loss, g.model), None, False
+        events: list[Event] = []
+        for name, detector in g.detectors.items():
+            if ran is not None and name in ran:
+                events += ran[name]
+                continue
+            view = base
+            if g.registrations[name].world_values:
+                if not valued:
+                    valued, world = True, self.world_view(base)
+                if world is None:  # the gradient norms failed (an internal error says so)
+                    continue
+                view = world
+            events += g.safe(lambda d=detector, v=view: d.check(v), name)
+        return events
+
+    def world_view(self, view: CheckView) -> CheckView | None:
+        """``view`` with the world values: one fused pass over the gradients and one host sync (a
+        collective in a sharded world); the global norm is non-finite iff some gradient is (or a
+        norm overflowed). None when the gradient norms fail."""
+        g, loss = self.guard, view.loss
         grads = g.safe(self.grad_state, "gradient norms", default=False)
         if grads is False:
-            return events
-        sq = grads.sq
+            return None
         lv = (
             loss.detach().reshape(())
             if isinstance(loss, torch.Tensor)
             else torch.as_tensor(math.nan if loss is None else loss, dtype=torch.float64).reshape(())
         )
-        if getattr(g.ranks, "sharded", False):  # sharded: the world-mean loss, the norm over every shard
-            loss_v, grad_sq = g.ranks.world_values(lv, grads)
-            grad_v = None if grad_sq is None else math.sqrt(grad_sq)
-        else:
-            parts = [lv.double()] if sq is None else [lv.to(sq.device, torch.float64), sq.sum()]
-            values = torch.stack(parts).tolist()  # the sync
-            loss_v, grad_v = values[0], (math.sqrt(values[1]) if len(values) > 1 else None)
+        loss_v, grad_sq = g.ranks.world_values(lv, grads)  # sharded: the world-mean loss, the norm over every shard
+        grad_v = None if grad_sq is None else math.sqrt(grad_sq)
         grads.total = grad_v  # read: the metrics take it from here
-        bad_loss = loss is not None and not math.isfinite(loss_v)
-        bad_grad = grad_v is not None and not math.isfinite(grad_v)
-        if g.nonfinite is not None and (bad_loss or bad_grad):
-            found = g.safe(lambda: g.nonfinite.check(step, loss), "nonfinite")
-            own = g.ranks is None or (  # sharded: the ranks whose own shards' norms overflowed say so
-                getattr(g.ranks, "sharded", False) and sq is not None and not bool(torch.isfinite(sq).all())
-            )
-            if bad_grad and own and not any(e.evidence.get("what") == "grad" for e in found):
-                # every gradient element is finite, but a gradient's norm overflowed its dtype (under
-                # DDP the rank guard's pre-reduction signatures, overflow-safe, name the rank)
-                names = {id(p): n for n, p in g.model.named_parameters()}
-                over = (
-                    []
-                    if sq is None
-                    else [
-                        names.get(id(self.params[i]), "")
-                        for i, v in zip(grads.idx, sq.tolist())
-                        if not math.isfinite(v)
-                    ]
-                )
-                found.append(
-                    Event(
-                        step,
-                        "nonfinite",
-                        "nonfinite",
-                        module=over[-1].rpartition(".")[0] or None if over else None,
-                        rank=g.rank,
-                        evidence={
-                            **({"params": over[-8:][::-1]} if over else {}),
-                            "what": "grad_norm",
-                            "value": grad_v,
-                            "note": "finite gradients whose norm overflows",
-                        },
-                    )
-                )
-            events += found
-        if g.loss_spike is not None and loss is not None:
-            events += g.safe(lambda: g.loss_spike.check(step, loss_v), "spike")
-        if g.grad_spike is not None and grad_v is not None:
-            events += g.safe(lambda: g.grad_spike.check(step, grad_v), "spike")
-        return events
+        return replace(
+            view,
+            loss_value=None if loss is None else loss_v,
+            grad_norm=grad_v,
+            grad_sq=grads.sq,
+            grad_names=tuple(self.names[i] for i in grads.idx),
+            own_overflow=grad_v is not None and not math.isfinite(grad_v) and g.ranks.own_overflow(grads.sq),
+        )
 
     # -- 3. the update -----------------------------------------------------------------------
     def before_update(self) -> None:
@@ -493,8 +469,7 @@ class StepSession:
         g = self.guard
         row = row or {}
         step = self.step
-        if g.ranks is not None:  # before the state checksums: a replica rollback restores state
-            g.ranks.end(step, verify=self.rolled_back_to is not None)
+        g.ranks.end(step, verify=self.rolled_back_to is not None)  # before the state checksums: a replica rollback
         if g.state is not None and (applied or self.restored() or not g.state.recorded):
             # only verified state becomes the reference: an update of state verified before it, a
             # restored snapshot; a discarded step left the state as recorded (a fault in it stays seen)

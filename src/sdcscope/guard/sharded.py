@@ -8,7 +8,9 @@ state checksums hash its local shards of the weights and Adam moments, the non-f
 reads its local gradient shards, and a rollback restores its own local shards (the snapshot
 ring holds them, nothing is gathered). Only what must be global is reduced, in one small gather
 a step: the world-mean loss and the global gradient norm (squared local norms summed over the
-shards, a replicated shard counted once). Then, per step, on every rank:
+shards, a replicated shard counted once, by the world's placement arithmetic). In the one
+decision loop (:meth:`StepSession.decide <sdcscope.guard.session.StepSession.decide>`) this
+side supplies, per step and on every rank:
 
 1. the ranks' findings are shared (one all-reduce of a count; an object gather only when there
    is something to share) -- so every rank holds the same list and takes the same actions;
@@ -16,14 +18,16 @@ shards, a replicated shard counted once). Then, per step, on every rank:
    collective: FSDP2 gathers, TP reduces); a finding the replay does not reproduce anywhere is
    ``transient`` and the clean re-execution is kept (``recompute``), one that comes back is
    ``reproducible``; a world finding (a spike of the global norm) names the rank whose replayed
-   gradients differ, when exactly one does;
+   gradients differ, when exactly one does, and a finding whose replay ABFT (escalated to every
+   GEMM by any finding) catches a GEMM on one rank names that rank and layer;
 3. the policy's actions apply on every rank. ``quarantine`` cannot exclude a rank that owns a
    shard nobody else holds: the guard stops cleanly instead (:attr:`ShardedRanks.stop`), the
    ledger names the device, and the engine exits with ``ExitCode.GUARD_STOPPED``. A site the
    ledger finds ``persistent`` (``strikes`` findings) stops the run the same way.
 
-Settings that cannot be guarded correctly over sharded parameters are refused before training,
-by name (:func:`check_sharded`).
+What a sharded world cannot run is in :data:`~sdcscope.common.world.SUPPORT`
+(:func:`~sdcscope.guard.world.fit_config`); ABFT targets it cannot check are refused by name
+(:func:`check_abft`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,14 +43,13 @@ import torch.distributed as dist
 from torch import nn
 
 from sdcscope.common.modules import CHANNELS_FIRST, weight_in_out
-from sdcscope.common.tensors import is_dtensor, local, shard_coords
+from sdcscope.common.world import World, is_dtensor, local, shard_coords
 from sdcscope.detect import Event
-from sdcscope.guard.actions import PRIORITY
 from sdcscope.guard.replay import replay_step
+from sdcscope.guard.world import WorldSide, apply_replay, finite_mean, recheckable
 from sdcscope.localize.ledger import LEDGER_FILE, Ledger, device_id
 
 if TYPE_CHECKING:
-    from sdcscope.guard.config import GuardConfig
     from sdcscope.guard.session import StepGrads, StepSession
 
 log = logging.getLogger("sdcscope.guard.sharded")
@@ -55,23 +57,7 @@ log = logging.getLogger("sdcscope.guard.sharded")
 WORLD_DETECTORS = ("spike",)
 """Detectors fed with world values (the global loss and gradient norm): every rank finds the same,
 so the world keeps one copy, about no rank until a replay names one."""
-UNSUPPORTED = {
-    "metrics": "per-step metrics read whole parameters and gradients; over shards they would be each "
-    "rank's partial values; set metrics: null",
-    "zclip": "ZClip clips by a gradient norm it computes itself, which over shards is each rank's own "
-    "norm (ranks would clip differently); set zclip: null and clip in before_step with a DTensor-aware "
-    "clip_grad_norm_",
-    "qk_clip": "each rank sees only its own heads' attention logits, and rescaling on some ranks would "
-    "split the shards; set qk_clip: null",
-    "invariants": "the invariant checker traces whole tensors in one process; drop invariants",
-}
-"""Guard settings refused over sharded parameters, and why."""
 STOP = "no rank can be excluded: each owns a shard no other rank holds"
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` holds DTensor parameters (FSDP2, tensor parallel, HSDP)."""
-    return any(is_dtensor(p) for p in model.parameters())
 
 
 def tensor_parallel_layers(model: nn.Module) -> list[str]:
@@ -121,10 +107,9 @@ def _tp_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and not weight_in_out(module)
 
 
-def check_sharded(config: GuardConfig, *, scaler: Any = None, ddp: Any = None, model: nn.Module | None = None) -> None:
-    """Refuse (ValueError, naming the setting) what the Guard cannot do correctly over sharded
-    parameters, before any step."""
-    tp = [] if model is None else abft_targets(model, config.abft)
+def check_abft(model: nn.Module, config: Any) -> None:
+    """Refuse (ValueError, naming the layers) ABFT targets of a tensor-parallel model it cannot check."""
+    tp = abft_targets(model, config)
     if tp:
         raise ValueError(
             f"guard abft cannot check tensor-parallel layers ({', '.join(tp[:4])}{', ...' if len(tp) > 4 else ''}): "
@@ -132,90 +117,34 @@ def check_sharded(config: GuardConfig, *, scaler: Any = None, ddp: Any = None, m
             "the GEMMs of these run inside DTensor's dispatch; leave them out with abft: {targets: [...]} "
             "or set abft: null"
         )
-    for name, why in UNSUPPORTED.items():
-        if getattr(config, name) is not None:
-            raise ValueError(f"guard {name} is not supported over sharded (DTensor) parameters: {why}")
-    if scaler is not None:
-        raise ValueError(
-            "Guard scaler= is not supported over sharded (DTensor) parameters: train in bf16 "
-            "(FSDP2's MixedPrecisionPolicy) instead of fp16 with a GradScaler"
-        )
-    if ddp is not None:
-        raise ValueError("a DDP wrapper around sharded (DTensor) parameters is not a topology the guard knows")
-    if config.ranks is None:
-        raise ValueError(
-            "guard ranks: null cannot watch a sharded run: every rank must take the same decision, "
-            "which the ranks section provides; give ranks: {} for the defaults"
-        )
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("a model with DTensor parameters needs an initialized torch.distributed process group")
-
-
-def sharded_rank(rank: int | None) -> int:
-    """This process's rank in the world (a given ``rank`` must be it)."""
-    own = dist.get_rank()
-    if rank is not None and rank != own:
-        raise ValueError(f"rank={rank!r} is not this process's rank {own} in the world")
-    return own
-
-
-def comm_device() -> torch.device:
-    """Where this world's collectives take their tensors: the current CUDA device under nccl."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def replicas(p: torch.Tensor, world: int) -> int:
-    """How many ranks hold the same values as this rank's part of ``p``: a DTensor's size of the
-    mesh dims it is replicated over (those it is sharded over split it); a plain tensor in a
-    sharded model (one tensor parallelism leaves alone) is alike on every rank."""
-    if not is_dtensor(p):
-        return world
-    mesh = p.device_mesh
-    n = 1
-    for dim, placement in enumerate(p.placements):
-        if placement.is_replicate():
-            n *= mesh.size(dim)
-    return n * (world // mesh.size())  # ranks outside the mesh hold their own copy
 
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _replica_key(params: list[torch.Tensor]) -> tuple:
-    """This rank's coordinates on the mesh dims its replicated parameters are split over (the
-    ranks sharing a key hold copies of the same shards)."""
-    key = []
-    for p in params:
-        if is_dtensor(p):
-            coord = p.device_mesh.get_coordinate() or []
-            key.append(tuple(c for c, pl in zip(coord, p.placements) if not pl.is_replicate()))
-    return tuple(key)
+class ShardedRanks(WorldSide):
+    """The Guard's sharded side: world values, shared findings and a replay every rank runs."""
 
+    detect_on_corrupt_state = True  # the detectors' world values are collectives: every rank runs them
 
-class ShardedRanks:
-    """The Guard's rank section over sharded parameters (``guard.ranks``; ``sharded`` is True)."""
-
-    sharded = True
-
-    def __init__(self, guard: Any, config: Any, *, run_dir: str | Path | None, ledger: str | Path | None) -> None:
-        self.guard = guard
+    def __init__(
+        self, guard: Any, world: World, config: Any, *, run_dir: str | Path | None, ledger: str | Path | None
+    ) -> None:
+        super().__init__(guard, world)
+        check_abft(guard.model, guard.config.abft)
         self.config = config
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.size = world.rank, world.size
         params = guard.session.params
+        self.weights = world.replica_weights(params)  # each replicated shard counted once
         self.named = dict(guard.model.named_parameters())
         # shards other ranks hold too (HSDP's replicate dim; a TP group's whole parameters), and
         # this rank's place among their holders: ranks with the same key must hold the same bits
-        self.replicated = [p for p in params if replicas(p, self.world) > 1]
-        self.keys: list[Any] = [None] * self.world
-        dist.all_gather_object(self.keys, _replica_key(self.replicated))
+        self.replicated = [p for p in params if world.replicas(p) > 1]
+        self.keys: list[Any] = [None] * self.size
+        dist.all_gather_object(self.keys, world.replica_key(self.replicated))
         self.carry: list[Event] = []
-        self.weights = torch.tensor([1.0 / replicas(p, self.world) for p in params], dtype=torch.float64)
-        self.quarantined: list[int] = []  # nothing can be excluded: the run stops instead
-        self.stop: str | None = None
-        """Why the guard stopped the run (None: it did not); the same on every rank."""
-        self.devices = [None] * self.world
+        self.persistent: set[int] = set()  # ids of this step's findings the ledger found persistent
+        self.devices = [None] * self.size
         dist.all_gather_object(self.devices, f"{device_id(next(iter(params)).device)}/rank{self.rank}")
         path = Path(ledger) if ledger is not None else Path(run_dir) / LEDGER_FILE if run_dir is not None else None
         self.ledger = Ledger(path, writer=self.rank == 0, entries=Ledger.read(path))
@@ -228,36 +157,37 @@ class ShardedRanks:
         if grads is not None and grads.sq is not None:
             w = self.weights[grads.idx].to(grads.sq.device)
             sq = (grads.sq * w).sum()
-        dev = comm_device()
-        row = torch.stack([loss.detach().to(dev, torch.float64).reshape(()), sq.to(dev)])
-        rows = [torch.zeros(2, dtype=torch.float64, device=dev) for _ in range(self.world)]
-        dist.all_gather(rows, row)
+        dev = self.world.comm_device()
+        rows = self.world.gather(torch.stack([loss.detach().to(dev, torch.float64).reshape(()), sq.to(dev)]))
         losses, sqs = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
-        loss_v = math.fsum(losses) / self.world if all(map(math.isfinite, losses)) else math.nan
         total = math.fsum(sqs) if all(map(math.isfinite, sqs)) else math.inf
-        return loss_v, (None if grads is None or grads.sq is None else total)
+        return finite_mean(losses), (None if grads is None or grads.sq is None else total)
+
+    def own_overflow(self, sq: torch.Tensor | None) -> bool:
+        """The ranks whose own shards' norms overflowed name the parameters."""
+        return sq is not None and not bool(torch.isfinite(sq).all())
 
     # -- the world's decision ----------------------------------------------------------------
-    def begin(self, step: int) -> None:
-        """Nothing to prepare: the shared values travel in :meth:`world_values` and :meth:`decide`."""
-
-    def share(self, local: list[Event]) -> list[Event]:
-        """Every rank's findings, in rank order, on every rank; world findings kept once."""
+    def share(self, session: StepSession, local_events: list[Event], rank_replay: Any) -> list[Event]:
+        """Every rank's findings, in rank order, on every rank; world findings kept once. A step
+        that ran on corrupted state somewhere is decided by the state alone: its other findings are
+        its consequences (the gradients reach every rank), and a replay would repeat them."""
+        local_events = list(local_events)
         if self.carry:  # the last replica check's findings: every rank holds them, rank 0 shares them
-            local = local + (self.carry if self.rank == 0 else [])
+            local_events += self.carry if self.rank == 0 else []
             self.carry = []
-        for e in local:  # name a stored shard in global coordinates too
+        for e in local_events:  # name a stored shard in global coordinates too
             if e.detector == "state_checksum":
                 tensor = str(e.evidence.get("tensor") or e.module or "").split(":")[0]
                 coords = shard_coords(self.named.get(tensor)) if tensor in self.named else None
                 if coords is not None:
                     e.evidence = {**e.evidence, "shard": coords}
-        count = torch.tensor([len(local)], dtype=torch.int64, device=comm_device())
+        count = torch.tensor([len(local_events)], dtype=torch.int64, device=self.world.comm_device())
         dist.all_reduce(count)
         if int(count) == 0:
             return []
-        lists: list[Any] = [None] * self.world
-        dist.all_gather_object(lists, [e.to_dict() for e in local])
+        lists: list[Any] = [None] * self.size
+        dist.all_gather_object(lists, [e.to_dict() for e in local_events])
         events = []
         for r, records in enumerate(lists):
             for d in records:
@@ -269,93 +199,52 @@ class ShardedRanks:
                 elif e.rank is None:
                     e.rank = r
                 events.append(e)
+        if any(e.detector == "state_checksum" for e in events):
+            events = [e for e in events if e.detector == "state_checksum"]
         return events
 
-    def decide(
-        self, session: StepSession, loss: Any, rerun: Any, local: list[Event]
-    ) -> tuple[list[str], list[Event], Any, list[Event]]:
-        """``(actions, most decisive first; the world's findings; the loss to report; the guard's
-        stop event, if it stops)``, the same on every rank. ``rerun()``: the step's forward and
-        backward again (a collective)."""
-        g, step = self.guard, session.step
-        events = self.share(local)
-        if not events:
-            return [], [], loss, []
-        if any(e.detector == "state_checksum" for e in events):
-            # the step ran on corrupted state somewhere: its other findings are its consequences
-            # (the gradients reach every rank), and a replay would repeat them; the state decides
-            events = [e for e in events if e.detector == "state_checksum"]
+    def replay(self, session: StepSession, events: list[Event], loss: Any, rerun: Any) -> Any:
+        """Every rank replays the step (a collective: FSDP2 gathers, TP reduces); the world's
+        verdict from every rank's replay; findings that name the same place once."""
         replay: dict[str, Any] = {}
-        if any(e.detector != "state_checksum" for e in events) and g.config.replay and rerun is not None:
-            recheckable = any(e.detector in ("abft", "nonfinite") for e in events)
-            replay, loss = self._replay(session, loss, rerun, recheckable)
-        actions: list[str] = []
+        if self.should_replay(events, rerun):
+            mine, loss = replay_step(session, loss, rerun, recheckable(events))
+            results: list[Any] = [None] * self.size
+            dist.all_gather_object(results, mine)
+            replay = world_replay(results)
+        apply_replay(events, replay)
+        seen: set[tuple] = set()
+        events[:] = [e for e in events if not ((key := (e.detector, e.rank, e.module)) in seen or seen.add(key))]
+        return loss
+
+    def judge(self, session: StepSession, events: list[Event]) -> None:
+        """The ledger's strikes per rank: a site it finds persistent stops the run."""
+        self.persistent = set()
         for e in events:
-            if e.detector != "state_checksum":
-                finding = e.verdict
-                e.verdict = replay.get("verdict", "unverified")
-                e.evidence = {**e.evidence, "finding": finding, **({"replay": replay} if replay else {})}
-                if e.rank is None and len(replay.get("differing_ranks", ())) == 1:
-                    e.rank = replay["differing_ranks"][0]  # a world finding: the rank whose replay differs
-                    e.module = e.module or replay["first_differing_grad"].get(str(e.rank))
-            chosen = []
-            for a in g.config.policy.actions_for(e.detector, e.verdict):
-                if a == "quarantine":
-                    self._stop(f"policy: {e.detector}: {e.verdict} on rank {e.rank}: {STOP}")
-                    a = "veto"
-                chosen += [a] if a not in chosen else []
             note = self._note(e)
             if note is not None and note.persistent and not self.stop:
-                self._stop(f"persistent fault at {note.site} on rank {e.rank} ({note.strikes} strikes): {STOP}")
-                chosen = ["veto"]
-            e.action = ", ".join(chosen)
-            actions += [a for a in chosen if a not in actions and a in PRIORITY]
-        extra = []
-        if self.stop:
-            actions = [a for a in actions if a != "recompute"] + ([] if "veto" in actions else ["veto"])
-            evidence = {"reason": self.stop, "ledger": None if self.ledger.path is None else str(self.ledger.path)}
-            extra.append(Event(step, "guard", "stopped", rank=None, evidence=evidence, action="stop"))
-        if "rollback" in actions and g.ring.latest() is None:
-            actions.remove("rollback")
-            actions += [] if "veto" in actions else ["veto"]
-        return sorted(actions, key=PRIORITY.index), events, loss, extra
+                self.halt(f"persistent fault at {note.site} on rank {e.rank} ({note.strikes} strikes): {STOP}")
+                self.persistent.add(id(e))
 
-    def _replay(self, session: StepSession, loss: Any, rerun: Any, recheckable: bool) -> tuple[dict, Any]:
-        """Every rank replays the step; the world's verdict from every rank's replay."""
-        mine, new_loss = replay_step(session, loss, rerun, recheckable)
-        results: list[Any] = [None] * self.world
-        dist.all_gather_object(results, mine)
-        differing = [r for r, x in enumerate(results) if x.get("differing_grads")]
-        if any(x["verdict"] == "unverified" for x in results):
-            verdict = "unverified"
-        elif any(x.get("replay_detections") for x in results):
-            verdict = "reproducible"
-        elif any(x["verdict"] == "transient" for x in results):
-            verdict = "transient"
-        else:
-            verdict = "reproducible"
-        replay = {
-            "verdict": verdict,
-            "ranks": {str(r): x["verdict"] for r, x in enumerate(results)},
-            "differing_ranks": differing,
-            "first_differing_grad": {
-                str(r): (results[r].get("first_differing_grad") or "").rpartition(".")[0] or None for r in differing
-            },
-            "replay_detections": sum(x.get("replay_detections", 0) for x in results),
-        }
-        if verdict == "reproducible":
-            replay["evidence"] = next((x["evidence"] for x in results if x.get("evidence")), None)
-        return replay, new_loss
+    def translate(self, session: StepSession, e: Event, chosen: list[str]) -> list[str]:
+        """``quarantine`` cannot exclude a rank that owns a shard nobody else holds: the run stops."""
+        if id(e) in self.persistent:
+            return ["veto"]
+        out: list[str] = []
+        for a in chosen:
+            if a == "quarantine":
+                self.halt(f"policy: {e.detector}: {e.verdict} on rank {e.rank}: {STOP}")
+                a = "veto"
+            out += [a] if a not in out else []
+        return out
+
+    def stop_evidence(self) -> dict[str, Any]:
+        return {"ledger": None if self.ledger.path is None else str(self.ledger.path)}
 
     def _note(self, e: Event):
-        if e.rank is None or not 0 <= e.rank < self.world:
+        if e.rank is None or not 0 <= e.rank < self.size:
             return None
         return self.ledger.note(self.devices[e.rank], e, rank=e.rank)
-
-    def _stop(self, why: str) -> None:
-        if self.stop is None:
-            self.stop = why
-            log.error("guard: stopping the run: %s", why)
 
     def end(self, step: int, *, verify: bool = False) -> None:
         """After the update, every ``hash_every`` steps: the replicas of a replicated shard (HSDP's
@@ -368,9 +257,7 @@ class ShardedRanks:
         mine = torch.stack(
             [local(p).detach().reshape(-1).view(_INT[p.element_size()]).sum(dtype=torch.int64) for p in self.replicated]
         )
-        mine = mine.to(comm_device())
-        rows = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(rows, mine)
+        rows = self.world.gather(mine)
         groups: dict[tuple, list[int]] = {}
         for r, key in enumerate(self.keys):
             groups.setdefault(key, []).append(r)
@@ -392,16 +279,29 @@ class ShardedRanks:
         self.ledger.save()
 
 
-def sharded_guard_config(config: GuardConfig, kind: str) -> GuardConfig:
-    """The engine's guard settings for ``--parallel kind`` (GPT workload): the sections refused
-    over shards (:data:`UNSUPPORTED`) switched off, each named in a log line. ABFT keeps its
-    targets: under tensor parallelism each rank checks the local GEMMs of the split linears, the
-    attention products of its own heads and the head."""
-    changes = {}
-    for name in UNSUPPORTED:
-        if getattr(config, name) is not None:
-            changes[name] = None
-            log.warning("guard %s is off under --parallel %s: %s", name, kind, UNSUPPORTED[name])
-    if config.ranks is None:
-        raise ValueError("guard ranks: null cannot watch a sharded run; give ranks: {} for the defaults")
-    return replace(config, **changes)
+def world_replay(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The world's replay evidence from every rank's (in rank order): ``unverified`` if any rank
+    could not replay, ``reproducible`` if any rank's checks fired again, ``transient`` if a rank's
+    results differed, else ``reproducible`` (an identical re-execution everywhere)."""
+    differing = [r for r, x in enumerate(results) if x.get("differing_grads")]
+    if any(x["verdict"] == "unverified" for x in results):
+        verdict = "unverified"
+    elif any(x.get("replay_detections") for x in results):
+        verdict = "reproducible"
+    elif any(x["verdict"] == "transient" for x in results):
+        verdict = "transient"
+    else:
+        verdict = "reproducible"
+    replay = {
+        "verdict": verdict,
+        "ranks": {str(r): x["verdict"] for r, x in enumerate(results)},
+        "differing_ranks": differing,
+        "first_differing_grad": {
+            str(r): (results[r].get("first_differing_grad") or "").rpartition(".")[0] or None for r in differing
+        },
+        "replay_detections": sum(x.get("replay_detections", 0) for x in results),
+        "caught": {str(r): x["detected_in"] for r, x in enumerate(results) if x.get("detected_in")},
+    }
+    if verdict == "reproducible":
+        replay["evidence"] = next((x["evidence"] for x in results if x.get("evidence")), None)
+    return replay

@@ -56,7 +56,7 @@ from torch import nn
 
 from sdcscope.common.graph import operand_grad_edge, weight_grad_edge
 from sdcscope.common.modules import CHANNELS_FIRST
-from sdcscope.common.tensors import is_dtensor, local, shard_coords
+from sdcscope.common.world import is_dtensor, local, rewrap, shard_coords
 from sdcscope.faults import FaultResult, FaultSpec
 from sdcscope.inject.optstate import element_state
 from sdcscope.inject.targets import Target, operand_channel_dims, primary_output
@@ -72,20 +72,6 @@ def _local_copy(t: torch.Tensor, memory_format: torch.memory_format = torch.pres
     return local(t).clone(memory_format=memory_format)
 
 
-def _like(values: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``values`` (this rank's part, as :func:`_local_copy` of ``t`` gives it) as a tensor like
-    ``t``: for a DTensor, wrapped with its mesh, placements and global shape, without a collective
-    (``run_check=False``); a plain tensor is itself."""
-    if not is_dtensor(t):
-        return values
-    from torch.distributed.tensor import DTensor
-
-    stride = t.stride()
-    if values.stride() != local(t).stride():  # a contiguous copy: the global tensor's contiguous strides
-        stride = tuple(math.prod(t.shape[d + 1 :]) for d in range(len(t.shape)))
-    return DTensor.from_local(values, t.device_mesh, t.placements, shape=t.shape, stride=stride, run_check=False)
-
-
 class _Replace(torch.autograd.Function):
     """Forward returns the faulty tensor bit for bit; backward passes the gradient straight
     through (the corruption happened after the operation that produced the value)."""
@@ -94,7 +80,7 @@ class _Replace(torch.autograd.Function):
     def forward(ctx, clean, faulty):  # noqa: D401
         # a new tensor, not an input: an in-place op after it (ReLU(inplace=True)) is fine; of a
         # DTensor, a copy of its local shard, rewrapped (no collective)
-        return _like(_local_copy(faulty), faulty)
+        return rewrap(_local_copy(faulty), faulty)
 
     @staticmethod
     def backward(ctx, grad):
@@ -143,7 +129,7 @@ class SiteHooks:
             faulty = _local_copy(tensor.detach())  # a DTensor's local shard: indices in shard coordinates
             shard = shard_coords(tensor)
             self._corrupt(i, spec, t, faulty, channel_dim=channel_dim, call=index, log=log, shard=shard)
-            return rebuild(_replaced(tensor, _like(faulty, tensor)))
+            return rebuild(_replaced(tensor, rewrap(faulty, tensor)))
 
         return hook
 
@@ -167,7 +153,7 @@ class SiteHooks:
                 err = F.linear(x, delta)
             else:  # the module's own padding (padding_mode 'circular', 'reflect', ... included)
                 err = module._conv_forward(x, delta, None)
-            return _replaced(output, _like(local(output.detach()) + err, output))
+            return _replaced(output, rewrap(local(output.detach()) + err, output))
 
         return hook
 
@@ -200,7 +186,7 @@ class SiteHooks:
                 view = faulty if is_dtensor(g) and faulty.numel() != math.prod(shape) else faulty.view(shape)
                 shard = shard_coords(g)
                 self._corrupt(i, spec, t, view, channel_dim=channel_dim, call=index, log=log, shard=shard)
-                faulty = _like(faulty, g)
+                faulty = rewrap(faulty, g)
                 return tuple(faulty if k == edge.index else gi for k, gi in enumerate(grad_inputs))
 
             edge.node.register_hook(corrupt)
@@ -229,7 +215,7 @@ class SiteHooks:
                     return None
                 faulty = _local_copy(g)  # a DTensor's local shard (no collective)
                 self._corrupt(i, spec, t, faulty, call=index, log=log, shard=shard_coords(g))
-                faulty = _like(faulty, g)
+                faulty = rewrap(faulty, g)
                 return tuple(faulty if k == at else gi for k, gi in enumerate(grad_inputs))
 
             node.register_hook(corrupt)

@@ -60,7 +60,7 @@ from torch import nn
 
 from sdcscope.common.graph import in_backward
 from sdcscope.common.io import JsonlWriter
-from sdcscope.common.tensors import local, shard_coords
+from sdcscope.common.world import local, shard_coords
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, FaultSpecError, apply_spec, fault_generator, fires
 from sdcscope.inject.hooks import MEMORY_SITES, SiteHooks
 from sdcscope.inject.targets import MODULE_SITES, UNREACHED, Target

@@ -23,8 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
+from sdcscope.common.world import world_of
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.actions import Applied
 
@@ -65,7 +64,7 @@ def open_guard(
     run_dir = Path(run_dir)
     m = config.metrics
     if m is not None and m.path is None and m.sink == "jsonl":
-        rank = 0 if ddp is None else dist.get_rank(ddp.process_group)
+        rank = world_of(model, ddp).rank
         path = run_dir / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl")
         config = dataclasses.replace(config, metrics=dataclasses.replace(m, path=str(path)))
     return Guard(model, optimizer, config, run_dir=run_dir, on_event=on_event, ddp=ddp).attach()
@@ -100,9 +99,7 @@ class GuardSession:
         self.open, self.discard, self.loss = True, False, None
         self.guard.safe(lambda: self.session.begin(step), "begin")
 
-    def decide(
-        self, loss: Any, rerun: Callable[[], Any] | None, rank_replay: Callable[[int], Any] | None = None
-    ) -> Any:
+    def check(self, loss: Any, rerun: Callable[[], Any] | None, rank_replay: Callable[[int], Any] | None = None) -> Any:
         """Check the finished backward, replay with ``rerun()`` (zero the gradients, run the
         step's forward and backward again, return its loss) if anything fired, and act on the
         policy's answer; returns the step's loss (a recompute's, if the replay was kept). Under
@@ -112,7 +109,7 @@ class GuardSession:
         if not self.open:
             return loss
         applied, self.loss = self.guard.safe(
-            lambda: s.check(loss, rerun, rank_replay=rank_replay), "decide", default=(Applied(), loss)
+            lambda: s.check(loss, rerun, rank_replay=rank_replay), "check", default=(Applied(), loss)
         )
         self.discard = applied.discarded
         if self.discard:

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from sdcscope.guard import Guard
 from sdcscope.inject import reexecution
-from sdcscope.localize.ranks import RankLocalizer
 
 __all__ = ["RankReplay"]
 
@@ -34,12 +33,12 @@ class RankReplay:
 
     ``run(batches)``: the step's forward and backward on the plain module over ``batches`` (the
     list :meth:`add` collected, possibly another rank's), returning the step's loss. The suspect
-    sends its micro-batches to the peer that replays it (the peer :class:`RankLocalizer` picks);
+    sends its micro-batches to the peers that replay it (the plan of :class:`~sdcscope.localize.ranks.RankLocalizer`);
     both sides of that exchange are in the replay calls the localizer makes, in the same order
     on every rank, so the point-to-point messages pair up."""
 
     def __init__(self, guard: Guard, run: Callable[[list[Any]], torch.Tensor]) -> None:
-        assert guard.ranks is not None, "RankReplay needs a Guard built with ddp="
+        assert guard.world.data_parallel, "RankReplay needs a Guard built with ddp="
         self.guard, self.run = guard, run
         self.batches: list[Any] = []
 
@@ -56,8 +55,7 @@ class RankReplay:
         group = rank_guard.localizer.group
         own = rank_guard.rank
         if rank == own:
-            peer = RankLocalizer.peer(rank, rank_guard.healthy())
-            if peer is not None:
+            for peer in rank_guard.localizer.plan.get(rank, []):  # the peers that replay this rank
                 dist.send_object_list([self.batches], dst=_global(group, peer), group=group)
             batches = self.batches
         else:

@@ -68,6 +68,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+from torch import nn
 
 try:
     from accelerate.optimizer import AcceleratedOptimizer
@@ -78,10 +79,10 @@ except ImportError as exc:
         "pip install 'sdcscope[transformers]'"
     ) from exc
 
-from torch.nn.parallel import DistributedDataParallel
 
+from sdcscope.common.world import is_ddp
 from sdcscope.guard import Guard, GuardConfig
-from sdcscope.guard.ranks import check_config
+from sdcscope.guard.world import fit_config
 from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
 from sdcscope.integrations.ddp import RankReplay
 from sdcscope.observe.eventlog import EventCounts
@@ -161,7 +162,7 @@ class SDCGuardCallback(TrainerCallback):
             self.guard.metrics.sinks.append(self._latest)
         self._session = GuardSession(self.guard)
         self._micro = []
-        self._replay = None if ddp is None else RankReplay(self.guard, self._replay_batches)
+        self._replay = RankReplay(self.guard, self._replay_batches) if self.guard.world.data_parallel else None
         self._patches.set(trainer, "training_step", self._wrap_training_step)
         self._patches.set(optimizer, "step", self._wrap_optimizer_step)
         self._patches.set(trainer, "log", self._wrap_log)
@@ -229,9 +230,9 @@ class SDCGuardCallback(TrainerCallback):
             earlier = [m[2] for m in self._micro[:-1]]
             total = torch.stack([*earlier, loss]).sum()
             if self._replay is not None:  # every rank decides together; the rank guard replays
-                clean = session.decide(total, None, self._replay)
+                clean = session.check(total, None, self._replay)
             else:
-                clean = session.decide(total, lambda: self._rerun(training_step))
+                clean = session.check(total, lambda: self._rerun(training_step))
             if clean is total:
                 return loss
             # the Trainer sums what training_step returns: make the step's sum the recomputed loss
@@ -291,13 +292,13 @@ def _check_supported(trainer: Trainer) -> None:
         )
 
 
-def _ddp(trainer: Trainer) -> DistributedDataParallel | None:
+def _ddp(trainer: Trainer) -> nn.Module | None:
     """The Trainer's DDP wrapper of its model in a data-parallel run (None in one process), checked
     when training begins (the Trainer wraps the model in ``train()``)."""
     if trainer.args.world_size <= 1:
         return None
     wrapped = trainer.model_wrapped
-    if not isinstance(wrapped, DistributedDataParallel) or wrapped.module is not trainer.model:
+    if not is_ddp(wrapped) or wrapped.module is not trainer.model:
         raise ValueError(
             f"SDCGuardCallback cannot guard this Trainer: world_size={trainer.args.world_size} but the "
             f"model is wrapped in {type(wrapped).__name__}, not a DistributedDataParallel of "
@@ -309,4 +310,4 @@ def _ddp(trainer: Trainer) -> DistributedDataParallel | None:
 def _check_distributed(trainer: Trainer, config: GuardConfig) -> None:
     """Guard settings that cannot run under DDP, refused before training (not on every rank later)."""
     if trainer.args.world_size > 1:
-        check_config(config)
+        fit_config(config, "ddp")

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
+from torch import nn
 
 try:
     import lightning.pytorch as pl
@@ -81,8 +81,9 @@ except ImportError:
             "'pytorch_lightning'): pip install 'sdcscope[lightning]'"
         ) from exc
 
+from sdcscope.common.world import is_ddp
 from sdcscope.guard import Guard, GuardConfig
-from sdcscope.guard.ranks import check_config
+from sdcscope.guard.world import fit_config
 from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
 from sdcscope.integrations.ddp import RankReplay
 from sdcscope.observe.eventlog import EventCounts
@@ -148,7 +149,7 @@ class SDCGuardCallback(pl.Callback):
             self.guard.metrics.sinks.append(self._latest)
         self._session = GuardSession(self.guard)
         self._module = pl_module
-        self._replay = None if ddp is None else RankReplay(self.guard, self._replay_batches)
+        self._replay = RankReplay(self.guard, self._replay_batches) if self.guard.world.data_parallel else None
         self._patches.set(pl_module, "optimizer_step", self._wrap_module_optimizer_step)
         self._patches.set(optimizer, "step", self._wrap_optimizer_step)
 
@@ -168,10 +169,10 @@ class SDCGuardCallback(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._replay is not None:  # every rank decides together; the rank guard replays
-            self._session.decide(self._loss, None, self._replay)
+            self._session.check(self._loss, None, self._replay)
             return
         replayable = self._closure is not None and trainer.accumulate_grad_batches == 1
-        self._session.decide(self._loss, self._rerun if replayable else None)
+        self._session.check(self._loss, self._rerun if replayable else None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch: Any, batch_idx: int) -> None:
         if trainer.loggers and not self._session.open:  # the step's update is done: log it
@@ -275,7 +276,7 @@ class SDCGuardCallback(pl.Callback):
         kinds = {c.__name__ for c in type(trainer.strategy).__mro__}
         name = type(trainer.strategy).__name__
         if "DDPStrategy" in kinds and "DeepSpeedStrategy" not in kinds:
-            check_config(self.config)
+            fit_config(self.config, "ddp")
         elif "SingleDeviceStrategy" not in kinds:
             why = (
                 "the parameters are sharded across ranks, and this callback guards whole replicas only"
@@ -302,12 +303,12 @@ def _muted(*args, **kwargs) -> None:
     """``LightningModule.log`` during a rank replay."""
 
 
-def _ddp(trainer, pl_module) -> DistributedDataParallel | None:
+def _ddp(trainer, pl_module) -> nn.Module | None:
     """The DDP strategy's wrapper of ``pl_module`` (None under a single-device strategy)."""
     if not any(c.__name__ == "DDPStrategy" for c in type(trainer.strategy).__mro__):
         return None
     wrapped = trainer.strategy.model
-    if not isinstance(wrapped, DistributedDataParallel) or wrapped.module is not pl_module:
+    if not is_ddp(wrapped) or wrapped.module is not pl_module:
         raise ValueError(
             f"SDCGuardCallback cannot guard this fit: strategy {type(trainer.strategy).__name__} wraps the "
             f"module in {type(wrapped).__name__}, not a DistributedDataParallel of the LightningModule"

@@ -5,6 +5,11 @@ local ranks (:mod:`sdcscope.jobs.torchrun`). SIGINT, SIGTERM and SIGHUP are forw
 ranks, which stop after the same step; the launcher waits for them (bounded) and raises
 :class:`~sdcscope.engine.run.Interrupted` with the run's summary.
 
+The job's exit code is the ranks' own, not torchrun's (torchrun exits 1 whatever its ranks said):
+each rank writes its code for the launcher (:data:`~sdcscope.jobs.torchrun.EXIT_CODES_ENV`), so a
+rank that refused the job makes it exit ``USER_ERROR``; ranks that ended cleanly after the guard
+stopped the run make it exit ``GUARD_STOPPED`` (:func:`job_code`).
+
 Nothing outlives the launcher: torchrun gets SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``
 on Linux) and every rank watches the launcher itself (:func:`sdcscope.jobs.torchrun.watch_launcher`).
 Once a rank has recorded a failure (``failure.rank{r}.json``: a peer died or hung), the ranks
@@ -30,14 +35,17 @@ from sdcscope.common.exitcodes import ExitCode
 from sdcscope.engine.dist import DistributedError, free_port
 from sdcscope.engine.run import Interrupted
 from sdcscope.engine.rundir import read_json, read_jsonl, write_json
-from sdcscope.jobs.torchrun import LAUNCHER_ENV, Job, check_job, save_job
+from sdcscope.jobs.torchrun import EXIT_CODES_ENV, LAUNCHER_ENV, Job, check_job, save_job
 
-__all__ = ["launch", "LAUNCHER_SIGNALS", "describe_failure", "FAILURE_FILE"]
+__all__ = ["launch", "LAUNCHER_SIGNALS", "describe_failure", "job_code", "FAILURE_FILE"]
 
 FAILURE_FILE = "failure.json"
 """The launcher's account of a failed job: every rank's state and what each failure file says."""
 FAILURE_GRACE_S = 3.0
 """Seconds the other ranks get to record their own failure once one rank has recorded one."""
+RANK_CODES = (ExitCode.USER_ERROR, ExitCode.STORAGE, ExitCode.INTERNAL)
+"""Rank exit codes that say what ended the job better than its peers' ``INFRASTRUCTURE`` (they
+lost the world because that rank left) or torchrun's 1."""
 _STATES = {
     "T": "stopped by a signal (SIGSTOP or a debugger)",
     "t": "stopped by a debugger",
@@ -158,14 +166,36 @@ def _record_failure(out: Path, ranks: dict[int, int], timeout_s: float | None) -
         write_json(out / FAILURE_FILE, {"message": line, "ranks": {str(k): v for k, v in fates.items()}})
 
 
+def job_code(rc: int, ranks: dict[int, int], out: Path) -> int:
+    """The exit code of a job whose torchrun ended with ``rc``, its ranks with ``ranks`` (rank ->
+    code, those that said): the lowest rank's code among :data:`RANK_CODES` when one failed so;
+    ``GUARD_STOPPED`` when every rank ended cleanly after the guard stopped the run; else ``rc``."""
+    if rc == 0:
+        return ExitCode.GUARD_STOPPED if _read_summary(out).get("outcome") == "stopped" else 0
+    telling = [code for _, code in sorted(ranks.items()) if code in RANK_CODES]
+    return ExitCode(telling[0]) if telling else rc
+
+
+def _rank_codes(folder: Path) -> dict[int, int]:
+    """The exit codes the ranks wrote in ``folder`` (:data:`~sdcscope.jobs.torchrun.EXIT_CODES_ENV`)."""
+    codes = {}
+    for path in folder.glob("rank*"):
+        with contextlib.suppress(OSError, ValueError):
+            codes[int(path.name.removeprefix("rank"))] = int(path.read_text())
+    return codes
+
+
 def describe_failure(out: Path, rc: int) -> tuple[int, str]:
-    """The exit code and the one line for a job that ended with exit code ``rc``: the launcher's
-    ``failure.json`` when it wrote one, else the first rank failure record, else the code alone."""
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # every rank stopped alike (sharded runs)
-        summary = read_json(out / "summary.json")
-        if summary["outcome"] == "stopped":
-            ledger = out / "ledger.json"
-            return ExitCode.GUARD_STOPPED, f"the guard stopped the run: {summary['stopped']} (ledger: {ledger})"
+    """The exit code and the one line for a job :func:`launch` ended with ``rc``: the guard's stop
+    (its reason names the rank and the site); a rank's own refusal, storage failure or bug (its
+    error is above); else the launcher's ``failure.json`` when it wrote one, the first rank failure
+    record, or the code alone."""
+    if rc == ExitCode.GUARD_STOPPED:
+        reason = _read_summary(out).get("stop_reason", "see summary.json")
+        return ExitCode.GUARD_STOPPED, f"the guard stopped the run: {reason} (ledger: {out / 'ledger.json'})"
+    if rc in RANK_CODES:
+        code = ExitCode(rc)
+        return code, f"a rank ended the job with exit code {int(code)} ({code.name}); its error is above"
     path = out / FAILURE_FILE
     with contextlib.suppress(OSError, ValueError):
         return ExitCode.INFRASTRUCTURE, f"{read_json(path)['message']} (details: {path})"
@@ -173,8 +203,7 @@ def describe_failure(out: Path, rc: int) -> tuple[int, str]:
     if records:
         rank = min(records)
         return ExitCode.INFRASTRUCTURE, f"{records[rank].get('error')} (details: {out / f'failure.rank{rank}.json'})"
-    code = ExitCode.USER_ERROR if rc == ExitCode.USER_ERROR else ExitCode.INFRASTRUCTURE
-    return code, f"distributed training failed (exit code {rc}); see the rank errors above"
+    return ExitCode.INFRASTRUCTURE, f"distributed training failed (exit code {rc}); see the rank errors above"
 
 
 def _signal(pid: int, signum: int) -> None:
@@ -241,7 +270,8 @@ def _read_summary(out: Path) -> dict[str, Any]:
 
 def launch(job: Job, *, timeout_s: float | None = None, grace_s: float = 30.0) -> int:
     """Validate ``job`` here (:func:`~sdcscope.jobs.torchrun.check_job`), then run it on its
-    ``nproc`` local ranks through torchrun; return its exit code (0 when every rank succeeded).
+    ``nproc`` local ranks through torchrun; return its exit code (:func:`job_code`: 0 when every
+    rank succeeded and the run was not stopped by the guard).
     Past ``timeout_s`` the ranks are terminated (torchrun forwards the signal) and
     :class:`DistributedError` is raised.
 
@@ -267,7 +297,9 @@ def launch(job: Job, *, timeout_s: float | None = None, grace_s: float = 30.0) -
             "sdcscope.jobs.torchrun",
             str(path),
         ]
-        env = {**os.environ, LAUNCHER_ENV: str(os.getpid())}
+        codes = Path(folder) / "exit"
+        codes.mkdir()
+        env = {**os.environ, LAUNCHER_ENV: str(os.getpid()), EXIT_CODES_ENV: str(codes)}
         with _held_signals() as stop:
             proc = subprocess.Popen(
                 cmd, start_new_session=stop is not None, env=env, preexec_fn=_die_with_parent if _linux() else None
@@ -293,6 +325,7 @@ def launch(job: Job, *, timeout_s: float | None = None, grace_s: float = 30.0) -
                 rc = _stop(proc, stop, grace_s) if stop else proc.returncode
                 if rc and not stop and not (job.out / FAILURE_FILE).exists() and _failures(job.out):
                     _record_failure(job.out, ranks, job.dist.timeout_s)
+                rc = job_code(rc, _rank_codes(codes), job.out)
             finally:
                 if proc.poll() is None:
                     proc.terminate()  # torchrun forwards it to the ranks

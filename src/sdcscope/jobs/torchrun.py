@@ -1,18 +1,23 @@
-"""The torchrun job: one data-parallel run with faults and a guard, run alike by every rank.
+"""The torchrun job: one distributed run (DDP or sharded, as its topology says) with faults and a
+guard, run alike by every rank.
 
 The launcher (:func:`sdcscope.jobs.launcher.launch`, behind ``sdcscope train --nproc N``) validates
-a :class:`Job` and saves it as a job file holding the resolved configs; every rank reads it::
+a :class:`Job` (its topology against the workload's model too) and saves it as a job file holding
+the resolved configs; every rank reads it::
 
     torchrun --nproc-per-node N -m sdcscope.jobs.torchrun JOB.json
 
-With a guard config every rank is watched by the Guard (:mod:`sdcscope.guard.ranks`); without
-one the rank guard alone (:mod:`sdcscope.mitigate.quarantine`) runs, unless ``crossrank`` is off.
+With a guard config every rank is watched by the Guard; without one, in a data-parallel world,
+the rank guard alone (:mod:`sdcscope.mitigate.quarantine`) runs, unless ``crossrank`` is off.
+Each rank logs (the guard's events among its lines) on stderr at the launcher's verbosity, every
+line naming the rank, and tells the launcher its exit code (:data:`EXIT_CODES_ENV`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import signal
 import sys
@@ -27,16 +32,16 @@ import torch
 import torch.distributed as dist
 
 from sdcscope.common.exitcodes import ExitCode
+from sdcscope.common.world import unsupported
 from sdcscope.engine import TrainConfig, check_new_run_dir
-from sdcscope.engine.ddp import DDPRun
 from sdcscope.engine.dist import DistConfig, DistributedError, init_distributed, leave_world
-from sdcscope.engine.parallel import ParallelConfig, ParallelRun
+from sdcscope.engine.distrun import DistRun, failure, is_comm_error
 from sdcscope.engine.run import Interrupted, stop_requests
 from sdcscope.engine.rundir import CheckpointPolicy, read_json, write_json
+from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import Guard, GuardConfig
-from sdcscope.guard.ranks import check_config
-from sdcscope.guard.sharded import sharded_guard_config
+from sdcscope.guard.world import fit_config
 from sdcscope.jobs.assemble import check_faults, guard_trainer
 from sdcscope.workloads import WorkloadConfig, make_workload
 
@@ -51,10 +56,14 @@ __all__ = [
     "main",
     "watch_launcher",
     "LAUNCHER_ENV",
+    "EXIT_CODES_ENV",
 ]
 
 LAUNCHER_ENV = "SDCSCOPE_LAUNCHER_PID"
 """The launcher's pid, in every rank's environment: a rank outlives neither it nor torchrun."""
+EXIT_CODES_ENV = "SDCSCOPE_EXIT_CODES"
+"""A folder where each rank writes its exit code (file ``rank{r}``): torchrun itself exits 1 on any
+rank's failure, so the launcher reads there what the ranks said (a refused job: ``USER_ERROR``)."""
 
 
 @dataclass
@@ -73,8 +82,10 @@ class Job:
     hash_every: int | None = None
     ledger: Path | None = None
     guard: GuardConfig | None = None
-    parallel: ParallelConfig | None = None
-    """How the model is split (:mod:`sdcscope.engine.parallel`); None: DDP."""
+    parallel: Topology = field(default_factory=Topology)
+    """How the run is laid over its ranks (:mod:`sdcscope.engine.topology`; default: DDP)."""
+    log_level: str = "WARNING"
+    """The ranks' logging level: the launcher's verbosity (``-v``, ``-q``)."""
     checkpoints: CheckpointPolicy | None = None
     """A sharded run's periodic checkpoints (None: the policy's defaults)."""
     resume: bool = False
@@ -97,7 +108,8 @@ class Job:
             "hash_every": self.hash_every,
             "ledger": None if self.ledger is None else str(self.ledger),
             "guard": None if self.guard is None else self.guard.to_dict(),
-            "parallel": None if self.parallel is None else self.parallel.to_dict(),
+            "parallel": self.parallel.to_dict(),
+            "log_level": self.log_level,
             "checkpoints": None if self.checkpoints is None else asdict(self.checkpoints),
             "resume": self.resume,
         }
@@ -116,14 +128,16 @@ class Job:
             hash_every=d["hash_every"],
             ledger=None if d["ledger"] is None else Path(d["ledger"]),
             guard=None if d["guard"] is None else GuardConfig.from_dict(d["guard"]),
-            parallel=None if d.get("parallel") is None else ParallelConfig(**d["parallel"]),
+            parallel=Topology(**d["parallel"]) if d.get("parallel") else Topology(),
+            log_level=d.get("log_level", "WARNING"),
             checkpoints=None if d.get("checkpoints") is None else CheckpointPolicy(**d["checkpoints"]),
             resume=bool(d.get("resume", False)),
         )
 
 
-class GuardStopped(RuntimeError):
-    """The guard stopped a sharded run (a fault on a rank that owns a shard nobody else holds)."""
+def _launcher_level() -> str:
+    """The verbosity the launcher logs at (its ``sdcscope`` logger's level), for the ranks."""
+    return logging.getLevelName(logging.getLogger("sdcscope").getEffectiveLevel())
 
 
 def _check_ranks(specs: Sequence[FaultSpec], world_size: int) -> None:
@@ -145,34 +159,39 @@ def make_job(
     crossrank: bool = True,
     hash_every: int | None = None,
     ledger: str | Path | None = None,
-    parallel: ParallelConfig | None = None,
+    parallel: Topology | None = None,
     checkpoints: CheckpointPolicy | None = None,
+    log_level: str | None = None,
 ) -> Job:
     """A validated :class:`Job` for ``nproc`` ranks; raises ValueError before anything is started.
 
-    ``hash_every``: the replica hash check every N steps (0: off; None: the rank guard's default);
-    ``ledger``: a device ledger shared across jobs (default: ``out/ledger.json``); ``checkpoints``:
-    the periodic checkpoints of a sharded run (a DDP run saves one at the end)."""
+    ``parallel``: the topology (None: DDP), checked against ``nproc`` here and against the
+    workload's model by :func:`check_job`; ``hash_every``: the replica hash check every N steps
+    (0: off; None: the rank guard's default); ``ledger``: a device ledger shared across jobs
+    (default: ``out/ledger.json``); ``checkpoints``: the periodic checkpoints of a sharded run (a
+    DDP run saves one at the end); ``log_level``: the ranks' (None: this process's verbosity)."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r} must be an integer >= 1")
     if steps < 0:
         raise ValueError(f"--steps {steps} must be >= 0")
     if hash_every is not None and hash_every < 0:
         raise ValueError(f"hash_every={hash_every} must be >= 0")
-    sharded = parallel is not None and parallel.kind != "ddp"
-    if sharded:
-        parallel.check(nproc, workload or WorkloadConfig())
-        if train is not None and train.eval_every:
-            raise ValueError(f"--eval-every with --parallel {parallel.kind}: a sharded run evaluates once, at the end")
+    topology = parallel or Topology()
+    topology.check(nproc)
+    sharded = topology.sharded
+    kind = topology.world_kind
+    if train is not None and train.eval_every and (why := unsupported("train.eval_every", kind)):
+        raise ValueError(f"--eval-every with --parallel {topology.kind}: {why}; drop --eval-every")
+    if any(s.site == "comm" for s in specs) and (why := unsupported("fault.comm", kind)):
+        raise ValueError(f"faults of site 'comm' under --parallel {topology.kind}: {why}")
     if guard is not None and sharded:
-        guard = sharded_guard_config(guard, parallel.kind)
+        guard = fit_config(guard, "sharded")
     elif guard is not None:
         if not crossrank:
             raise ValueError(
                 "a guard needs the cross-rank checks (every rank must take the same decision); drop crossrank=False"
             )
-        guard = copy.deepcopy(guard)
-        check_config(guard)
+        guard = copy.deepcopy(fit_config(guard, "ddp"))
         if hash_every is not None:
             guard.ranks.hash_every = hash_every
     specs = list(specs)
@@ -191,7 +210,8 @@ def make_job(
         hash_every=hash_every,
         ledger=None if ledger is None else Path(ledger),
         guard=guard,
-        parallel=parallel if sharded else None,
+        parallel=topology,
+        log_level=log_level or _launcher_level(),
         checkpoints=checkpoints if sharded else None,
     )
 
@@ -225,7 +245,7 @@ def resume_job(
             f"is resumed on several ranks; this one is {'a DDP' if world != 1 else 'a single-process'} run"
         )
     try:
-        pcfg = ParallelConfig(**recorded)
+        pcfg = Topology(**recorded)
         wcfg, tcfg = WorkloadConfig(**config["workload"]), TrainConfig(**config["train"])
         specs = [FaultSpec.from_dict(d) for d in config.get("faults") or []]
         guard = GuardConfig.from_dict(config["guard"]) if config.get("guard") else None
@@ -253,6 +273,7 @@ def resume_job(
         hash_every=config.get("hash_every"),
         guard=guard,
         parallel=pcfg,
+        log_level=_launcher_level(),
         checkpoints=checkpoints,
         resume=True,
     )
@@ -274,9 +295,12 @@ def load_job(path: str | Path, world_size: int) -> Job:
 
 
 def check_job(job: Job) -> None:
-    """Validate the fault specs and the guard's target patterns (ABFT, metrics) against the model,
-    as every rank will (without a world), so a mistake is refused before any rank starts."""
+    """Validate the topology (the workload's parallelize plan and shapes: heads and MLP width
+    divisible by the tensor-parallel degree), the fault specs and the guard's target patterns
+    (ABFT, metrics) against the model, as every rank will (without a world), so a mistake is
+    refused before any rank starts."""
     workload = make_workload(job.workload)
+    job.parallel.check(job.nproc, workload)
     torch.manual_seed(job.train.seed)
     model = workload.build_model()
     optimizer = workload.build_optimizer(model)
@@ -292,62 +316,42 @@ def check_job(job: Job) -> None:
 
 
 def run_job(job: Job, stop: list[int] | None = None) -> dict[str, Any]:
-    """Run ``job`` on this rank (the process group must be initialized); ``stop``: see :meth:`DDPRun.train`."""
+    """Run ``job`` on this rank (the process group must be initialized); ``stop``: see
+    :meth:`DistRun.train`. Returns the run's summary on rank 0 (``{}`` elsewhere); a guard that
+    stopped the run ends it on every rank after the same step, with outcome ``stopped``."""
     extra = {
         "crossrank": job.crossrank,
         "hash_every": job.hash_every,
         "guard": None if job.guard is None else job.guard.to_dict(),
     }
-    if job.parallel is not None:
-        return _run_sharded(job, extra, stop)
-    run = DDPRun(job.out, job.workload, job.train, specs=job.specs, dist_config=job.dist, extra_config=extra)
-    if not job.crossrank:
-        return run.train(job.steps, stop=stop)
-    if job.guard is not None:
-        guard = guard_trainer(run.trainer, job.guard, ddp=run.trainer.ddp, run_dir=job.out, ledger=job.ledger)
-        callback = guard.callback()
-    else:
-        from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
-
-        config = RankGuardConfig() if job.hash_every is None else RankGuardConfig(hash_every=job.hash_every)
-        guard = callback = RankGuard(
-            run.trainer.ddp, run.trainer.optimizer, run_dir=job.out, ledger=job.ledger, config=config
-        )
-    try:
-        return run.train(job.steps, callbacks=[callback], stop=stop)
-    finally:
-        guard.close()
-
-
-def _run_sharded(job: Job, extra: dict[str, Any], stop: list[int] | None) -> dict[str, Any]:
-    """A sharded job (FSDP2, TP, FSDP×TP, HSDP); raises :class:`GuardStopped` when its guard stopped it."""
-    run = ParallelRun(
+    run = DistRun(
         job.out,
         job.workload,
         job.train,
-        parallel=job.parallel,
+        topology=job.parallel,
         specs=job.specs,
         dist_config=job.dist,
         extra_config=extra,
         checkpoints=job.checkpoints,
         resume=job.resume,
     )
-    guard = callbacks = None
+    watch: Any = None
     if job.guard is not None:
-        guard = guard_trainer(run.trainer, job.guard, run_dir=job.out, ledger=job.ledger)
-        run.guard_stop = lambda: guard.ranks.stop
+        guard = guard_trainer(run.trainer, job.guard, ddp=run.trainer.ddp, run_dir=job.out, ledger=job.ledger)
         run.certify = lambda: bool(guard.state_verified)
-        callbacks = [guard.callback(run.trainer)]
+        watch, callback = guard, guard.callback(run.trainer)
+    elif job.crossrank and run.trainer.world.data_parallel:  # the rank guard alone: DDP's bucket hook
+        from sdcscope.mitigate.quarantine import RankGuard, RankGuardConfig
+
+        config = RankGuardConfig() if job.hash_every is None else RankGuardConfig(hash_every=job.hash_every)
+        watch = callback = RankGuard(
+            run.trainer.ddp, run.trainer.optimizer, run_dir=job.out, ledger=job.ledger, config=config
+        )
     try:
-        try:
-            return run.train(job.steps, callbacks=callbacks or [], stop=stop)
-        except Interrupted:
-            if run.stopped:
-                raise GuardStopped(run.stopped) from None
-            raise
+        return run.train(job.steps, callbacks=[] if watch is None else [callback], stop=stop)
     finally:
-        if guard is not None:
-            guard.close()
+        if watch is not None:
+            watch.close()
 
 
 def _gone(pid: int, fd: int | None) -> bool:
@@ -395,21 +399,52 @@ def watch_launcher(grace_s: float = 5.0, poll_s: float = 0.2) -> threading.Threa
     return thread
 
 
+def configure_logging(level: str, rank: int | str) -> None:
+    """This rank's log lines (one WARNING per guard event among them) on stderr at ``level``, each
+    naming the rank: the launcher configures only its own process's logging."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(levelname)s rank {rank} %(name)s: %(message)s"))
+    logger = logging.getLogger("sdcscope")
+    logger.setLevel(level)  # a name: ValueError when unknown
+    logger.addHandler(handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m sdcscope.jobs.torchrun JOB.json`` on every rank; exit code 0, 2 (usage) or
-    5 (:data:`ExitCode.INFRASTRUCTURE`: the world could not form or was lost).
+    """``python -m sdcscope.jobs.torchrun JOB.json`` on every rank; exit code 0 (trained: the
+    outcome, ``stopped`` by the guard among them, is in summary.json), 2 (a job or spec this rank
+    refuses), 5 (:data:`ExitCode.INFRASTRUCTURE`: the world could not form or was lost), 6 (a write
+    the storage refused), 1 (a bug: its traceback is printed). The code is also written under
+    :data:`EXIT_CODES_ENV` when the launcher names a folder there.
 
     SIGINT or SIGTERM stops every rank after the same step (summary outcome ``interrupted``); the
     ranks then exit 0 without a word (the launcher reports it); a second signal acts at once.
-    A rank whose launcher dies stops too (:func:`watch_launcher`)."""
+    A guard's stop ends every rank after the same step too, cleanly. A rank whose launcher dies
+    stops too (:func:`watch_launcher`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    with stop_requests() as stop:  # from here on, also while the world forms
-        if LAUNCHER_ENV in os.environ:
-            grace = 5.0
-            with contextlib.suppress(Exception):
-                grace = min(grace, float(read_json(argv[0])["dist"]["timeout_s"]) / 2)
-            watch_launcher(grace)
-        return _main(argv, stop)
+    code: int = ExitCode.INTERNAL  # what escapes below is a bug
+    try:
+        with stop_requests() as stop:  # from here on, also while the world forms
+            if LAUNCHER_ENV in os.environ:
+                grace = 5.0
+                with contextlib.suppress(Exception):
+                    grace = min(grace, float(read_json(argv[0])["dist"]["timeout_s"]) / 2)
+                watch_launcher(grace)
+            code = _main(argv, stop)
+    finally:
+        _tell_launcher(code)
+    return code
+
+
+def _tell_launcher(code: int) -> None:
+    """Write this rank's exit code where the launcher reads it (:data:`EXIT_CODES_ENV`)."""
+    folder = os.environ.get(EXIT_CODES_ENV)
+    if folder:
+        with contextlib.suppress(OSError):
+            (Path(folder) / f"rank{os.environ.get('RANK', '0')}").write_text(str(int(code)))
+
+
+def _loss(value: Any) -> str:
+    return format(value, ".4f") if isinstance(value, float) else str(value)
 
 
 def _main(argv: list[str], stop: list[int]) -> int:
@@ -417,9 +452,10 @@ def _main(argv: list[str], stop: list[int]) -> int:
         if len(argv) != 1:
             raise ValueError(f"usage: python -m sdcscope.jobs.torchrun JOB.json (got {' '.join(argv) or 'nothing'})")
         job = load_job(argv[0], int(os.environ.get("WORLD_SIZE", "1")))
+        configure_logging(job.log_level, os.environ.get("RANK", "0"))
     except (ValueError, TypeError, KeyError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     try:
         rank, _ = init_distributed(job.dist)
     except DistributedError as exc:
@@ -433,31 +469,25 @@ def _main(argv: list[str], stop: list[int]) -> int:
         except Interrupted:  # every rank stopped after the same step; rank 0 saved the summary
             dist.barrier()
             return 0
-        except GuardStopped as exc:  # the guard stopped every rank after the same step; ledger written
-            dist.barrier()
-            if rank == 0:
-                print(f"stopped by the guard: {exc}; run directory: {job.out}", file=sys.stderr)
-            return int(ExitCode.GUARD_STOPPED)
         dist.barrier()  # leave together (see sdcscope.engine.dist.spawn)
         if rank == 0:
             print(
                 f"{summary['outcome']} after {summary['steps']} steps on {summary['world_size']} ranks: "
-                f"train loss {summary['final_train_loss']:.4f}, val loss {summary['final_val_loss']:.4f}, "
+                f"train loss {_loss(summary['final_train_loss'])}, val loss {_loss(summary['final_val_loss'])}, "
                 f"replicas identical: {summary['replicas_identical']}; run directory: {job.out}"
+                + (f"; stopped by the guard: {summary['stop_reason']}" if summary.get("stop_reason") else "")
             )
         return 0
     except (ValueError, TypeError) as exc:  # a spec that does not fit the model: same on every rank
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     except DistributedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.INFRASTRUCTURE
     except RuntimeError as exc:  # a collective failed outside the training loop (the final barrier)
-        from sdcscope.engine.ddp import _failure, _is_comm_error
-
-        if not _is_comm_error(exc):
+        if not is_comm_error(exc):
             raise
-        print(f"error: {_failure(job.out, rank, -1, exc)}", file=sys.stderr)
+        print(f"error: {failure(job.out, rank, -1, exc)}", file=sys.stderr)
         return ExitCode.INFRASTRUCTURE
     except OSError as exc:  # a write the storage refused: the same one line as a single run's
         from sdcscope.common.storage import storage_cause

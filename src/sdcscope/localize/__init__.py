@@ -7,8 +7,9 @@ to the reference (Ma et al.'s computation synchronization). ``replica(model)`` m
 float64 copy for a recomputation-in-higher-precision reference.
 
 Across data-parallel ranks, :class:`RankLocalizer` replays a suspect rank's step on itself and on
-a peer (transient, persistent, or the data's doing) and :class:`RankLedger` keeps every
-suspicion per device.
+peers that are no suspects where possible (transient, persistent, or the data's doing; with three or
+more ranks only a majority of peers convicts, :mod:`sdcscope.localize.verdicts`) and
+:class:`RankLedger` keeps every suspicion per device.
 """
 
 from sdcscope.localize.compare import TensorDiff, diff

@@ -2,18 +2,29 @@
 
 :class:`RankLocalizer` answers a cross-rank alarm the way Megatron's rerun state machine does,
 but in-job and without a checkpoint/restart: the suspect rank re-computes its own local gradient
-of the step, and a healthy **peer** re-computes the suspect's micro-batches (a pure function of
-seed, step and rank, see :mod:`sdcscope.engine.dist`). Each
-replay's per-parameter signatures are compared with what the suspect sent before the reduction:
+of the step, and healthy **peers** re-compute the suspect's micro-batches (a pure function of
+seed, step and rank, see :mod:`sdcscope.engine.dist`). Each replay's per-parameter signatures are
+compared with what the suspect sent before the reduction:
 
 =====================  ===================  =====================================================
-peer reproduces it      suspect reproduces   verdict
+peers reproduce it      suspect reproduces   verdict
 =====================  ===================  =====================================================
-yes                     --                   ``correct_result``: the data says so (not the device)
-no                      yes                  ``persistent``: this device computes it wrong, again
-no                      no                   ``transient``: a one-off fault on this device
+a peer does             --                   ``correct_result``: the data says so (not the device)
+no (a majority)         yes                  ``persistent``: this device computes it wrong, again
+no (a majority)         no                   ``transient``: a one-off fault on this device
 no healthy peer         --                   ``unverified``
 =====================  ===================  =====================================================
+
+A peer is never a suspect while a healthy rank free of suspicion is left, and with **three or
+more** healthy ranks two peers replay each suspect (:func:`~sdcscope.localize.verdicts.replay_peers`):
+a faulty peer's replay is then one vote, not a verdict. A suspect is convicted (``persistent``,
+``transient``) only by a majority -- two peers free of doubt whose replays agree with each other
+and not with what it sent -- or by its own replay not reproducing what it sent; short of that a
+clean peer's disagreement is ``unverified`` (a suspicion) and an accusation by peers in doubt
+alone is ``cleared`` (:func:`~sdcscope.localize.verdicts.judge_replays`). When a finding about the
+world makes every rank a candidate, every other rank is a suspect: the peers are the least
+doubtful ones, the event says so (``peers_suspected``), and the majority rule is what keeps a
+faulty peer from convicting a healthy rank.
 
 With **two** healthy replicas each one's peer is the other, and a peer's replay is symmetric
 evidence: a faulty replayer accuses its healthy peer just as a healthy one accuses a faulty peer.
@@ -24,8 +35,7 @@ counts only when that peer holds no such evidence against itself; a suspect accu
 peer alone is ``cleared`` (its own replay reproduces its gradient and nothing of its own speaks
 against it), or ``unverified`` when it holds evidence against itself too. Two replicas whose own
 evidence is clean and whose replays accuse each other are ``ambiguous``: which one is faulty
-cannot be told, and :class:`~sdcscope.mitigate.quarantine.RankGuard` quarantines neither. With
-three or more replicas the peer is not the only witness and the table stands as it is.
+cannot be told, and :class:`~sdcscope.mitigate.quarantine.RankGuard` quarantines neither.
 
 By default the bits decide (each bucket's bit checksum must match: CPU training is
 deterministic) and the per-parameter norms name the parameters inside a differing bucket;
@@ -45,8 +55,9 @@ carried into a later job keeps it so.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,27 +71,36 @@ from sdcscope.detect.events import Event
 from sdcscope.detect.signatures import MOD32, Gathered, grad_signatures
 from sdcscope.engine.dist import gather_rows
 from sdcscope.localize.ledger import LEDGER_FILE, SUSPICIONS, Ledger, LedgerConfig, device_id
+from sdcscope.localize.verdicts import (
+    NOT_ACCUSED,
+    SELF_EVIDENCE,
+    VERDICTS,
+    Replays,
+    judge_replays,
+    own_evidence,
+    replay_peers,
+    settle_two_replicas,
+)
 
 __all__ = [
     "LEDGER_FILE",
+    "NOT_ACCUSED",
+    "SELF_EVIDENCE",
     "SUSPICIONS",
     "VERDICTS",
     "LedgerConfig",
     "LocalizeConfig",
     "RankLedger",
     "RankLocalizer",
+    "Replays",
     "device_id",
+    "judge_replays",
     "own_evidence",
+    "replay_peers",
     "settle_two_replicas",
 ]
 
-VERDICTS = ("correct_result", "transient", "persistent", "unverified", "cleared", "ambiguous")
-"""What :meth:`RankLocalizer.diagnose` can say about a suspect (``cleared`` and ``ambiguous`` only
-with two healthy replicas: :func:`settle_two_replicas`)."""
-NOT_ACCUSED = ("correct_result", "cleared")
-"""Verdicts that accuse nobody: the suspect is no suspicion of its device."""
-SELF_EVIDENCE = ("abft", "state_checksum", "nonfinite")
-"""Detectors whose finding a rank makes on its own computation, without a peer."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -100,7 +120,7 @@ def _module(param: str) -> str:
 
 
 class RankLocalizer:
-    """Replays a suspect rank's step on itself and on a peer (a collective: call on every rank)."""
+    """Replays a suspect rank's step on itself and on peers (a collective: call on every rank)."""
 
     name = "rank_replay"
 
@@ -113,13 +133,9 @@ class RankLocalizer:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-
-    @staticmethod
-    def peer(rank: int, healthy: Sequence[int]) -> int | None:
-        """The next healthy rank after ``rank`` (cyclically), ``None`` when there is none."""
-        others = sorted(r for r in healthy if r != rank)
-        after = [r for r in others if r > rank]
-        return (after or others)[0] if others else None
+        self.plan: dict[int, list[int]] = {}
+        """The peers that replay each suspect of the diagnosis under way (set before its first
+        replay, the same on every rank): a replay that ships a suspect's batches reads it."""
 
     def _signatures(self, buckets: list[list[int]]) -> torch.Tensor:
         """``[norms, bucket checksums]`` of ``.grad``, laid out as the detector sent them."""
@@ -141,30 +157,67 @@ class RankLocalizer:
     ) -> list[Event]:
         """Verdicts for ``suspects`` at ``step``. ``reported``: the signatures every rank sent;
         ``replay(r)``: recompute rank r's local gradient of this step into ``.grad`` on this rank
-        (e.g. :meth:`sdcscope.engine.ddp.DDPTrainer.local_gradients`); ``against_self``: each rank's
-        rank-local evidence against itself (:func:`own_evidence`), which decides first when two
-        healthy replicas are each other's only peer (:func:`settle_two_replicas`)."""
-        p = len(self.names)
-        peers = {s: self.peer(s, healthy) for s in suspects}
-        row = torch.full((2 * len(suspects) * 2 * p,), math.nan, dtype=torch.float64)
+        (e.g. the engine trainer's ``local_gradients``); ``against_self``: each rank's rank-local
+        evidence against itself (:func:`own_evidence`): such a rank replays others last and its
+        replay is no vote, and with two healthy replicas it decides first
+        (:func:`settle_two_replicas`). Each rank replays only what it is a replayer of; the
+        signatures travel in one gather."""
+        own = {r: list(v) for r, v in (against_self or {}).items() if v}
+        self.plan = {s: replay_peers(s, healthy, suspects, own) for s in suspects}
+        suspected = sorted({s for s, peers in self.plan.items() if set(peers) & set(suspects)})
+        if suspected:
+            log.info(
+                "rank replay at step %d: no rank free of suspicion is left to replay rank(s) %s; their "
+                "peers are suspects too, so only a majority of peers without evidence against "
+                "themselves convicts (replays: %s)",
+                step,
+                suspected,
+                self.plan,
+            )
+        width = 2 * len(self.names)
+        slots = 1 + max((len(v) for v in self.plan.values()), default=0)
+        row = torch.full((len(suspects) * slots * width,), math.nan, dtype=torch.float64)
         saved = [q.grad for q in self.params]
         try:
             for i, s in enumerate(suspects):
-                for slot, who in ((2 * i, s), (2 * i + 1, peers[s])):
+                for j, who in enumerate([s, *self.plan[s]]):
                     if who == self.rank:
                         replay(s)
-                        row[slot * 2 * p : (slot + 1) * 2 * p] = self._signatures(reported.buckets)
+                        at = (i * slots + j) * width
+                        row[at : at + width] = self._signatures(reported.buckets)
         finally:
             for q, g in zip(self.params, saved):
                 q.grad = g
         rows = gather_rows(row.to(self.params[0].device), self.group).cpu()
-        results = []
+
+        def replayed(i: int, j: int, who: int) -> torch.Tensor:
+            at = (i * slots + j) * width
+            return rows[who, at : at + width].view(2, width // 2)
+
+        facts, signatures = [], []
         for i, s in enumerate(suspects):
-            own = rows[s, 2 * i * 2 * p : (2 * i + 1) * 2 * p].view(2, p)
-            peer = None if peers[s] is None else rows[peers[s], (2 * i + 1) * 2 * p : (2 * i + 2) * 2 * p].view(2, p)
-            results.append(self._verdict(step, s, peers[s], reported, own, peer))
+            sent = torch.stack([reported.norm[s], reported.pre[s]])
+            theirs = [replayed(i, 1 + j, p) for j, p in enumerate(self.plan[s])]
+            facts.append(
+                Replays(
+                    s,
+                    tuple(self.plan[s]),
+                    tuple(not self._differs(sent, t) for t in theirs),
+                    None if len(theirs) < 2 else not self._differs(theirs[0], theirs[1]),
+                    not self._differs(sent, replayed(i, 0, s)),
+                )
+            )
+            signatures.append((sent, theirs))
+        doubt = {r: list(v) for r, v in own.items()}
+        for f in facts:
+            if not f.self_reproduces:
+                doubt.setdefault(f.suspect, []).append("its own replay does not reproduce its gradient")
+        results = [
+            self._verdict(step, f, sent, theirs, reported, suspects, doubt)
+            for f, (sent, theirs) in zip(facts, signatures)
+        ]
         if len(healthy) == 2:
-            settle_two_replicas(results, against_self or {})
+            settle_two_replicas(results, own)
         return results
 
     def _differs(self, a: torch.Tensor, b: torch.Tensor) -> list[int]:
@@ -181,115 +234,56 @@ class RankLocalizer:
     def _verdict(
         self,
         step: int,
-        suspect: int,
-        peer: int | None,
+        f: Replays,
+        sent: torch.Tensor,
+        theirs: list[torch.Tensor],
         reported: Gathered,
-        own: torch.Tensor,
-        theirs: torch.Tensor | None,
+        suspects: Sequence[int],
+        doubt: Mapping[int, Sequence[str]],
     ) -> Event:
-        sent = torch.stack([reported.norm[suspect], reported.pre[suspect]])
-        evidence: dict[str, Any] = {"peer": peer, "reported_step": reported.step}
-        if theirs is None:
-            return Event(
-                step,
-                self.name,
-                "unverified",
-                rank=suspect,
-                evidence={**evidence, "reason": "no healthy peer to replay on"},
+        """The event of one suspect's verdict (:func:`judge_replays`), with the evidence it rests on."""
+        verdict, reason = judge_replays(f, doubt)
+        peers = list(f.peers)
+        evidence: dict[str, Any] = {"peer": peers[0] if peers else None, "peers": peers, "reported_step": reported.step}
+        if not peers:
+            return Event(step, self.name, verdict, rank=f.suspect, evidence={**evidence, "reason": reason})
+        evidence["self_reproduces"] = f.self_reproduces
+        if len(peers) > 1:
+            evidence.update(peers_reproduce=list(f.reproduces), peers_agree=f.peers_agree)
+            in_doubt = {p: list(doubt[p]) for p in peers if doubt.get(p)}
+            if in_doubt:
+                evidence["peers_in_doubt"] = in_doubt
+        suspected = [p for p in peers if p in suspects]
+        if suspected:  # no rank free of suspicion was left to replay it
+            evidence["peers_suspected"] = suspected
+            evidence["note"] = (
+                "too few healthy ranks free of suspicion: its peers are suspects too; a peer's replay "
+                "is one vote, a conviction needs two peers without evidence against themselves that agree"
+                if len(peers) > 1
+                else "its only peer is a suspect too: rank-local evidence decides first"
             )
-        reproduces = not self._differs(sent, own)
-        evidence["self_reproduces"] = reproduces
-        differ = self._differs(sent, theirs)
-        if not differ:
-            return Event(
-                step,
-                self.name,
-                "correct_result",
-                rank=suspect,
-                evidence={**evidence, "reason": "a peer reproduces the gradient: data, not device"},
-            )
+        if verdict == "correct_result":
+            return Event(step, self.name, verdict, rank=f.suspect, evidence={**evidence, "reason": reason})
+        witness = next((j for j, p in enumerate(peers) if not doubt.get(p)), 0)
+        differ = self._differs(sent, theirs[witness])
         backward = [self.names[k] for k in reversed(differ)]
-        k = differ[-1]
-        evidence.update(
-            params=backward[: self.config.max_listed],
-            count=len(differ),
-            sent_norm=sent[0, k].item(),
-            peer_norm=theirs[0, k].item(),
-        )
+        if differ:
+            k = differ[-1]
+            evidence.update(
+                params=backward[: self.config.max_listed],
+                count=len(differ),
+                sent_norm=sent[0, k].item(),
+                peer_norm=theirs[witness][0, k].item(),
+            )
+        convicted = verdict in ("persistent", "transient")
         return Event(
             step,
             self.name,
-            "persistent" if reproduces else "transient",
-            module=_module(backward[0]),
-            rank=suspect,
-            evidence=evidence,
+            verdict,
+            module=_module(backward[0]) if differ and convicted else None,
+            rank=f.suspect,
+            evidence={**evidence, "reason": reason},
         )
-
-
-def own_evidence(events: Iterable[Event], crossrank: str = "crossrank") -> dict[int, list[str]]:
-    """Per rank, the rank-local, peer-free findings among ``events`` that speak against its own
-    computation: a shared finding of its own ABFT, state checksum or non-finite detector
-    (:data:`SELF_EVIDENCE`), or a non-finite gradient of its own before the reduction
-    (``crossrank: nonfinite``). A finding about the world (``rank`` None) is no one's."""
-    found: dict[int, list[str]] = {}
-    for e in events:
-        if e.rank is None:
-            continue
-        if e.detector in SELF_EVIDENCE or (e.detector == crossrank and e.verdict == "nonfinite"):
-            where = f" in {e.module}" if e.module else ""
-            found.setdefault(e.rank, []).append(f"{e.detector}: {e.verdict}{where}")
-    return found
-
-
-def _settle(e: Event, verdict: str, reason: str) -> None:
-    e.evidence = {**e.evidence, "replay_verdict": e.verdict, "reason": reason}
-    e.verdict = verdict
-
-
-def settle_two_replicas(verdicts: Sequence[Event], own: Mapping[int, Sequence[str]]) -> list[Event]:
-    """Re-judge ``verdicts`` (:meth:`RankLocalizer.diagnose`'s, one per suspect) of a world of two
-    healthy replicas, each the other's peer, in place; ``own``: :func:`own_evidence` of the step.
-
-    A replica is in doubt when it holds rank-local evidence against itself (``own``) or its own
-    replay does not reproduce what it sent. A peer's agreement still clears a suspect
-    (``correct_result``: two devices computed the same bits), but its disagreement -- an
-    accusation -- counts only when the peer is not in doubt; else the suspect's own evidence
-    decides: ``transient`` stays (it disagrees with itself), ``unverified`` when it is in doubt by
-    its own findings, ``cleared`` when nothing of its own speaks against it. Two ``persistent``
-    verdicts left standing mean two clean replicas accusing each other: both ``ambiguous``."""
-    doubt = {r: list(v) for r, v in own.items() if v}
-    for e in verdicts:
-        if e.rank is not None and e.evidence.get("self_reproduces") is False:
-            doubt.setdefault(e.rank, []).append("its own replay does not reproduce its gradient")
-    for e in verdicts:
-        peer = e.evidence.get("peer")
-        if e.verdict not in ("persistent", "transient") or peer is None or not doubt.get(peer):
-            continue
-        e.evidence = {**e.evidence, "peer_in_doubt": list(doubt[peer])}
-        if e.evidence.get("self_reproduces") is False:
-            continue  # transient: its own replay disagrees with what it sent, no peer needed
-        if own.get(e.rank):
-            _settle(e, "unverified", "its only peer holds evidence against itself: no trusted replay")
-        else:
-            _settle(
-                e,
-                "cleared",
-                "accused only by a peer in doubt; its own replay reproduces its gradient and no "
-                "detector of its own found anything",
-            )
-    accused = [e for e in verdicts if e.verdict == "persistent"]
-    if len(accused) == 2 and {e.evidence.get("peer") for e in accused} == {e.rank for e in accused}:
-        for e in accused:
-            _settle(
-                e,
-                "ambiguous",
-                "two replicas accuse each other: each one's replay of the other disagrees, each "
-                "reproduces its own gradient and neither holds evidence against itself",
-            )
-    for e in verdicts:
-        if own.get(e.rank):
-            e.evidence = {**e.evidence, "own_evidence": list(own[e.rank])}
-    return list(verdicts)
 
 
 class RankLedger(Ledger):

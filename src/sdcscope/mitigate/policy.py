@@ -81,19 +81,29 @@ and never reach the table."""
 _ALL_VERDICTS = tuple(dict.fromkeys(v for vs in VERDICTS.values() for v in vs))
 
 
+def known_verdicts() -> dict[str, tuple[str, ...]]:
+    """:data:`VERDICTS` and the detectors registered through :mod:`sdcscope.detect.protocol`
+    (their findings reach the policy with a replay verdict, as a built-in's do)."""
+    from sdcscope.detect.protocol import registered
+
+    extra = {r.name: VERDICTS["abft"] for r in registered() if r.name not in VERDICTS}
+    return {**VERDICTS, **extra}
+
+
 def _check_key(key: object) -> str:
+    verdicts = known_verdicts()
     if not isinstance(key, str) or key.count(":") != 1:
         raise (ValueError if isinstance(key, str) else TypeError)(
             f"policy key {key!r} must look like 'detector:verdict' ('*' allowed); "
-            f"detectors: {', '.join(VERDICTS)}; verdicts: {', '.join(_ALL_VERDICTS)}"
+            f"detectors: {', '.join(verdicts)}; verdicts: {', '.join(_ALL_VERDICTS)}"
         )
     detector, verdict = (part.strip() for part in key.split(":"))
-    if detector != "*" and detector not in VERDICTS:
+    if detector != "*" and detector not in verdicts:
         raise ValueError(
-            f"policy key {key!r}: unknown detector {detector!r}{did_you_mean(detector, VERDICTS)}; "
-            f"allowed: {', '.join(VERDICTS)}, *"
+            f"policy key {key!r}: unknown detector {detector!r}{did_you_mean(detector, verdicts)}; "
+            f"allowed: {', '.join(verdicts)}, *"
         )
-    allowed = _ALL_VERDICTS if detector == "*" else VERDICTS[detector]
+    allowed = _ALL_VERDICTS if detector == "*" else verdicts[detector]
     if verdict != "*" and verdict not in allowed:
         whose = "" if detector == "*" else f" for detector {detector!r}"
         raise ValueError(

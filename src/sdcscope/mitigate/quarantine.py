@@ -9,14 +9,19 @@ localization and the device ledger (:mod:`sdcscope.localize.ranks`) on the DDP b
   The exception: a gradient outlier that a replay on a peer reproduces for every suspect is the
   data's doing (``correct_result``): it is reported, applied, and its spread is learned.
 - **localize first** -- a finding first compares the replicas (a replay on a peer means something
-  only on equal replicas; see rollback), then replays the suspects (:class:`RankLocalizer`) and
-  writes the verdicts into the device ledger.
+  only on equal replicas; see rollback), then replays the suspects (:class:`RankLocalizer`: on
+  themselves and on peers that are no suspects while such ranks are left; with three or more
+  healthy ranks a suspect is convicted only by two agreeing peers free of doubt, so a faulty
+  replayer cannot convict a healthy rank) and writes the verdicts into the device ledger.
 - **quarantine** -- a device the ledger calls faulty (a ``persistent`` verdict, or repeated
   suspicions) is excluded from the gradient average from the next step on: the hook zeroes its
   bucket and every rank divides by the number of healthy ranks. The excluded rank keeps running
   its forward/backward (collectives stay in step; its shard of the data is not learned from) and
   receives the healthy average, so its replica stays bitwise equal to the others. It is left out
-  of every test from then on. The last healthy rank is never quarantined.
+  of every test from then on. The last healthy rank is never quarantined, and with three or more
+  healthy ranks no step quarantines half of them or more at once (that many convictions leave no
+  majority to trust): none is quarantined, they stay faulty in the ledger, and the run stops
+  cleanly as with two replicas below.
 - **two replicas** -- each is the other's only peer, so a replay accuses symmetrically; rank-local
   evidence decides first (:func:`~sdcscope.localize.ranks.settle_two_replicas`). When it cannot
   -- the two accuse each other (``ambiguous``), or the ledger calls both faulty -- neither is
@@ -38,7 +43,7 @@ embeds a RankGuard: it shares its per-rank detectors' findings through :meth:`Ra
 events itself.
 
 Use as an engine callback (``trainer.add_callback(RankGuard(trainer.ddp, trainer.optimizer,
-run_dir=...))`` with :class:`~sdcscope.engine.ddp.DDPTrainer`) or in a plain loop::
+run_dir=...))`` with :class:`~sdcscope.engine.distributed.DistTrainer`) or in a plain loop::
 
     guard = RankGuard(ddp_model, optimizer, run_dir="run")
     for step in ...:
@@ -96,7 +101,7 @@ class RankGuardConfig:
     hash_every: int = 10
     """Compare parameter and optimizer-state checksums across replicas every N steps (0: off)."""
     replay: bool = True
-    """Localize a finding by replaying the suspect's step on itself and on a peer."""
+    """Localize a finding by replaying the suspect's step on itself and on peers."""
     quarantine: bool = True
     """Exclude faulty devices from the gradient average (False: veto and report only)."""
     rollback: bool = True
@@ -157,8 +162,9 @@ class RankGuard:
         self.verdicts: dict[int, Event] = {}
         self.veto = False
         self.stop: str | None = None
-        """Why the rank guard asks the run to stop (None: it does not): two replicas it cannot tell
-        apart. The same on every rank; a loop ends after the step it was set in."""
+        """Why the rank guard asks the run to stop (None: it does not): ranks it cannot tell apart
+        (two replicas, or half the healthy ranks or more convicted at once). The same on every
+        rank; a loop ends after the step it was set in."""
         self._writer = (
             JsonlWriter(Path(run_dir) / "events.jsonl")
             if run_dir is not None and self.rank == 0 and write_events
@@ -300,7 +306,8 @@ class RankGuard:
 
     def _judge(self, step: int, events: list[Event]) -> list[Event]:
         """Ledger the suspicions; quarantine the devices that became faulty -- except two replicas
-        the evidence cannot tell apart: neither is quarantined, and the run stops."""
+        the evidence cannot tell apart, or half the healthy ranks or more at once (no majority
+        left): none is quarantined, and the run stops."""
         faulty: dict[int, str] = {}
         for e in events:
             if e.rank is None or e.rank in self.quarantined:
@@ -317,16 +324,28 @@ class RankGuard:
                 return [self._stand_down(step, healthy, ambiguous[0].evidence.get("reason", "ambiguous"))]
             if set(healthy) <= set(faulty):
                 return [self._stand_down(step, healthy, "the ledger calls both devices faulty")]
+        new = sorted(r for r in faulty if r not in self.quarantined)
+        if len(healthy) >= 3 and len(new) > 1 and 2 * len(new) >= len(healthy):
+            why = (
+                f"the ledger calls {len(new)} of {len(healthy)} healthy ranks faulty at once: no "
+                "majority of healthy ranks is left to trust"
+            )
+            return [self._stand_down(step, new, why)]
         return [self._quarantine(step, r, why) for r, why in faulty.items() if r not in self.quarantined]
 
     def _stand_down(self, step: int, ranks: list[int], why: str) -> Event:
-        """Two replicas that cannot be told apart: quarantine neither (either may be the healthy
-        one), keep both as suspects in the ledger, and ask the run to stop cleanly."""
+        """Ranks that cannot be told apart (two replicas, or too many convicted at once): quarantine
+        none (a healthy one may be among them), keep them as suspects in the ledger, and ask the
+        run to stop cleanly."""
         ledger = None if self.ledger.path is None else str(self.ledger.path)
+        if len(ranks) == 2:
+            which = f"between ranks {ranks[0]} and {ranks[1]}"
+            kept = "neither was quarantined (either may be the healthy one), both are suspects in the ledger"
+        else:
+            which = f"among ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+            kept = "none was quarantined (a healthy rank may be among them), all are suspects in the ledger"
         self.stop = self.stop or (
-            f"ambiguous fault between ranks {ranks[0]} and {ranks[1]} at step {step}: {why}; neither was "
-            f"quarantined (either may be the healthy one), both are suspects in the ledger"
-            + (f" {ledger}" if ledger else "")
+            f"ambiguous fault {which} at step {step}: {why}; {kept}" + (f" {ledger}" if ledger else "")
         )
         log.error("rank guard: stopping the run: %s", self.stop)
         return Event(

@@ -215,12 +215,15 @@ def build_report(directory: str | Path) -> dict[str, Any]:
         detected = [r for r in active if r["detected"]]
         fp = [b for b in baselines if b["guard_events"]]
         lat = [r["latency"] for r in detected if r["latency"] is not None]
+        by = Counter(r["detector"] or "?" for r in detected)
         tables.append(
             _table(
                 "Guard",
                 ["measure", "value"],
                 [
+                    ["guard profile", spec.guard_profile],
                     ["detection coverage (detected / activated)", f"{len(detected)}/{len(active)}"],
+                    ["first detector (detected trials)", ", ".join(f"{k} {n}" for k, n in sorted(by.items())) or None],
                     ["median detection latency (steps)", statistics.median(lat) if lat else None],
                     ["false-positive rate (healthy runs with an event)", f"{len(fp)}/{len(baselines)}"],
                 ],
@@ -232,6 +235,7 @@ def build_report(directory: str | Path) -> dict[str, Any]:
         "name": spec.name,
         "hash": spec.hash,
         "spec": spec.to_dict(),
+        "guard": f"on, profile {spec.guard_profile}" if spec.guard else "off",
         "done": len(rows),
         "planned": meta.get("plan_size"),
         "tables": tables,
@@ -249,7 +253,7 @@ td:first-child{text-align:left}.note{color:#555;font-size:12px}img{max-width:100
 <p>{{ r.line }}</p>
 {% else %}<h1>Campaign {{ r.name }}</h1>
 <p>{{ r.done }}/{{ r.planned }} trials · workload {{ r.spec.workload.name }}/{{ r.spec.workload.preset }} ·
-injection steps {{ r.spec.inject_steps }} · horizon {{ r.spec.horizon }} · guard {{ r.spec.guard }} ·
+injection steps {{ r.spec.inject_steps }} · horizon {{ r.spec.horizon }} · guard {{ r.guard }} ·
 analysis {{ r.spec.analysis }} · spec hash <code>{{ r.hash[:12] }}</code></p>
 {% endif %}
 {% for name, png in r.figures.items() %}<h3>{{ name }}</h3><img alt="{{ name }}" src="data:image/png;base64,{{ png }}">

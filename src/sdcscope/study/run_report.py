@@ -265,7 +265,8 @@ def build_run_report(directory: str | Path) -> dict[str, Any]:
         f"{wl.get('workload', '?')}/{wl.get('preset', '?')}, seed {config.get('train', {}).get('seed')}, "
         f"{steps} steps on {world} rank{'s' if world != 1 else ''}"
         + (f", backend {config['backend']}" if config.get("backend") else "")
-        + f", guard {'on' if config.get('guard') else 'off'}"
+        + (", guard on" if config.get("guard") else ", guard off")
+        + (f", profile {config['guard']['profile']}" if (config.get("guard") or {}).get("profile") else "")
         + (f", cross-rank checks {'on' if config.get('crossrank') else 'off'}" if "crossrank" in config else "")
     )
     figs = {

@@ -20,7 +20,8 @@ Example (every key but ``workload``, ``inject_steps``, ``horizon`` and ``faults`
       seed: 0
     sampling: {kind: random, n: 40, seed: 0}   # exhaustive | random | stratified (+ by: [bit], or by: bit)
     baseline: {seeds: [101, 102, 103], alpha: 0.01}
-    guard: false
+    guard: false                   # true: the guard, profile balanced; or a guard config mapping:
+                                   # {profile: minimal | balanced | full, abft: {c: 9}, ...}
     analysis: basic                # full: also lock-step (level a) and gradient NSR (level b)
 
 A ``targets`` entry that is itself a list is *one* target: every module its patterns match, hit
@@ -47,6 +48,7 @@ from sdcscope.common.validate import did_you_mean
 from sdcscope.engine.trainer import SEED_MAX
 from sdcscope.faults import BIT_MODELS, MODELS, SITES, SWIZZLE_MODES, Pattern, check_bits, get_format
 from sdcscope.faults.vocab import check_site_pattern
+from sdcscope.study.guarded import guard_section
 
 __all__ = [
     "CampaignSpec",
@@ -370,7 +372,14 @@ class CampaignSpec:
     golden_steps: int | None = None
     sampling: Sampling = field(default_factory=Sampling)
     baseline: Baseline = field(default_factory=Baseline)
-    guard: bool = False
+    guard: bool | Mapping[str, Any] = False
+    """``false`` (the default): no guard. ``true``: every trial and healthy baseline runs under the
+    Guard with its defaults, profile ``balanced``. A mapping: the guard config those runs get, as a
+    ``--guard-config`` file writes it -- ``{profile: full}``, ``{profile: minimal, abft: {c: 9}}``
+    -- its ``profile`` ``balanced`` unless given (``minimal`` | ``balanced`` | ``full``), the
+    sections it gives kept as given (:class:`~sdcscope.guard.GuardConfig`). Stored as
+    ``false`` or the mapping with its profile spelled out (the results database and the report
+    name the profile measured); ``true`` and ``{profile: balanced}`` are one spec, one hash."""
     analysis: str = "basic"
 
     def __post_init__(self) -> None:
@@ -397,8 +406,7 @@ class CampaignSpec:
             raise ValueError(f"golden_steps={self.golden_steps} must be >= max(inject_steps) + horizon = {need}")
         if self.seed in self.baseline.seeds:
             raise ValueError(f"baseline.seeds {list(self.baseline.seeds)} must differ from the golden seed {self.seed}")
-        if not isinstance(self.guard, bool):
-            raise TypeError(f"guard must be true or false, got {self.guard!r}")
+        set_("guard", guard_section(self.guard))
         if self.analysis not in ANALYSES:
             raise ValueError(
                 f"unknown analysis {self.analysis!r}{did_you_mean(str(self.analysis), ANALYSES)}; "
@@ -417,6 +425,20 @@ class CampaignSpec:
         from sdcscope.engine import TrainConfig
 
         return TrainConfig(seed=self.seed if seed is None else seed, grad_accum=self.grad_accum)
+
+    @property
+    def guard_profile(self) -> str | None:
+        """The guard profile the trials are measured under; None without a guard."""
+        return self.guard["profile"] if self.guard else None
+
+    def guard_config(self):
+        """A fresh :class:`~sdcscope.guard.GuardConfig` of ``guard`` (one per guarded run: a
+        guard may change its config), or None without a guard."""
+        if not self.guard:
+            return None
+        from sdcscope.guard import GuardConfig
+
+        return GuardConfig.from_dict(self.guard)
 
     @classmethod
     def from_dict(cls, data: Any) -> CampaignSpec:
@@ -441,7 +463,7 @@ class CampaignSpec:
             "faults": self.faults.to_dict(),
             "sampling": self.sampling.to_dict(),
             "baseline": self.baseline.to_dict(),
-            "guard": self.guard,
+            "guard": json.loads(json.dumps(self.guard)),
             "analysis": self.analysis,
         }
 
@@ -449,7 +471,7 @@ class CampaignSpec:
     def hash(self) -> str:
         """sha256 of the normalized spec (comments, key order and defaults spelled out or not
         make no difference); the results database is bound to it."""
-        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        text = json.dumps(_hash_form(self.to_dict()), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
     @property
@@ -458,6 +480,14 @@ class CampaignSpec:
         the same fault space with the same meaning, so one campaign may be extended by the other
         (see :class:`Sampling`)."""
         return space_hash(self.to_dict())
+
+
+def _hash_form(spec: Mapping) -> Mapping:
+    """``spec`` as hashed: a guard of every default (``{profile: balanced}``) as ``true``, as specs
+    wrote it before guard profiles, so their results databases stay bound to them."""
+    if spec.get("guard") == {"profile": "balanced"}:
+        return {**spec, "guard": True}
+    return spec
 
 
 def read_campaign_data(source: str | os.PathLike[str]) -> tuple[str, Mapping]:
@@ -512,5 +542,7 @@ def load_campaign(source: str | os.PathLike[str]) -> CampaignSpec:
 
 def space_hash(spec: Mapping) -> str:
     """:attr:`CampaignSpec.space_hash` of a normalized spec mapping (``to_dict()``, as stored)."""
-    text = json.dumps({k: v for k, v in spec.items() if k != "sampling"}, sort_keys=True, separators=(",", ":"))
+    text = json.dumps(
+        {k: v for k, v in _hash_form(spec).items() if k != "sampling"}, sort_keys=True, separators=(",", ":")
+    )
     return hashlib.sha256(text.encode()).hexdigest()

@@ -25,7 +25,8 @@ from sdcscope.study.spec import CampaignSpec, space_hash
 __all__ = ["ResultsDB", "TRIAL_COLUMNS", "BASELINE_COLUMNS", "DB_FILE"]
 
 DB_FILE = "results.sqlite"
-SCHEMA = 2
+SCHEMA = 3
+"""2: the drift columns; 3: a trial's ``detector`` (the guard's first detector after the fault)."""
 JSON_COLUMNS = {"losses", "drift", "disagree", "first_divergence", "lockstep", "nsr", "drift_steps"}
 TRIAL_COLUMNS: dict[str, str] = {
     "trial_id": "INTEGER PRIMARY KEY",
@@ -68,6 +69,7 @@ TRIAL_COLUMNS: dict[str, str] = {
     "drift_spread": "INTEGER",
     "detected": "INTEGER",
     "detect_step": "INTEGER",
+    "detector": "TEXT",
     "latency": "INTEGER",
     "guard_events": "INTEGER",
     "nsr_max": "REAL",
@@ -188,11 +190,12 @@ class ResultsDB:
             )
 
     def _migrate(self, spec: CampaignSpec) -> None:
-        """Schema 1 -> 2: add the drift columns (a trial's ``disagree``, ``disagree_final``,
-        ``drift_twin``, ``drift_spread``; a baseline's ``disagree``) and decide each finished
-        trial's outcome again from its stored measures (``sdc:drift`` also holds against the golden
-        twin now); the function measure stays empty, as it was not measured. A database that
-        cannot be written is read as it is (the new columns read as None)."""
+        """An older schema -> :data:`SCHEMA`: add the columns it lacks -- 2: the drift columns (a
+        trial's ``disagree``, ``disagree_final``, ``drift_twin``, ``drift_spread``; a baseline's
+        ``disagree``), 3: a trial's ``detector`` -- and decide each finished trial's outcome again
+        from its stored measures (``sdc:drift`` also holds against the golden twin since 2); the
+        measures it did not take stay empty. A database that cannot be written is read as it is
+        (the new columns read as None)."""
         from sdcscope.study.outcomes import classify, drift_flags
 
         try:
@@ -208,7 +211,7 @@ class ResultsDB:
                     continue
                 m = {**r, "crash": bool(r["crash"]), "masked": bool(r["masked"])}
                 th = thresholds[r["inject_step"]]
-                new = {**classify(m, th, spec.guard), **drift_flags(m, th)}
+                new = {**classify(m, th, bool(spec.guard)), **drift_flags(m, th)}
                 self.conn.execute(
                     "UPDATE trials SET effect=?, sdc_kind=?, outcome=?, drift_twin=?, drift_spread=? WHERE trial_id=?",
                     [new[k] for k in ("effect", "sdc_kind", "outcome", "drift_twin", "drift_spread")] + [r["trial_id"]],
@@ -219,7 +222,10 @@ class ResultsDB:
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
             logging.getLogger("sdcscope.study.store").warning(
-                "%s: schema %s database not migrated (%s); its drift columns read as None", self.path, SCHEMA - 1, exc
+                "%s: older schema database not migrated to %s (%s); its newer columns read as None",
+                self.path,
+                SCHEMA,
+                exc,
             )
         except BaseException:
             if self.conn.in_transaction:

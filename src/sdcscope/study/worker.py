@@ -212,7 +212,7 @@ class Worker:
     def baseline(self, job: dict[str, Any]) -> dict[str, Any]:
         s, seed, ref = job["inject_step"], job["seed"], job["reference"]
         self._restore(s, seed)
-        guard = make_guard(self.trainer) if self.spec.guard else None
+        guard = make_guard(self.trainer, self.spec.guard_config()) if self.spec.guard else None
         run = self._train(job)
         if run["crash"]:
             raise ValueError(
@@ -270,7 +270,7 @@ class Worker:
         fault = Injector(t.model, [spec], t.optimizer, warn_unfired=False).attach()
         callback = fault.callback()
         t.add_callback(callback)
-        guard = make_guard(t) if self.spec.guard else None
+        guard = make_guard(t, self.spec.guard_config()) if self.spec.guard else None
         sched = spec.schedule
         over = (
             (lambda: t.step > sched.step)
@@ -333,6 +333,7 @@ class Worker:
             dist_healthy=None if crash or None in healthy else sum(healthy) / len(healthy),
             detected=None if guard is None else int(hit is not None),
             detect_step=None if hit is None else hit["step"],
+            detector=None if hit is None else hit.get("detector"),
             latency=None if hit is None else hit["step"] - first,
             guard_events=None if guard is None else len(events),
         )

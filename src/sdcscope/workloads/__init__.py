@@ -3,6 +3,7 @@
 from sdcscope.workloads.base import (
     CNNWorkload,
     GPTWorkload,
+    ParallelizePlan,
     Workload,
     WorkloadConfig,
     make_workload,
@@ -21,6 +22,7 @@ __all__ = [
     "ByteCorpus",
     "Workload",
     "WorkloadConfig",
+    "ParallelizePlan",
     "GPTWorkload",
     "CNNWorkload",
     "make_workload",

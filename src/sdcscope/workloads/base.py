@@ -1,4 +1,5 @@
-"""The workload contract the engine trains: model, optimizer, data, loss and evaluation.
+"""The workload contract the engine trains: model, optimizer, data, loss, evaluation, and how the
+model may be split over ranks (its :class:`ParallelizePlan`).
 
 ``make_workload(WorkloadConfig(...))`` returns a :class:`GPTWorkload` or :class:`CNNWorkload`.
 Everything a run depends on is in the config, so a run is reproducible from ``config.json``.
@@ -7,6 +8,7 @@ Everything a run depends on is in the config, so a run is reproducible from ``co
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,7 +19,7 @@ from torch import nn
 from sdcscope.common.validate import check_bool, check_choice, check_float, check_non_negative, check_positive
 from sdcscope.workloads.cnn import CNN_PRESETS, LeNet, cnn_preset
 from sdcscope.workloads.data import ByteCorpus, load_digits_tensors, step_generator
-from sdcscope.workloads.gpt import GPT, GPT_PRESETS, gpt_preset, lm_loss
+from sdcscope.workloads.gpt import GPT, GPT_PRESETS, TP_PLAN, check_tensor_parallel, gpt_preset, lm_loss
 
 WORKLOADS = {"gpt": GPT_PRESETS, "cnn": CNN_PRESETS}
 DEFAULTS = {  # per workload: batch_size, lr, weight_decay
@@ -82,6 +84,17 @@ class WorkloadConfig:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class ParallelizePlan:
+    """How a workload's model is split over ranks, by module names: the model owns its plan, the
+    engine (:mod:`sdcscope.engine.topology`) applies it with PyTorch's own engines on its mesh."""
+
+    blocks: str
+    """The ``nn.ModuleList`` of repeated blocks: FSDP2 shards each block, then the root."""
+    tensor_parallel: Mapping[str, str]
+    """Module name inside a block -> ``"col"`` (``ColwiseParallel``) or ``"row"`` (``RowwiseParallel``)."""
+
+
 class Workload:
     """Base class: subclasses build the model and define data, loss and evaluation."""
 
@@ -117,6 +130,20 @@ class Workload:
         """Facts about the data worth recording in config.json."""
         return {}
 
+    def parallelize_plan(self) -> ParallelizePlan | None:
+        """How the model is split over ranks (``--parallel fsdp|tp|fsdp+tp|hsdp``); None: the model
+        trains whole only (one process, or a replica per rank with ``--parallel ddp``)."""
+        return None
+
+    def check_parallel(self, kind: str, tp_degree: int) -> None:
+        """Refuse (ValueError) ``--parallel kind`` at tensor-parallel degree ``tp_degree`` when the
+        model cannot be split so: here, when it has no plan. A workload with a plan checks its shapes."""
+        if self.parallelize_plan() is None:
+            raise ValueError(
+                f"--parallel {kind}: the {self.config.workload} workload has no parallelize plan (its model "
+                "trains whole); use --parallel ddp (a replica per rank) or a workload with a plan (gpt)"
+            )
+
 
 class GPTWorkload(Workload):
     def __init__(self, config: WorkloadConfig) -> None:
@@ -144,6 +171,12 @@ class GPTWorkload(Workload):
     def evaluate(self, model):
         losses = [lm_loss(model(x), y).item() for x, y in self._val]
         return {"val_loss": sum(losses) / len(losses)}
+
+    def parallelize_plan(self) -> ParallelizePlan:
+        return ParallelizePlan(blocks="blocks", tensor_parallel=TP_PLAN)
+
+    def check_parallel(self, kind: str, tp_degree: int) -> None:
+        check_tensor_parallel(self.model_config, tp_degree, f"--parallel {kind}")
 
     def describe(self):
         return {

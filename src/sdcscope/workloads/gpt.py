@@ -60,6 +60,34 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 }
 
 
+TP_PLAN = {
+    "attn.q_proj": "col",
+    "attn.k_proj": "col",
+    "attn.v_proj": "col",
+    "attn.o_proj": "row",
+    "mlp.fc": "col",
+    "mlp.proj": "row",
+}
+"""The tensor-parallel plan of a :class:`Block`: q, k, v colwise and o rowwise (each rank holds
+whole heads), the MLP's fc colwise and proj rowwise; one all-reduce per pair. Embeddings, norms
+and the head stay whole."""
+
+
+def check_tensor_parallel(cfg: GPTConfig, degree: int, what: str) -> None:
+    """Refuse (ValueError) a tensor-parallel ``degree`` that does not divide the heads and the MLP
+    width of ``cfg``, naming the allowed degrees; ``what``: how the user chose it."""
+    width = cfg.mlp_ratio * cfg.d_model
+    if cfg.n_head % degree == 0 and width % degree == 0:
+        return
+    common = math.gcd(cfg.n_head, width)
+    allowed = [d for d in range(1, common + 1) if common % d == 0]
+    raise ValueError(
+        f"{what} splits every block over {degree} ranks (tensor-parallel degree {degree}), but the GPT's "
+        f"n_head={cfg.n_head} and MLP width {width} are not both divisible by {degree}; allowed degrees: "
+        f"{', '.join(map(str, allowed))}"
+    )
+
+
 def gpt_preset(name: str) -> GPTConfig:
     check_choice("preset", name, GPT_PRESETS)
     return GPTConfig(**GPT_PRESETS[name].to_dict())

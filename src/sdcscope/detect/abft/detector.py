@@ -26,6 +26,7 @@ from sdcscope.detect.abft.tensorparallel import TensorParallelChecks
 from sdcscope.detect.attention import SDPACheck
 from sdcscope.detect.checksum import Operand, line_ratios
 from sdcscope.detect.events import Event
+from sdcscope.detect.protocol import CheckView, Registration, register
 
 log = logging.getLogger("sdcscope.detect.abft")
 
@@ -306,13 +307,16 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
         """The c (in model stds) currently applied to (layer, gemm)."""
         return self._c_eff.get((layer, gemm), self.config.c)
 
-    def check(self, step: int | None = None) -> list[Event]:
+    def check(self, step: int | CheckView | None = None) -> list[Event]:
         """Evaluate every check recorded since the last call (one host sync) -> events.
 
         Call after backward and before ``optimizer.step()``. Arms step + 1 unless
-        :meth:`begin_step` is called for it.
+        :meth:`begin_step` is called for it. ``check(view)``: the guard's protocol
+        (:mod:`sdcscope.detect.protocol`), of which ABFT reads only the step.
         """
         cfg = self.config
+        if isinstance(step, CheckView):
+            step = step.step
         step = self._step if step is None else int(step)
         records, self._records = self._records, []
         error, self._error = self._error, None
@@ -441,3 +445,14 @@ def _operand_names(module: nn.Module, n: int) -> tuple[str, ...]:
     except (TypeError, ValueError):
         params = []
     return tuple(params[:n]) + tuple(f"_{i}" for i in range(len(params), n))
+
+
+register(
+    Registration(
+        "abft",
+        ABFTConfig,
+        lambda model, optimizer, config, rank: ABFTDetector(model, config, rank=rank),
+        recheck=True,
+        drain=True,
+    )
+)

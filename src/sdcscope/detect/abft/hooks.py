@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sdcscope.common.graph import in_backward
-from sdcscope.common.tensors import local
+from sdcscope.common.world import local
 from sdcscope.detect.abft.records import CallContext, Layer
 from sdcscope.detect.rounding import rounding_model
 

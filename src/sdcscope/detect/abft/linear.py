@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from sdcscope.common.graph import linear_nodes, weight_grad_edge
-from sdcscope.common.tensors import autocast_on, is_dtensor, local, no_autocast
+from sdcscope.common.tensors import autocast_on, no_autocast
+from sdcscope.common.world import is_dtensor, local
 from sdcscope.detect.abft.records import CallContext, CheckRecord, Layer
 from sdcscope.detect.abft.tiles import tile_line
 from sdcscope.detect.checksum import SIDES, GemmCheck, Line, Operand, frobenius, gemm_lines

@@ -27,7 +27,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from sdcscope.common.tensors import is_dtensor
+from sdcscope.common.world import is_dtensor
 from sdcscope.detect.abft.records import Layer
 
 _ALLOWED = ("colwise", "rowwise", "replicated", "tokens")

@@ -1,0 +1,130 @@
+"""The topology of a distributed run, described once: ``--parallel`` and ``--nproc`` as mesh
+degrees, the device mesh, the data-parallel coordinate of a rank, and the workload's parallelize
+plan applied with PyTorch's own engines.
+
+- ``ddp``: a whole replica per rank, no mesh (:class:`~sdcscope.engine.distributed.DistTrainer`
+  wraps the model in DDP);
+- ``fsdp``: one mesh dim of N ranks (``dp``): FSDP2 shards every block, then the root;
+- ``tp``: one dim of N ranks (``tp``): the workload's tensor-parallel plan in every block;
+- ``fsdp+tp`` and ``hsdp``: a 2-D mesh of ``(N / inner, inner)`` ranks, ``dp``×``tp`` (TP first,
+  then FSDP2 over ``dp``) or ``replicate``×``shard`` (FSDP2 over the whole mesh).
+
+Ranks of one tensor-parallel group train the same micro-batch, each data-parallel coordinate its
+own (:meth:`Topology.dp_coordinate`), so one data-parallel rank reproduces the single-process
+run's data order. What a trainer may do in the world this builds (a DDP wrapper, a rank replay,
+a global norm) follows from the :class:`~sdcscope.common.world.World` of the wrapped model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import nn
+
+from sdcscope.common.validate import check_choice, check_positive
+from sdcscope.workloads import Workload
+
+PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", "hsdp")
+"""``--parallel`` choices: ``ddp`` keeps the model whole on every rank; the others shard it."""
+MESH_DIMS = {"ddp": ("dp",), "fsdp": ("dp",), "tp": ("tp",), "fsdp+tp": ("dp", "tp"), "hsdp": ("replicate", "shard")}
+"""The mesh dim names of each kind: one dim of every rank, or ``(N / inner, inner)``."""
+
+
+@dataclass(kw_only=True)
+class Topology:
+    """How a run is laid over its ranks (``--parallel``); validated before any rank starts."""
+
+    kind: str = "ddp"
+    """``ddp``, ``fsdp``, ``tp``, ``fsdp+tp`` or ``hsdp``."""
+    inner: int = 2
+    """``fsdp+tp``: the tensor-parallel degree; ``hsdp``: the ranks that shard one replica."""
+
+    def __post_init__(self) -> None:
+        check_choice("parallel", self.kind, PARALLEL)
+        check_positive("parallel inner", self.inner)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def sharded(self) -> bool:
+        """The model is split over ranks (DTensor parameters), not replicated whole."""
+        return self.kind != "ddp"
+
+    @property
+    def world_kind(self) -> str:
+        """The :data:`~sdcscope.common.world.KINDS` entry of the world this topology builds."""
+        return "sharded" if self.sharded else "ddp"
+
+    @property
+    def mixes_plain_parameters(self) -> bool:
+        """Tensor parallelism alone leaves some parameters plain (embeddings, norms) beside DTensor
+        ones: the optimizer cannot step them in one fused (``foreach``) call."""
+        return self.kind == "tp"
+
+    def degrees(self, size: int) -> dict[str, int]:
+        """Mesh dim name -> size over ``size`` ranks."""
+        dims = MESH_DIMS[self.kind]
+        if len(dims) == 1:
+            return {dims[0]: size}
+        return {dims[0]: size // self.inner, dims[1]: self.inner}
+
+    def tp_degree(self, size: int) -> int:
+        return self.degrees(size).get("tp", 1)
+
+    def check(self, size: int, workload: Workload | None = None) -> None:
+        """Refuse (ValueError, naming the values and the allowed ones) a topology that does not fit
+        ``size`` ranks or, when given, the ``workload``'s model (its plan, its shapes)."""
+        if len(MESH_DIMS[self.kind]) == 2 and (size % self.inner or size // self.inner < 2):
+            raise ValueError(
+                f"--parallel {self.kind} needs --nproc a multiple of {self.inner} with at least 2 groups "
+                f"(a (N / {self.inner})×{self.inner} mesh: --nproc {2 * self.inner}, {3 * self.inner}, ...), "
+                f"got --nproc {size}"
+            )
+        if workload is not None and self.sharded:
+            workload.check_parallel(self.kind, self.tp_degree(size))
+
+    def build_mesh(self, size: int, device_type: str) -> Any:
+        """The device mesh over ``size`` ranks (None for ``ddp``: a DDP wrapper needs none)."""
+        if not self.sharded:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        degrees = self.degrees(size)
+        return init_device_mesh(device_type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
+
+    def dp_coordinate(self, mesh: Any, rank: int, size: int) -> tuple[int, int]:
+        """``(this rank's data-parallel index, the data-parallel size)``: the ranks of one
+        tensor-parallel group share their data."""
+        degrees = self.degrees(size)
+        if "tp" not in degrees:
+            return rank, size
+        if "dp" not in degrees:
+            return 0, 1
+        return mesh.get_local_rank("dp"), degrees["dp"]
+
+    def apply(self, model: nn.Module, mesh: Any, workload: Workload) -> nn.Module:
+        """Split ``model`` in place by the ``workload``'s plan on ``mesh``: the tensor-parallel styles
+        in every block over the ``tp`` dim, then FSDP2 over the data-parallel dims (each block,
+        then the root). ``check`` refused a workload without a plan."""
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = workload.parallelize_plan()
+        assert plan is not None and self.sharded, (plan, self.kind)
+        blocks = model.get_submodule(plan.blocks)
+        names = mesh.mesh_dim_names
+        if "tp" in names:
+            styles = {"col": ColwiseParallel, "row": RowwiseParallel}
+            for block in blocks:
+                parallelize_module(block, mesh["tp"], {n: styles[s]() for n, s in plan.tensor_parallel.items()})
+        if names != ("tp",):
+            dp = mesh["dp"] if "tp" in names else mesh
+            for block in blocks:
+                fully_shard(block, mesh=dp)
+            fully_shard(model, mesh=dp)
+        return model
+
+
+__all__ = ["MESH_DIMS", "PARALLEL", "Topology"]
