@@ -76,6 +76,16 @@ def test_quiet_prints_no_summary_and_no_warnings(tmp_path):
     assert read_jsonl(tmp_path / "r" / "events.jsonl")  # the detection happened, silently
 
 
+def test_a_guarded_train_states_its_abft_coverage_bound(tmp_path):
+    """The default (balanced) profile's rotation, in the closing lines: the CNN's 5 GEMM layers
+    dealt into 20 slots (0 or 1 a step), every one checked within 20 steps."""
+    result = invoke("train", "-w", "cnn", "-n", "1", "--guard", "-o", tmp_path / "r")
+    assert result.exit_code == 0, result.output
+    assert "guard: ABFT checks every GEMM layer within 20 steps (0-1 of 5 a step)" in result.stdout.splitlines()
+    result = invoke("train", "-w", "cnn", "-n", "1", "-o", tmp_path / "plain")
+    assert "ABFT" not in result.stdout
+
+
 def test_piped_output_keeps_lines_whole(tmp_path):
     out = tmp_path / ("a-run-directory-whose-name-is-long-enough-to-wrap-at-eighty-columns-" * 2)
     result = invoke("train", "-w", "cnn", "-n", "1", "-o", out)

@@ -1,10 +1,11 @@
-"""Guard profiles: what each sets, the balanced profile's sampling probability, and escalation to
-full coverage after a finding."""
+"""Guard profiles: what each sets, the balanced profile's rotation (every layer within its stated
+bound, a function of seed and step), and escalation to full coverage after a finding."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def gpt():
 def test_profiles_set_the_sections_left_unset_and_a_given_section_is_yours():
     assert GuardConfig(profile="minimal").abft is None
     bal = GuardConfig(profile="balanced").abft
-    assert (bal.order, bal.layer_fraction, bal.escalate_steps) == ("random", 0.05, 10)
+    assert (bal.order, bal.layer_fraction, bal.escalate_steps) == ("rotation", 0.05, 10)
     full = GuardConfig(profile="full").abft
     assert full == ABFTConfig() and full.layer_fraction == 1.0
     mine = GuardConfig.from_dict({"profile": "balanced", "abft": {"c": 9.0}}).abft
@@ -90,25 +91,69 @@ def test_the_default_is_the_affordable_balanced_profile():
     assert GuardConfig.from_dict(None).abft.layer_fraction == 0.05
 
 
-def test_balanced_checks_each_layer_with_its_stated_probability_and_a_replay_checks_the_same():
+def sixty(seed: int = 0):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(60)])
-    det = ABFTDetector(model, GuardConfig(profile="balanced").abft).attach()
-    n = len(det.layers)
+    return model, ABFTDetector(model, dataclasses.replace(GuardConfig(profile="balanced").abft, seed=seed)).attach()
+
+
+def test_balanced_checks_every_layer_within_its_stated_bound_and_a_replay_checks_the_same():
+    """60 layers in B = ⌈1 / 0.05⌉ = 20 slots: 3 a step, each layer once in every 20 consecutive
+    steps (a transient fault is checked in its step with probability 1/20, a persistent one within 20)."""
+    model, det = sixty()
+    assert det.coverage_bound() == (3, 20)
+    assert det.coverage() == "ABFT checks every GEMM layer within 20 steps (3 of 60 a step)"
     chosen = []
     x = torch.randn(2, 4)
-    for step in range(250):
+    for step in range(100):
         det.begin_step(step)
         chosen.append(det.active_layers)
         model(x)  # the forward alone: the checks of Y
         assert det.check(step) == []
-        if step == 100:
+        if step == 50:
             det.begin_step(step)  # a replay of the step just judged
             assert det.active_layers == chosen[-1]
             det.check(step)
-    share = sum(len(c) for c in chosen) / (250 * n)
-    assert 0.04 <= share <= 0.06
-    assert len(set(chosen)) > 80  # a fresh draw per step, not a short cycle
+    assert {len(c) for c in chosen} == {3}
+    every = {x.name for x in det.layers}
+    for start in range(100 - 20 + 1):  # any 20 consecutive steps check each layer exactly once
+        window = [name for c in chosen[start : start + 20] for name in c]
+        assert sorted(window) == sorted(every), start
+    assert chosen[20:40] == chosen[:20]  # a fixed cycle of 20 steps
+    _, fresh = sixty()
+    for step in (73, 5, 99):  # a function of (seed, step, layers): out of order, a resumed run
+        fresh.begin_step(step)
+        assert fresh.active_layers == chosen[step]
+    _, other = sixty(seed=1)
+    other.begin_step(0)
+    assert other.active_layers != chosen[0]  # another seed starts elsewhere in the rotation
+
+
+def test_the_bound_is_logged_once_at_attach(caplog):
+    with caplog.at_level(logging.INFO, logger="sdcscope.detect.abft"):
+        _, det = sixty()
+        det.detach()
+        det.attach()
+    said = [r.getMessage() for r in caplog.records if r.name == "sdcscope.detect.abft"]
+    assert said == ["ABFT checks every GEMM layer within 20 steps (3 of 60 a step)"]
+
+
+def test_a_layer_leaving_the_rotation_moves_no_other_layers_turn():
+    """A layer found unreached is left out of its slot; every other layer keeps its turn, so the
+    bound still holds for each (a rotation over the reached layers alone would shift them)."""
+    model, det = sixty()
+    turns = []
+    for step in range(40):
+        det.begin_step(step)
+        turns.append(det.active_layers)
+        det.check(step)
+    gone = sorted(turns[10])[0]
+    det.unreached.add(gone)
+    for step in range(40):
+        det.begin_step(step)
+        assert det.active_layers == turns[step] - {gone}, step
+        det.check(step)
+    assert det.coverage_bound() == (3, 20)
 
 
 def chain():
@@ -118,7 +163,7 @@ def chain():
 
 def test_escalation_checks_every_layer_on_the_replay_and_the_next_steps_then_samples_again():
     model, x = chain(), torch.randn(2, 4)
-    det = ABFTDetector(model, ABFTConfig(order="random", layer_fraction=0.05, escalate_steps=3)).attach()
+    det = ABFTDetector(model, ABFTConfig(layer_fraction=0.05, escalate_steps=3)).attach()
     every = frozenset(x.name for x in det.layers)
 
     def run(step):
@@ -137,7 +182,7 @@ def test_escalation_checks_every_layer_on_the_replay_and_the_next_steps_then_sam
 
 def test_a_checksum_mismatch_in_a_sampled_step_escalates_by_itself():
     model = gpt()
-    det = ABFTDetector(model, ABFTConfig(order="random", layer_fraction=0.05, escalate_steps=2)).attach()
+    det = ABFTDetector(model, ABFTConfig(layer_fraction=0.05, escalate_steps=2)).attach()
     every = frozenset(x.name for x in det.layers)
     w = make_workload(WorkloadConfig(workload="gpt", preset="tiny", batch_size=2))
     step = next(s for s in range(200) if (det.begin_step(s) or det.active_layers) and det.check(s) == [])

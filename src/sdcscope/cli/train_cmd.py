@@ -338,6 +338,8 @@ def train(
         note(faults_fired=tools.fired)
     if tools.guard is not None:
         out_console.print(f"guard: {len(tools.guard.events)} event(s) in {run.out / 'events.jsonl'}")
+        if tools.guard.abft is not None:
+            out_console.print(f"guard: {tools.guard.abft.coverage()}")
         note(guard_events=len(tools.guard.events))
     _exit_for(summary)
 

@@ -46,15 +46,19 @@ class ABFTConfig:
     every: int = 1
     """Check on steps with ``step % every == 0``."""
     layer_fraction: float = 1.0
-    """Share of the targeted layers checked on a checked step (deterministic rotation)."""
+    """Share of the targeted layers checked on a checked step (see ``order``)."""
     order: str = "rotation"
-    """How ``layer_fraction`` picks a checked step's layers: ``'rotation'`` (⌈fraction × layers⌉
-    in turn) or ``'random'`` (each layer drawn with probability ``layer_fraction``, afresh each
-    step: a transient fault in any GEMM is checked with that probability on every step, and a
-    fault pinned to one layer and period cannot alias with the sampling)."""
+    """How ``layer_fraction`` picks a checked step's layers: ``'rotation'`` (the n layers dealt
+    evenly into B = ⌈1 / layer_fraction⌉ slots, one slot a checked step in turn from an offset
+    drawn from ``seed``: every layer is checked once every B checked steps, so a persistent fault
+    is caught within B of them and a transient one in its step with probability 1/B;
+    ``ABFTDetector.coverage_bound``) or ``'random'`` (each layer drawn with probability
+    ``layer_fraction``, afresh each step: the same rate, no bound on when a layer is checked,
+    but a fault pinned to one layer and period cannot alias with the sampling)."""
     seed: int = 0
-    """Seed of the ``'random'`` draw (the draw of a step is a function of seed and step alone, so
-    a replay of a step checks the same layers, and the training RNG is never touched)."""
+    """Seed of the rotation's starting offset and of the ``'random'`` draw (either is a function
+    of seed, step and the layers alone, so a replay of a step checks the same layers, two seeds
+    check different layers on the same step, and the training RNG is never touched)."""
     escalate_steps: int = 10
     """After a checksum mismatch (or :meth:`ABFTDetector.escalate`, which the guard calls on any
     other finding), every layer is checked on the step's replay and this many steps after it."""

@@ -175,6 +175,7 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
         graph break; GEMMs the graph runs are not checked, see :meth:`check`'s warning) and every
         layer stays hooked from then on, so the graph's guards never change with the sampling."""
         self._compiled_seen = False
+        self._announced = False  # the coverage logged (at the first attach)
 
     # ----------------------------------------------------------------- attach
     def attach(self) -> ABFTDetector:
@@ -183,6 +184,9 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
         costs nothing."""
         if self._attached:
             return self
+        if not self._announced:
+            self._announced = True
+            log.info("%s", self.coverage())
         self._attached = True
         self.sdpa.attach()
         if self._step is None:
@@ -241,10 +245,11 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
 
     # --------------------------------------------------------------- sampling
     def begin_step(self, step: int) -> None:
-        """Choose the layers checked on ``step`` (deterministic rotation) and move ABFT's forward
-        hook of each back to the end of its module's hook order. Calling it again for the same
-        step re-orders the hooks only; calling it for the step :meth:`check` just judged (a replay
-        re-executing it) arms that step's layers again, and the rotation goes on as before."""
+        """Choose the layers checked on ``step`` (:class:`~sdcscope.detect.abft.sampling.Sampler`)
+        and move ABFT's forward hook of each back to the end of its module's hook order. Calling
+        it again for the same step re-orders the hooks only; calling it for the step :meth:`check`
+        just judged (a replay re-executing it) arms that step's layers again, and the rotation goes
+        on as before."""
         step = int(step)
         if self._step != step:
             chosen = self._sampler.choose(step, self.layers, self.unreached)
@@ -259,6 +264,36 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
             if layer.functional is None:
                 keep_last(layer)
                 self._sync_pre_hook(layer)
+
+    def coverage_bound(self) -> tuple[int, int] | None:
+        """(most layers checked on a checked step, steps within which every layer is checked) of
+        the fixed rotation (``order: rotation``, no ``budget``): a persistent fault in any checked
+        GEMM is found within that many steps, a transient one in its step with probability 1 /
+        (that many steps). None where nothing bounds it: ``order: random``, a ``budget``, no
+        layers. Layers found :attr:`unreached` leave the rotation without moving the others'."""
+        bound = self._sampler.bound()
+        return None if bound is None else bound[1:]
+
+    def coverage(self) -> str:
+        """:meth:`coverage_bound` in one sentence (logged at attach; ``sdcscope train --guard``
+        prints it in its closing lines)."""
+        cfg, n = self.config, len(self.layers)
+        bound = self._sampler.bound()
+        if not n:
+            return "ABFT checks no GEMM layer"
+        if bound is None and cfg.budget is not None:
+            return f"ABFT checks as many of its {n} GEMM layers as a {cfg.budget:.0%} overhead budget allows (no bound)"
+        if bound is None:
+            return (
+                f"ABFT checks each of its {n} GEMM layers with probability {cfg.layer_fraction:g} a step "
+                "(random draw: no bound on when a layer is checked)"
+            )
+        fewest, most, steps = bound
+        when = "a step" if cfg.every == 1 else f"every {cfg.every} steps"
+        if fewest >= n:
+            return f"ABFT checks every GEMM layer ({n}) {'every step' if cfg.every == 1 else when}"
+        per = str(most) if fewest == most else f"{fewest}-{most}"
+        return f"ABFT checks every GEMM layer within {steps} steps ({per} of {n} {when})"
 
     def escalate(self, steps: int | None = None) -> None:
         """Full coverage after a finding of any detector: every layer is checked on a replay of

@@ -1,11 +1,13 @@
-"""Which layers ABFT checks on each step: a deterministic rotation, sized by ``every`` and
-``layer_fraction``, or from measured step times to stay within ``budget``."""
+"""Which layers ABFT checks on each step: a fixed rotation that checks every layer within a known
+number of steps (``layer_fraction``, ``every``), a random draw (``order: random``), or a rotation
+sized from measured step times to stay within ``budget``."""
 
 from __future__ import annotations
 
 import math
 import random
 import time
+from collections import Counter
 
 from sdcscope.detect.abft.config import ABFTConfig
 from sdcscope.detect.abft.records import Layer
@@ -15,46 +17,68 @@ BUDGET_AIM = 0.75
 
 
 class Sampler:
-    """The rotation over a detector's layers. ``plan`` = (layers per checked step, check every
-    that many steps); with a budget the plan starts at full coverage on step 0, none on step 1."""
+    """The choice of a detector's checked layers, on steps with ``step % every == 0``. With a
+    budget, ``plan`` = (layers per checked step, ``every``) is sized from step times: full
+    coverage on step 0, none on step 1, then a rotation over the layers.
+
+    The fixed rotation deals the ``n`` layers evenly into ``cycle`` = ⌈1 / layer_fraction⌉ slots
+    (layer ``p`` in slot ``⌊p · cycle / n⌋``: ⌊n / cycle⌋ or ⌈n / cycle⌉ layers each, some empty
+    when n < cycle) and checks slot ``(step // every + offset) mod cycle`` on a checked step, the
+    offset drawn from ``seed``. Each layer is checked once every ``every · cycle`` steps -- the
+    random draw's rate and price, with a bound -- and a step's layers are a function of (seed,
+    step, layers) alone (a replay or a resumed run checks the same ones). A layer's slot never
+    depends on the others, so a layer leaving the rotation (unreached) moves no other's turn."""
 
     def __init__(self, config: ABFTConfig, n_layers: int) -> None:
         self.budget = config.budget
-        self.random = config.order == "random" and config.budget is None
+        self.mode = "budget" if config.budget is not None else config.order
         self.seed = config.seed
         self.fraction = config.layer_fraction
-        self.plan = (
-            (n_layers, 2)
-            if config.budget is not None
-            else (max(1, math.ceil(config.layer_fraction * n_layers)), config.every)
-        )
-        self.rot = 0  # next position of the rotation
-        self.chosen_rot = 0  # the rotation after the current step's choice
+        self.plan = (n_layers, 2 if config.budget is not None else config.every)
+        self.cycle = math.ceil(round(1 / config.layer_fraction, 9))  # the fixed rotation's slots
+        self.slot_of = [p * self.cycle // n_layers for p in range(n_layers)]  # each layer's slot
+        self.offset = random.Random(config.seed).randrange(self.cycle)  # the slot of step 0
+        self.rot = 0  # budget mode: next position of its rotation
+        self.chosen_rot = 0  # budget mode: the rotation after the current step's choice
         self.last_checked: tuple[int, list[Layer], int] | None = None  # (step, its layers, rotation)
         self._last_check: tuple[float, int] | None = None  # (wall time, step) of the last check
         self._cost_per_layer: float | None = None
         self._base_step: float | None = None
 
+    def bound(self) -> tuple[int, int, int] | None:
+        """(fewest, most layers checked on a checked step, steps within which every layer is
+        checked) of the fixed rotation; None where nothing bounds it (a random draw, a budget,
+        no layers)."""
+        if self.mode != "rotation" or not self.slot_of:
+            return None
+        sizes = Counter(self.slot_of)
+        fewest = min(sizes.values()) if len(sizes) == self.cycle else 0
+        return fewest, max(sizes.values()), self.plan[1] * self.cycle
+
     def choose(self, step: int, layers: list[Layer], unreached: set[str]) -> list[Layer]:
         """The layers checked on ``step``: those of the last checked step again when it is
-        ``step`` (a replay), else the next ones of the rotation over the reached layers."""
+        ``step`` (a replay: the same layers even if one has since turned out unreached), else the
+        step's slot of the rotation, its random draw, or the budget rotation's next layers, the
+        :attr:`~sdcscope.detect.abft.detector.ABFTDetector.unreached` ones left out (unless all are)."""
         again = self.last_checked
         if again is not None and again[0] == step:
             _, chosen, self.rot = again
         else:
-            k, every = self.plan
-            pool = [x for x in layers if x.name not in unreached] or layers
+            k, every = self.plan  # k: the budget's alone
+            skip = unreached if len(unreached) < len(layers) else set()
             if step % every:
                 chosen = []
+            elif self.mode == "rotation":
+                slot = (step // every + self.offset) % self.cycle
+                chosen = [x for x, s in zip(layers, self.slot_of) if s == slot and x.name not in skip]
+            elif self.mode == "random":  # each layer with probability fraction; a function of (seed, step) alone
+                rng = random.Random(self.seed * 1_000_003 + step)
+                chosen = [x for x in layers if x.name not in skip and rng.random() < self.fraction]
             else:
+                pool = [x for x in layers if x.name not in skip]
                 n = len(pool)
-                k = min(k, n)
-                if self.random:  # each layer with probability fraction; a function of (seed, step) alone
-                    rng = random.Random(self.seed * 1_000_003 + step)
-                    chosen = [x for x in pool if rng.random() < self.fraction]
-                else:
-                    chosen = [pool[(self.rot + i) % n] for i in range(k)]
-                    self.rot = (self.rot + k) % max(n, 1)
+                chosen = [pool[(self.rot + i) % n] for i in range(min(k, n))]
+                self.rot = (self.rot + k) % max(n, 1)
         self.chosen_rot = self.rot
         return chosen
 
