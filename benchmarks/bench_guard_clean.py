@@ -2,14 +2,15 @@
 seeds of the engine's training of the tiny GPT.
 
     python benchmarks/bench_guard_clean.py [--steps 2000] [--seeds 0 1 2] [--profiles ...]
-        [--workload gpt|cnn] [--batch-size 16]
+        [--workload gpt|cnn] [--batch-size 16] [--compile]
 
 Workload: the ``tiny`` GPT preset on the default corpus (the standard library's sources) at its
 default batch (16; at batch 8 the noisier loss gives seed 2 a real gradient spike at step 460,
 reproduced by the replay: the data, not the hardware, and the guard says so), or ``--workload
 cnn`` (the tiny LeNet on the digits, its default batch). Each profile is taken by name
 (``GuardConfig(profile=...)``, whatever :data:`sdcscope.guard.config.PROFILES` makes of it) and
-drives the engine's trainer through its callback, every step, from step 0. Every event is
+drives the engine's trainer through its callback, every step, from step 0 (``--compile``: the
+trainer runs through ``torch.compile`` and ABFT checks inside the graph). Every event is
 printed (step, detector, verdict, module, action, evidence): on a clean run each one is a false
 positive. The last line holds the events per profile. One torch thread: the tiny model gains
 nothing from more, and on shared cores extra threads spin.
@@ -24,18 +25,19 @@ import warnings
 import torch
 
 from sdcscope.engine import TrainConfig, Trainer
-from sdcscope.guard import Guard, GuardConfig
+from sdcscope.guard import GuardConfig
 from sdcscope.guard.config import PROFILES
+from sdcscope.jobs.assemble import guard_trainer
 from sdcscope.workloads import WorkloadConfig, make_workload
 
 SHOWN = 20  # events printed per run
 
 
-def clean_run(workload, profile: str, seed: int, steps: int) -> tuple[list[dict], float]:
+def clean_run(workload, profile: str, seed: int, steps: int, compile: bool = False) -> tuple[list[dict], float]:
     """The guard's events over ``steps`` clean steps from a fresh model of ``seed``, and the
-    final validation loss."""
-    trainer = Trainer(workload, TrainConfig(seed=seed))
-    guard = Guard(trainer.model, trainer.optimizer, GuardConfig(profile=profile))
+    final validation loss (``compile``: the trainer compiles; ABFT checks inside the graph)."""
+    trainer = Trainer(workload, TrainConfig(seed=seed, compile=compile))
+    guard = guard_trainer(trainer, GuardConfig(profile=profile))
     trainer.add_callback(guard.callback(trainer))
     for _ in range(steps):
         trainer.train_step()
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
     parser.add_argument("--workload", default="gpt", choices=["gpt", "cnn"])
     parser.add_argument("--batch-size", type=int, default=None, help="default: the workload's own")
+    parser.add_argument("--compile", action="store_true", help="train through torch.compile (ABFT in the graph)")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps {args.steps} must be >= 1")
@@ -62,7 +65,7 @@ def main() -> None:
     workload = make_workload(WorkloadConfig(workload=args.workload, preset="tiny", batch_size=batch))
     print(
         f"{args.workload} tiny, batch {workload.config.batch_size}, {args.steps} steps x seeds "
-        f"{' '.join(map(str, args.seeds))}, profiles {' '.join(args.profiles)}",
+        f"{' '.join(map(str, args.seeds))}, profiles {' '.join(args.profiles)}{', compiled' if args.compile else ''}",
         flush=True,
     )
     t_all = time.perf_counter()
@@ -71,7 +74,7 @@ def main() -> None:
         totals[profile] = 0
         for seed in args.seeds:
             t0 = time.perf_counter()
-            events, val = clean_run(workload, profile, seed, args.steps)
+            events, val = clean_run(workload, profile, seed, args.steps, args.compile)
             dt = time.perf_counter() - t0
             print(
                 f"{profile:8s} seed {seed}: {len(events)} events in {args.steps} steps "
@@ -89,7 +92,7 @@ def main() -> None:
             totals[profile] += len(events)
     print(f"wall {time.perf_counter() - t_all:.0f} s")
     print(
-        f"clean {args.steps} steps x {len(args.seeds)} seeds: "
+        f"clean{' compiled' if args.compile else ''} {args.steps} steps x {len(args.seeds)} seeds: "
         + ", ".join(f"{p} {n}{' events' if i == 0 else ''}" for i, (p, n) in enumerate(totals.items()))
     )
 

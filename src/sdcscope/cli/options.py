@@ -18,6 +18,11 @@ CORPUS_OPT = path_option(None, "--corpus", help="Text file or folder (gpt; defau
 BATCH_SIZE_OPT = typer.Option(None, "--batch-size", help="Sequences / images per micro-batch.")
 LR_OPT = typer.Option(None, "--lr", help="Peak learning rate.")
 GRAD_ACCUM_OPT = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step.")
+COMPILE_OPT = typer.Option(
+    False,
+    "--compile",
+    help="Train through torch.compile (inductor); the guard's ABFT checks every Linear inside the graph.",
+)
 EVAL_EVERY_OPT = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at the end).")
 
 GUARD_OPT = typer.Option(False, "--guard", help="Watch the run with the Guard (detect, localize, repair).")
@@ -54,6 +59,7 @@ def build_configs(
     grad_accum: int = 1,
     eval_every: int = 0,
     resolve: bool = True,
+    compile: bool = False,
 ):
     """Validated (WorkloadConfig, TrainConfig) from CLI options (raises ValueError). ``resolve``:
     the corpus must exist and is recorded as an absolute path (a run resumable from anywhere);
@@ -68,7 +74,7 @@ def build_configs(
     wcfg = WorkloadConfig(
         workload=workload, preset=preset, batch_size=batch_size, lr=lr, corpus=None if corpus is None else str(corpus)
     )
-    return wcfg, TrainConfig(seed=seed, grad_accum=grad_accum, eval_every=eval_every)
+    return wcfg, TrainConfig(seed=seed, grad_accum=grad_accum, eval_every=eval_every, compile=compile)
 
 
 def with_prometheus(config, port: Optional[int]):

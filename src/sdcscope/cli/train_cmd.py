@@ -27,6 +27,7 @@ from sdcscope.cli.common import (
 )
 from sdcscope.cli.options import (
     BATCH_SIZE_OPT,
+    COMPILE_OPT,
     CORPUS_OPT,
     EVAL_EVERY_OPT,
     GRAD_ACCUM_OPT,
@@ -55,6 +56,7 @@ KEPT_ON_RESUME = {  # option: (flag, section and key in config.json); a resumed 
     "lr": ("--lr", "workload", "lr"),
     "seed": ("--seed", "train", "seed"),
     "grad_accum": ("--grad-accum", "train", "grad_accum"),
+    "compile": ("--compile", "train", "compile"),
 }
 
 
@@ -144,6 +146,7 @@ def train(
     batch_size: Optional[int] = BATCH_SIZE_OPT,
     lr: Optional[float] = LR_OPT,
     grad_accum: int = GRAD_ACCUM_OPT,
+    compile: bool = COMPILE_OPT,
     eval_every: int = EVAL_EVERY_OPT,
     guard: bool = GUARD_OPT,
     guard_config_path: Optional[Path] = GUARD_CONFIG_OPT,
@@ -221,6 +224,8 @@ def train(
                     raise CLIError("--invariants is not supported in a distributed run yet; drop it or use --nproc 1")
                 if prometheus_port is not None:
                     raise CLIError("--prometheus-port serves one process; a distributed run is not supported yet")
+                if compile:
+                    raise CLIError("--compile trains in one process for now; drop it or use --nproc 1")
                 for flag, path in (("--faults", faults), ("--guard-config", guard_config_path)):
                     if path is not None:
                         check_file(flag, path)
@@ -239,6 +244,7 @@ def train(
                     grad_accum=grad_accum,
                     eval_every=eval_every,
                     resolve=False,
+                    compile=compile,
                 )
                 job = make_job(
                     out,
@@ -306,6 +312,7 @@ def train(
                 lr=lr,
                 grad_accum=grad_accum,
                 eval_every=eval_every,
+                compile=compile,
             )
             run = Run(
                 out,

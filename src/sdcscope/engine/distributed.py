@@ -67,6 +67,11 @@ class DistTrainer(Trainer):
         self.topology = topology or Topology()
         size = dist.get_world_size()
         self.topology.check(size, workload)
+        if config is not None and config.compile:
+            raise ValueError(
+                "compile=True (--compile) runs in one process; a distributed topology trains eagerly "
+                "(its guard's hooks and collectives are not traced yet)"
+            )
         super().__init__(workload, config, callbacks)
         self.dist_config = dist_config or DistConfig()
         self.device = device_for(self.dist_config)

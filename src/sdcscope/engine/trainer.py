@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdcscope.common.validate import check_non_negative, check_positive
+from sdcscope.common.validate import check_bool, check_non_negative, check_positive
 from sdcscope.common.world import World
 from sdcscope.engine.state import TrainState, apply, capture
 from sdcscope.workloads import Workload
@@ -46,12 +46,18 @@ class TrainConfig:
     """Micro-batches per optimizer step (gradient accumulation)."""
     eval_every: int = 0
     """Evaluate every N steps (0: only when asked, e.g. at the end of a run)."""
+    compile: bool = False
+    """Run each micro-batch's forward and backward as a ``torch.compile`` graph (inductor): what
+    LLM training does. The guard's ABFT then checks through graph taps
+    (:mod:`sdcscope.detect.abft.graph`) and the injector reaches GEMMs the same way; evaluation
+    stays eager."""
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= SEED_MAX:
             raise ValueError(f"seed={self.seed!r} must be an integer in 0..{SEED_MAX}")
         check_positive("grad_accum", self.grad_accum)
         check_non_negative("eval_every", self.eval_every)
+        check_bool("compile", self.compile)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,6 +114,19 @@ def _shared_norm(shared, params: list[nn.Parameter], clip: float) -> torch.Tenso
     return torch.linalg.vector_norm(norms)
 
 
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    """Deterministic algorithms while a compiled micro-batch runs (and compiles): inductor's CPU
+    kernels otherwise accumulate with parallel atomics (an embedding's backward), so two runs of
+    one seed differ in the last bits with more than one thread, and no replay reproduces a step."""
+    prev, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=warn)
+
+
 class Trainer:
     def __init__(self, workload: Workload, config: TrainConfig | None = None, callbacks: Iterable[object] = ()) -> None:
         self.workload = workload
@@ -121,6 +140,7 @@ class Trainer:
         self.lr_scale = 1.0
         self.skip_data: set[int] = set()
         self.world = World()
+        self._compiled: nn.Module | None = None
         """The world the trainer lives in: one process here; a distributed trainer's is described
         from its wrapped model (:class:`~sdcscope.engine.distributed.DistTrainer`)."""
 
@@ -149,8 +169,14 @@ class Trainer:
     def micro_step(self, micro_batch: int, accum: int) -> Iterator[nn.Module]:
         """Around the forward and backward pass of one micro-batch; yields the module to run.
         A data-parallel trainer yields its wrapper and holds back the gradient all-reduce until
-        the last micro-batch."""
-        yield self.model
+        the last micro-batch; a compiling one, the compiled module (built once)."""
+        if not self.config.compile:
+            yield self.model
+            return
+        if self._compiled is None:
+            self._compiled = torch.compile(self.model)
+        with _deterministic():
+            yield self._compiled
 
     def forward_backward(self, ctx: StepContext) -> torch.Tensor:
         """Run all micro-batches of ``ctx.step``; return the mean loss (a 0-d tensor)."""

@@ -40,9 +40,11 @@ fault is made there, without a collective -- and the record has ``shard``: ``pla
 ``offset`` and ``local_shape`` of the shard, ``global_shape`` and ``global_index`` (the flat
 indices in the global tensor; of a ``Partial`` sum, the same as ``index``). Evaluation records
 never suppress or replace training ones; count training injections as the records whose
-``when`` is not ``"eval"``. A re-execution (:func:`reexecution`: its permanent faults act
-again) logs nothing; training a step again after a rollback logs only events its first
-execution did not.
+``when`` is not ``"eval"``. A graph-mode fault (``Injector(graph=True)``) is recorded when the
+host arms it, with ``"graph": true``, ``before``/``after`` null (the graph hands no values back)
+and ``call`` null (every call of the micro-batch got it). A re-execution (:func:`reexecution`:
+its permanent faults act again) logs nothing; training a step again after a rollback logs only
+events its first execution did not.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from sdcscope.common.graph import in_backward
 from sdcscope.common.io import JsonlWriter
 from sdcscope.common.world import local, shard_coords
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, FaultSpecError, apply_spec, fault_generator, fires
+from sdcscope.inject.graphsites import GraphSites, disarm_for_reexecution
 from sdcscope.inject.hooks import MEMORY_SITES, SiteHooks
 from sdcscope.inject.targets import MODULE_SITES, UNREACHED, Target
 from sdcscope.inject.validate import validate_specs
@@ -73,7 +76,9 @@ _REEXECUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdcscope_re
 def reexecution() -> Iterator[None]:
     """Mark a re-execution of a step (a guard's replay or recompute). A transient or
     intermittent fault was one event in time and does not recur; a permanent one (a broken
-    unit) acts again. Every injector in the process honours it."""
+    unit) acts again. Every injector in the process honours it (a graph-mode one disarms its
+    transient faults here, before the re-execution's forward)."""
+    disarm_for_reexecution()
     token = _REEXECUTING.set(True)
     try:
         yield
@@ -122,7 +127,7 @@ def _global_indices(shard: dict, index: list[int]) -> dict:
     }
 
 
-class Injector(SiteHooks):
+class Injector(SiteHooks, GraphSites):
     """Holds fault specs for one model (and optimizer) on one rank.
 
     Use as a context manager (``with Injector(model, specs, optimizer) as inj:``) or call
@@ -145,6 +150,14 @@ class Injector(SiteHooks):
     a training step but that never fired there (its module never ran its own forward -- a Linear
     its parent applies with ``F.linear`` -- or handed on no gradient); a campaign, which reports
     such a trial as ``not_fired``, turns it off.
+
+    ``graph``: reach ``gemm.forward``, ``gemm.grad_input`` and ``gemm.grad_weight`` of ``nn.Linear``
+    and MatMul-contract targets inside a ``torch.compile`` graph, with no graph break and no
+    recompile per step (:mod:`sdcscope.inject.graph`, :mod:`sdcscope.inject.graphsites`): every
+    call of the module in the armed micro-batch gets the fault, records have ``before``/``after``
+    null and ``"graph": true``. ``weight``, ``optimizer_state`` and ``param_grad`` act outside the
+    graph as without it; ``activation``, GEMM sites of other modules (Conv) and a ``mac_cell``
+    ``gemm.forward`` are refused here.
     """
 
     def __init__(
@@ -161,6 +174,7 @@ class Injector(SiteHooks):
         probe: dict[str, list[Any]] | None = None,
         warn_unfired: bool = True,
         targets: dict[int, list[Target]] | None = None,
+        graph: bool = False,
     ) -> None:
         self.model = model
         self.specs = list(specs)
@@ -198,6 +212,7 @@ class Injector(SiteHooks):
         self._file = JsonlWriter(log) if isinstance(log, (str, Path)) else None
         self._sink = log if callable(log) else None
         self.armed = True
+        self._graph_setup(graph, probe)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def attach(self) -> Injector:
@@ -216,6 +231,7 @@ class Injector(SiteHooks):
         ):
             self._optimizer_handles = [self.optimizer.register_step_post_hook(self._optimizer_post)]
         self._sync_hooks()
+        self._graph_attach()
         return self
 
     def detach(self) -> None:
@@ -224,6 +240,7 @@ class Injector(SiteHooks):
         for h in self._optimizer_handles + [h for hs in self._spec_handles.values() for h in hs]:
             h.remove()
         self._optimizer_handles, self._spec_handles = [], {}
+        self._graph_detach()
         self._attached = False
 
     def close(self) -> None:
@@ -267,6 +284,8 @@ class Injector(SiteHooks):
         if moved:
             self._sync_hooks()
         self._apply_memory_faults()
+        if self._graph_entries:
+            self._graph_arm()
 
     def _live(self, spec: FaultSpec) -> bool:
         """Whether ``spec`` can fire at the current position (rank, schedule window, phase)."""
@@ -304,6 +323,8 @@ class Injector(SiteHooks):
             live = self._live(spec)
             if live and not self.evaluating and spec.site in MODULE_SITES:
                 self._covered.setdefault(i, self.step)
+            if i in self._graph_specs:  # carried by a graph wrapper, armed by _graph_arm
+                continue
             if live and i not in self._spec_handles:
                 self._spec_handles[i] = [h for t in self.targets[i] if (h := self._attach_one(i, spec, t))]
             elif not live and i in self._spec_handles:
@@ -431,6 +452,7 @@ class Injector(SiteHooks):
         call: int | None = None,
         when: str | None = None,
         shard: dict | None = None,
+        graph: bool = False,
     ) -> None:
         site = spec.site
         if _REEXECUTING.get():  # a replay: the permanent faults acting again were logged
@@ -456,8 +478,10 @@ class Injector(SiteHooks):
             "model": spec.model,
             "bits": list(spec.bits) if spec.bits else None,
             "count": len(values["index"]),
-            **{k: vals[:MAX_RECORDED] for k, vals in values.items()},
+            **{k: None if vals is None else vals[:MAX_RECORDED] for k, vals in values.items()},
         }
+        if graph:  # armed in a compiled graph: which elements, not their values
+            record["graph"] = True
         if shard is not None:  # a DTensor's local shard: where its elements sit in the global tensor
             record["shard"] = _global_indices(shard, record["index"])
         self.records.append(record)
@@ -481,5 +505,6 @@ class InjectorCallback:
         self.injector.set_position(trainer.step, 0, evaluating=True)
 
     def after_backward(self, ctx) -> None:
+        self.injector.micro_batch_done()
         if ctx.micro_batch + 1 < ctx.trainer.config.grad_accum:
             self.injector.set_position(ctx.step, ctx.micro_batch + 1)

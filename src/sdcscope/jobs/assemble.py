@@ -9,6 +9,7 @@ on the run's trainer in that order: a fault corrupts a value before any observer
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,10 @@ def check_faults(
 
 def guard_trainer(trainer: Any, config: GuardConfig, **wiring: Any) -> Guard:
     """The Guard over ``trainer``'s model and optimizer; ``wiring``: the Guard's keyword arguments
-    (``run_dir``, ``on_event``, ``rank``, ``ddp``, ``ledger``, ``loss_fn``)."""
+    (``run_dir``, ``on_event``, ``rank``, ``ddp``, ``ledger``, ``loss_fn``). A compiling trainer's
+    ABFT checks through graph taps: hooks do nothing inside a compiled graph."""
+    if trainer.config.compile and config.abft is not None and not config.abft.graph:
+        config = dataclasses.replace(config, abft=dataclasses.replace(config.abft, graph=True))
     return Guard(trainer.model, trainer.optimizer, config, **wiring)
 
 
@@ -169,6 +173,7 @@ class FaultyRun:
                 resumed_at=t.step,
                 warn_unfired=warn_unfired,
                 targets=targets,
+                graph=t.config.compile,
             )
             self.callbacks.append(self.injector.callback())
             if any(s.site == "checkpoint" for s in self.specs):

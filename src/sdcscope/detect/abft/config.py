@@ -79,6 +79,13 @@ class ABFTConfig:
     c_min: float = 5.0
     """Floor of a calibrated threshold: the model std is an upper bound, but a short calibration
     sees only part of the tail of the clean ratios."""
+    graph: bool = False
+    r"""Check every Linear's Y, dX and dW through traceable taps around its GEMM instead of hooks
+    (:mod:`sdcscope.detect.abft.graph`): what a ``torch.compile``\ d model needs -- hooks do
+    nothing inside a compiled graph -- and the recommended always-on mode there. Every Linear is
+    checked on every step (``every``, ``layer_fraction``, ``order`` and ``budget`` apply to the
+    layers left to hooks); MatMul and convolution layers keep their hooks, which a compiled graph
+    skips. ``sdcscope train --compile`` turns it on."""
     include_eval: bool = False
     """Also check forward passes that autograd does not record in eval mode (evaluation under
     ``torch.no_grad()``). A model trained in eval mode is checked anyway."""
@@ -119,6 +126,7 @@ class ABFTConfig:
         check_float("calibration_margin", self.calibration_margin, low=1.0)
         check_float("c_min", self.c_min, low=0, low_open=True)
         check_bool("include_eval", self.include_eval)
+        check_bool("graph", self.graph)
         self.linear_subclasses = _names("linear_subclasses", self.linear_subclasses)
 
 

@@ -17,6 +17,7 @@ from sdcscope.common.modules import CONV_TYPES, TRANSPOSED_TYPES, is_matmul, mat
 from sdcscope.detect.abft.config import ABFTConfig
 from sdcscope.detect.abft.conv import ConvChecks, self_padding
 from sdcscope.detect.abft.convcheck import checkable_conv
+from sdcscope.detect.abft.graph import GraphChecks
 from sdcscope.detect.abft.hooks import ModuleHooks, backward_hooked, keep_last
 from sdcscope.detect.abft.linear import LinearChecks
 from sdcscope.detect.abft.records import CheckRecord, Layer
@@ -31,7 +32,7 @@ from sdcscope.detect.protocol import CheckView, Registration, register
 log = logging.getLogger("sdcscope.detect.abft")
 
 
-class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, TensorParallelChecks):
+class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, TensorParallelChecks, GraphChecks):
     """Checksum detector for the GEMMs of ``model`` (see :mod:`sdcscope.detect.abft`)."""
 
     name = "abft"
@@ -188,6 +189,8 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
             self._announced = True
             log.info("%s", self.coverage())
         self._attached = True
+        if self.config.graph:
+            self._install_graph()
         self.sdpa.attach()
         if self._step is None:
             self.begin_step(0)
@@ -198,6 +201,7 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
     def detach(self) -> None:
         self._attached = False
         self.sdpa.detach()
+        self._remove_graph()
         self._sync_hooks()
         self._drop_pending()
         self._error = None
@@ -208,6 +212,8 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
         if self._functional:
             (install_tap if want else remove_tap)(self)
         for layer in self.layers:
+            if layer.graph is not None:  # checked by its graph taps
+                continue
             if layer.functional is not None:
                 self._sync_probe(layer, layer.name in want)
                 continue
@@ -261,7 +267,7 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
             self._chosen = chosen
             self._sync_hooks()
         for layer in self._chosen:
-            if layer.functional is None:
+            if layer.functional is None and layer.graph is None:
                 keep_last(layer)
                 self._sync_pre_hook(layer)
 
@@ -353,6 +359,7 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
         if isinstance(step, CheckView):
             step = step.step
         step = self._step if step is None else int(step)
+        self._graph_records()
         records, self._records = self._records, []
         error, self._error = self._error, None
         if error is not None:  # a check may have been left half-recorded: judge none of this step's
@@ -374,14 +381,23 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
             self.checks_run += len(records)
         if self._compiled_seen and not self.compiled:
             self.compiled = True
-            warnings.warn(
-                "ABFT: the model runs inside a torch.compile graph: its hooks are left out of the "
-                "graph (no graph break) and the GEMMs the graph runs -- forward, dX, dW -- are not "
-                "checked; eager runs of the model (the guard's replays with loss_fn/step_fn on the "
-                "uncompiled module) are checked in full. The non-finite, spike and state checks "
-                "still cover the compiled steps",
-                stacklevel=2,
-            )
+            hooked = [x.name for x in self.layers if x.graph is None]
+            if self.config.graph:
+                log.warning(
+                    "ABFT: the model runs inside a torch.compile graph: its Linears are checked there, "
+                    "but %s (MatMul, convolution, functional layers) keep hooks, which the graph leaves "
+                    "out: their GEMMs are not checked in compiled steps",
+                    _listed(hooked),
+                )
+            else:
+                warnings.warn(
+                    "ABFT: the model runs inside a torch.compile graph: its hooks are left out of the "
+                    "graph (no graph break) and the GEMMs the graph runs -- forward, dX, dW -- are not "
+                    "checked (abft graph: true checks every Linear inside the graph; sdcscope train "
+                    "--compile sets it). The non-finite, spike and state checks still cover the "
+                    "compiled steps",
+                    stacklevel=2,
+                )
         if not self.compiled:
             self._note_reached()
         events += self.sdpa.check(step)

@@ -63,6 +63,7 @@ class Layer:
     grad_seen: bool = False  # the weight got a gradient since the last check
     w_in_out: bool = False  # weight stored (in, out): transformers' Conv1D, Y = X·W + b
     functional: object = None  # F.linear on a weight a module applies itself: its hook
+    graph: object = None  # graph mode: its GemmSite taps (:class:`~sdcscope.detect.abft.graph.LinearTaps`)
     shard: tuple | None = None  # tensor parallel: (layout key, ShardMap) of its last call (tensorparallel.py)
 
 
@@ -97,6 +98,9 @@ class CheckRecord:
     layout: str = "batched"
     dims: tuple[int, ...] = ()
     operand: str | None = None  # a MatMul's backward: 'a' (dA) or 'b' (dB)
+    rows_at: torch.Tensor | None = None
+    """A tile check judged in a graph (:mod:`~sdcscope.detect.abft.graph`): one entry per block
+    column, the worst tile's; this holds each one's block row (read only for a failing check)."""
 
     def index(self, batch: int, row: int | None, col: int | None) -> tuple:
         """The event's index of the failing ``row`` / ``col`` (None: that side did not fail) of
@@ -106,6 +110,8 @@ class CheckRecord:
             r, s, q, flat, *lead = dims
             if col is None:
                 return (None, None)
+            if self.rows_at is not None:  # the worst tile of block column ``col``
+                col = int(self.rows_at[col]) * q + col
             p, j = divmod(col, q)
             if flat:
                 return (*(unravel(p * r, tuple(lead)) if lead else (p * r,)), j * s)
