@@ -17,7 +17,7 @@ from sdcscope.common.modules import CONV_TYPES, TRANSPOSED_TYPES, is_matmul, mat
 from sdcscope.detect.abft.config import ABFTConfig
 from sdcscope.detect.abft.conv import ConvChecks, self_padding
 from sdcscope.detect.abft.convcheck import checkable_conv
-from sdcscope.detect.abft.graph import GraphChecks
+from sdcscope.detect.abft.graph import GraphChecks, graph_linear
 from sdcscope.detect.abft.hooks import ModuleHooks, backward_hooked, keep_last
 from sdcscope.detect.abft.linear import LinearChecks
 from sdcscope.detect.abft.records import CheckRecord, Layer
@@ -287,6 +287,10 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
         bound = self._sampler.bound()
         if not n:
             return "ABFT checks no GEMM layer"
+        if cfg.graph:
+            tapped = sum(graph_linear(x) for x in self.layers)
+            rest = f"; {n - tapped} other GEMM layers by hooks, which a compiled graph leaves out" if n > tapped else ""
+            return f"ABFT checks every Linear ({tapped}) every step through graph taps{rest}"
         if bound is None and cfg.budget is not None:
             return f"ABFT checks as many of its {n} GEMM layers as a {cfg.budget:.0%} overhead budget allows (no bound)"
         if bound is None:

@@ -272,6 +272,11 @@ class LinearTaps:
         return got
 
 
+def graph_linear(layer: Layer) -> bool:
+    """Whether graph mode checks ``layer`` through taps: an ``nn.Linear`` called as a module."""
+    return layer.kind == "linear" and layer.functional is None and not layer.w_in_out
+
+
 class GraphChecks:
     """The :class:`ABFTDetector` part that checks Linears through graph taps (uses its
     ``config``, ``layers``, ``_cs``, ``_records``, ``_model``)."""
@@ -279,7 +284,7 @@ class GraphChecks:
     def _install_graph(self) -> None:
         gemms = set(self.config.gemms)
         for layer in self.layers:
-            if layer.kind == "linear" and layer.functional is None and not layer.w_in_out and layer.graph is None:
+            if graph_linear(layer) and layer.graph is None:
                 spec = Spec(self._cs, self.config.tile, layer.module.weight.device)
                 layer.graph = LinearTaps(layer, spec, gemms)
                 add_wrapper(layer.module, "linear", layer.graph, order=1)
