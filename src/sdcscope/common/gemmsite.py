@@ -4,8 +4,8 @@ Hooks cannot reach inside a ``torch.compile`` graph: a module hook run eagerly b
 a traced one cannot register the autograd-node hooks that see dX and dW. A :class:`GemmSite`
 instead replaces the ``forward`` of an ``nn.Linear`` (or of a MatMul-contract module, ``forward(a,
 b) = a @ b``) by the same product with *wrappers* around it, each a few tensor ops or an
-``autograd.Function`` that dynamo traces: an operand wrapper can act on the operand's gradient
-(dX, dW) in backward, a result wrapper on Y. Rooms register wrappers without knowing of each
+``autograd.Function`` that dynamo traces: a wrapper can act on an operand's gradient (dX, dW) in
+backward and on Y. Rooms register wrappers without knowing of each
 other: the injector's (``order`` 0) sit next to the GEMM -- the hardware corrupts a value before
 anything reads it --, a detector's (``order`` 1) outside them, so a check sees a fault as the
 GEMM produced it.
@@ -30,8 +30,7 @@ class GemmSite:
 
     A wrapper is an object with ``around(site, ops, inner) -> y``: ``ops`` is the list ``[x, w,
     b]`` or ``[a, b]`` as the GEMM will consume them, ``inner(ops)`` runs the wrappers inside it
-    and the GEMM; or one with ``operands(site, ops) -> ops`` and ``result(site, y, ops) -> y``
-    (no state between the two)."""
+    and the GEMM."""
 
     def __init__(self, module: nn.Module, kind: str) -> None:
         self.module = module
@@ -70,10 +69,7 @@ class GemmSite:
         def inner(o: list) -> torch.Tensor:
             return self._run(o, depth - 1)
 
-        if hasattr(w, "around"):
-            return w.around(self, ops, inner)
-        ops = w.operands(self, ops)
-        return w.result(self, inner(ops), ops)
+        return w.around(self, ops, inner)
 
 
 def site_of(module: nn.Module, kind: str | None = None) -> GemmSite | None:

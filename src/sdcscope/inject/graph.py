@@ -109,7 +109,12 @@ class GemmFaults:
             self.seen.setdefault(key, None)  # before the first call: the graph guards on the keys
         return descs
 
-    def operands(self, gemm, ops: list) -> list:
+    def around(self, gemm, ops: list, inner) -> torch.Tensor:
+        """The GEMM with this module's faults: on its operands' gradients, then on Y."""
+        ops = self._operands(gemm, ops)
+        return self._result(gemm, inner(ops))
+
+    def _operands(self, gemm, ops: list) -> list:
         ops = list(ops)
         for name, k in _OPERAND.items():
             if any(s == name for s, _ in self.faults):
@@ -120,7 +125,7 @@ class GemmFaults:
                 ops[k] = _FaultGrad.apply(ops[k], descs[ops[k].dtype])
         return ops
 
-    def result(self, gemm, y: torch.Tensor, ops: list) -> torch.Tensor:
+    def _result(self, gemm, y: torch.Tensor) -> torch.Tensor:
         forward = [descs for s, descs in self.faults if s == "gemm.forward"]
         if forward:
             self.seen[("gemm.forward", y.dtype, gemm.module.training)] = tuple(y.shape)
