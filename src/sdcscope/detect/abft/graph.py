@@ -31,9 +31,9 @@ import torch
 
 from sdcscope.common.gemmsite import add_wrapper, remove_wrapper
 from sdcscope.detect.abft.records import CheckRecord, Layer
-from sdcscope.detect.abft.tiles import block_sum
+from sdcscope.detect.abft.tiles import tile_bounds, tile_sums, tile_terms
 from sdcscope.detect.checksum import GemmCheck, Line
-from sdcscope.detect.rounding import UNIT_ROUNDOFF, line_coefs, norm_floor, rounding_model, subnormal_error
+from sdcscope.detect.rounding import line_coefs, norm_floor, rounding_model, subnormal_error
 
 _F32 = torch.float32
 _CODES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -50,14 +50,11 @@ def _pack_size(width: int) -> int:
 
 class Spec:
     """What the taps need, fixed when the graph is traced: checksum dtype, tile size, and the
-    rounding constants of the narrow dtypes on the layer's device."""
+    rounding models of the narrow dtypes on the layer's device."""
 
     def __init__(self, cs: torch.dtype, tile: int | None, device: torch.device) -> None:
         self.cs, self.tile = cs, tile
-        self.narrow = {}
-        for dt in _NARROW:
-            u = rounding_model(dt, device, cs).u_out
-            self.narrow[dt] = (u * (1 + 2 * u), subnormal_error(dt))
+        self.narrow = {dt: rounding_model(dt, device, cs) for dt in _NARROW}
 
     def tiled(self, t: torch.Tensor) -> bool:
         return self.tile is not None and t.dtype in _NARROW
@@ -109,36 +106,24 @@ def _col_finish(c2, c, expect, cs, narrow: bool) -> torch.Tensor:
 
 
 def _tile_expect(a2, b2, bias, r: int, s: int) -> torch.Tensor:
-    """What the tile check of C = A·B (+ bias) expects, flattened: the tile sums of the product
-    of A's row blocks and B's column blocks (P, Q), A's row-block squared norms (P), B's
-    column-block ones (Q), rows per block (P)."""
-    n = a2.shape[0]
-    exp = block_sum(a2, 0, r) @ block_sum(b2, 1, s)
-    counts = block_sum(a2.new_ones(n, dtype=_F32), 0, r)
+    """What the tile check of C = A·B (+ bias) expects (:func:`~sdcscope.detect.abft.tiles.tile_terms`),
+    flattened: the tile sums (P, Q), A's row-block squared norms (P), B's column-block ones (Q),
+    rows per block (P)."""
     an = torch.linalg.vector_norm(a2, dim=1, dtype=_F32)
     bn = torch.linalg.vector_norm(b2, dim=0, dtype=_F32)
-    a_sq, b_sq = block_sum(an * an, 0, r), block_sum(bn * bn, 0, s)
-    if bias is not None:  # the bias as one more column of A (ones) and row of B
-        bb = bias.to(_F32)
-        exp = exp + counts.unsqueeze(-1) * block_sum(bb, 0, s)
-        a_sq, b_sq = a_sq + counts, b_sq + block_sum(bb * bb, 0, s)
+    exp, counts, a_sq, b_sq = tile_terms(a2, b2, an, bn, bias, r, s)
     return torch.cat([exp.reshape(-1), a_sq, b_sq, counts])
 
 
-def _tile_finish(c2, expect, k: int, r: int, s: int, consts) -> torch.Tensor:
+def _tile_finish(c2, expect, k: int, r: int, s: int, model) -> torch.Tensor:
     """The worst tile of each block column of C (see :mod:`~sdcscope.detect.abft.tiles`): its
     act, exp, hard bound, model std, block row; padded to the column line's size."""
     n, m = c2.shape
     p, q = -(-n // r), -(-m // s)
     exp = expect[: p * q].reshape(p, q)
     a_sq, b_sq, counts = expect[p * q : p * q + p], expect[p * q + p : p * q + p + q], expect[p * q + p + q :]
-    cf = c2.to(_F32)
-    act = block_sum(block_sum(cf, 0, r), 1, s)
-    mag = block_sum(block_sum(cf.abs(), 0, r), 1, s)
-    u_o, sub = consts
-    u32 = UNIT_ROUNDOFF[_F32]
-    sigma = (u32 * (math.sqrt(k) + r * s + 2)) * (a_sq.sqrt().unsqueeze(-1) * b_sq.sqrt().unsqueeze(-2))
-    hard = u_o * mag + sub * (counts.unsqueeze(-1) * block_sum(c2.new_ones(m, dtype=_F32), 0, s))
+    act, mag = tile_sums(c2, r, s)
+    sigma, hard = tile_bounds(mag, counts, a_sq, b_sq, m, k, r, s, model)
     res = (act - exp).abs()
     res = (res - hard).clamp_min(0).where(torch.isfinite(hard), res)
     ratio = torch.nan_to_num(res / sigma.clamp_min(torch.finfo(_F32).tiny), nan=math.inf)

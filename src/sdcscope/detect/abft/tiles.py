@@ -71,6 +71,47 @@ def tile_sums(c: torch.Tensor, r: int, s: int) -> tuple[torch.Tensor, torch.Tens
     return act, block_sum(block_sum(rows.abs_(), -2, r), -1, s)
 
 
+def tile_terms(
+    am: torch.Tensor, bm: torch.Tensor, an: torch.Tensor, bn: torch.Tensor, bias: torch.Tensor | None, r: int, s: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the r×s tile check of C = A·B (+ bias) expects, from A (…, n, k), B (…, k, m) and
+    their row / column norms ``an`` (…, n), ``bn`` (…, m): the tile sums of the product of A's
+    row blocks and B's column blocks (…, P, Q), rows per tile row (P), and the squared norms of
+    A's row blocks (…, P) and B's column blocks (…, Q), the bias counted as one more column of A
+    (ones) and row of B."""
+    n = am.shape[-2]
+    exp = torch.matmul(block_sum(am, -2, r), block_sum(bm, -1, s))  # (…, P, Q) fp32
+    counts = block_sum(torch.ones(n, device=am.device), 0, r)  # rows per tile row
+    a_sq, b_sq = block_sum(an * an, -1, r), block_sum(bn * bn, -1, s)
+    if bias is not None:
+        exp = exp + counts.unsqueeze(-1) * block_sum(bias.detach().reshape(-1), 0, s)
+        bb = bias.detach().float().reshape(-1)
+        a_sq, b_sq = a_sq + counts, b_sq + block_sum(bb * bb, 0, s)
+    return exp, counts, a_sq, b_sq
+
+
+def tile_bounds(
+    mag: torch.Tensor,
+    counts: torch.Tensor,
+    a_sq: torch.Tensor,
+    b_sq: torch.Tensor,
+    m: int,
+    k: int,
+    r: int,
+    s: int,
+    model: RoundingModel,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(model std of the fp32 part, hard output-rounding bound) of each tile (see the module
+    docstring), from the tile sums of |C| (``mag``) and :func:`tile_terms`' norms."""
+    u32 = UNIT_ROUNDOFF[_F32]
+    sigma = (u32 * (math.sqrt(k) + r * s + 2)) * (a_sq.sqrt().unsqueeze(-1) * b_sq.sqrt().unsqueeze(-2))
+    u_out = model.u_out * (1 + 2 * model.u_out)  # |round(y) − y| ≤ u|y| ≤ u(1+2u)|round(y)|
+    # below the smallest normal the error is absolute: half the subnormal spacing per element
+    per_tile = counts.unsqueeze(-1) * block_sum(torch.ones(m, device=mag.device), 0, s)
+    hard = torch.addcmul(u_out * mag, per_tile, torch.tensor(subnormal_error(model.compute_dtype), device=mag.device))
+    return sigma, hard
+
+
 def tile_line(
     a: Operand,
     b: Operand,
@@ -88,28 +129,11 @@ def tile_line(
         m = bm.shape[-1]
         cm = c.reshape(-1, c.shape[-1]) if a.flat else c
         r = s = tile
-        ra = block_sum(am, -2, r)  # (…, P, k) fp32
-        bs = block_sum(bm, -1, s)  # (…, k, Q) fp32
-        exp = torch.matmul(ra, bs)  # (…, P, Q)
-        counts = block_sum(torch.ones(n, device=c.device), 0, r)  # rows per tile row
-        if bias is not None:
-            bq = block_sum(bias.detach().reshape(-1), 0, s)
-            exp = exp + counts.unsqueeze(-1) * bq
+        an = a.stat("rn").float().reshape(*am.shape[:-2], n)
+        bn = b.stat("cn").float().reshape(*bm.shape[:-2], m)
+        exp, counts, a_sq, b_sq = tile_terms(am, bm, an, bn, bias, r, s)
         act, mag = tile_sums(cm, r, s)
-        an = a.stat("rn").float().reshape(*ra.shape[:-2], n)
-        bn = b.stat("cn").float().reshape(*bs.shape[:-2], m)
-        a_sq = block_sum(an * an, -1, r)
-        b_sq = block_sum(bn * bn, -1, s)
-        if bias is not None:  # the bias as one more column of A (ones) and row of B
-            a_sq = a_sq + counts
-            bb = bias.detach().float().reshape(-1)
-            b_sq = b_sq + block_sum(bb * bb, 0, s)
-        u32 = UNIT_ROUNDOFF[_F32]
-        sigma = (u32 * (math.sqrt(k) + r * s + 2)) * (a_sq.sqrt().unsqueeze(-1) * b_sq.sqrt().unsqueeze(-2))
-        u_out = model.u_out * (1 + 2 * model.u_out)  # |round(y) − y| ≤ u|y| ≤ u(1+2u)|round(y)|
-        # below the smallest normal the error is absolute: half the subnormal spacing per element
-        per_tile = counts.unsqueeze(-1) * block_sum(torch.ones(m, device=c.device), 0, s)
-        hard = torch.addcmul(u_out * mag, per_tile, torch.tensor(subnormal_error(model.compute_dtype), device=c.device))
+        sigma, hard = tile_bounds(mag, counts, a_sq, b_sq, m, k, r, s, model)
         rows = act.numel() // max(act.shape[-2] * act.shape[-1], 1)
         width = act.shape[-2] * act.shape[-1]
         ones = torch.ones(rows, device=c.device, dtype=_F32)
