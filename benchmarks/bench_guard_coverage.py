@@ -2,6 +2,7 @@
 fast, and repaired -- and how many events clean runs raise.
 
     python benchmarks/bench_guard_coverage.py [--quick] [--misses] [--profiles minimal balanced full]
+        [--compile] [--sites Y dX dW weight] [--schedules transient intermittent permanent]
 
 A fault class is site (a Linear's forward output Y, its dX, its dW, its weight in memory) × bit
 field of the stored format (top exponent bit, lowest exponent bit, top mantissa bit; Y, dX and
@@ -28,12 +29,22 @@ harmful: the same fault without a guard leaves the validation loss more than 0.5
 non-finite). False events: those of clean guarded runs of each profile in each dtype, and those
 of the faulty runs before their fault. The last line holds each profile's detected / repaired
 shares and its false events. One torch thread: the tiny model gains nothing from more.
+
+*Silent* classes are where a guard earns its place: the unguarded faulty run's losses and
+gradient norms stay finite and trip neither spike detector (fed what the guard's would be), so
+no cheap signal sees them; the table gives them a row of their own (``silent``) and the last line
+their detected share. ``--compile`` runs the guarded runs as compiled training instead
+(``torch.compile``, inductor): the guard's ABFT through graph taps and the faults through the
+injector's graph mode, each run compiled afresh; the unguarded runs stay eager. ``--sites`` and
+``--schedules`` restrict the classes (``--sites Y dX dW --schedules transient``: the transient GEMM
+faults, whose catch rate in their step the profiles' coverage lines quote).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import math
 import random
@@ -45,6 +56,7 @@ from collections import defaultdict
 
 import torch
 
+from sdcscope.detect.spike import SpikeConfig, SpikeDetector
 from sdcscope.faults import FaultSpec, get_format
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.config import PROFILES
@@ -96,7 +108,9 @@ class Run:
     and data position apart: a rollback resumes at the snapshot's step and data position,
     batches the guard skipped are never drawn again, a vetoed step is lost."""
 
-    def __init__(self, w, start, profile: str | None, dtype: str, fault: FaultSpec | None, steps: int) -> None:
+    def __init__(
+        self, w, start, profile: str | None, dtype: str, fault: FaultSpec | None, steps: int, compile: bool = False
+    ) -> None:
         self.w, self.steps, self.dtype = w, steps, DTYPES[dtype]
         self.first = 0 if start is None else start.steps  # data position and LR schedule go on from the start
         torch.manual_seed(0)
@@ -105,23 +119,29 @@ class Run:
         if start is not None:
             self.model.load_state_dict(copy.deepcopy(start.model_state))
             self.opt.load_state_dict(copy.deepcopy(start.opt_state))
-        self.inj = Injector(self.model, [fault] if fault else [], self.opt, warn_unfired=False).attach()
+        self.inj = Injector(self.model, [fault] if fault else [], self.opt, warn_unfired=False, graph=compile).attach()
         self.history: list[tuple[float, float]] = []  # (loss, gradient norm) of the unguarded steps
         self.guard = None
-        if profile is not None:  # the profile by name, nothing else changed
-            self.guard = Guard(self.model, self.opt, GuardConfig(profile=profile), step_fn=self.step_fn).attach()
+        if profile is not None:  # the profile by name, nothing else changed but graph taps when compiled
+            config = GuardConfig(profile=profile)
+            if compile and config.abft is not None:
+                config = GuardConfig(profile=profile, abft=dataclasses.replace(config.abft, graph=True))
+            self.guard = Guard(self.model, self.opt, config, step_fn=self.step_fn).attach()
             for i, (loss, norm) in enumerate(start.history if start is not None else ()):
                 # the spike detectors have watched the start's training, as a guard on from step 0 would
                 for spike, value in ((self.guard.loss_spike, loss), (self.guard.grad_spike, norm)):
                     if spike is not None:
                         spike.check(i - self.first, value)
+        if compile:
+            torch._dynamo.reset()  # a run's own taps and descriptors: compiled afresh
+        self.forward = torch.compile(self.model) if compile else self.model
 
     def step_fn(self, model, micro) -> torch.Tensor:
         total = 0.0
         for i, mb in enumerate(micro):
             self.inj.set_position(self.step, i)
             with torch.autocast("cpu", dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None):
-                loss = self.w.loss(model, mb) / len(micro)
+                loss = self.w.loss(self.forward, mb) / len(micro)
             loss.backward()
             total += float(loss.detach())
         return torch.tensor(total)
@@ -164,7 +184,13 @@ class Run:
         stopped = self.guard is not None and self.guard.stopped
         if self.guard is not None:
             self.guard.close()
-        return {"val": val, "fired": min(fired) if fired else None, "events": events, "stopped": stopped}
+        return {
+            "val": val,
+            "fired": min(fired) if fired else None,
+            "events": events,
+            "stopped": stopped,
+            "history": self.history,
+        }
 
 
 class Start:
@@ -178,6 +204,18 @@ class Start:
         run.run()
         self.steps, self.history = steps, run.history
         self.model_state, self.opt_state = run.model.state_dict(), run.opt.state_dict()
+
+
+def silent(start: Start, bare: dict) -> bool:
+    """Whether an unguarded faulty run's losses and gradient norms stayed finite and tripped
+    neither spike detector of a guard (primed, as the guard's, with the start's history)."""
+    spikes = [SpikeDetector(SpikeConfig.loss()), SpikeDetector(SpikeConfig.grad_norm())]
+    for i, pair in enumerate(start.history + bare["history"]):
+        if not all(map(math.isfinite, pair)):
+            return False
+        if any(d.check(i - start.steps, v) for d, v in zip(spikes, pair)) and i >= start.steps:
+            return False
+    return True
 
 
 def cells_for(quick: bool) -> list[tuple]:
@@ -213,7 +251,7 @@ def table(rows: list[dict]) -> list[str]:
         for a, axis in enumerate(AXES)
         for key in dict.fromkeys(r["cell"][a] for r in rows)
     ]
-    for name, rs in groups + [("all", rows)]:
+    for name, rs in groups + [("silent", [r for r in rows if r["silent"]]), ("all", rows)]:
         n, hurt = len(rs), [r for r in rs if r["harmful"]]
         lats = [r["lat"] for r in rs if r["lat"] is not None]
         lat = f"{statistics.median(lats):4.1f}" if lats else "   -"
@@ -232,6 +270,9 @@ def main() -> None:
     parser.add_argument("--after", type=int, default=None, help="steps from the fault on (default 6, quick 4)")
     parser.add_argument("--clean-steps", type=int, default=None, help="steps of each clean run (default 100, quick 40)")
     parser.add_argument("--misses", action="store_true", help="list each harmful class a profile did not repair")
+    parser.add_argument("--compile", action="store_true", help="guarded runs compiled (graph taps, graph injector)")
+    parser.add_argument("--sites", nargs="+", default=list(SITES), choices=list(SITES))
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     args = parser.parse_args()
     after = args.after or (4 if args.quick else 6)
     if after < 1:
@@ -247,11 +288,13 @@ def main() -> None:
     targets = [n for n, m in w.build_model().named_modules() if isinstance(m, torch.nn.Linear)]
     golden = {d: Run(w, starts[d], None, d, None, steps).run()["val"] for d in DTYPES}
     every = list(itertools.product(SITES, FIELDS, DTYPES, SCHEDULES, MOMENTS))
-    cells = cells_for(args.quick)
+    cells = [c for c in cells_for(args.quick) if c[0] in args.sites and c[3] in args.schedules]
     mode = f"a stratified sample (seed {SAMPLE_SEED}) of {len(cells)}" if args.quick else "all"
     print(
         f"tiny GPT trained {WARM} steps in each dtype (spike detectors primed with them), then {steps} steps per run "
-        f"(batch 4 = 2 micro-batches), faults from step {at}; {mode} of the {len(every)} fault classes",
+        f"(batch 4 = 2 micro-batches), faults from step {at}; {mode} of the {len(every)} fault classes"
+        + (f" (sites {' '.join(args.sites)}; {' '.join(args.schedules)})" if len(cells) < len(every) else "")
+        + ("; guarded runs compiled" if args.compile else ""),
         flush=True,
     )
     rows: dict[str, list[dict]] = defaultdict(list)
@@ -266,7 +309,7 @@ def main() -> None:
             continue
         harmful = off(bare["val"], golden[cell[2]])
         for prof in args.profiles:
-            r = Run(w, starts[cell[2]], prof, cell[2], fault, steps).run()
+            r = Run(w, starts[cell[2]], prof, cell[2], fault, steps, args.compile).run()
             first = r["fired"] if r["fired"] is not None else bare["fired"]
             early[prof] += [dict(e, dtype=cell[2]) for e in r["events"] if e["step"] < first]
             late = [e["step"] for e in r["events"] if e["step"] >= first and e["detector"] != "guard"]
@@ -274,6 +317,7 @@ def main() -> None:
                 {
                     "cell": cell,
                     "harmful": harmful,
+                    "silent": silent(starts[cell[2]], bare),
                     "det": bool(late),
                     "lat": min(late) - first if late else None,
                     "rep": not off(r["val"], golden[cell[2]]),
@@ -288,7 +332,9 @@ def main() -> None:
     clean: dict[str, list[dict]] = {}
     for prof in args.profiles:
         clean[prof] = [
-            dict(e, dtype=d) for d in DTYPES for e in Run(w, starts[d], prof, d, None, clean_steps).run()["events"]
+            dict(e, dtype=d)
+            for d in DTYPES
+            for e in Run(w, starts[d], prof, d, None, clean_steps, args.compile).run()["events"]
         ]
     summary = []
     for prof in args.profiles:
@@ -316,7 +362,8 @@ def main() -> None:
         for e in false:
             print(f"   false event ({e['dtype']}): step {e['step']} {e['detector']}:{e['verdict']} {e.get('evidence')}")
         det, rep = (100 * sum(r[k] for r in rows[prof]) / max(n, 1) for k in ("det", "rep"))
-        summary.append((prof, det, rep, len(false)))
+        quiet = [r for r in rows[prof] if r["silent"]]
+        summary.append((prof, det, rep, len(false), sum(r["det"] for r in quiet), len(quiet)))
     print(
         f"\nrepaired: final validation loss within {100 * TOLERANCE:.1f} % of the golden run's; harmful: so is not the "
         f"unguarded faulty run's; rep|harm: repaired of the harmful; a stopped run counts as not repaired"
@@ -327,9 +374,12 @@ def main() -> None:
     )
     print(
         f"coverage detected/repaired ({'quick: ' if args.quick else ''}{len(cells)} classes): "
-        + ", ".join(f"{p} {d:.0f}%/{r:.0f}%" for p, d, r, _ in summary)
+        + ", ".join(f"{p} {d:.0f}%/{r:.0f}%" for p, d, r, *_ in summary)
+        + "; silent detected "
+        + ", ".join(f"{p} {k}/{n}" for p, *_, k, n in summary)
         + "; false events "
-        + "/".join(str(f) for *_, f in summary)
+        + "/".join(str(s[3]) for s in summary)
+        + ("; compiled" if args.compile else "")
     )
 
 

@@ -156,6 +156,7 @@ class StateChecksum:
         self._sums: torch.Tensor | None = None  # [blocks, 2] int32
         self._layout_of: tuple[list[tuple], list[_Segment]] | None = None
         self._scratch: torch.Tensor | None = None  # the shifted words of one chunk (CPU)
+        self._plan: tuple[list, list] | None = None  # the segments' word views (see _words)
         self.recorded = False
 
     def _tensors(self) -> tuple[list[str], list[torch.Tensor]]:
@@ -195,10 +196,10 @@ class StateChecksum:
         key = [(n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors)]
         if self._layout_of is None or self._layout_of[0] != key:  # the layout follows the key
             self._layout_of = (key, self._layout(tensors))
+            self._plan = None
         segments = self._layout_of[1]
         sums = []
-        for seg in segments:
-            words = self._flat(seg, tensors)
+        for words in self._words(segments, tensors):
             scratch = None
             if words.device.type == "cpu":
                 need = min(words.numel(), CHUNK_ROWS * BLOCK)
@@ -210,9 +211,49 @@ class StateChecksum:
         total = torch.cat([s.to(device) for s in sums]) if sums else torch.zeros(0, 2, dtype=torch.int32)
         return key, names, tensors, segments, total
 
+    def _words(self, segments: list[_Segment], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each segment's words. Views of the tensors and, for a group of small tensors, a buffer
+        they are copied into (one foreach copy) are kept while every tensor stays where it is in
+        memory: no per-tensor work per call. A tensor that is no contiguous word sequence (a
+        non-contiguous or odd-sized one) is read afresh each time (:meth:`_flat`)."""
+        where = [(local(t).data_ptr(), local(t).is_contiguous()) for t in tensors]
+        if self._plan is None or self._plan[0] != where:
+            self._plan = (where, [self._plan_segment(seg, tensors) for seg in segments])
+        out = []
+        for seg, plan in zip(segments, self._plan[1]):
+            if plan is None:
+                out.append(self._flat(seg, tensors))
+            elif isinstance(plan, torch.Tensor):
+                out.append(plan)
+            else:
+                buffer, dst, src = plan
+                torch._foreach_copy_(dst, src)
+                out.append(buffer)
+        return out
+
+    @staticmethod
+    def _plan_segment(seg: _Segment, tensors: list[torch.Tensor]):
+        """A large tensor's word view; a group's (buffer, its parts' byte views, the tensors' byte
+        views); None where a tensor must be read afresh."""
+        if len(seg.parts) == 1:
+            t = local(tensors[seg.parts[0][0]])
+            w = words_of(t)
+            return w if t.is_contiguous() and w.data_ptr() == t.data_ptr() else None
+        srcs = []
+        for i, _, _ in seg.parts:
+            t = local(tensors[i]).detach()
+            if not t.is_contiguous():
+                return None
+            srcs.append(t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool else t.reshape(-1).view(torch.uint8))
+        device = local(tensors[seg.parts[0][0]]).device
+        buffer = torch.zeros(-(-seg.words // BLOCK) * BLOCK, dtype=torch.int32, device=device)
+        raw = buffer.view(torch.uint8)
+        dsts = [raw[4 * first : 4 * first + src.numel()] for (_, first, _), src in zip(seg.parts, srcs)]
+        return buffer, dsts, srcs
+
     @staticmethod
     def _flat(seg: _Segment, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The segment's words: one tensor's own, or several, each zero-padded to whole blocks."""
+        """The segment's words read afresh: one tensor's own, or several, each zero-padded to whole blocks."""
         if len(seg.parts) == 1:
             return words_of(tensors[seg.parts[0][0]])
         pieces = []
