@@ -20,8 +20,9 @@ def batch():
     return torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
 
 
-def train(steps, *, graph=None, specs=(), bf16=False):
-    """Parameters after ``steps`` AdamW steps and the ABFT events of each step (``graph`` None: no ABFT)."""
+def train(steps, *, graph=None, specs=(), bf16=False, micro=1):
+    """Parameters after ``steps`` AdamW steps and the ABFT events of each step (``graph`` None: no
+    ABFT), each step accumulating ``micro`` micro-batches."""
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = torch.optim.AdamW(model.parameters(), 1e-3)
@@ -33,12 +34,13 @@ def train(steps, *, graph=None, specs=(), bf16=False):
     idx, tgt = batch()
     events = []
     for step in range(steps):
-        if inj is not None:
-            inj.set_position(step)
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = lm_loss(model(idx), tgt)
-        loss.backward()
+        for mb, (i, t) in enumerate(zip(idx.chunk(micro), tgt.chunk(micro))):
+            if inj is not None:
+                inj.set_position(step, mb)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = lm_loss(model(i), t) / micro
+            loss.backward()
         events.append([] if det is None else det.check(step))
         opt.step()
     if inj is not None:
@@ -84,3 +86,17 @@ def test_graph_events_match_the_hooks(site, bf16):
     named = [(e.module, e.gemm, tuple(e.index), e.evidence["dtype"]) for e in by_graph[1]]
     assert named == [(e.module, e.gemm, tuple(e.index), e.evidence["dtype"]) for e in by_hooks[1]]
     assert named and named[0][:2] == (LAYER, site.split(".")[1])
+
+
+@pytest.mark.parametrize("mb", [0, 1])
+def test_micro_batches_are_judged_apart_as_by_the_hooks(mb):
+    """Two micro-batches a step: each backward's checks are judged on their own (summed, the
+    other micro-batch's rounding bound would hide a bf16 element halved or doubled: the lowest
+    exponent bit)."""
+    spec = FaultSpec.from_dict(
+        {**flip("gemm.forward", 7).to_dict(), "schedule": {"kind": "transient", "step": 1, "micro_batch": mb}}
+    )
+    _, by_hooks, _ = train(2, graph=False, specs=[spec], bf16=True, micro=2)
+    _, by_graph, _ = train(2, graph=True, specs=[spec], bf16=True, micro=2)
+    named = [(e.module, e.gemm, tuple(e.index)) for e in by_graph[1]]
+    assert named and named == [(e.module, e.gemm, tuple(e.index)) for e in by_hooks[1]]

@@ -13,14 +13,15 @@ What the Y tap's backward forms for dX reaches the X tap through a *carrier*: a 
 the X tap, created in its forward with the size the check needs and fed to the Y tap, whose
 backward returns the expected checksums as the carrier's gradient -- autograd runs the X tap's
 backward only when both dX and that gradient are there. Each finished check leaves the graph as
-the gradient of a *probe*: a small fixed-size leaf the tap takes as an input. After
-``backward()`` the probes' ``.grad`` hold the step's checks; the host builds the lines of the
-eager path from them and judges them in :meth:`ABFTDetector.check`'s one sync, so events carry
-the same layer, GEMM and column (fp32: column checksums, as the eager hot path; bf16/fp16: the
-worst r×s tile of each block column against the fp32 accumulator, as
-:mod:`~sdcscope.detect.abft.tiles`). All of it is tensor ops in the graph, which inductor fuses
-with the kernels around them. A layer called several times in a step sums its calls' column
-checks (checksums add exactly, norms to an upper bound) and keeps the worst tile of each.
+the gradient of a *probe*: a small fixed-size leaf the tap takes as an input; a hook outside the
+graph moves each backward's probe gradients aside (micro-batches are judged apart, as eager
+ABFT judges them). The host builds the lines of the eager path from them and judges them in
+:meth:`ABFTDetector.check`'s one sync, so events carry the same layer, GEMM and column (fp32:
+column checksums, as the eager hot path; bf16/fp16: the worst r×s tile of each block column
+against the fp32 accumulator, as :mod:`~sdcscope.detect.abft.tiles`). All of it is tensor ops in
+the graph, which inductor fuses with the kernels around them. A layer called several times in one
+forward sums its calls' column checks (checksums add exactly, norms to an upper bound) and its
+tiles' terms.
 """
 
 from __future__ import annotations
@@ -231,6 +232,17 @@ class LinearTaps:
             torch.zeros(_pack_size(k), **new),
             torch.zeros(_pack_size(k), **new),
         )
+        # each backward's checks kept apart (a hook outside the graph moves the gradient away):
+        # micro-batches accumulating into one probe would judge their sum against summed bounds
+        self.got: tuple[list[torch.Tensor], ...] = ([], [], [])
+        self.hooks = [p.register_post_accumulate_grad_hook(self._stash(i)) for i, p in enumerate(self.probes)]
+
+    def _stash(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            self.got[i].append(p.grad)
+            p.grad = None
+
+        return hook
 
     def around(self, site, ops: list, inner) -> torch.Tensor:
         x, w, b = ops
@@ -247,12 +259,14 @@ class LinearTaps:
         x, w, b = (None if t is None else t.detach() for t in (x, w, b))
         return _ResultTap.apply(y, x, w, b, self.probes[0], cx, cw, self.spec)
 
-    def take(self) -> list[torch.Tensor | None]:
-        """The step's probe gradients (None: that check's backward did not run), cleared."""
-        got = [p.grad for p in self.probes]
-        for p in self.probes:
-            p.grad = None
+    def take(self) -> tuple[list[torch.Tensor], ...]:
+        """Each backward's probe gradients since the last call (Y, dX, dW), cleared."""
+        got, self.got = self.got, ([], [], [])
         return got
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
 
 
 def graph_linear(layer: Layer) -> bool:
@@ -276,28 +290,31 @@ class GraphChecks:
         for layer in self.layers:
             if layer.graph is not None:
                 remove_wrapper(layer.module, layer.graph)
+                layer.graph.remove()
                 layer.graph = None
 
     def _graph_records(self) -> None:
-        """Turn the step's probe gradients into check records; their headers (calls, rows,
+        """Turn each backward's probe gradients into check records; their headers (calls, rows,
         dtype, leading dims) are read to the host in one transfer."""
         taken = []
         for layer in self.layers:
-            if layer.graph is not None:
-                probes = layer.graph.take()
-                if probes[0] is not None:  # no backward reached the layer: nothing to judge
-                    layer.hits += 1
-                    taken += [(layer, gemm, p) for gemm, p in zip(("forward", "grad_input", "grad_weight"), probes)]
-        taken = [t for t in taken if t[2] is not None and t[1] in self.config.gemms]
+            if layer.graph is None:
+                continue
+            got = layer.graph.take()
+            if not got[0]:  # no backward reached the layer: nothing to judge
+                continue
+            layer.hits += 1
+            for gemm, probes in zip(("forward", "grad_input", "grad_weight"), got):
+                if gemm in self.config.gemms:
+                    taken += [(layer, gemm, j, p) for j, p in enumerate(probes)]
         if not taken:
             return
-        heads = torch.stack([p[:_META] for _, _, p in taken]).tolist()
-        rows_of = {}
-        for (layer, gemm, _), head in zip(taken, heads):
-            if gemm == "forward":
-                rows_of[layer.name] = int(head[1])
-        for (layer, gemm, probe), head in zip(taken, heads):
-            self._graph_record(layer, gemm, probe, head, rows_of.get(layer.name))
+        heads = torch.stack([p[:_META] for *_, p in taken]).tolist()
+        rows_of = {
+            (layer.name, j): int(head[1]) for (layer, gemm, j, _), head in zip(taken, heads) if gemm == "forward"
+        }
+        for (layer, gemm, j, probe), head in zip(taken, heads):
+            self._graph_record(layer, gemm, probe, head, rows_of.get((layer.name, j)))
 
     def _graph_record(self, layer: Layer, gemm: str, probe: torch.Tensor, head: list, tokens: int | None) -> None:
         calls = max(head[0], 1.0)
