@@ -34,7 +34,6 @@ from sdcscope.cli.options import (
     guard_config,
 )
 from sdcscope.cli.output import JSON_OPT, json_output, note
-from sdcscope.common.exitcodes import ExitCode
 
 
 def _finite(value) -> bool:
@@ -100,36 +99,24 @@ def inject(
 ) -> None:
     """Run the golden and the faulty run and compare them."""
     json_output(ctx, as_json)
-    with user_errors():
-        check_steps(steps)
-        from sdcscope.study.experiment import Experiment
+    from sdcscope.common.storage import new_outputs
 
-        specs = load_fault_file("--spec", spec)
-        wcfg, tcfg = build_configs(
-            workload, preset, seed, corpus=corpus, batch_size=batch_size, lr=lr, grad_accum=grad_accum
-        )
-        fresh = not out.exists() or (out.is_dir() and not any(out.iterdir()))
-        experiment = Experiment(out, wcfg, tcfg, specs, guard=guard_config(guard, guard_config_path), steps=steps)
-        from sdcscope.study.trace import trace_experiment
+    with new_outputs(out):  # a failed experiment (a full disk, Ctrl-C, a bug) leaves no folder behind
+        with user_errors():
+            check_steps(steps)
+            from sdcscope.study.experiment import Experiment
 
-        trace = trace_experiment(experiment, steps)  # parameter distance to golden, for comparison.html
-    try:
+            specs = load_fault_file("--spec", spec)
+            wcfg, tcfg = build_configs(
+                workload, preset, seed, corpus=corpus, batch_size=batch_size, lr=lr, grad_accum=grad_accum
+            )
+            experiment = Experiment(out, wcfg, tcfg, specs, guard=guard_config(guard, guard_config_path), steps=steps)
+            from sdcscope.study.trace import trace_experiment
+
+            trace = trace_experiment(experiment, steps)  # parameter distance to golden, for comparison.html
         with storage_errors():
             comparison = experiment.run(steps, progress=lambda label, total: step_progress(total, label=label))
             from sdcscope.study.compare_page import write_outputs
 
             write_outputs(out, comparison, trace)  # comparison.html and loss_curves.png
-    except typer.Exit as exc:
-        if fresh and exc.exit_code == ExitCode.STORAGE:  # an experiment the disk cut short leaves nothing half-made
-            _remove_contents(out)
-        raise
     print_comparison(out, comparison)
-
-
-def _remove_contents(out: Path) -> None:
-    import contextlib
-    import shutil
-
-    with contextlib.suppress(OSError):
-        for child in out.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
