@@ -131,6 +131,14 @@ def test_distributed_options_are_checked_before_launch(tmp_path):
         ["train", "--nproc", 2, "--steps", 1, "--guard-config", tmp_path / "nm.yaml", "--out", tmp_path / "r"],
         "ABFT targets pattern 'nomatch.*' matches no eligible module",
     )
+    cli_fails(  # rank r serves on port + r: rank 2 would have no port
+        ["train", "--nproc", 3, "--steps", 1, "--prometheus-port", 65534, "--out", tmp_path / "r"],
+        "65536 (rank 2) is above 65535",
+    )
+    cli_fails(  # no per-step metrics over shards, said why (it said "not supported yet" for any --nproc)
+        ["train", "--nproc", 2, "--parallel", "fsdp", "--prometheus-port", 0, "--out", tmp_path / "r"],
+        "which a sharded run has not: per-step metrics read whole parameters",
+    )
     assert not (tmp_path / "r").exists()
 
 

@@ -66,14 +66,23 @@ def test_a_detection_is_one_warning_line_on_stderr(faulty):
         assert f"layer={e['module']}" in line and f"action={e['action']}" in line and "gemm=" in line
 
 
-def test_quiet_prints_no_summary_and_no_warnings(tmp_path):
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_quiet_prints_no_summary_and_no_warnings(tmp_path, where):
+    """``-q`` is taken where users type it: before the subcommand or after it."""
     (tmp_path / "fault.yaml").write_text(FAULT)
-    result = invoke(
-        "-q", "train", "-w", "cnn", "-n", "2", "--guard", "--faults", tmp_path / "fault.yaml", "-o", tmp_path / "r"
-    )
+    args = ["train", "-w", "cnn", "-n", "2", "--guard", "--faults", tmp_path / "fault.yaml", "-o", tmp_path / "r"]
+    result = invoke(*(["-q", *args] if where == "before" else [*args, "-q"]))
     assert result.exit_code == 0, result.output
     assert result.stdout == "" and "guard event" not in result.stderr
     assert read_jsonl(tmp_path / "r" / "events.jsonl")  # the detection happened, silently
+
+
+def test_verbose_after_the_subcommand_logs_debug_lines(tmp_path):
+    result = invoke("train", "-w", "cnn", "-n", "1", "-o", tmp_path / "r", "-vv")
+    assert result.exit_code == 0, result.output
+    assert "DEBUG sdcscope." in result.stderr, result.stderr
+    shown = invoke("campaign", "status", tmp_path / "none", "--verbose")  # a nested command too
+    assert shown.exit_code == 2 and "No such option" not in shown.output, shown.output
 
 
 def test_a_guarded_train_states_its_abft_coverage_bound(tmp_path):

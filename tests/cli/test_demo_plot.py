@@ -55,6 +55,15 @@ def test_the_demo_says_what_it_detected_and_repaired_in_one_sentence_each(demo):
     assert (out / "comparison.html").is_file()
 
 
+def test_the_demo_says_what_it_trains_on_and_where_the_loss_departed(demo):
+    _, output = demo
+    first = " ".join(output.split("\n")[0].split())
+    assert first.startswith("training a byte-level GPT (tiny: 2 layers, d=64") and "next byte" in first, first
+    assert "Python's standard library" in first and "MB of .py files" in first, first
+    (unguarded,) = [line for line in output.splitlines() if line.startswith("unguarded:")]
+    assert f"left the golden curve at step {STEPS // 2} (" in unguarded, unguarded  # the fault's step
+
+
 def _run(path, losses, events=(), injections=(), outcome="completed"):
     path.mkdir(parents=True)
     path.joinpath("metrics.jsonl").write_text(

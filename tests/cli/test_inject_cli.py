@@ -46,6 +46,30 @@ def test_inject_writes_both_runs_and_comparison(tmp_path):
     assert config["faults"][0]["bits"] == [30]
 
 
+def test_a_crashed_faulty_run_is_described_in_words_not_nan():
+    """A faulty run that crashed has no val loss and no parameter distance: the line says so
+    (it printed ``→ nan (Δ None)`` and a distance ``nan``). The values are compare_runs' own for
+    a weight stuck at a huge exponent in an inject of the tiny GPT."""
+    from sdcscope.cli.inject_cmd import comparison_line
+
+    crash = {
+        "outcome": "crash",
+        "injections": 1,
+        "first_divergence_step": 2,
+        "param_rel_l2": "nan",
+        "val_loss_golden": 5.056128084659576,
+        "val_loss_faulty": "nan",
+        "val_loss_delta": None,
+        "steps_faulty": 3,
+    }
+    line = comparison_line(crash)
+    assert "nan" not in line and "None" not in line, line
+    assert "the faulty parameters are not finite" in line and "none for the faulty run: it crashed" in line, line
+    fine = {**crash, "outcome": "deviation", "param_rel_l2": 0.25, "val_loss_faulty": 5.5, "val_loss_delta": 0.4439}
+    assert "distance (rel. L2) 0.25; val loss 5.0561 → 5.5000 (Δ +0.4439)" in comparison_line(fine)
+    assert "never left the golden curve" in comparison_line({**fine, "first_divergence_step": None})
+
+
 BAD = [
     (GOOD.format(bit=40, step=2), ["bit 40", "0..31"]),
     (GOOD.replace("bits: [{bit}]", "bits: [9]\n  format: int8").format(bit=0, step=2), ["bit 9", "0..7"]),

@@ -71,3 +71,25 @@ def test_read_jsonl_drops_only_a_torn_last_line(tmp_path):
     path.write_text('{"step": 0}\n{"step": 1\n')  # ends with its newline: written whole, so corrupt
     with pytest.raises(ValueError, match=r"log.jsonl' line 2 is not valid JSON"):
         read_jsonl(path)
+
+
+def test_new_outputs_leave_no_folder_behind_a_failure_and_keep_the_users(tmp_path):
+    import typer
+
+    from sdcscope.common.storage import new_outputs
+
+    made, empty, full = tmp_path / "a" / "b" / "out", tmp_path / "empty", tmp_path / "full"
+    empty.mkdir()
+    full.mkdir()
+    (full / "mine.txt").write_text("kept")
+    with pytest.raises(typer.Exit), new_outputs(made, empty, full):
+        for folder in (made, empty, full):
+            (folder / "sub").mkdir(parents=True, exist_ok=True)
+            (folder / "sub" / "half.json").write_text("{")
+        raise typer.Exit(6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "full"]  # a/ and a/b/ went with out/
+    assert list(empty.iterdir()) == [] and (full / "mine.txt").read_text() == "kept"
+    with pytest.raises(typer.Exit), new_outputs(made):
+        made.mkdir(parents=True)
+        raise typer.Exit(0)  # a success that exits early keeps what it wrote
+    assert made.is_dir()

@@ -30,3 +30,13 @@ def test_validators_refuse_wrong_types_naming_key_and_value(check, value):
     with pytest.raises(TypeError if wrong_type else ValueError, match=rf"^knob={value!r} must be"):
         check("knob", value)
     check("knob", True if check is check_bool else 1)  # a right value passes
+
+
+def test_brief_names_a_short_value_as_repr_and_cuts_a_long_one():
+    from sdcscope.common.validate import BRIEF_CHARS, brief
+
+    for value in ("gemm.fwd", [1, 2, 3], {"kind": "row"}, 1.5, None, ("a", 2)):
+        assert brief(value) == repr(value)
+    nested = [[["x" * 50] * 50] * 50] * 50
+    assert len(brief(nested)) <= BRIEF_CHARS and brief(nested).startswith("[[[")
+    assert len(brief("y" * 10**6)) <= BRIEF_CHARS

@@ -144,7 +144,8 @@ def test_the_job_code_is_the_ranks_own(tmp_path):
     # torchrun exits 1 on any rank's failure: the peers that lost the world say 5, the cause says 2
     assert job_code(1, {0: ExitCode.INFRASTRUCTURE, 1: ExitCode.USER_ERROR}, tmp_path) == ExitCode.USER_ERROR
     assert job_code(1, {0: ExitCode.STORAGE, 1: ExitCode.INFRASTRUCTURE}, tmp_path) == ExitCode.STORAGE
-    assert job_code(1, {0: ExitCode.INFRASTRUCTURE}, tmp_path) == 1  # a lost world: describe_failure says 5
+    assert job_code(1, {0: ExitCode.INFRASTRUCTURE}, tmp_path) == ExitCode.INFRASTRUCTURE  # a lost world
+    assert job_code(1, {}, tmp_path) == ExitCode.INFRASTRUCTURE  # torchrun's 1 with no rank's word: no bug (1)
     assert job_code(0, {0: 0, 1: 0}, tmp_path) == 0
     (tmp_path / "summary.json").write_text(json.dumps({"outcome": "stopped", "stop_reason": "why"}))
     assert job_code(0, {0: 0, 1: 0}, tmp_path) == ExitCode.GUARD_STOPPED  # the ranks ended cleanly

@@ -77,6 +77,6 @@ def test_prometheus_sink_labels_layers():
     reg = prom.CollectorRegistry()
     sink = PrometheusSink(registry=reg)
     sink.write(3, {"loss": 2.0, "grad_norm/blocks.0.fc": 0.5})
-    assert reg.get_sample_value("sdcscope_loss") == 2.0
-    assert reg.get_sample_value("sdcscope_grad_norm", {"layer": "blocks.0.fc"}) == 0.5
-    assert reg.get_sample_value("sdcscope_step") == 3
+    assert reg.get_sample_value("sdcscope_loss", {"rank": "0"}) == 2.0
+    assert reg.get_sample_value("sdcscope_layer_grad_norm", {"rank": "0", "layer": "blocks.0.fc"}) == 0.5
+    assert reg.get_sample_value("sdcscope_step", {"rank": "0"}) == 3

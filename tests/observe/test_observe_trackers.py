@@ -94,43 +94,60 @@ def test_prometheus_scrape_counts_the_guards_events(guarded):
     detections = {k: v for k, v in samples.items() if k[0] == "sdcscope_detections_total"}
     assert sum(detections.values()) == len(events)
     for e in events:
-        assert (("detector", e["detector"]), ("verdict", e["verdict"])) in {k[1] for k in detections}
+        assert (("detector", e["detector"]), ("rank", "0"), ("verdict", e["verdict"])) in {k[1] for k in detections}
     steps_with = lambda action: len({e["step"] for e in events if action in e["action"].split(",")})
     for action in {a for e in events for a in e["action"].split(",")}:
-        assert samples[("sdcscope_actions_total", (("action", action),))] == steps_with(action)
+        assert samples[("sdcscope_actions_total", (("action", action), ("rank", "0")))] == steps_with(action)
     replayed = len({e["step"] for e in events if e["evidence"].get("replay")})
-    assert replayed >= 1 and samples[("sdcscope_replays_total", ())] == replayed
-    assert samples[("sdcscope_rollbacks_total", ())] == steps_with("rollback")
-    assert samples[("sdcscope_step", ())] == 4
-    assert ("sdcscope_grad_norm", (("layer", "all"),)) in samples and (
-        "sdcscope_grad_norm",
-        (("layer", "2"),),
-    ) in samples
+    assert replayed >= 1 and samples[("sdcscope_replays_total", (("rank", "0"),))] == replayed
+    assert samples[("sdcscope_rollbacks_total", (("rank", "0"),))] == steps_with("rollback")
+    assert samples[("sdcscope_step", (("rank", "0"),))] == 4
+    assert ("sdcscope_grad_norm", (("rank", "0"),)) in samples  # the whole model: no layer label
+    assert ("sdcscope_layer_grad_norm", (("layer", "2"), ("rank", "0"))) in samples
 
 
-def test_prometheus_one_metric_name_per_quantity():
+def test_prometheus_names_follow_its_conventions():
+    """Whole-model and per-layer values are separate metrics (``sum()`` over layers counted the whole
+    model twice), each with a HELP text saying what it is (it was ``sdcscope metric <name>``), units
+    in the name, ``_total`` counters, and the rank as a label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     prom = pytest.importorskip("prometheus_client")
-    sink = PrometheusSink(registry=prom.CollectorRegistry(), labels={"rank": "1"})
+    sink = PrometheusSink(registry=prom.CollectorRegistry(), labels={"run": "a"})
     row = {
         "loss": 2.0,
+        "lr": 0.001,
+        "grad_norm": 5.0,
+        "grad_norm/blocks.0.fc": 3.0,
+        "grad_norm/blocks.1.fc": 4.0,
         "attn/entropy": 1.5,
         "attn/entropy/blocks.0.attn": 1.25,
         "attn/entropy_min": 1.25,
-        "attn/max_logit_bound/blocks.0.attn": 9.0,
         "stable_rank/blocks.0.fc.weight": 3.0,
         "cos/update_grad": -0.5,
     }
     sink.write(7, row)
-    get = sink.registry.get_sample_value
-    assert get("sdcscope_attn_entropy", {"rank": "1", "layer": "all"}) == 1.5
-    assert get("sdcscope_attn_entropy", {"rank": "1", "layer": "blocks.0.attn"}) == 1.25
-    assert get("sdcscope_attn_entropy_min", {"rank": "1"}) == 1.25
-    assert get("sdcscope_attn_max_logit_bound", {"rank": "1", "layer": "blocks.0.attn"}) == 9.0
-    assert get("sdcscope_stable_rank", {"rank": "1", "layer": "blocks.0.fc.weight"}) == 3.0
-    assert get("sdcscope_cos_update_grad", {"rank": "1"}) == -0.5
-    assert get("sdcscope_step", {"rank": "1"}) == 7
-    names = {m.name for m in sink.registry.collect()}
-    assert not any(n.endswith("_by_layer") or n == "sdcscope_attn" for n in names), names
+    sink.event(EVENT)
+    text = prom.generate_latest(sink.registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for family in families.values():
+        assert not family.documentation.startswith("sdcscope "), (family.name, family.documentation)
+        for sample in family.samples:
+            assert sample.labels["rank"] == "0" and sample.labels["run"] == "a", sample
+    get = lambda name, **labels: sink.registry.get_sample_value(name, {"rank": "0", "run": "a", **labels})
+    layers = [s.value for s in families["sdcscope_layer_grad_norm"].samples]
+    assert sorted(layers) == [3.0, 4.0]  # the whole model's 5.0 is not among them
+    assert get("sdcscope_grad_norm") == 5.0 and "whole model" in families["sdcscope_grad_norm"].documentation
+    assert get("sdcscope_attn_entropy_nats") == 1.5  # the unit in the name
+    assert get("sdcscope_layer_attn_entropy_nats", layer="blocks.0.attn") == 1.25
+    assert get("sdcscope_attn_entropy_min_nats") == 1.25
+    assert get("sdcscope_layer_stable_rank", layer="blocks.0.fc.weight") == 3.0
+    assert get("sdcscope_update_grad_cosine") == -0.5 and get("sdcscope_learning_rate") == 0.001
+    assert get("sdcscope_step") == 7 and get("sdcscope_loss") == 2.0
+    assert families["sdcscope_detections"].type == "counter"  # exposed as sdcscope_detections_total
+    assert get("sdcscope_detections_total", detector="abft", verdict="transient") == 1
+    assert get("sdcscope_actions_total", action="recompute") == 1 and get("sdcscope_replays_total") == 1
+    assert not any(name.endswith("_by_layer") or name == "sdcscope_attn" for name in families), families
     assert split_metric("grad_norm/blocks.0.fc") == ("grad_norm", "blocks.0.fc")
     assert split_metric("adam/g2_over_v") == ("adam/g2_over_v", None)
 

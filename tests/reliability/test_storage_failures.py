@@ -96,7 +96,7 @@ def test_inject_on_a_full_disk(storage, tmp_path):
     with storage.full(disk, slack=SLACK):
         result = invoke("inject", "--spec", tmp_path / "faults.yaml", *TRAIN, "--out", disk / "exp")
     one_line(result, ExitCode.STORAGE, "cannot write", str(disk / "exp"))
-    assert not (disk / "exp").exists() or list((disk / "exp").iterdir()) == []
+    assert not (disk / "exp").exists()  # no empty folder either
 
 
 def test_campaign_run_on_a_full_disk(storage, tmp_path):
@@ -118,6 +118,14 @@ def test_report_on_a_full_disk_leaves_no_half_written_report(storage, campaign, 
         result = invoke("report", directory)
     one_line(result, ExitCode.STORAGE, "cannot write the report", "report.html")
     assert not (directory / "report.html").exists() and debris(directory) == []
+
+
+def test_report_elsewhere_on_a_full_disk_leaves_no_folder(storage, campaign, tmp_path):
+    disk = tmp_path / "disk"
+    with storage.full(disk, slack=0):
+        result = invoke("report", campaign, "--out", disk / "reports" / "c")
+    one_line(result, ExitCode.STORAGE, "cannot write the report")
+    assert list(disk.iterdir()) == []  # neither reports/ nor reports/c
 
 
 def test_train_into_a_read_only_folder_is_refused_before_any_work(storage, tmp_path):

@@ -82,13 +82,32 @@ def test_the_page_tells_the_story_and_plots_what_happened(folder):
     _, page, _ = folder
     fault, unguarded, detection, repair = page["story"]
     assert fault.startswith("fault: at step 3") and "fc.weight" in fault
-    assert unguarded.startswith("unguarded: the loss left the golden curve by +1.5 at step 3")
+    assert unguarded.startswith("unguarded: the loss left the golden curve at step 3 (+1.5) and ends +0.7 from it")
     assert detection == "detection: at step 3 the guard's state_checksum check flagged fc.weight: corrupt"
     assert "rolled back to its verified snapshot of step 2" in repair and "bitwise equal" in repair
     figure = page["figure"]
     assert figure["distance"]["guarded"]["values"] == [0.0] * 4 and figure["distance"]["faulty"]["values"][-1] == 3.5
     assert figure["detections"] == [{"run": "guarded", "step": 3, "detector": "state_checksum", "action": "rollback"}]
     assert [row[0] for row in page["tables"][0]["rows"]] == ["golden", "faulty", "guarded"]
+
+
+def test_the_departure_is_the_first_step_that_differs_not_the_largest_gap(tmp_path):
+    """A fault that moves the loss a little at its step and most a few steps later: the loss left
+    the golden curve at the fault's step (the demo said it left at the step of the largest gap)."""
+    from sdcscope.study.compare_series import load_series, story
+
+    golden = [5.0 - 0.2 * i for i in range(8)]
+    gaps = [0, 0, 0, 0.25, 1.0, 2.0, 1.0, 0.5]
+    _run(tmp_path / "golden", golden)
+    _run(tmp_path / "faulty", [g + d for g, d in zip(golden, gaps)], injections=[FAULT])
+    _, unguarded = story(load_series(tmp_path))
+    assert unguarded == (
+        "unguarded: the loss left the golden curve at step 3 (+0.25), was furthest from it at step 5 (+2) "
+        "and ends +0.5 from it"
+    ), unguarded
+    _run(tmp_path / "same" / "golden", golden)
+    _run(tmp_path / "same" / "faulty", golden, injections=[FAULT])
+    assert story(load_series(tmp_path / "same"))[1] == "unguarded: the loss never left the golden curve"
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -5,10 +5,11 @@ campaign whose sampling is edited keeps every row and runs only the new trials."
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import pytest
 
-from helpers import CAMPAIGN_SPEC
+from helpers import CAMPAIGN_SPEC, cli_invoke
 from sdcscope.study import ResultsDB, init_campaign, load_campaign, run_campaign
 from sdcscope.study.runner import plan_campaign
 
@@ -35,6 +36,23 @@ def test_a_sample_smaller_than_its_strata_warns_and_names_the_strata_it_covers(c
     assert other != strata  # drawn at random (seeded): not always the first strata in plan order
 
 
+@pytest.mark.parametrize(("kind", "sizes"), [("random", (4, 8)), ("stratified", (3, 13))], ids=["random", "stratified"])
+def test_a_larger_n_draws_a_superset(kind, sizes):
+    """Extending ``n`` adds trials and drops none: n=8 holds the n=4 sample (it drew 7 new ones)."""
+    extra = ", by: [target]" if kind == "stratified" else ""  # 4 strata (the MLP Linears) of 8 bits
+    samples = []
+    for n in sizes:
+        text = SPACE.replace("sampling: {kind: stratified, n: 3, by: [target, bit], seed: 1}", "")
+        plan = plan_campaign(load_campaign(text + f"sampling: {{kind: {kind}, n: {n}{extra}, seed: 1}}\n"))
+        samples.append({t.key for t in plan})
+        assert len(samples[-1]) == n
+    for smaller, larger in zip(samples, samples[1:]):
+        assert smaller < larger, (len(smaller - larger), "trials of the smaller sample are not in the larger")
+    if kind == "stratified":  # n=13 over 4 strata of 8: 3 each, and one more in one of them
+        counts = Counter(key.split("|")[2] for key in samples[1])
+        assert sorted(counts.values()) == [3, 3, 3, 4], counts
+
+
 @pytest.mark.slow
 def test_a_finished_campaign_is_extended_keeping_every_row(tmp_path):
     spec_file = tmp_path / "spec.yaml"
@@ -46,6 +64,10 @@ def test_a_finished_campaign_is_extended_keeping_every_row(tmp_path):
     with ResultsDB(directory / "results.sqlite", spec) as db:
         (first,) = db.trials()
     (directory / "campaign.yaml").write_text(CAMPAIGN_SPEC)  # exhaustive now: both bits
+    # `campaign status` reads the edit first (it binds the database to it): the counters follow the
+    # new plan there and after the run (it said 1/1, then 2/1 for ever)
+    assert "1/2 trials done" in " ".join(cli_invoke("campaign", "status", directory)[1].split())
+    assert "1/2 trials done" in " ".join(cli_invoke("campaign", "status", directory)[1].split())  # and again
     summary = run_campaign(directory, workers=0)
     assert (summary["done"], summary["ran"]) == (2, 1)
     extended = load_campaign(directory / "campaign.yaml")
@@ -54,6 +76,7 @@ def test_a_finished_campaign_is_extended_keeping_every_row(tmp_path):
         assert rows[first["key"]] == first  # kept as it was, bit for bit
         assert len({r["trial_id"] for r in rows.values()}) == 2 and {r["bit"] for r in rows.values()} == {30, 31}
         assert db.meta()["plan_size"] == "2" and db.meta()["spec_hash"] == extended.hash
+    assert "2/2 trials done" in " ".join(cli_invoke("campaign", "status", directory)[1].split())
     (directory / "campaign.yaml").write_text(CAMPAIGN_SPEC.replace("horizon: 2", "horizon: 3"))
     with pytest.raises(ValueError, match="another campaign spec"):  # another fault space: still refused
         run_campaign(directory, workers=0)

@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import re
+
 import typer
+from typer.core import TyperGroup
 
 from sdcscope import __version__
 
+_VERBOSITY = re.compile(r"-v+|-q|--verbose|--quiet")
+"""The root's logging options, which a user may type after the subcommand too."""
+
+
+class _RootGroup(TyperGroup):
+    """The ``sdcscope`` group: ``-v``/``-vv``/``-q`` (``--verbose``/``--quiet``) given after the
+    subcommand (``sdcscope train -q ...``) are read as if given before it; a script's own arguments
+    after ``--`` are left alone."""
+
+    def parse_args(self, ctx, args):
+        end = args.index("--") if "--" in args else len(args)
+        hoisted = [a for a in args[:end] if _VERBOSITY.fullmatch(a)]
+        if hoisted:
+            args = hoisted + [a for a in args[:end] if not _VERBOSITY.fullmatch(a)] + args[end:]
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(
+    cls=_RootGroup,
     name="sdcscope",
     help="Inject, observe, detect, localize and repair silent data corruption in PyTorch training.",
     no_args_is_help=True,

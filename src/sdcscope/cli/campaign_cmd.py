@@ -110,8 +110,11 @@ def status(ctx: typer.Context, directory: Path = DIR_ARG, as_json: bool = JSON_O
         spec = load_campaign(directory / SPEC_FILE)
         with ResultsDB(directory / DB_FILE, spec) as db:
             rows = db.trials()
-            planned = db.meta().get("plan_size")
-    planned = None if planned is None else int(planned)  # the store keeps it as text
+            planned = db.plan_size
+            if planned is None or db.extended:  # campaign.yaml was edited: count the new plan
+                from sdcscope.study.runner import count_plan
+
+                planned = count_plan(spec, db)
     counts = {"trials": planned, "done": len(rows), "outcomes": dict(Counter(r["outcome"] for r in rows))}
     _print_counts(counts)
     note(**counts, directory=str(directory))

@@ -27,7 +27,14 @@ class CLIError(Exception):
     """A user error the CLI reports as one line with exit code 2."""
 
 
+ERROR_CHARS = 2000
+"""The longest error line the CLI prints; the rest is cut (values in messages are already short:
+:func:`sdcscope.common.validate.brief`)."""
+
+
 def fail(message: str, code: int = ExitCode.USER_ERROR) -> typer.Exit:
+    if len(message) > ERROR_CHARS:
+        message = f"{message[:ERROR_CHARS]}... ({len(message) - ERROR_CHARS:,} more characters cut)"
     err_console.print("[bold red]error:[/] ", end="", highlight=False)
     err_console.print(message, markup=False, highlight=False, soft_wrap=True)  # "[out, in]" is text
     return typer.Exit(code=int(code))

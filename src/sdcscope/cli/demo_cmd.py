@@ -1,14 +1,15 @@
 """``sdcscope demo``: the main job on the default workload.
 
-The tiny GPT trains on Python's own source three times from the same seed and data: golden (no
-fault), faulty and guarded (the same fault under the Guard). The fault is a memory fault in a
-weight that writes the residual stream: the top exponent bit of fp16 (a half-precision copy of the
-weights) flipped in one row of the last block's MLP output projection, halfway, which multiplies each
-value of the row by 2^16 -- large, yet finite. Unguarded, the loss jumps and the run settles on a
-worse curve with parameters far from the golden ones; the guard's checksums of the weights find the
-changed words before the step's update, it rolls back to its verified snapshot, and the guarded run
-ends bitwise equal to the golden one. The demo writes ``comparison.html`` and ``loss_curves.png``
-and says in one sentence each what the fault did, what the guard detected and how it repaired it.
+The tiny GPT learns to predict the next byte of Python's standard library source, three times from
+the same seed and data: golden (no fault), faulty and guarded (the same fault under the Guard). The
+fault is a memory fault in a weight that writes the residual stream: the top exponent bit of fp16
+(a half-precision copy of the weights) flipped in one row of the last block's MLP output
+projection, halfway, which multiplies each value of the row by 2^16 -- large, yet finite.
+Unguarded, the loss jumps and the run settles on a worse curve with parameters far from the golden
+ones; the guard's checksums of the weights find the changed words before the step's update, it
+rolls back to its verified snapshot, and the guarded run ends bitwise equal to the golden one. The
+demo writes ``comparison.html`` and ``loss_curves.png`` and says in one sentence each what the
+fault did, what the guard detected and how it repaired it.
 """
 
 from __future__ import annotations
@@ -89,10 +90,11 @@ def demo(
         trace = trace_experiment(experiment, steps)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / DEMO_MARKER, {"command": "sdcscope demo", "steps": steps})
-    source = experiment.golden.workload.describe()["corpus_source"]
+    out_console.print(f"training {experiment.golden.workload.task()}", highlight=False)
     out_console.print(
-        f"tiny byte-level GPT on {source}: {steps} steps × 3 runs (golden, faulty, guarded); fault at step "
-        f"{steps // 2}: the top fp16 exponent bit of one row of blocks.1.mlp.proj's weights (each value × 2^16)"
+        f"{steps} steps × 3 runs from one seed (golden, faulty, guarded); fault at step {steps // 2}: the top "
+        "fp16 exponent bit of one row of blocks.1.mlp.proj's weights (each value × 2^16)",
+        highlight=False,
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a d=64 model gains nothing from intra-op threads, which stall on a busy machine

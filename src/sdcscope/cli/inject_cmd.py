@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -33,19 +34,36 @@ from sdcscope.cli.options import (
     guard_config,
 )
 from sdcscope.cli.output import JSON_OPT, json_output, note
-from sdcscope.common.exitcodes import ExitCode
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def comparison_line(c: dict) -> str:
+    """The faulty run against golden in one line, saying plainly what has no value: no divergence,
+    parameters that are not finite, a run that crashed before its evaluation."""
+    size, val, vf = c["param_rel_l2"], c["val_loss_delta"], c["val_loss_faulty"]
+    first = c["first_divergence_step"]
+    parts = [
+        f"{c['injections']} fault(s) fired",
+        "the loss never left the golden curve" if first is None else f"first divergence at step {first}",
+        f"final parameter distance (rel. L2) {size:.3g}"
+        if _finite(size)
+        else "the faulty parameters are not finite (no distance to golden)",
+    ]
+    golden = fmt_loss(c["val_loss_golden"])
+    if _finite(vf) and val is not None:
+        parts.append(f"val loss {golden} → {fmt_loss(vf)} (Δ {val:+.4g})")
+    elif c["outcome"] == "crash":
+        parts.append(f"val loss {golden} golden, none for the faulty run: it crashed after {c['steps_faulty']} steps")
+    else:
+        parts.append(f"val loss {golden} golden, none for the faulty run ({vf})")
+    return f"[bold]{c['outcome']}[/]: " + "; ".join(parts)
 
 
 def print_comparison(out: Path, c: dict) -> None:
-    size = c["param_rel_l2"]
-    size = f"{size:.3g}" if isinstance(size, float) else size
-    val, vf = c["val_loss_delta"], c["val_loss_faulty"]
-    out_console.print(
-        f"[bold]{c['outcome']}[/]: {c['injections']} fault(s) fired; first divergence at step "
-        f"{c['first_divergence_step']}; final parameter distance (rel. L2) {size}; "
-        f"val loss {fmt_loss(c['val_loss_golden'])} → {fmt_loss(vf)} "
-        f"(Δ {val if val is None else format(val, '+.4g')})"
-    )
+    out_console.print(comparison_line(c))
     if "guarded" in c:
         g = c["guarded"]
         out_console.print(
@@ -81,36 +99,24 @@ def inject(
 ) -> None:
     """Run the golden and the faulty run and compare them."""
     json_output(ctx, as_json)
-    with user_errors():
-        check_steps(steps)
-        from sdcscope.study.experiment import Experiment
+    from sdcscope.common.storage import new_outputs
 
-        specs = load_fault_file("--spec", spec)
-        wcfg, tcfg = build_configs(
-            workload, preset, seed, corpus=corpus, batch_size=batch_size, lr=lr, grad_accum=grad_accum
-        )
-        fresh = not out.exists() or (out.is_dir() and not any(out.iterdir()))
-        experiment = Experiment(out, wcfg, tcfg, specs, guard=guard_config(guard, guard_config_path), steps=steps)
-        from sdcscope.study.trace import trace_experiment
+    with new_outputs(out):  # a failed experiment (a full disk, Ctrl-C, a bug) leaves no folder behind
+        with user_errors():
+            check_steps(steps)
+            from sdcscope.study.experiment import Experiment
 
-        trace = trace_experiment(experiment, steps)  # parameter distance to golden, for comparison.html
-    try:
+            specs = load_fault_file("--spec", spec)
+            wcfg, tcfg = build_configs(
+                workload, preset, seed, corpus=corpus, batch_size=batch_size, lr=lr, grad_accum=grad_accum
+            )
+            experiment = Experiment(out, wcfg, tcfg, specs, guard=guard_config(guard, guard_config_path), steps=steps)
+            from sdcscope.study.trace import trace_experiment
+
+            trace = trace_experiment(experiment, steps)  # parameter distance to golden, for comparison.html
         with storage_errors():
             comparison = experiment.run(steps, progress=lambda label, total: step_progress(total, label=label))
             from sdcscope.study.compare_page import write_outputs
 
             write_outputs(out, comparison, trace)  # comparison.html and loss_curves.png
-    except typer.Exit as exc:
-        if fresh and exc.exit_code == ExitCode.STORAGE:  # an experiment the disk cut short leaves nothing half-made
-            _remove_contents(out)
-        raise
     print_comparison(out, comparison)
-
-
-def _remove_contents(out: Path) -> None:
-    import contextlib
-    import shutil
-
-    with contextlib.suppress(OSError):
-        for child in out.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()

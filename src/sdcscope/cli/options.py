@@ -39,7 +39,7 @@ PROMETHEUS_OPT = typer.Option(
     None,
     "--prometheus-port",
     help="Serve the guard's metrics and event counters for Prometheus on 127.0.0.1:PORT/metrics "
-    "(implies --guard; 0: any free port, logged with -v).",
+    "(implies --guard; 0: any free port, logged with -v; with --nproc N rank r serves on PORT+r).",
 )
 
 

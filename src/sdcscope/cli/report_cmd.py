@@ -74,17 +74,20 @@ def report(
 ) -> None:
     """Write DIR/report.html and DIR/report.md: a campaign's results, or a run's per-rank timelines."""
     with user_errors():
+        from sdcscope.common.storage import new_outputs
         from sdcscope.study import build_report, write_report
 
         targets = report_dirs(directory)
         reports = [(target, build_report(target)) for target in targets]  # all, before any is written
-        for target, data in reports:
-            where = None if out is None else out if target == directory else out / target.name
-            if where is not None:
-                where.mkdir(parents=True, exist_ok=True)
-            html, md = write_report(target, data, out=where)
-            out_console.print(f"wrote {html} and {md}")
-        if (directory / "golden" / "metrics.jsonl").is_file():  # an inject/demo folder: its comparison page too
-            from sdcscope.study.compare_page import write_page
+        wheres = {t: None if out is None else out if t == directory else out / t.name for t in targets}
+        folders = [w for w in wheres.values() if w is not None]
+        with new_outputs(*([out] if out is not None else []), *folders):  # a failed write leaves no folder
+            for target, data in reports:
+                if wheres[target] is not None:
+                    wheres[target].mkdir(parents=True, exist_ok=True)
+                html, md = write_report(target, data, out=wheres[target])
+                out_console.print(f"wrote {html} and {md}")
+            if (directory / "golden" / "metrics.jsonl").is_file():  # an inject/demo folder: its page too
+                from sdcscope.study.compare_page import write_page
 
-            out_console.print(f"wrote {write_page(directory, to=out)}")
+                out_console.print(f"wrote {write_page(directory, to=out)}")

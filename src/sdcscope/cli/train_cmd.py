@@ -203,6 +203,9 @@ def train(
             from sdcscope.engine.run import Interrupted
             from sdcscope.jobs import launch
 
+            if prometheus_port is not None:
+                sharded = pcfg.sharded or (resume is not None and _sharded(resume))
+                _check_rank_ports(prometheus_port, nproc, "sharded" if sharded else "ddp")
             if resume is not None and _sharded(resume):
                 job = _sharded_resume(ctx, resume, out, steps, DistConfig(timeout_s=timeout), policy)
                 out, specs, guarded = resume, job.specs, job.guard is not None
@@ -222,8 +225,6 @@ def train(
                     raise CLIError("--out DIR is required")
                 if invariants is not None:
                     raise CLIError("--invariants is not supported in a distributed run yet; drop it or use --nproc 1")
-                if prometheus_port is not None:
-                    raise CLIError("--prometheus-port serves one process; a distributed run is not supported yet")
                 if compile:
                     raise CLIError("--compile trains in one process for now; drop it or use --nproc 1")
                 for flag, path in (("--faults", faults), ("--guard-config", guard_config_path)):
@@ -232,7 +233,7 @@ def train(
                 from sdcscope.faults import load_specs
                 from sdcscope.jobs import make_job
 
-                gcfg = guard_config(guard, guard_config_path, resolve=False)
+                gcfg = with_prometheus(guard_config(guard, guard_config_path, resolve=False), prometheus_port)
                 specs = [] if faults is None else load_specs(faults)
                 wcfg, tcfg = build_configs(
                     workload,
@@ -258,7 +259,7 @@ def train(
                     parallel=pcfg,
                     checkpoints=policy,
                 )
-                guarded = guard or guard_config_path is not None
+                guarded = gcfg is not None
             try:
                 rc = launch(job)  # validates first: ValueError → exit 2, nothing created
             except Interrupted as stop:  # every rank stopped (or was killed); summary.json written
@@ -349,6 +350,20 @@ def train(
             out_console.print(f"guard: {tools.guard.abft.coverage()}")
         note(guard_events=len(tools.guard.events))
     _exit_for(summary)
+
+
+def _check_rank_ports(port: int, nproc: int, kind: str) -> None:
+    """``--prometheus-port`` in a distributed run: rank r serves on ``port + r``, which must exist;
+    a sharded run computes no per-step metrics to serve (refused, saying why)."""
+    from sdcscope.common.world import unsupported
+
+    if (why := unsupported("guard.metrics", kind)) is not None:
+        raise CLIError(f"--prometheus-port serves the guard's per-step metrics, which a {kind} run has not: {why}")
+    if port and port + nproc - 1 > 65535:
+        raise CLIError(
+            f"--prometheus-port {port}: rank r serves on {port} + r, and {port + nproc - 1} (rank {nproc - 1}) is "
+            "above 65535; give a lower port, or 0 (each rank any free port)"
+        )
 
 
 def _sharded(run_dir: Path) -> bool:

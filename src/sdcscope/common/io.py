@@ -241,6 +241,54 @@ class _Loader(yaml.SafeLoader):
                     seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
+    def construct_document(self, node):
+        _check_expansion(node)
+        return super().construct_document(node)
+
+
+YAML_MAX_VALUES = 100_000
+"""The most values (scalars, lists, mappings) a YAML document may hold once its aliases (``*name``)
+are expanded: a few hundred bytes of nested aliases (a "billion laughs") would otherwise become
+millions of values, and a message naming one of them megabytes long."""
+
+
+class YAMLTooLarge(ValueError):
+    """A YAML document whose aliases expand past :data:`YAML_MAX_VALUES` values, or refer to themselves."""
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Count the values ``root`` holds with every alias expanded (each shared node counted once per
+    use, without expanding it again) and refuse past :data:`YAML_MAX_VALUES`."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise YAMLTooLarge(f"an alias refers to the value that holds it (line {node.start_mark.line + 1})")
+        active.add(key)
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            children = []
+        for child in children:
+            total += size(child)
+            if total > YAML_MAX_VALUES:
+                raise YAMLTooLarge(
+                    f"its aliases (*name) expand it past {YAML_MAX_VALUES:,} values "
+                    f"(line {node.start_mark.line + 1}); write the values out, or use fewer aliases"
+                )
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    size(root)
+
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
@@ -268,5 +316,7 @@ def load_yaml(text: str, where: str) -> Any:
     malformed YAML raises ValueError naming ``where`` and the position."""
     try:
         return yaml.load(text, Loader=_Loader)
+    except YAMLTooLarge as exc:
+        raise ValueError(f"YAML in {where} refused: {exc}") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"malformed YAML in {where}: {describe_yaml_error(exc)}") from None

@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["STORAGE_ERRNOS", "StorageError", "storage_cause", "writing"]
+__all__ = ["STORAGE_ERRNOS", "StorageError", "storage_cause", "writing", "new_outputs"]
 
 STORAGE_ERRNOS = frozenset(
     getattr(errno, name) for name in ("ENOSPC", "EROFS", "EACCES", "EPERM", "EDQUOT", "EFBIG") if hasattr(errno, name)
@@ -87,3 +88,34 @@ def writing(what: str, path: str | Path) -> Iterator[None]:
         if cause is None:
             raise
         raise StorageError(cause.errno, what, path, cause.strerror) from None
+
+
+@contextlib.contextmanager
+def new_outputs(*folders: str | Path, keep: bool = False) -> Iterator[None]:
+    """Output folders that leave no debris: if the block fails (any exception, ``KeyboardInterrupt``
+    and an exit with a non-zero code among them), each of ``folders`` that did not exist before it is
+    removed with what the block wrote there, as are the parents the block created for it; one that
+    existed empty is emptied again. ``keep``: leave everything (e.g. a run meant to be resumed)."""
+    before = []
+    for folder in map(Path, folders):
+        absent = [p for p in (folder, *folder.parents) if not p.exists()]  # nearest first
+        empty = folder.is_dir() and not any(folder.iterdir())
+        before.append((folder, absent, empty))
+    try:
+        yield
+    except BaseException as exc:
+        if not keep and getattr(exc, "exit_code", getattr(exc, "code", 1)) != 0:
+            for folder, absent, empty in before:
+                _clean(folder, absent, empty)
+        raise
+
+
+def _clean(folder: Path, absent: list[Path], empty: bool) -> None:
+    with contextlib.suppress(OSError):
+        if absent and absent[0] == folder:
+            shutil.rmtree(folder, ignore_errors=True)
+            for parent in absent[1:]:
+                parent.rmdir()  # only while empty: never another writer's folder
+        elif empty and folder.is_dir():
+            for child in folder.iterdir():
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()

@@ -17,8 +17,48 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+BRIEF_CHARS = 120
+"""The longest a value is written in an error message: a message names a bad value, it does not
+print a whole document (a YAML file's list of lists, a multi-megabyte string)."""
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 3, 8, 8, 8, 8
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 80, 80, 40
+
+
+def brief(value: object, limit: int = BRIEF_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to about ``limit`` characters (containers to their
+    first items, long strings around a ``...``): a short value reads exactly as its ``repr``."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # a user object whose repr fails still gets named
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def missing_keys(what: str, data: Mapping, required: Iterable[str], optional: Iterable[str] = ()) -> None:
+    """Refuse (ValueError) a mapping that lacks a required key, naming what is missing, what is
+    required and what else is allowed (a dataclass would say ``__init__() missing 2 required
+    keyword-only arguments``)."""
+    required = list(required)
+    missing = [k for k in required if k not in data]
+    if missing:
+        optional = [k for k in optional if k not in required]
+        also = f"; optional: {', '.join(optional)}" if optional else ""
+        raise ValueError(f"{what} lacks {', '.join(map(repr, missing))}; a {what} needs {', '.join(required)}{also}")
+
+
+def required_fields(cls) -> list[str]:
+    """The fields of dataclass ``cls`` without a default, in order."""
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
 
 
 def close_matches(value: object, allowed: Iterable[object], *, n: int = 1, cutoff: float = 0.6) -> list[str]:
@@ -39,8 +79,8 @@ def check_choice(name: str, value: object, allowed: Iterable[str]) -> None:
     if value in allowed:
         return
     if not isinstance(value, str):
-        raise TypeError(f"{name} {value!r} must be a string; allowed: {', '.join(allowed)}")
-    raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}{did_you_mean(value, allowed, n=3)}")
+        raise TypeError(f"{name} {brief(value)} must be a string; allowed: {', '.join(allowed)}")
+    raise ValueError(f"unknown {name} {brief(value)}; allowed: {', '.join(allowed)}{did_you_mean(value, allowed, n=3)}")
 
 
 def choice(what: str, value: Any, allowed: Iterable[str]) -> str:
@@ -48,9 +88,9 @@ def choice(what: str, value: Any, allowed: Iterable[str]) -> str:
     list (the fault spec's wording: ``allowed: ['none', 'per_step']``)."""
     allowed = list(allowed)
     if not isinstance(value, str):
-        raise TypeError(f"{what} must be a str, got {value!r}; allowed: {allowed}")
+        raise TypeError(f"{what} must be a str, got {brief(value)}; allowed: {allowed}")
     if value not in allowed:
-        raise ValueError(f"unknown {what} {value!r}{did_you_mean(value, allowed)}; allowed: {allowed}")
+        raise ValueError(f"unknown {what} {brief(value)}{did_you_mean(value, allowed)}; allowed: {allowed}")
     return value
 
 
@@ -62,14 +102,14 @@ def check_keys(what: str, data: Mapping, names: Iterable[str], allowed: Iterable
     for key in data:
         if key not in names:
             hint = did_you_mean(key, allowed) or did_you_mean(key, names)
-            raise ValueError(f"unknown {what} key {key!r}{hint}; allowed: {', '.join(allowed)}")
+            raise ValueError(f"unknown {what} key {brief(key)}{hint}; allowed: {', '.join(allowed)}")
 
 
 def check_mapping(what: str, data: object) -> Mapping:
     """``data`` when it is a mapping (a dict, an OmegaConf or Hydra config, a ``MappingProxyType``);
     TypeError otherwise."""
     if not isinstance(data, Mapping):
-        raise TypeError(f"{what} must be a mapping, got {data!r}")
+        raise TypeError(f"{what} must be a mapping, got {brief(data)}")
     return data
 
 
@@ -78,6 +118,7 @@ def build_config(cls, data: object, what: str):
     naming the allowed ones."""
     check_mapping(what, data)
     check_keys(what, data, [f.name for f in dataclasses.fields(cls)])
+    missing_keys(what, data, required_fields(cls), [f.name for f in dataclasses.fields(cls)])
     return cls(**dict(data))
 
 
@@ -88,34 +129,34 @@ def _is_int(value: object) -> bool:
 def check_int(what: str, value: Any, minimum: int | None = 0) -> int:
     """``value`` when it is an int (never a ``bool``) >= ``minimum`` (``None``: any)."""
     if not _is_int(value):
-        raise TypeError(f"{what} must be an int, got {value!r}")
+        raise TypeError(f"{what} must be an int, got {brief(value)}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
+        raise ValueError(f"{what} must be >= {minimum}, got {brief(value)}")
     return value
 
 
 def check_bool(name: str, value: object) -> None:
     """Refuse (TypeError) anything but a real ``bool`` (a string such as ``'no'`` too)."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be a boolean; allowed: true, false")
+        raise TypeError(f"{name}={brief(value)} must be a boolean; allowed: true, false")
 
 
 def check_positive(name: str, value: object) -> None:
     """Refuse anything but an integer > 0: TypeError for a non-integer (a ``bool`` too), ValueError
     for one <= 0."""
     if not _is_int(value):
-        raise TypeError(f"{name}={value!r} must be a positive integer (>= 1)")
+        raise TypeError(f"{name}={brief(value)} must be a positive integer (>= 1)")
     if value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer (>= 1)")
+        raise ValueError(f"{name}={brief(value)} must be a positive integer (>= 1)")
 
 
 def check_non_negative(name: str, value: object) -> None:
     """Refuse anything but an integer >= 0: TypeError for a non-integer (a ``bool`` too), ValueError
     for a negative one."""
     if not _is_int(value):
-        raise TypeError(f"{name}={value!r} must be an integer >= 0")
+        raise TypeError(f"{name}={brief(value)} must be an integer >= 0")
     if value < 0:
-        raise ValueError(f"{name}={value!r} must be an integer >= 0")
+        raise ValueError(f"{name}={brief(value)} must be an integer >= 0")
 
 
 def check_float(
@@ -132,7 +173,7 @@ def check_float(
     lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
     hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
     rule = " and ".join(s for s in (lo, hi) if s)
-    message = f"{name}={value!r} must be a finite number{' ' + rule if rule else ''}"
+    message = f"{name}={brief(value)} must be a finite number{' ' + rule if rule else ''}"
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(message)
     ok = math.isfinite(value)

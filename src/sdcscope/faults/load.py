@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 
 from sdcscope.common.io import load_yaml, read_text
+from sdcscope.common.validate import brief
 
 from .spec import FaultSpec
 
@@ -41,7 +42,7 @@ def load_specs(source: str | os.PathLike[str]) -> list[FaultSpec]:
         data = [data]
     if not isinstance(data, list):
         hint = "" if where != "<text>" else " (if this is a path, no such file exists)"
-        raise ValueError(f"{where} must hold a list of fault specs, got {data!r}{hint}")
+        raise ValueError(f"{where} must hold a list of fault specs, got {brief(data)}{hint}")
     specs = []
     for i, item in enumerate(data):
         try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from fnmatch import fnmatchcase
 from typing import Any
 
-from sdcscope.common.validate import check_int, check_keys, check_mapping, choice
+from sdcscope.common.validate import brief, check_int, check_keys, check_mapping, choice, missing_keys, required_fields
 
 from .formats import FORMATS, check_bits, get_format
 from .ops import BIT_MODELS, MODELS
@@ -42,14 +42,14 @@ def _index(what: str, value: Any) -> int | str:
     """An index-like field: ``"random"`` or an int >= 0."""
     if isinstance(value, str):
         if value != RANDOM:
-            raise ValueError(f"{what} must be {RANDOM!r} or an int >= 0, got {value!r}")
+            raise ValueError(f"{what} must be {brief(RANDOM)} or an int >= 0, got {brief(value)}")
         return value
     return check_int(what, value)
 
 
 def _int_pair(what: str, value: Any, minimum: int) -> tuple[int, int]:
     if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise TypeError(f"{what} must be a list of two ints, got {value!r}")
+        raise TypeError(f"{what} must be a list of two ints, got {brief(value)}")
     return (check_int(f"{what}[0]", value[0], minimum), check_int(f"{what}[1]", value[1], minimum))
 
 
@@ -62,7 +62,7 @@ def _check_kind_fields(obj: Any, what: str, kinds: Mapping[str, tuple[str, ...]]
     kind = choice(f"{what} kind", obj.kind, kinds)
     for f in fields(obj):
         if f.name != "kind" and f.name not in kinds[kind] and getattr(obj, f.name) is not None:
-            raise ValueError(f"{what} kind {kind!r} does not take {f.name!r}; it takes: {list(kinds[kind])}")
+            raise ValueError(f"{what} kind {brief(kind)} does not take {brief(f.name)}; it takes: {list(kinds[kind])}")
     return kind
 
 
@@ -73,6 +73,7 @@ def _from_mapping(cls: type, data: Any, what: str, kinds: Mapping[str, tuple[str
     names = [f.name for f in fields(cls)]
     kind = data.get("kind")
     check_keys(what, data, names, ["kind", *kinds[kind]] if kinds and kind in kinds else names)
+    missing_keys(what, data, required_fields(cls), names)
     return cls(**data)
 
 
@@ -183,9 +184,9 @@ class Pattern:
         else:  # tensor
             ber = self.ber
             if isinstance(ber, bool) or not isinstance(ber, (int, float)):
-                raise TypeError(f"pattern ber must be a number in (0, 1], got {ber!r}")
+                raise TypeError(f"pattern ber must be a number in (0, 1], got {brief(ber)}")
             if not 0 < ber <= 1:
-                raise ValueError(f"pattern ber must be in (0, 1], got {ber!r}")
+                raise ValueError(f"pattern ber must be in (0, 1], got {brief(ber)}")
             _set(self, "ber", float(ber))
 
     def _check_mac_cell(self) -> None:
@@ -207,7 +208,7 @@ class Pattern:
         if swizzle == "none":
             if self.swizzle_seed is not None:
                 raise ValueError(
-                    f"pattern swizzle_seed {self.swizzle_seed!r} is only used with swizzle "
+                    f"pattern swizzle_seed {brief(self.swizzle_seed)} is only used with swizzle "
                     f"'per_step', but swizzle is 'none'; allowed swizzle: {list(SWIZZLE_MODES)}"
                 )
         else:
@@ -272,12 +273,12 @@ class Schedule:
         if kind == "intermittent":
             p = self.p
             if isinstance(p, bool) or not isinstance(p, (int, float)):
-                raise TypeError(f"schedule p must be a number in [0, 1], got {p!r}")
+                raise TypeError(f"schedule p must be a number in [0, 1], got {brief(p)}")
             if not 0 <= p <= 1:
-                raise ValueError(f"schedule p must be in [0, 1], got {p!r}")
+                raise ValueError(f"schedule p must be in [0, 1], got {brief(p)}")
             _set(self, "p", float(p))
             if self.stop is not None and check_int("schedule stop", self.stop) <= self.start:
-                raise ValueError(f"schedule stop must be > start ({self.start}) or null, got {self.stop!r}")
+                raise ValueError(f"schedule stop must be > start ({self.start}) or null, got {brief(self.stop)}")
 
     def covers(self, step: int) -> bool:
         """Whether the schedule can fire at ``step`` at all (cheap; no hashing)."""
@@ -334,10 +335,10 @@ class FaultSpec:
         choice("site", self.site, SITES)
         target = (self.target,) if isinstance(self.target, str) else self.target
         if not isinstance(target, (list, tuple)) or not target:
-            raise TypeError(f"target must be a str or a non-empty list of str, got {self.target!r}")
+            raise TypeError(f"target must be a str or a non-empty list of str, got {brief(self.target)}")
         for t in target:
             if not isinstance(t, str) or not t:
-                raise TypeError(f"target patterns must be non-empty str, got {t!r}")
+                raise TypeError(f"target patterns must be non-empty str, got {brief(t)}")
         _set(self, "target", tuple(target))
         model = choice("model", self.model, MODELS)
         for name, cls in (("pattern", Pattern), ("schedule", Schedule)):
@@ -345,7 +346,7 @@ class FaultSpec:
             if isinstance(value, Mapping):
                 _set(self, name, cls.from_dict(value))
             elif not isinstance(value, cls):
-                raise TypeError(f"{name} must be a mapping or a {cls.__name__}, got {value!r}")
+                raise TypeError(f"{name} must be a mapping or a {cls.__name__}, got {brief(value)}")
         check_site_pattern(self.site, self.pattern)
         if self.format is not None:
             get_format(self.format)
@@ -355,19 +356,20 @@ class FaultSpec:
         check_int("seed", self.seed, None)
         if self.state_key is not None:
             if not isinstance(self.state_key, str):
-                raise TypeError(f"state_key must be a str, got {self.state_key!r}")
+                raise TypeError(f"state_key must be a str, got {brief(self.state_key)}")
             if self.site != "optimizer_state":
                 raise ValueError(
-                    f"state_key {self.state_key!r} is only used with site 'optimizer_state', not {self.site!r}"
+                    f"state_key {brief(self.state_key)} is only used with site 'optimizer_state', "
+                    f"not {brief(self.site)}"
                 )
         if self.phase is not None:
             if self.site != "comm":
-                raise ValueError(f"phase {self.phase!r} is only used with site 'comm', not {self.site!r}")
+                raise ValueError(f"phase {brief(self.phase)} is only used with site 'comm', not {brief(self.site)}")
             choice("phase", self.phase, ("before", "after"))
         if self.site in STEP_SITES and self.schedule.micro_batch is not None:
             raise ValueError(
-                f"site {self.site!r} runs once per step, so schedule micro_batch "
-                f"{self.schedule.micro_batch!r} would never fire; micro_batch is for sites "
+                f"site {brief(self.site)} runs once per step, so schedule micro_batch "
+                f"{brief(self.schedule.micro_batch)} would never fire; micro_batch is for sites "
                 f"{[s for s in SITES if s not in STEP_SITES]}"
             )
 
@@ -375,19 +377,21 @@ class FaultSpec:
         bits, ber = self.bits, self.pattern.kind == "tensor"
         if model not in BIT_MODELS:
             if ber:
-                raise ValueError(f"pattern 'tensor' flips bits; it needs a model in {list(BIT_MODELS)}, not {model!r}")
+                raise ValueError(
+                    f"pattern 'tensor' flips bits; it needs a model in {list(BIT_MODELS)}, not {brief(model)}"
+                )
             if bits:
-                raise ValueError(f"model {model!r} takes no bits; bits are for {list(BIT_MODELS)}")
+                raise ValueError(f"model {brief(model)} takes no bits; bits are for {list(BIT_MODELS)}")
             _set(self, "bits", None)
             return
         if bits is None:
             if not ber:
-                raise ValueError(f"model {model!r} needs bits (a non-empty list of bit positions)")
+                raise ValueError(f"model {brief(model)} needs bits (a non-empty list of bit positions)")
             return
         if not isinstance(bits, (list, tuple)):
-            raise TypeError(f"bits must be a list of ints, got {bits!r}")
+            raise TypeError(f"bits must be a list of ints, got {brief(bits)}")
         if not bits:
-            raise ValueError(f"bits must not be empty for model {model!r}")
+            raise ValueError(f"bits must not be empty for model {brief(model)}")
         if self.format is not None:
             _set(self, "bits", check_bits(bits, self.format))
             return

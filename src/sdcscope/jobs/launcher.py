@@ -15,12 +15,19 @@ on Linux) and every rank watches the launcher itself (:func:`sdcscope.jobs.torch
 Once a rank has recorded a failure (``failure.rank{r}.json``: a peer died or hung), the ranks
 still running are looked at (stopped? which rank?), killed, and the whole story written to
 ``failure.json`` (:func:`describe_failure` makes the one line the CLI prints).
+
+torchrun runs through :mod:`sdcscope.jobs.agent`: its own log lines and its report of a failed rank
+go to ``torchrun.log`` (kept in the run directory when the job failed), not to the console, and
+the exit code or signal of each failed rank reaches the line: ``rank 1 (pid N) was killed by
+signal 9 (SIGKILL) at step 2; rank 0 lost its connection to it at once (Connection reset by
+peer)`` -- or, for a rank that hangs, ``... gave up after --timeout 300 s``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +46,8 @@ from sdcscope.jobs.torchrun import EXIT_CODES_ENV, LAUNCHER_ENV, Job, check_job,
 
 __all__ = ["launch", "LAUNCHER_SIGNALS", "describe_failure", "job_code", "FAILURE_FILE"]
 
+TORCHRUN_LOG = "torchrun.log"
+"""torchrun's own log lines and its account of failed ranks, kept in the run directory of a failed job."""
 FAILURE_FILE = "failure.json"
 """The launcher's account of a failed job: every rank's state and what each failure file says."""
 FAILURE_GRACE_S = 3.0
@@ -132,32 +141,81 @@ def _failures(out: Path) -> dict[int, dict[str, Any]]:
     return found
 
 
-def _record_failure(out: Path, ranks: dict[int, int], timeout_s: float | None) -> None:
-    """``failure.json``: each rank's fate (its own failure record, or its process state now), and
-    the one line that sums it up; called while the ranks still running are alive."""
+def _exit_status(pid: int) -> int | None:
+    """The wait status of ``pid`` while it is a zombie (Linux >= 3.5: /proc/PID/stat field 52)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2 :].split()[49])
+    return None
+
+
+def _ended(exitcode: int | None) -> str | None:
+    """How a rank's process ended, from its exit code (< 0: the signal that killed it)."""
+    if exitcode is None:
+        return None
+    if exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by signal {-exitcode} ({signal.Signals(-exitcode).name})"
+        return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def _fate(pid: int, exit: dict[str, Any] | None) -> dict[str, Any]:
+    """What became of a rank that recorded no failure: how it ended (torchrun's account, or the
+    zombie's status), else what its live process is doing."""
+    fate: dict[str, Any] = {"pid": pid}
+    exitcode = None if exit is None else exit.get("exitcode")
+    state = _state(pid)
+    if exitcode is None and state == "Z" and (status := _exit_status(pid)) is not None:
+        exitcode = -(status & 0x7F) if status & 0x7F else status >> 8
+    if exitcode is not None:
+        fate.update(exitcode=exitcode, ended=_ended(exitcode))
+    elif state in (None, "Z"):
+        fate["ended"] = "died (its exit status is unknown)"
+    else:
+        fate.update(state=state, doing=_STATES.get(state, f"in state {state}"))
+    return fate
+
+
+_RESETS = ("connection reset by peer", "connection closed by peer", "connection refused", "broken pipe")
+
+
+def _gave_up(rank: int, record: dict[str, Any], timeout_s: float | None) -> str:
+    """How rank ``rank`` lost its peer: at once (its connection reset) or after the timeout."""
+    error, doing = str(record.get("error") or ""), record.get("doing") or "in a collective"
+    lowered = error.lower()
+    if "timeout" in lowered or "timed out" in lowered:
+        waited = "" if timeout_s is None else f" after --timeout {timeout_s:g} s"
+        return f"rank {rank} gave up{waited}: {doing}"
+    reset = next((r for r in _RESETS if r in lowered), None)
+    why = reset.capitalize() if reset else "its collective failed"
+    return f"rank {rank} lost its connection to it at once ({why}): {doing}"
+
+
+def _record_failure(
+    out: Path, ranks: dict[int, int], timeout_s: float | None, exits: dict[int, dict[str, Any]] | None = None
+) -> None:
+    """``failure.json``: each rank's fate (its own failure record; how it ended, from torchrun's
+    ``exits`` or its zombie; or its process state now), and the one line that sums it up."""
     records = _failures(out)
+    exits = exits or {}
     fates = {}
-    for rank, pid in sorted(ranks.items()):
+    for rank in sorted({*ranks, *exits}):
+        pid = ranks.get(rank, (exits.get(rank) or {}).get("pid", 0))
         if rank in records:
             fates[rank] = {"pid": pid, "failed": records[rank].get("error"), "step": records[rank].get("step")}
-            continue
-        state = _state(pid)
-        fates[rank] = {
-            "pid": pid,
-            "state": state,
-            "doing": "exited" if state in (None, "Z") else _STATES.get(state or "", f"in state {state}"),
-        }
+        else:
+            fates[rank] = _fate(pid, exits.get(rank))
     silent = [r for r, f in fates.items() if "failed" not in f]
+    silent.sort(key=lambda r: (not (exits.get(r) or {}).get("first"), "ended" not in fates[r], r))
     failed = [r for r, f in fates.items() if "failed" in f]
     if silent:
         r = silent[0]
-        what = fates[r]["doing"]
-        verb = "died" if what == "exited" else "hung"
+        what = fates[r].get("ended") or f"hung: {fates[r]['doing']}"
         step = max((records[k].get("step", 0) for k in failed), default=None)
-        line = f"rank {r} (pid {fates[r]['pid']}) {verb}: {what}" + ("" if step is None else f" at step {step}")
+        line = f"rank {r} (pid {fates[r]['pid']}) {what}" + ("" if step is None else f" at step {step}")
         if failed:
-            waited = "" if timeout_s is None else f" after --timeout {timeout_s:g} s"
-            line += f"; rank {failed[0]} gave up{waited}: {records[failed[0]].get('doing') or 'in a collective'}"
+            line += "; " + _gave_up(failed[0], records[failed[0]], timeout_s)
     elif failed:
         line = str(records[failed[0]].get("error"))
     else:
@@ -169,11 +227,19 @@ def _record_failure(out: Path, ranks: dict[int, int], timeout_s: float | None) -
 def job_code(rc: int, ranks: dict[int, int], out: Path) -> int:
     """The exit code of a job whose torchrun ended with ``rc``, its ranks with ``ranks`` (rank ->
     code, those that said): the lowest rank's code among :data:`RANK_CODES` when one failed so;
-    ``GUARD_STOPPED`` when every rank ended cleanly after the guard stopped the run; else ``rc``."""
+    ``GUARD_STOPPED`` when every rank ended cleanly after the guard stopped the run; 0 on success;
+    else ``INFRASTRUCTURE`` (a rank died, hung or lost its peers; torchrun exits 1 then)."""
     if rc == 0:
         return ExitCode.GUARD_STOPPED if _read_summary(out).get("outcome") == "stopped" else 0
     telling = [code for _, code in sorted(ranks.items()) if code in RANK_CODES]
-    return ExitCode(telling[0]) if telling else rc
+    return ExitCode(telling[0]) if telling else ExitCode.INFRASTRUCTURE  # a lost rank; torchrun's 1 is no bug
+
+
+def _exits(path: Path) -> dict[int, dict[str, Any]]:
+    """The failed ranks' exit codes and pids as torchrun saw them (:mod:`sdcscope.jobs.agent`)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return {int(rank): dict(v) for rank, v in read_json(path).items()}
+    return {}
 
 
 def _rank_codes(folder: Path) -> dict[int, int]:
@@ -203,7 +269,9 @@ def describe_failure(out: Path, rc: int) -> tuple[int, str]:
     if records:
         rank = min(records)
         return ExitCode.INFRASTRUCTURE, f"{records[rank].get('error')} (details: {out / f'failure.rank{rank}.json'})"
-    return ExitCode.INFRASTRUCTURE, f"distributed training failed (exit code {rc}); see the rank errors above"
+    log = out / TORCHRUN_LOG
+    where = f"torchrun's log: {log}" if log.is_file() else "see the rank errors above"
+    return ExitCode.INFRASTRUCTURE, f"distributed training failed (exit code {rc}); {where}"
 
 
 def _signal(pid: int, signum: int) -> None:
@@ -284,10 +352,13 @@ def launch(job: Job, *, timeout_s: float | None = None, grace_s: float = 30.0) -
     check_job(job)
     with tempfile.TemporaryDirectory(prefix="sdcscope-job-") as folder:
         path = save_job(job, Path(folder) / "job.json")
+        log, exits_path = Path(folder) / TORCHRUN_LOG, Path(folder) / "exits.json"
         cmd = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "sdcscope.jobs.agent",
+            str(log),
+            str(exits_path),
             "--nnodes=1",
             f"--nproc-per-node={nproc}",
             "--max-restarts=0",
@@ -323,9 +394,13 @@ def launch(job: Job, *, timeout_s: float | None = None, grace_s: float = 30.0) -
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(0.2)
                 rc = _stop(proc, stop, grace_s) if stop else proc.returncode
-                if rc and not stop and not (job.out / FAILURE_FILE).exists() and _failures(job.out):
-                    _record_failure(job.out, ranks, job.dist.timeout_s)
+                exits = _exits(exits_path)
+                if rc and not stop and not (job.out / FAILURE_FILE).exists() and (_failures(job.out) or exits):
+                    _record_failure(job.out, ranks, job.dist.timeout_s, exits)
                 rc = job_code(rc, _rank_codes(codes), job.out)
+                if rc and job.out.is_dir() and log.is_file():  # torchrun's account, kept off the console
+                    with contextlib.suppress(OSError):
+                        shutil.copyfile(log, job.out / TORCHRUN_LOG)
             finally:
                 if proc.poll() is None:
                     proc.terminate()  # torchrun forwards it to the ranks

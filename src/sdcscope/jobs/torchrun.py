@@ -311,7 +311,7 @@ def check_job(job: Job) -> None:
 
     check_memory(workload, processes=job.nproc, model=model)
     if job.guard is not None:  # built, never attached: no hooks; no metrics file (path dropped)
-        metrics = job.guard.metrics and replace(job.guard.metrics, path=None)
+        metrics = job.guard.metrics and replace(job.guard.metrics, path=None, prometheus_port=None)  # no server
         Guard(model, optimizer, replace(job.guard, metrics=metrics)).close()
 
 

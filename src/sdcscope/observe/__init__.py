@@ -10,8 +10,9 @@ from sdcscope.common.modules import is_matmul, match_modules
 from sdcscope.observe.config import MetricsConfig
 from sdcscope.observe.eventlog import EventCounts, event_line
 from sdcscope.observe.metrics import Metrics
+from sdcscope.observe.prometheus import PrometheusSink
 from sdcscope.observe.reduce import grad_norms, grad_sq_norms
-from sdcscope.observe.sinks import JsonlSink, PrometheusSink, Sink, TensorBoardSink, split_metric
+from sdcscope.observe.sinks import JsonlSink, Sink, TensorBoardSink, split_metric
 from sdcscope.observe.trackers import MlflowSink, WandbSink
 
 __all__ = [

@@ -82,8 +82,9 @@ class MetricsConfig:
     """JSONL file (or TensorBoard log dir); ``None`` = no sink from the config."""
     prometheus_port: int | None = None
     """Serve the metrics and the guard's event counters (detections, actions, replays,
-    rollbacks) for Prometheus at ``http://<prometheus_addr>:<port>/metrics``; 0 = any free port
-    (logged); ``None`` = off. Needs ``pip install 'sdcscope[prometheus]'``."""
+    rollbacks) for Prometheus at ``http://<prometheus_addr>:<port>/metrics`` (rank ``r`` of a
+    distributed run at ``port + r``); 0 = any free port (logged); ``None`` = off. Needs
+    ``pip install 'sdcscope[prometheus]'``."""
     prometheus_addr: str = "127.0.0.1"
     """Address the Prometheus endpoint listens on (``0.0.0.0``: every interface)."""
     wandb: dict | None = None

@@ -1,4 +1,5 @@
-"""Where per-step metrics go: JSONL (default), TensorBoard, Prometheus (W&B, MLflow: :mod:`.trackers`).
+"""Where per-step metrics go: JSONL (default), TensorBoard, Prometheus (:mod:`.prometheus`; W&B, MLflow:
+:mod:`.trackers`).
 
 A sink is anything with ``write(step, metrics)`` and ``close()`` (:class:`Sink`); one that also
 has ``event(record)`` gets the guard's events too (to count them). The optional
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import re
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -75,8 +75,6 @@ class TensorBoardSink:
         self._writer.close()
 
 
-_PROM_BAD = re.compile(r"[^a-zA-Z0-9_:]")
-
 LAYER_FAMILIES = (
     "grad_norm",
     "update_ratio",
@@ -99,96 +97,6 @@ def split_metric(key: str) -> tuple[str, str | None]:
     if cut > 0 and key[:cut] in LAYER_FAMILIES:  # module names hold no '/'
         return key[:cut], key[cut + 1 :]
     return key, None
-
-
-class PrometheusSink:
-    """Gauges and counters in a ``prometheus_client`` registry, served over HTTP on ``port``
-    (``0``: any free port, see :attr:`port`; ``None``: not served, read :attr:`registry`).
-
-    One metric name per quantity (:func:`split_metric`): ``grad_norm/blocks.0.fc`` is
-    ``<prefix>grad_norm{layer="blocks.0.fc"}`` and the global norm ``layer="all"``;
-    ``attn/entropy_min`` is the label-less ``<prefix>attn_entropy_min``; the last step is
-    ``<prefix>step``. Guard events (:meth:`event`) count into ``<prefix>detections_total{detector,
-    verdict}``, ``<prefix>actions_total{action}``, ``<prefix>replays_total``,
-    ``<prefix>rollbacks_total`` and ``<prefix>guard_reports_total{verdict}``. ``labels``: constant
-    labels on every metric (e.g. ``{"rank": "0", "run": "exp1"}``). :meth:`close` stops the server.
-    """
-
-    def __init__(
-        self,
-        *,
-        port: int | None = None,
-        registry: object = None,
-        prefix: str = "sdcscope_",
-        labels: dict[str, str] | None = None,
-        addr: str = "127.0.0.1",
-    ) -> None:
-        try:
-            import prometheus_client
-        except ImportError as exc:
-            raise ImportError(_missing("PrometheusSink", "prometheus_client", "prometheus")) from exc
-        from sdcscope.observe.eventlog import EventCounts
-
-        self._prom = prometheus_client
-        self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
-        self._prefix = prefix
-        self._const = {str(k): str(v) for k, v in (labels or {}).items()}
-        self._metrics: dict[str, object] = {}
-        self._counts = EventCounts()
-        self._server = None
-        for what in ("replays", "rollbacks"):  # 0 from the first scrape on
-            self._labelled(self._get("counter", f"{prefix}{what}", ()))
-        self.port = port
-        if port is not None:
-            self._server, _ = prometheus_client.start_http_server(port, addr=addr, registry=self.registry)
-            self.port = self._server.server_port
-            log.info("Prometheus metrics served on http://%s:%d/metrics", addr, self.port)
-
-    def _get(self, kind: str, name: str, extra: tuple[str, ...]):
-        metric = self._metrics.get(name)
-        if metric is None:
-            cls = self._prom.Gauge if kind == "gauge" else self._prom.Counter
-            what = "guard events" if kind == "counter" else "metric"
-            metric = cls(name, f"sdcscope {what} {name}", [*self._const, *extra], registry=self.registry)
-            self._metrics[name] = metric
-        return metric
-
-    def _labelled(self, metric, **extra: str):
-        labels = {**self._const, **extra}
-        return metric.labels(**labels) if labels else metric
-
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        self._labelled(self._get("gauge", self._prefix + "step", ())).set(step)
-        for key, value in metrics.items():
-            quantity, layer = split_metric(key)
-            name = self._prefix + _PROM_BAD.sub("_", quantity)
-            if layer is None:
-                self._labelled(self._get("gauge", name, ())).set(value)
-            else:
-                self._labelled(self._get("gauge", name, ("layer",)), layer=layer).set(value)
-
-    def event(self, record: dict) -> None:
-        """Count a guard event (an ``events.jsonl`` record)."""
-        added = self._counts.add(record)
-        p = self._prefix
-        if added["detection"] is not None:
-            detector, verdict = added["detection"]
-            self._labelled(
-                self._get("counter", p + "detections", ("detector", "verdict")), detector=detector, verdict=verdict
-            ).inc()
-        if added["report"] is not None:
-            self._labelled(self._get("counter", p + "guard_reports", ("verdict",)), verdict=added["report"]).inc()
-        for action in added["actions"]:
-            self._labelled(self._get("counter", p + "actions", ("action",)), action=action).inc()
-        for what in ("replay", "rollback"):
-            if added[what]:
-                self._labelled(self._get("counter", f"{p}{what}s", ())).inc()
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 class LatestRow:
@@ -223,6 +131,8 @@ def make_sinks(config) -> list[Sink]:
     if config.path is not None:
         sinks.append(make_sink(config.sink, config.path))
     if config.prometheus_port is not None:
+        from sdcscope.observe.prometheus import PrometheusSink
+
         sinks.append(PrometheusSink(port=config.prometheus_port, addr=config.prometheus_addr))
     if config.wandb is not None or config.mlflow is not None:
         from sdcscope.observe.trackers import MlflowSink, WandbSink

@@ -58,8 +58,9 @@ def load_series(out: str | Path) -> dict[str, Any]:
 
 
 def departure(series: dict[str, Any], label: str, after: int | None = None) -> dict[str, Any]:
-    """How far run ``label``'s loss left the golden one (at or after step ``after``): the largest
-    finite difference, its step, the last difference, and whether the run crashed."""
+    """Where and how far run ``label``'s loss left the golden one (at or after step ``after``): the
+    first step that differs (runs from one seed are bitwise equal until then) and that difference,
+    the largest finite difference and its step, the last difference, and whether the run crashed."""
     golden = dict(zip(series["runs"]["golden"]["steps"], series["runs"]["golden"]["losses"]))
     run = series["runs"][label]
     diffs = [
@@ -68,7 +69,10 @@ def departure(series: dict[str, Any], label: str, after: int | None = None) -> d
         if s in golden and (after is None or s >= after) and math.isfinite(v) and math.isfinite(golden[s])
     ]
     peak = max(diffs, key=lambda d: abs(d[1]), default=(None, 0.0))
+    first = next((d for d in diffs if d[1] != 0), (None, 0.0))
     return {
+        "first_step": first[0],
+        "first": first[1],
         "peak_step": peak[0],
         "peak": peak[1],
         "last": diffs[-1][1] if diffs else 0.0,
@@ -117,6 +121,17 @@ def _repair(event: dict, distance: float | None) -> str:
     return f"repair: the guard {did}{end}"
 
 
+def _departure_sentence(d: dict[str, Any], distance: float | None) -> str:
+    """Where the unguarded loss left the golden curve, where it was furthest, where it ends."""
+    params = "" if distance is None else f", parameters {distance:.3g} (relative L2) from the golden ones"
+    if d["first_step"] is None:
+        return "unguarded: the loss never left the golden curve" + params
+    left = f"unguarded: the loss left the golden curve at step {d['first_step']} ({d['first']:+.3g})"
+    if d["peak_step"] != d["first_step"]:
+        left += f", was furthest from it at step {d['peak_step']} ({d['peak']:+.3g})"
+    return f"{left} and ends {d['last']:+.3g} from it{params}"
+
+
 def story(series: dict[str, Any]) -> list[str]:
     """One sentence each: the fault, the unguarded run's departure, the detection, the repair."""
     runs = series["runs"]
@@ -130,11 +145,7 @@ def story(series: dict[str, Any]) -> list[str]:
         if d["crash_step"] is not None:
             lines.append(f"unguarded: the loss became non-finite at step {d['crash_step']}: the run crashed")
         else:
-            lines.append(
-                f"unguarded: the loss left the golden curve by {d['peak']:+.3g} at step {d['peak_step']} and ends "
-                f"{d['last']:+.3g} from it"
-                + ("" if dist is None else f", parameters {dist:.3g} (relative L2) from the golden ones")
-            )
+            lines.append(_departure_sentence(d, dist))
     if "guarded" in runs:
         events = runs["guarded"]["events"]
         if not events:

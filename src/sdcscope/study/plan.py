@@ -208,30 +208,41 @@ def _points(spec: CampaignSpec, model: nn.Module, optimizer) -> list[dict]:
     return points
 
 
+def _shuffled(items: list, *key: object) -> list:
+    """``items`` in a random order fixed by ``key`` (a seeded permutation)."""
+    order = list(items)
+    random.Random(mix_seed("sampling", *key)).shuffle(order)
+    return order
+
+
 def _sample(spec: CampaignSpec, points: list[dict]) -> list[int]:
+    """The indices of the sampled points. Prefix-stable: each draw is the first ``n`` of a seeded
+    permutation (of the points; of the strata, and of each stratum's points), so a larger ``n``
+    with the same seed draws a superset -- an extended campaign only adds trials."""
     sampling = spec.sampling
     if sampling.kind == "exhaustive":
         return list(range(len(points)))
-    rng = random.Random(mix_seed("sampling", sampling.seed))
     if sampling.kind == "random":
         if sampling.n > len(points):
             raise ValueError(
                 f"sampling n={sampling.n} exceeds the {len(points)} points of the fault space; "
                 "lower n or use kind: exhaustive"
             )
-        return sorted(rng.sample(range(len(points)), sampling.n))
+        return sorted(_shuffled(range(len(points)), sampling.seed)[: sampling.n])
     strata: dict[tuple, list[int]] = {}
     for i, p in enumerate(points):
         key = tuple(Trial(trial_id=i, **p).dimension(d) for d in sampling.by)
         strata.setdefault(key, []).append(i)
+    # n = share per stratum + one more for the first `extra` strata of a seeded order of them: a
+    # stratum's count never falls as n grows, and it takes the first points of its own permutation
     share, extra = divmod(sampling.n, len(strata))
-    lucky = set(rng.sample(range(len(strata)), extra))  # the remainder: strata drawn at random, not the first ones
+    order = _shuffled(list(strata), sampling.seed, "strata")
     chosen: list[int] = []
-    for k, members in enumerate(strata.values()):
-        want = share + (1 if k in lucky else 0)
-        chosen += members if want >= len(members) else rng.sample(members, want)
+    for k, key in enumerate(order):
+        want = share + (1 if k < extra else 0)
+        chosen += _shuffled(strata[key], sampling.seed, *key)[:want]
     if share == 0:
-        covered = [key for k, key in enumerate(strata) if k in lucky]
+        covered = order[:extra]
         shown = "; ".join("/".join(map(str, key)) for key in covered[:8]) + ("; …" if len(covered) > 8 else "")
         log.warning(
             "sampling n=%d is below the %d strata of by=%s: only %d strata are covered (%s), the others get no "

@@ -25,7 +25,7 @@ import jinja2
 from sdcscope.study import drift, figures
 from sdcscope.study.levels import in_target
 from sdcscope.study.run_report import RUN_CONFIG, build_run_report
-from sdcscope.study.runner import SPEC_FILE
+from sdcscope.study.runner import SPEC_FILE, count_plan
 from sdcscope.study.spec import load_campaign
 from sdcscope.study.stats import pvf_table, wilson_interval
 from sdcscope.study.store import DB_FILE, ResultsDB
@@ -141,7 +141,8 @@ def build_report(directory: str | Path) -> dict[str, Any]:
     spec = load_campaign(directory / SPEC_FILE)
     with ResultsDB(directory / DB_FILE, spec) as db:
         rows, baselines, refs = db.trials(), db.baselines(), db.references()
-        golden, thresholds, meta = db.golden_losses(), db.threshold_rows(), db.meta()
+        golden, thresholds = db.golden_losses(), db.threshold_rows()
+        planned = db.plan_size if db.plan_size is not None and not db.extended else count_plan(spec, db)
     if not rows:
         raise ValueError(f"{str(directory)!r} has no finished trials yet: run `sdcscope campaign run {directory}`")
     counts = Counter(figures.label(r) for r in rows)
@@ -237,7 +238,7 @@ def build_report(directory: str | Path) -> dict[str, Any]:
         "spec": spec.to_dict(),
         "guard": f"on, profile {spec.guard_profile}" if spec.guard else "off",
         "done": len(rows),
-        "planned": meta.get("plan_size"),
+        "planned": planned,
         "tables": tables,
         "figures": {k: v for k, v in figs.items() if v is not None},
     }

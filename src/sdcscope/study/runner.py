@@ -58,6 +58,17 @@ def plan_campaign(spec: CampaignSpec) -> list[Trial]:
     return build_plan(spec, model, optimizer)
 
 
+def count_plan(spec: CampaignSpec, db: ResultsDB) -> int:
+    """The trials a campaign counts: its stored rows and the trials of ``spec``'s plan not stored
+    yet (what ``plan_size`` becomes on the next run); recorded where the database can be written."""
+    keys = db.trial_keys()
+    size = len(keys) + len(pending_trials(plan_campaign(spec), keys))
+    if not db.readonly:
+        with contextlib.suppress(OSError):  # a full disk: the count is still right, only not kept
+            db.set_plan_size(size)
+    return size
+
+
 def init_campaign(directory: str | Path, spec_path: str | Path) -> tuple[CampaignSpec, list[Trial]]:
     """Validate ``spec_path`` and its fault space, then create ``directory`` with a copy of the
     spec and an empty results database. Nothing is written when validation fails."""
@@ -326,8 +337,7 @@ def _run_locked(
     plan = plan_campaign(spec)
     with ResultsDB(directory / DB_FILE, spec, len(plan)) as db:
         todo = pending_trials(plan, db.trial_keys())  # by key: an extended campaign keeps its rows
-        if db.extended:
-            db.set_plan_size(len(db.trial_keys()) + len(todo))
+        db.set_plan_size(len(db.trial_keys()) + len(todo))  # also after a `campaign status` bound the edit
         backend = _backend(directory, spec, workers, ray_address) if todo or not db.thresholds() else None
         try:
             if backend is not None:

@@ -247,7 +247,15 @@ class ResultsDB:
             with self._writing("the extended campaign spec"):
                 self.conn.execute("UPDATE meta SET value=? WHERE key='spec_hash'", (spec.hash,))
                 self.conn.execute("UPDATE meta SET value=? WHERE key='spec'", (json.dumps(spec.to_dict()),))
+                self.conn.execute("UPDATE meta SET value='None' WHERE key='plan_size'")  # the new plan's: unknown
         return True
+
+    @property
+    def plan_size(self) -> int | None:
+        """The number of trials planned, or None where it is not known (a spec just extended,
+        before its plan was made: :func:`sdcscope.study.runner.count_plan`)."""
+        value = self.meta().get("plan_size")
+        return int(value) if value is not None and value.isdigit() else None
 
     def set_plan_size(self, plan_size: int) -> None:
         """The number of trials planned (it grows when a campaign is extended)."""

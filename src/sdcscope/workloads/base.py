@@ -130,6 +130,10 @@ class Workload:
         """Facts about the data worth recording in config.json."""
         return {}
 
+    def task(self) -> str:
+        """What the model learns, from what data, in words (the demo's first line)."""
+        return f"the {self.config.workload} workload"
+
     def parallelize_plan(self) -> ParallelizePlan | None:
         """How the model is split over ranks (``--parallel fsdp|tp|fsdp+tp|hsdp``); None: the model
         trains whole only (one process, or a replica per rank with ``--parallel ddp``)."""
@@ -178,6 +182,19 @@ class GPTWorkload(Workload):
     def check_parallel(self, kind: str, tp_degree: int) -> None:
         check_tensor_parallel(self.model_config, tp_degree, f"--parallel {kind}")
 
+    def task(self) -> str:
+        size = f"{(len(self.corpus.train) + len(self.corpus.val)) / 1e6:.1f} MB"
+        data = (
+            f"the source of Python's standard library ({size} of .py files under {self.corpus.source})"
+            if self.config.corpus is None
+            else f"{size} of text from {self.corpus.source}"
+        )
+        m = self.model_config
+        return (
+            f"a byte-level GPT ({self.config.preset}: {m.n_layer} layers, d={m.d_model}, {m.block_size}-byte "
+            f"context) learning to predict the next byte of {data}"
+        )
+
     def describe(self):
         return {
             "corpus_source": self.corpus.source,
@@ -213,6 +230,12 @@ class CNNWorkload(Workload):
             "val_loss": F.cross_entropy(logits, self.y_val).item(),
             "val_acc": (logits.argmax(-1) == self.y_val).float().mean().item(),
         }
+
+    def task(self) -> str:
+        return (
+            f"a LeNet-style CNN ({self.config.preset}) learning to classify scikit-learn's 8x8 handwritten digits "
+            f"({len(self.x_train)} training images)"
+        )
 
     def describe(self):
         return {
