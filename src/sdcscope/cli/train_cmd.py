@@ -17,6 +17,7 @@ from sdcscope.cli.common import (
     err_console,
     fail,
     first_difference,
+    fmt_loss,
     load_fault_file,
     out_console,
     path_option,
@@ -411,12 +412,25 @@ OUTCOME_CODES = {"crash": ExitCode.CRASHED, "stalled": ExitCode.GUARD_STOPPED}
 
 
 def _exit_for(summary: dict) -> None:
-    """Exit with the outcome's code; a guard's stop says why in one line (the site it found)."""
+    """Exit with the outcome's code; a guard's stop says in one line why (what the ledger found)
+    and which state the run ends on."""
     code = OUTCOME_CODES.get(summary.get("outcome"))
     if code == ExitCode.GUARD_STOPPED and summary.get("stop_reason"):
-        raise fail(f"the guard stopped the run: {summary['stop_reason']}", code)
+        at = summary.get("stopped_at_step")
+        where = "" if at is None else f" at step {at}"
+        raise fail(f"the guard stopped the run{where}: {summary['stop_reason']}; {ends_on(summary)}", code)
     if code is not None:
         raise typer.Exit(code=int(code))
+
+
+def ends_on(summary: dict) -> str:
+    """Which training state a stopped run ends on (what checkpoint/ holds): its step, whether a
+    rollback took it there, whether the guard vouches for it, and its train loss."""
+    steps, at = summary["steps"], summary.get("stopped_at_step")
+    verified = {True: "verified ", False: "UNVERIFIED "}.get(summary.get("state_verified"), "")
+    kind = "snapshot" if at is not None and steps <= at else "state"  # rolled back to it, or stopped there
+    trained = "the initial model" if steps == 0 else f"train loss {fmt_loss(summary.get('final_train_loss'))}"
+    return f"the run ends on the {verified}{kind} of step {steps} ({trained}; checkpoint/ holds it)"
 
 
 def _print_resume_point(run) -> None:

@@ -109,6 +109,17 @@ def _identity(config: dict[str, Any]) -> dict[str, Any]:
     return as_written({"workload": config["workload"], "train": train, "faults": config.get("faults") or []})
 
 
+def _follow(losses: dict[int, Any], row: dict[str, Any]) -> None:
+    """Keep ``losses`` (step → logged loss of each applied step) on the trajectory of the training
+    state: a rollback to step S drops the steps from S on (they are trained again, or never)."""
+    back = row.get("rolled_back_to")
+    if isinstance(back, int):
+        for k in [k for k in losses if k >= back]:
+            del losses[k]
+    elif not row.get("skipped") and "step" in row:
+        losses[row["step"]] = row.get("loss")
+
+
 class Run:
     """Train a workload into ``out``; ``Run.resume(out)`` continues a run from its checkpoint."""
 
@@ -275,7 +286,8 @@ class Run:
                 remove_stale_temps(self.out)
             if self.resumed_from is not None:
                 remove_incomplete_checkpoints(self.out)
-            metrics, last = self._open_logs()  # a corrupt log is refused before config.json changes
+            metrics, rows = self._open_logs()  # a corrupt log is refused before config.json changes
+            last = rows[-1] if rows else {}
             self._write_config(steps)
             for cb in callbacks:
                 self.trainer.add_callback(cb)
@@ -284,6 +296,9 @@ class Run:
             eval_every = self.trainer.config.eval_every
             budget = 4 * (steps - self.trainer.step) + 4  # a guard's rollbacks re-run steps, but not forever
             ran = discarded = 0
+            losses: dict[int, Any] = {}
+            for row in rows:  # the steps logged before: the state's trajectory so far
+                _follow(losses, row)
             try:
                 while self.trainer.step < steps and not stop:
                     if budget == 0:
@@ -293,6 +308,7 @@ class Run:
                     last = self.trainer.train_step()
                     ran += 1
                     discarded += bool(last.get("skipped"))
+                    _follow(losses, last)
                     if eval_every and self.trainer.step % eval_every == 0:
                         last.update({f"eval_{k}": v for k, v in self.trainer.evaluate().items() if k != "step"})
                     with writing("the metrics log", metrics.path):
@@ -319,6 +335,7 @@ class Run:
                 time.perf_counter() - t0,
                 discarded,
                 certify(),
+                losses,
             )
         if interrupted:
             raise Interrupted(stop[0], self.summary)
@@ -352,8 +369,8 @@ class Run:
         )
         prune_checkpoints(self.out, self.checkpoints.keep)
 
-    def _open_logs(self) -> tuple[JsonlWriter, dict[str, Any]]:
-        """The metrics writer and the last step's metrics; a resumed run drops what it logged
+    def _open_logs(self) -> tuple[JsonlWriter, list[dict[str, Any]]]:
+        """The metrics writer and the rows logged so far; a resumed run drops what it logged
         after its checkpoint (the steps are trained again)."""
         with writing("the run directory", self.out):
             self.out.mkdir(parents=True, exist_ok=True)
@@ -363,20 +380,30 @@ class Run:
                 log.truncate_after("step", self.trainer.step)
                 log.touch()
             log.close()
-        rows = read_jsonl(self.out / "metrics.jsonl")
-        return JsonlWriter(self.out / "metrics.jsonl"), (rows[-1] if rows else {})
+        return JsonlWriter(self.out / "metrics.jsonl"), read_jsonl(self.out / "metrics.jsonl")
 
     def _finish(
-        self, outcome: str, last: dict[str, Any], wall: float, discarded: int = 0, verified: bool | None = None
+        self,
+        outcome: str,
+        last: dict[str, Any],
+        wall: float,
+        discarded: int = 0,
+        verified: bool | None = None,
+        losses: dict[int, Any] | None = None,
     ) -> None:
-        """``discarded``: steps of this call whose update a guard vetoed or rolled back."""
+        """``discarded``: steps of this call whose update a guard vetoed or rolled back;
+        ``losses``: the logged loss of each applied step the state it ends on went through
+        (:func:`_follow`): the final train loss is the state's, not that of a step rolled back."""
         final_eval = self.trainer.evaluate()
+        ends = self.trainer.step
+        applied = [k for k in (losses or {}) if k < ends]
+        final_loss = losses[max(applied)] if applied else last.get("loss") if ends else None
         save_checkpoint(
             self.trainer.snapshot(), self.out / CHECKPOINT_DIR, run=_identity(self.config), verified=verified
         )
         self.summary = {
             "outcome": outcome,
-            "final_train_loss": last.get("loss"),
+            "final_train_loss": final_loss,
             "final_val_loss": final_eval.get("val_loss"),
             **{f"final_{k}": v for k, v in final_eval.items() if k not in ("val_loss", "step")},
             "param_sha256": param_sha256(self.trainer.model),
@@ -384,6 +411,8 @@ class Run:
             "discarded_steps": self.summary.get("discarded_steps", 0) + discarded,
             "wall_seconds": round(self.summary.get("wall_seconds", 0.0) + wall, 4),
             **({"stop_reason": last["stop"]} if outcome == "stalled" and last.get("stop") else {}),
+            **({"stopped_at_step": last["step"]} if outcome == "stalled" and "step" in last else {}),
+            **({} if verified is None else {"state_verified": verified}),
         }
         val_loss = self.summary["final_val_loss"]
         if val_loss is not None and not math.isfinite(val_loss):
