@@ -36,9 +36,9 @@ from sdcscope.engine.rundir import (
     JsonlWriter,
     as_written,
     check_new_run_dir,
-    choose_checkpoint,
     has_checkpoint,
     periodic_dir,
+    pick_checkpoint,
     prune_checkpoints,
     read_json,
     read_jsonl,
@@ -46,7 +46,7 @@ from sdcscope.engine.rundir import (
     remove_stale_temps,
     write_json,
 )
-from sdcscope.engine.state import CheckpointError, load_checkpoint, param_sha256, save_checkpoint
+from sdcscope.engine.state import CheckpointError, param_sha256, save_checkpoint
 from sdcscope.engine.trainer import TrainConfig, Trainer
 from sdcscope.workloads import WorkloadConfig, make_workload
 
@@ -159,7 +159,7 @@ class Run:
     @classmethod
     def resume(cls, out: str | Path, *, checkpoints: CheckpointPolicy | None = None) -> Run:
         """The run in ``out`` at its newest complete, certified checkpoint
-        (:func:`~sdcscope.engine.rundir.choose_checkpoint`); refused (ValueError) unless
+        (:func:`~sdcscope.engine.rundir.pick_checkpoint`); refused (ValueError) unless
         config.json, the data and the checkpoint agree. Nothing is written."""
         out = Path(out)
         path = out / "config.json"
@@ -185,7 +185,7 @@ class Run:
                 "missing or incomplete), so it cannot be continued; train it again in a new "
                 "or empty folder"
             )
-        checkpoint, manifest, skipped = choose_checkpoint(out)
+        checkpoint, manifest, skipped, state = pick_checkpoint(out)
         recorded = manifest.get("run")
         diff = {} if recorded is None else _differences(_identity(config), recorded)
         if diff:
@@ -206,7 +206,11 @@ class Run:
                 f"{', '.join(f'data.{k}' for k in data)} differ (config.json was edited, or the "
                 "data changed since the run started; a resumed run needs the same model and data)"
             )
-        state = load_checkpoint(checkpoint)
+        if state is None:
+            raise CheckpointError(
+                f"{str(checkpoint)!r} is a sharded checkpoint (torch.distributed.checkpoint) of a distributed run; "
+                "it loads on the ranks that wrote it: sdcscope train --resume RUN_DIR relaunches them"
+            )
         try:
             run.trainer.restore(state)
         except (RuntimeError, ValueError, KeyError) as exc:

@@ -13,10 +13,12 @@
   leaves a temporary folder, never a checkpoint; :func:`remove_sharded_temps` clears it.
 - **Certified.** ``verified`` is every rank's guard verdict (``state_verified``) reduced with a
   logical and: a world fact.
-- **Resume.** :func:`choose_sharded` takes the newest complete, certified checkpoint
-  (:func:`~sdcscope.engine.rundir.choose_checkpoint`) and refuses, by name, one written by another
-  layout (``--parallel``, ``--nproc``): a sharded state is not resharded here. :func:`load_sharded`
-  loads it with ``dcp.load`` and ``set_state_dict``; ``rank{r}.pt`` with ``weights_only=True``.
+- **Resume.** :func:`choose_sharded` takes the newest complete, certified checkpoint whose
+  ``rank{r}.pt`` files load with ``weights_only=True`` (:func:`~sdcscope.engine.rundir.choose_checkpoint`:
+  checked before any rank starts, so a bad one is a user error naming the file) and refuses, by
+  name, one written by another layout (``--parallel``, ``--nproc``): a sharded state is not
+  resharded here. :func:`load_sharded` loads it with ``dcp.load`` and ``set_state_dict``, once
+  every rank has loaded its own ``rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import contextlib
 import json
 import logging
 import os
-import pickle
 import reprlib
 import shutil
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch.distributed as dist
 
 from sdcscope.common.storage import writing
 from sdcscope.engine.rundir import PERIODIC_DIR, choose_checkpoint
-from sdcscope.engine.state import DCP_FORMAT, MANIFEST_FILE, CheckpointError, _sha256
+from sdcscope.engine.state import DCP_FORMAT, MANIFEST_FILE, CheckpointError, _safe_load, _sha256
 
 log = logging.getLogger("sdcscope.engine.shardckpt")
 
@@ -262,14 +263,17 @@ def load_sharded(trainer, directory: str | Path, manifest: dict[str, Any]) -> No
 
     directory = Path(directory)
     path = directory / RANK_FILE.format(dist.get_rank())
-    try:
-        rank_state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
-        raise CheckpointError(f"checkpoint file {str(path)!r} does not load ({exc})") from None
-    if not isinstance(rank_state, dict) or rank_state.get("step") != manifest["step"]:
-        raise CheckpointError(
-            f"checkpoint file {str(path)!r} does not hold the state of step {manifest['step']} its manifest names"
-        )
+    loaded: dict[str, Any] = {}
+
+    def load_rank_state() -> None:
+        state = loaded["state"] = _safe_load(path)
+        if not isinstance(state, dict) or state.get("step") != manifest["step"]:
+            raise CheckpointError(
+                f"checkpoint file {str(path)!r} does not hold the state of step {manifest['step']} its manifest names"
+            )
+
+    _agree(_attempt(load_rank_state))  # every rank's own file first: none waits in DCP for one that gave up
+    rank_state = loaded["state"]
     with_optimizer = rank_state.get("optimizer_state", True)
     state = _state_dict(trainer, with_optimizer)  # the templates DCP loads into
     dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
