@@ -160,7 +160,8 @@ class Run:
     def resume(cls, out: str | Path, *, checkpoints: CheckpointPolicy | None = None) -> Run:
         """The run in ``out`` at its newest complete, certified checkpoint
         (:func:`~sdcscope.engine.rundir.pick_checkpoint`); refused (ValueError) unless
-        config.json, the data and the checkpoint agree. Nothing is written."""
+        config.json, the data and the checkpoint agree. ``checkpoints``: the periodic checkpoint
+        policy from here on (None: the one config.json records). Nothing is written."""
         out = Path(out)
         path = out / "config.json"
         if not path.is_file():
@@ -170,13 +171,13 @@ class Run:
         if world != 1:
             raise ValueError(
                 f"--resume {str(out)!r}: the run was trained on {world} ranks (world_size in "
-                f"{str(path)!r}): a sharded run (--parallel) resumes on its ranks (sdcscope train "
-                f"--resume, sdcscope.jobs.torchrun.resume_job); resuming a DDP run is not supported, start "
-                f"a new one with --nproc {world} --out NEW"
+                f"{str(path)!r}): it resumes on its ranks (sdcscope train --resume, "
+                "sdcscope.jobs.torchrun.resume_job), not in one process"
             )
         try:
             wcfg = build_config(WorkloadConfig, config.get("workload"), "workload")
             tcfg = build_config(TrainConfig, config.get("train"), "train")
+            checkpoints = checkpoints or CheckpointPolicy.recorded(config)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{str(path)!r}: {exc}") from None
         if not has_checkpoint(out):
@@ -348,6 +349,7 @@ class Run:
     def _write_config(self, steps: int) -> None:
         """config.json with the target ``steps``; a resumed run appends what changed to ``resumes``."""
         if self._written is not None:
+            self.config["checkpoints"] = self.checkpoints.to_dict()
             changed = {
                 k: new
                 for k, (_, new) in _differences(self._written, as_written(self.config)).items()
@@ -358,6 +360,7 @@ class Run:
                 {"from_step": self.trainer.step, "steps": steps, **({"changed": changed} if changed else {})},
             ]
         self.config["steps"] = steps
+        self.config["checkpoints"] = self.checkpoints.to_dict()
         with writing("the run configuration", self.out / "config.json"):
             write_json(self.out / "config.json", self.config)
         self._written = as_written(self.config)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdcscope.common.io import JsonlWriter, as_written, dumps, file_in_the_way, read_json, read_jsonl, write_json
-from sdcscope.common.validate import check_non_negative, check_positive
+from sdcscope.common.validate import build_config, check_non_negative, check_positive
 from sdcscope.engine.state import MANIFEST_FILE, CheckpointError, TrainState, check_loadable, verify_checkpoint
 
 __all__ = [
@@ -54,7 +54,8 @@ _TEMP = re.compile(r"\..+\.(\d+)\.tmp")  # what common.io.atomic_path leaves whe
 
 @dataclass(kw_only=True)
 class CheckpointPolicy:
-    """Periodic checkpoints of a single-process run (``--checkpoint-every``, ``--keep-checkpoints``)."""
+    """Periodic checkpoints of a run (``--checkpoint-every``, ``--keep-checkpoints``), recorded in
+    its config.json and kept by a resume unless the resume gives another."""
 
     every: int = 100
     """Write ``checkpoints/step-N/`` every N optimizer steps (0: only at the end of a session)."""
@@ -64,6 +65,16 @@ class CheckpointPolicy:
     def __post_init__(self) -> None:
         check_non_negative("checkpoint_every", self.every)
         check_positive("keep_checkpoints", self.keep)
+
+    def to_dict(self) -> dict[str, int]:
+        """As config.json records it (``checkpoints``), so that a resume keeps it."""
+        return {"every": self.every, "keep": self.keep}
+
+    @classmethod
+    def recorded(cls, config: dict) -> CheckpointPolicy | None:
+        """The policy a run's config.json records (None: a run from before it was recorded)."""
+        data = config.get("checkpoints")
+        return None if data is None else build_config(cls, data, "checkpoints")
 
 
 def periodic_dir(run_dir: str | Path, step: int) -> Path:

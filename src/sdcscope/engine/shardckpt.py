@@ -1,9 +1,10 @@
-"""Checkpoints of a sharded run (FSDP2, tensor parallel, FSDP×TP, HSDP) through
-``torch.distributed.checkpoint`` (DCP), under the contract of every other checkpoint
-(:mod:`sdcscope.engine.state`, :mod:`sdcscope.engine.rundir`).
+"""Checkpoints of a distributed run -- sharded (FSDP2, tensor parallel, FSDP×TP, HSDP) or data
+parallel (DDP) -- through ``torch.distributed.checkpoint`` (DCP), under the contract of every
+other checkpoint (:mod:`sdcscope.engine.state`, :mod:`sdcscope.engine.rundir`).
 
 - **Files.** DCP's ``.metadata`` and shard files (``__R_K.distcp``: each rank writes what it holds,
-  from ``get_state_dict`` of the model and optimizer; nothing is gathered), ``rank{r}.pt`` (rank
+  from ``get_state_dict`` of the model and optimizer; nothing is gathered, and a tensor every
+  rank holds alike, a DDP replica's, is written once), ``rank{r}.pt`` (rank
   r's RNG state and the run's step, data position and guard state: LR scale, skipped data) and
   ``manifest.json`` (format :data:`~sdcscope.engine.state.DCP_FORMAT`: the sha256 of every
   file, the step, ``verified``, the layout and the run's identity).
@@ -173,7 +174,7 @@ def save_sharded(
     run: dict[str, Any] | None = None,
     verified: bool | None = None,
 ) -> Path:
-    """Write the sharded state of ``trainer`` (a sharded world's :class:`~sdcscope.engine.distributed.DistTrainer`)
+    """Write the state of ``trainer`` (a :class:`~sdcscope.engine.distributed.DistTrainer`, sharded or DDP)
     to ``directory`` on every rank (a collective; see the module docstring). ``verified``: this
     rank's guard verdict (None: no guard); ``run``: the run's identity, checked on resume."""
     import torch.distributed.checkpoint as dcp
@@ -227,16 +228,17 @@ def remove_sharded_temps(run_dir: str | Path) -> list[Path]:
 def choose_sharded(
     run_dir: str | Path, layout: dict[str, Any], identity: dict[str, Any] | None = None
 ) -> tuple[Path, dict[str, Any], list[tuple[Path, str]]]:
-    """The checkpoint a sharded resume continues from (:func:`choose_checkpoint`), its manifest
-    and the newer ones passed over; refused (:class:`CheckpointError`) when it is not a sharded
-    checkpoint, was written by another layout, or by another configuration (``identity``)."""
+    """The checkpoint a distributed resume continues from (:func:`choose_checkpoint`), its manifest
+    and the newer ones passed over; refused (:class:`CheckpointError`) when its ranks did not
+    write it, was written by another layout, or by another configuration (``identity``)."""
     from sdcscope.engine.run import _differences
 
     path, manifest, skipped = choose_checkpoint(run_dir)
     if manifest.get("format") != DCP_FORMAT:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} is not a sharded checkpoint (format {manifest.get('format')!r}, "
-            f"expected {DCP_FORMAT!r}); a sharded run resumes from the checkpoints its own ranks wrote"
+            f"checkpoint {str(path)!r} was not written by the ranks of a distributed run (format "
+            f"{manifest.get('format')!r}, expected {DCP_FORMAT!r}); a distributed run resumes from the "
+            "checkpoints its own ranks wrote"
         )
     written = manifest.get("layout") or {}
     if written != layout:
