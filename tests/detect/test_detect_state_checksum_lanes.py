@@ -41,3 +41,10 @@ def test_a_flip_of_any_bit_changes_the_gemv_mixed_sum():
         flipped = words.clone()
         flipped[17] ^= torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)
         assert not torch.equal(_lanes(flipped.view(1, BLOCK), m[0], m[1], None)[:, 1], before[:, 1]), bit
+
+
+def test_the_guard_docs_give_the_block_size_the_code_uses():
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "guard.md").read_text().split())
+    assert f"Every block of {BLOCK} stored 32-bit words" in text

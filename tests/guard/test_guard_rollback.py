@@ -61,7 +61,7 @@ def test_one_rollback_far_from_its_snapshot_is_a_repair_not_a_stall():
         schedule={"kind": "transient", "step": 12},
     )
     inj = Injector(model, [spec], opt).attach()
-    guard = Guard(model, opt, GuardConfig(stall_after=3), loss_fn=ce).attach()
+    guard = Guard(model, opt, GuardConfig(stall_after=3, snapshots={"every": 50}), loss_fn=ce).attach()
     executed = readme_loop(guard, model, inj, steps=16, cap=100)
     assert [(e["detector"], e["action"]) for e in guard.events] == [("state_checksum", "rollback")]
     assert not guard.stalled and executed == 16 + 13

@@ -31,10 +31,14 @@ def invoke(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def one_line(result, code: int, *needles: str) -> str:
-    """The command failed with ``code`` and printed exactly one line, an ``error:`` naming ``needles``."""
+def one_line(result, code: int, *needles: str, said: str | None = None) -> str:
+    """The command failed with ``code`` and printed exactly one line, an ``error:`` naming ``needles``
+    (after one line starting with ``said``, when given: a resume says where it continues from)."""
     assert result.exit_code == code, result.output
     lines = [x for x in result.output.splitlines() if x.strip()]
+    if said is not None:
+        assert lines and lines[0].startswith(said), result.output
+        lines = lines[1:]
     text = " ".join(result.output.split())
     assert lines and lines[0].startswith("error:") and "Traceback" not in result.output, result.output
     assert len(" ".join(lines).split("error:")) == 2, result.output  # one error, however rich wraps it
@@ -83,7 +87,7 @@ def test_resume_on_a_full_disk_is_not_recorded(storage, trained, tmp_path):
     before = (run / "config.json").read_bytes(), (run / "summary.json").read_bytes()
     with storage.full(run, slack=SLACK):
         result = invoke("train", "--resume", run, "--steps", "4")
-    one_line(result, ExitCode.STORAGE, "cannot write", str(run))
+    one_line(result, ExitCode.STORAGE, "cannot write", str(run), said="resuming from ")
     assert ((run / "config.json").read_bytes(), (run / "summary.json").read_bytes()) == before
     assert verify_checkpoint(run / "checkpoint")["step"] == 2  # the run's checkpoint is whole, as it was
     assert debris(run) == []
@@ -143,7 +147,7 @@ def test_resume_of_a_read_only_run(storage, trained, tmp_path):
     before = snapshot(run)
     with storage.readonly(run):
         result = invoke("train", "--resume", run, "--steps", "4")
-    one_line(result, ExitCode.STORAGE, "cannot write", str(run))
+    one_line(result, ExitCode.STORAGE, "cannot write", str(run), said="resuming from ")
     assert snapshot(run) == before
 
 

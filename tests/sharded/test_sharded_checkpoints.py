@@ -5,10 +5,13 @@ verified one; a resume on another layout is refused before any rank starts."""
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import shutil
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from helpers import at, rank_flip
@@ -177,8 +180,24 @@ def test_tampered_shard_and_another_layout_are_refused_by_name(runs, tmp_path):
     got = CliRunner().invoke(app, ["checkpoint", "verify", str(run)])
     assert got.exit_code == 0, got.output
     text = " ".join(got.output.split())
-    assert "5 file(s) match their sha256, sharded (torch.distributed.checkpoint, --parallel fsdp on 2 ranks)" in text
+    assert "5 file(s) match their sha256 and load (weights_only), sharded (torch.distributed.checkpoint, " in text
+    assert "--parallel fsdp on 2 ranks)" in text
     assert f"train --resume {run} continues from {run / 'checkpoint'}" in text
+
+    # rank0.pt rewritten with its sha256 resealed: it matches, but does not load with weights_only=True,
+    # so the resume refuses it as a bad checkpoint (exit 2, the file named) before any rank starts
+    rank0 = run / "checkpoint" / "rank0.pt"
+    torch.save({"step": 4, "when": datetime.date(2026, 1, 1)}, rank0)
+    manifest = _manifest(run / "checkpoint")
+    manifest["files"]["rank0.pt"] = hashlib.sha256(rank0.read_bytes()).hexdigest()
+    (run / "checkpoint" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=f"{rank0}' does not load with weights_only=True"):
+        _resume(run, 4)
+    for args in (["train", "--resume", str(run), "--timeout", "20"], ["checkpoint", "verify", str(run)]):
+        got = CliRunner().invoke(app, args)
+        text = " ".join(got.output.split())
+        assert got.exit_code == 2 and f"{rank0}' does not load with weights_only=True" in text, text
+        assert "lost the world" not in text and "Traceback" not in text, text  # no rank started, none blamed
 
 
 def _resume_with(out, **given):

@@ -81,8 +81,8 @@ def _metrics(out) -> list[dict]:
 
 
 def _parameters(out, tmp_path) -> dict[str, torch.Tensor]:
-    """The final full parameters of a run, by name: ``checkpoint/state.pt`` of a single-process or
-    DDP run; a sharded run's DCP checkpoint gathered into one file first."""
+    """The final full parameters of a run, by name: ``checkpoint/state.pt`` of a single-process
+    run; a distributed run's DCP checkpoint (DDP or sharded) gathered into one file first."""
     ckpt = out / "checkpoint"
     path = ckpt / "state.pt"
     if not path.is_file():

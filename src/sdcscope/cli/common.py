@@ -150,32 +150,41 @@ PROGRESS_SECONDS_ENV = "SDCSCOPE_PROGRESS_SECONDS"
 """Seconds between plain progress lines when stderr is not a terminal (default 30)."""
 
 
+def position(metrics: dict, before: int) -> int:
+    """The optimizer steps a run has after the step ``metrics`` describes (``before``: it had
+    before): a rollback goes back to its snapshot's step (``rolled_back_to``), so a progress count
+    that only went up would overshoot the target."""
+    back = metrics.get("rolled_back_to")
+    if isinstance(back, int):
+        return back
+    step = metrics.get("step")
+    return step + 1 if isinstance(step, int) else before + 1
+
+
 def _plain_progress(total: int, done: int, label: str, events: Callable[[], int] | None) -> Callable[[dict], None]:
     """``advance(metrics)`` printing one plain line every few seconds (and at the last step): for
-    logs of CI, nohup and schedulers, where a bar would print nothing useful."""
+    logs of CI, nohup and schedulers, where a bar would print nothing useful. The step shown is
+    where the run is (after a rollback: the snapshot's step); the rate counts every step trained,
+    the re-run ones too, and the ETA the steps still to go at that rate."""
     try:
         every = float(os.environ.get(PROGRESS_SECONDS_ENV, "30"))
     except ValueError:
         every = 30.0
     start = last = time.monotonic()
-    state = {"done": done}
+    state = {"at": done, "trained": 0}
 
     def advance(metrics: dict) -> None:
         nonlocal last
-        state["done"] += 0 if metrics.get("rolled_back_to") is not None else 1
-        now, n = time.monotonic(), state["done"]
+        n = state["at"] = min(position(metrics, state["at"]), total)
+        state["trained"] += 1
+        now = time.monotonic()
         if now - last < every and not (n >= total and state.get("printed")):
             return  # a run shorter than one interval prints nothing
         last, state["printed"] = now, True
-        rate = (n - done) / max(now - start, 1e-9)
-        eta = (total - n) / rate if rate > 0 else float("inf")
+        rate = state["trained"] / max(now - start, 1e-9)
+        eta = (total - n) / rate
         loss = metrics.get("loss")
-        parts = [
-            f"{label}: step {n}/{total}",
-            f"loss {fmt_loss(loss)}",
-            f"{rate:.2f} steps/s",
-            f"ETA {eta:.0f} s" if eta != float("inf") else "ETA ?",
-        ]
+        parts = [f"{label}: step {n}/{total}", f"loss {fmt_loss(loss)}", f"{rate:.2f} steps/s", f"ETA {eta:.0f} s"]
         if events is not None:
             parts.append(f"events {events()}")
         print(", ".join(parts), file=sys.stderr, flush=True)
@@ -207,9 +216,12 @@ def step_progress(
         transient=True,
     ) as progress:
         task = progress.add_task(label, total=total, completed=done, loss="-")
+        at = done
 
         def advance(metrics: dict) -> None:
-            progress.update(task, advance=1, loss=f"{metrics.get('loss', float('nan')):.4f}")
+            nonlocal at
+            at = min(position(metrics, at), total)
+            progress.update(task, completed=at, loss=fmt_loss(metrics.get("loss", float("nan"))))
 
         yield advance
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -16,7 +14,7 @@ from sdcscope.cli.common import (
     check_file,
     err_console,
     fail,
-    first_difference,
+    fmt_loss,
     load_fault_file,
     out_console,
     path_option,
@@ -46,89 +44,16 @@ from sdcscope.cli.options import (
     with_prometheus,
 )
 from sdcscope.cli.output import JSON_OPT, json_output, note
+from sdcscope.cli.resume import (
+    distributed_resume_job,
+    is_distributed,
+    nothing_to_train,
+    print_resume_point,
+    resume_policy,
+    resume_run,
+    resume_steps,
+)
 from sdcscope.common.exitcodes import ExitCode
-
-KEPT_ON_RESUME = {  # option: (flag, section and key in config.json); a resumed run keeps these
-    "workload": ("--workload", "workload", "workload"),
-    "preset": ("--preset", "workload", "preset"),
-    "corpus": ("--corpus", "workload", "corpus"),
-    "batch_size": ("--batch-size", "workload", "batch_size"),
-    "lr": ("--lr", "workload", "lr"),
-    "seed": ("--seed", "train", "seed"),
-    "grad_accum": ("--grad-accum", "train", "grad_accum"),
-    "compile": ("--compile", "train", "compile"),
-}
-
-
-def _given(ctx: typer.Context, name: str) -> bool:
-    """Whether option ``name`` was given (click's ParameterSource, compared by name: typer may vendor click)."""
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
-
-
-def check_kept_options(ctx: typer.Context, resume: Path, config: dict) -> None:
-    """Refuse options given with --resume that differ from what the run's config.json records."""
-    conflicts = []
-    for name, (flag, section, key) in KEPT_ON_RESUME.items():
-        if not _given(ctx, name):
-            continue
-        value, recorded = ctx.params[name], config[section].get(key)
-        same = (
-            os.path.realpath(value) == os.path.realpath(recorded)
-            if name == "corpus" and recorded is not None
-            else value == recorded
-        )
-        if not same:
-            conflicts.append(f"{flag} {value} (the run has {recorded})")
-    if conflicts:
-        raise CLIError(
-            f"--resume {str(resume)!r} continues the run its config.json describes; "
-            f"{', '.join(conflicts)} would change it: drop them, or start a new run with --out"
-        )
-
-
-def resume_run(
-    ctx: typer.Context,
-    resume: Path,
-    faults: Optional[Path],
-    guard: bool,
-    guard_config_path: Optional[Path],
-    invariants: Optional[Path],
-    eval_every: int,
-    checkpoints=None,
-):
-    """The run in ``resume`` with its recorded faults and guard: ``(run, specs, guard config)``.
-
-    Options that would change what the run trains are refused; the guard (--guard-config,
-    --invariants) and --eval-every may change and are recorded in config.json."""
-    from sdcscope.engine import Run
-    from sdcscope.faults import FaultSpec
-    from sdcscope.guard import GuardConfig
-
-    run = Run.resume(resume, checkpoints=checkpoints)
-    check_kept_options(ctx, resume, run.config)
-    recorded_faults = run.config.get("faults") or []
-    try:
-        specs = [FaultSpec.from_dict(d) for d in recorded_faults]
-        recorded_guard = GuardConfig.from_dict(run.config["guard"]) if run.config.get("guard") else None
-    except (TypeError, ValueError, FileNotFoundError) as exc:
-        raise type(exc)(f"{str(resume / 'config.json')!r}: {exc}") from None
-    from sdcscope.engine.rundir import as_written
-
-    given = None if faults is None else as_written([s.to_dict() for s in load_fault_file("--faults", faults)])
-    if given is not None and given != recorded_faults:
-        where, value, was = first_difference(given, recorded_faults, "faults")
-        raise CLIError(
-            f"--faults {str(faults)!r} differs from the faults recorded in {str(resume / 'config.json')!r}: "
-            f"{where} is {value} in the file, {was} in the run; a resumed run keeps its faults (it "
-            "re-attaches them): drop --faults, or start a new run with --out"
-        )
-    gcfg = guard_config(guard, guard_config_path, invariants, recorded_guard)
-    run.config["guard"] = None if gcfg is None else gcfg.to_dict()
-    if _given(ctx, "eval_every"):
-        run.trainer.config = dataclasses.replace(run.trainer.config, eval_every=eval_every)
-        run.config["train"] = run.trainer.config.to_dict()
-    return run, specs, gcfg
 
 
 @app.command()
@@ -140,7 +65,10 @@ def train(
     seed: int = SEED_OPT,
     out: Optional[Path] = path_option(None, "--out", "-o", help="New run directory."),
     resume: Optional[Path] = path_option(
-        None, "--resume", help="Continue the run in this directory up to --steps, with its recorded faults and guard."
+        None,
+        "--resume",
+        help="Continue the run in this directory as its config.json records it (steps target, faults, guard, "
+        "checkpoint policy); a larger --steps extends it.",
     ),
     corpus: Optional[Path] = CORPUS_OPT,
     batch_size: Optional[int] = BATCH_SIZE_OPT,
@@ -174,7 +102,10 @@ def train(
         "wait before a missing or hung rank fails the run.",
     ),
     checkpoint_every: int = typer.Option(
-        100, "--checkpoint-every", help="Save a checkpoint every N steps (0: only at the end), to resume after a kill."
+        100,
+        "--checkpoint-every",
+        help="Save a checkpoint every N steps (0: only at the end), to resume after a kill; a resume keeps the "
+        "run's recorded policy unless given.",
     ),
     keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", help="Periodic checkpoints kept (the newest)."),
     prometheus_port: Optional[int] = PROMETHEUS_OPT,
@@ -195,31 +126,28 @@ def train(
         from sdcscope.engine.topology import Topology
 
         pcfg = Topology(kind=parallel)
-        if nproc == 1 and pcfg.sharded and not (resume is not None and _sharded(resume)):
+        if nproc == 1 and pcfg.sharded and not (resume is not None and is_distributed(resume)):
             raise CLIError(f"--parallel {parallel} splits the model over ranks: give --nproc N (N >= 2)")
-    if nproc != 1 or (resume is not None and _sharded(resume)):
+    distributed_resume = resume is not None and is_distributed(resume)
+    if nproc != 1 or distributed_resume:
         with user_errors():
             from sdcscope.engine.dist import DistConfig
             from sdcscope.engine.run import Interrupted
             from sdcscope.jobs import launch
 
-            if prometheus_port is not None:
-                sharded = pcfg.sharded or (resume is not None and _sharded(resume))
-                _check_rank_ports(prometheus_port, nproc, "sharded" if sharded else "ddp")
-            if resume is not None and _sharded(resume):
-                job = _sharded_resume(ctx, resume, out, steps, DistConfig(timeout_s=timeout), policy)
-                out, specs, guarded = resume, job.specs, job.guard is not None
+            if prometheus_port is not None and not distributed_resume:  # a resume serves as recorded
+                _check_rank_ports(prometheus_port, nproc, "sharded" if pcfg.sharded else "ddp")
+            if distributed_resume:
+                job = distributed_resume_job(ctx, resume, out, steps, DistConfig(timeout_s=timeout))
+                if job is None:  # the run is complete: nothing to launch
+                    return
+                out, specs, guarded, steps = resume, job.specs, job.guard is not None, job.steps
             else:
                 if resume is not None:
                     raise CLIError(
-                        f"--resume with --nproc {nproc}: resuming a DDP run is not supported (a sharded "
-                        "one, --parallel fsdp|tp|fsdp+tp|hsdp, is); start a new run with --out"
-                    )
-                if not pcfg.sharded and (_given(ctx, "checkpoint_every") or _given(ctx, "keep_checkpoints")):
-                    raise CLIError(
-                        "--checkpoint-every/--keep-checkpoints apply to single-process and sharded (--parallel "
-                        "fsdp|tp|fsdp+tp|hsdp) runs (a DDP run saves its checkpoint at the end and cannot be "
-                        "resumed yet); drop them, or use --nproc 1 or a sharded --parallel"
+                        f"--resume {str(resume)!r} with --nproc {nproc}: the run was trained in one process "
+                        "(its config.json records no world_size) and resumes in one: drop --nproc, or start "
+                        "a new run with --out"
                     )
                 if out is None:
                     raise CLIError("--out DIR is required")
@@ -263,13 +191,9 @@ def train(
             try:
                 rc = launch(job)  # validates first: ValueError → exit 2, nothing created
             except Interrupted as stop:  # every rank stopped (or was killed); summary.json written
-                then = (
-                    f"checkpoint and summary saved; continue with: sdcscope train --resume {out} --steps {steps}"
-                    if job.parallel.sharded
-                    else f"summary saved in {out / 'summary.json'} (a DDP run cannot be resumed)"
-                )
                 err_console.print(
-                    f"interrupted at step {stop.summary['steps']} of {steps}: {then}",
+                    f"interrupted at step {stop.summary['steps']} of {steps}: checkpoint and summary saved; "
+                    f"continue with: sdcscope train --resume {out}",
                     highlight=False,
                     soft_wrap=True,
                 )
@@ -290,14 +214,13 @@ def train(
         if resume is not None:
             if out is not None:
                 raise CLIError("give either --out (a new run) or --resume (an existing run), not both")
-            run, specs, gcfg = resume_run(ctx, resume, faults, guard, guard_config_path, invariants, eval_every, policy)
+            run, specs, gcfg = resume_run(ctx, resume, faults, guard, guard_config_path, invariants, eval_every)
             gcfg = with_prometheus(gcfg, prometheus_port)
-            _print_resume_point(run)
-            if steps < run.trainer.step:
-                raise CLIError(f"--steps {steps} is below the {run.trainer.step} steps the run already has")
+            run.checkpoints, policy_note = resume_policy(ctx, run.checkpoints)
+            steps, steps_note = resume_steps(ctx, resume, run.config, steps, run.trainer.step)
+            print_resume_point(run, steps, steps_note, policy_note)
             if run.reached(steps):
-                out_console.print(f"{resume} already has {steps} steps: nothing to train (summary.json kept)")
-                print_summary(run.out, run.summary)
+                nothing_to_train(ctx, resume, steps, run.summary)
                 return
         else:
             if out is None:
@@ -335,7 +258,7 @@ def train(
     except Interrupted as stop:
         err_console.print(
             f"interrupted at step {stop.summary['steps']} of {steps}: checkpoint and summary saved; "
-            f"continue with: sdcscope train --resume {run.out} --steps {steps}",
+            f"continue with: sdcscope train --resume {run.out}",
             highlight=False,
             soft_wrap=True,
         )
@@ -366,82 +289,30 @@ def _check_rank_ports(port: int, nproc: int, kind: str) -> None:
         )
 
 
-def _sharded(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a sharded run (--parallel fsdp|tp|fsdp+tp|hsdp), resumed on its ranks."""
-    from sdcscope.common.io import read_json
-
-    try:
-        recorded = read_json(run_dir / "config.json").get("parallel") or {}
-    except (OSError, ValueError, AttributeError):
-        return False
-    return isinstance(recorded, dict) and recorded.get("kind") not in (None, "ddp")
-
-
-RECORDED_ON_SHARDED_RESUME = {
-    "faults": "--faults",
-    "guard": "--guard",
-    "guard_config_path": "--guard-config",
-    "invariants": "--invariants",
-    "eval_every": "--eval-every",
-    "prometheus_port": "--prometheus-port",
-}
-
-
-def _sharded_resume(ctx: typer.Context, resume: Path, out, steps: int, dist_config, policy):
-    """The job that continues the sharded run in ``resume``; says which checkpoint it takes and
-    which newer ones it passes over (as a single-process resume does)."""
-    from sdcscope.common.io import read_json
-    from sdcscope.jobs.torchrun import resume_job
-
-    if out is not None:
-        raise CLIError("give either --out (a new run) or --resume (an existing run), not both")
-    given = [flag for name, flag in RECORDED_ON_SHARDED_RESUME.items() if _given(ctx, name)]
-    if given:
-        raise CLIError(
-            f"--resume {str(resume)!r} continues a sharded run with the faults and guard its config.json "
-            f"records; drop {', '.join(given)}"
-        )
-    check_kept_options(ctx, resume, read_json(resume / "config.json"))
-    job, chosen, skipped = resume_job(
-        resume,
-        steps,
-        nproc=ctx.params["nproc"] if _given(ctx, "nproc") else None,
-        parallel=ctx.params["parallel"] if _given(ctx, "parallel") else None,
-        dist_config=dist_config,
-        checkpoints=policy,
-    )
-    for path, why in skipped:
-        err_console.print(f"skipped checkpoint {path}: {why}", markup=False, highlight=False, soft_wrap=True)
-    err_console.print(
-        f"resuming from {chosen} on {job.nproc} ranks (--parallel {job.parallel.kind})",
-        markup=False,
-        highlight=False,
-        soft_wrap=True,
-    )
-    return job
-
-
 OUTCOME_CODES = {"crash": ExitCode.CRASHED, "stalled": ExitCode.GUARD_STOPPED}
 """A finished run's outcome → the exit code a scheduler sees (every other outcome: 0)."""
 
 
 def _exit_for(summary: dict) -> None:
-    """Exit with the outcome's code; a guard's stop says why in one line (the site it found)."""
+    """Exit with the outcome's code; a guard's stop says in one line why (what the ledger found)
+    and which state the run ends on."""
     code = OUTCOME_CODES.get(summary.get("outcome"))
     if code == ExitCode.GUARD_STOPPED and summary.get("stop_reason"):
-        raise fail(f"the guard stopped the run: {summary['stop_reason']}", code)
+        at = summary.get("stopped_at_step")
+        where = "" if at is None else f" at step {at}"
+        raise fail(f"the guard stopped the run{where}: {summary['stop_reason']}; {ends_on(summary)}", code)
     if code is not None:
         raise typer.Exit(code=int(code))
 
 
-def _print_resume_point(run) -> None:
-    """Which checkpoint a resume continues from, and the newer ones it passed over and why."""
-    for path, why in run.skipped_checkpoints:
-        err_console.print(f"skipped checkpoint {path}: {why}", markup=False, highlight=False, soft_wrap=True)
-    if run.skipped_checkpoints:
-        err_console.print(
-            f"resuming from {run.resumed_from} (step {run.trainer.step})", markup=False, highlight=False, soft_wrap=True
-        )
+def ends_on(summary: dict) -> str:
+    """Which training state a stopped run ends on (what checkpoint/ holds): its step, whether a
+    rollback took it there, whether the guard vouches for it, and its train loss."""
+    steps, at = summary["steps"], summary.get("stopped_at_step")
+    verified = {True: "verified ", False: "UNVERIFIED "}.get(summary.get("state_verified"), "")
+    kind = "snapshot" if at is not None and steps <= at else "state"  # rolled back to it, or stopped there
+    trained = "the initial model" if steps == 0 else f"train loss {fmt_loss(summary.get('final_train_loss'))}"
+    return f"the run ends on the {verified}{kind} of step {steps} ({trained}; checkpoint/ holds it)"
 
 
 def _count(path: Path) -> int:

@@ -6,11 +6,12 @@
   ``summary.json`` (every rank's ``param_sha256`` of the full parameters). Each rank logs its fired
   faults to ``injections.rank{r}.jsonl``; rank 0 merges them into ``injections.jsonl`` at the end.
   A rank that loses the world writes ``failure.rank{r}.json`` and raises :class:`DistributedError`.
-- **Checkpoints.** In a data-parallel world rank 0 saves ``checkpoint/`` at the end (such a run is
-  not resumed). In a sharded world every rank writes its shards through
-  ``torch.distributed.checkpoint`` (:mod:`~sdcscope.engine.shardckpt`): periodic
-  ``checkpoints/step-N/`` and ``checkpoint/`` at the end of a session; ``resume=True`` continues
-  from the newest verified one on the same layout, bitwise as if uninterrupted.
+- **Checkpoints.** In every world (DDP and sharded) the ranks write their state through
+  ``torch.distributed.checkpoint`` (:mod:`~sdcscope.engine.shardckpt`: a DDP world's replicated
+  tensors are written once, each rank's RNG and position beside them): periodic
+  ``checkpoints/step-N/`` (the policy recorded in config.json's ``checkpoints``) and
+  ``checkpoint/`` at the end of a session; ``resume=True`` continues from the newest verified one
+  on the same layout, bitwise as if uninterrupted.
 - **Every rank ends after the same step.** Each step's one gather carries every rank's loss,
   whether it discarded its update, a signal it received and whether its guard stopped the run
   (``stop`` in the step's metrics: :attr:`Guard.stop_reason <sdcscope.guard.Guard.stop_reason>`).
@@ -51,7 +52,7 @@ from sdcscope.engine.rundir import (
     write_json,
 )
 from sdcscope.engine.shardckpt import choose_sharded, layout_of, load_sharded, remove_sharded_temps, save_sharded
-from sdcscope.engine.state import CheckpointError, param_sha256, save_checkpoint
+from sdcscope.engine.state import CheckpointError, param_sha256
 from sdcscope.engine.topology import Topology
 from sdcscope.engine.trainer import TrainConfig
 from sdcscope.faults import FaultSpec
@@ -59,9 +60,9 @@ from sdcscope.workloads import WorkloadConfig, make_workload
 
 
 class DistRun:
-    """A distributed run bound to ``out``. ``checkpoints``: a sharded world's periodic checkpoint
-    policy; ``resume``: continue the sharded run in ``out`` (its config.json describes the same
-    run) from its newest complete, certified checkpoint."""
+    """A distributed run bound to ``out``. ``checkpoints``: the periodic checkpoint policy;
+    ``resume``: continue the run in ``out`` (its config.json describes the same run) from its
+    newest complete, certified checkpoint."""
 
     def __init__(
         self,
@@ -80,8 +81,6 @@ class DistRun:
         kind = self.topology.world_kind
         if train.eval_every and (why := unsupported("train.eval_every", kind)):
             raise ValueError(f"--eval-every with --parallel {self.topology.kind}: {why}; drop --eval-every")
-        if resume and not self.topology.sharded:
-            raise ValueError("resuming a DDP run is not supported (a sharded one is); start a new run")
         self.out = Path(out)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         if resume:
@@ -110,9 +109,10 @@ class DistRun:
             "parallel": self.topology.to_dict(),
             **(extra_config or {}),
         }
-        self.checkpoints = (checkpoints or CheckpointPolicy()) if self.topology.sharded else CheckpointPolicy(every=0)
+        self.checkpoints = checkpoints or CheckpointPolicy()
+        self.config["checkpoints"] = self.checkpoints.to_dict()
         self.certify: Callable[[], bool | None] | None = None
-        """Whether this rank's state is verified (a guard's ``state_verified``), for each sharded
+        """Whether this rank's state is verified (a guard's ``state_verified``), for each
         checkpoint's certification; None: no guard watched."""
         self.summary: dict[str, Any] = {}
         self.stop_reason: str | None = None
@@ -170,6 +170,7 @@ class DistRun:
         if self.rank == 0:  # a summary of an earlier session: this one writes its own
             (self.out / "summary.json").unlink(missing_ok=True)
         self.config = {k: v for k, v in recorded.items() if k != "steps"}
+        self.config["checkpoints"] = self.checkpoints.to_dict()  # the policy from here on
         dist.barrier()
 
     def train(
@@ -254,13 +255,11 @@ class DistRun:
         return m
 
     def save_checkpoint(self, directory: str | Path) -> None:
-        """The state now, to ``directory``: in a sharded world every rank writes its shards (a
-        collective); in a data-parallel world rank 0 writes the whole state (the replicas are alike)."""
-        if self.trainer.world.sharded:
-            verified = None if self.certify is None else self.certify()
-            save_sharded(self.trainer, directory, layout=self.layout, run=_identity(self.config), verified=verified)
-        elif self.rank == 0:
-            save_checkpoint(self.trainer.snapshot(), directory)
+        """The state now, to ``directory``, through torch.distributed.checkpoint on every rank (a
+        collective): a sharded world's shards, a data-parallel world's replicated state (written
+        once) and every rank's own RNG and position."""
+        verified = None if self.certify is None else self.certify()
+        save_sharded(self.trainer, directory, layout=self.layout, run=_identity(self.config), verified=verified)
 
     def _outcome(self, interrupted: bool) -> str:
         if self.stop_reason is not None:
@@ -269,8 +268,7 @@ class DistRun:
 
     def _finish(self, last: dict[str, Any], wall: float, *, interrupted: bool) -> None:
         sharded = self.trainer.world.sharded
-        if sharded or not interrupted:  # a sharded session resumes from it, also when interrupted
-            self.save_checkpoint(self.out / CHECKPOINT_DIR)
+        self.save_checkpoint(self.out / CHECKPOINT_DIR)  # a session resumes from it, also when interrupted
         hashes: list[str | None] = [None] * self.size
         dist.all_gather_object(hashes, param_sha256(self.trainer.model))  # a collective when sharded
         final = self.trainer.evaluate() if sharded or self.rank == 0 else {}

@@ -36,9 +36,9 @@ from sdcscope.engine.rundir import (
     JsonlWriter,
     as_written,
     check_new_run_dir,
-    choose_checkpoint,
     has_checkpoint,
     periodic_dir,
+    pick_checkpoint,
     prune_checkpoints,
     read_json,
     read_jsonl,
@@ -46,7 +46,7 @@ from sdcscope.engine.rundir import (
     remove_stale_temps,
     write_json,
 )
-from sdcscope.engine.state import CheckpointError, load_checkpoint, param_sha256, save_checkpoint
+from sdcscope.engine.state import CheckpointError, param_sha256, save_checkpoint
 from sdcscope.engine.trainer import TrainConfig, Trainer
 from sdcscope.workloads import WorkloadConfig, make_workload
 
@@ -109,6 +109,17 @@ def _identity(config: dict[str, Any]) -> dict[str, Any]:
     return as_written({"workload": config["workload"], "train": train, "faults": config.get("faults") or []})
 
 
+def _follow(losses: dict[int, Any], row: dict[str, Any]) -> None:
+    """Keep ``losses`` (step → logged loss of each applied step) on the trajectory of the training
+    state: a rollback to step S drops the steps from S on (they are trained again, or never)."""
+    back = row.get("rolled_back_to")
+    if isinstance(back, int):
+        for k in [k for k in losses if k >= back]:
+            del losses[k]
+    elif not row.get("skipped") and "step" in row:
+        losses[row["step"]] = row.get("loss")
+
+
 class Run:
     """Train a workload into ``out``; ``Run.resume(out)`` continues a run from its checkpoint."""
 
@@ -148,8 +159,9 @@ class Run:
     @classmethod
     def resume(cls, out: str | Path, *, checkpoints: CheckpointPolicy | None = None) -> Run:
         """The run in ``out`` at its newest complete, certified checkpoint
-        (:func:`~sdcscope.engine.rundir.choose_checkpoint`); refused (ValueError) unless
-        config.json, the data and the checkpoint agree. Nothing is written."""
+        (:func:`~sdcscope.engine.rundir.pick_checkpoint`); refused (ValueError) unless
+        config.json, the data and the checkpoint agree. ``checkpoints``: the periodic checkpoint
+        policy from here on (None: the one config.json records). Nothing is written."""
         out = Path(out)
         path = out / "config.json"
         if not path.is_file():
@@ -159,13 +171,13 @@ class Run:
         if world != 1:
             raise ValueError(
                 f"--resume {str(out)!r}: the run was trained on {world} ranks (world_size in "
-                f"{str(path)!r}): a sharded run (--parallel) resumes on its ranks (sdcscope train "
-                f"--resume, sdcscope.jobs.torchrun.resume_job); resuming a DDP run is not supported, start "
-                f"a new one with --nproc {world} --out NEW"
+                f"{str(path)!r}): it resumes on its ranks (sdcscope train --resume, "
+                "sdcscope.jobs.torchrun.resume_job), not in one process"
             )
         try:
             wcfg = build_config(WorkloadConfig, config.get("workload"), "workload")
             tcfg = build_config(TrainConfig, config.get("train"), "train")
+            checkpoints = checkpoints or CheckpointPolicy.recorded(config)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{str(path)!r}: {exc}") from None
         if not has_checkpoint(out):
@@ -174,7 +186,7 @@ class Run:
                 "missing or incomplete), so it cannot be continued; train it again in a new "
                 "or empty folder"
             )
-        checkpoint, manifest, skipped = choose_checkpoint(out)
+        checkpoint, manifest, skipped, state = pick_checkpoint(out)
         recorded = manifest.get("run")
         diff = {} if recorded is None else _differences(_identity(config), recorded)
         if diff:
@@ -195,7 +207,11 @@ class Run:
                 f"{', '.join(f'data.{k}' for k in data)} differ (config.json was edited, or the "
                 "data changed since the run started; a resumed run needs the same model and data)"
             )
-        state = load_checkpoint(checkpoint)
+        if state is None:
+            raise CheckpointError(
+                f"{str(checkpoint)!r} is a sharded checkpoint (torch.distributed.checkpoint) of a distributed run; "
+                "it loads on the ranks that wrote it: sdcscope train --resume RUN_DIR relaunches them"
+            )
         try:
             run.trainer.restore(state)
         except (RuntimeError, ValueError, KeyError) as exc:
@@ -275,7 +291,8 @@ class Run:
                 remove_stale_temps(self.out)
             if self.resumed_from is not None:
                 remove_incomplete_checkpoints(self.out)
-            metrics, last = self._open_logs()  # a corrupt log is refused before config.json changes
+            metrics, rows = self._open_logs()  # a corrupt log is refused before config.json changes
+            last = rows[-1] if rows else {}
             self._write_config(steps)
             for cb in callbacks:
                 self.trainer.add_callback(cb)
@@ -284,6 +301,9 @@ class Run:
             eval_every = self.trainer.config.eval_every
             budget = 4 * (steps - self.trainer.step) + 4  # a guard's rollbacks re-run steps, but not forever
             ran = discarded = 0
+            losses: dict[int, Any] = {}
+            for row in rows:  # the steps logged before: the state's trajectory so far
+                _follow(losses, row)
             try:
                 while self.trainer.step < steps and not stop:
                     if budget == 0:
@@ -293,6 +313,7 @@ class Run:
                     last = self.trainer.train_step()
                     ran += 1
                     discarded += bool(last.get("skipped"))
+                    _follow(losses, last)
                     if eval_every and self.trainer.step % eval_every == 0:
                         last.update({f"eval_{k}": v for k, v in self.trainer.evaluate().items() if k != "step"})
                     with writing("the metrics log", metrics.path):
@@ -319,6 +340,7 @@ class Run:
                 time.perf_counter() - t0,
                 discarded,
                 certify(),
+                losses,
             )
         if interrupted:
             raise Interrupted(stop[0], self.summary)
@@ -327,6 +349,7 @@ class Run:
     def _write_config(self, steps: int) -> None:
         """config.json with the target ``steps``; a resumed run appends what changed to ``resumes``."""
         if self._written is not None:
+            self.config["checkpoints"] = self.checkpoints.to_dict()
             changed = {
                 k: new
                 for k, (_, new) in _differences(self._written, as_written(self.config)).items()
@@ -337,6 +360,7 @@ class Run:
                 {"from_step": self.trainer.step, "steps": steps, **({"changed": changed} if changed else {})},
             ]
         self.config["steps"] = steps
+        self.config["checkpoints"] = self.checkpoints.to_dict()
         with writing("the run configuration", self.out / "config.json"):
             write_json(self.out / "config.json", self.config)
         self._written = as_written(self.config)
@@ -352,8 +376,8 @@ class Run:
         )
         prune_checkpoints(self.out, self.checkpoints.keep)
 
-    def _open_logs(self) -> tuple[JsonlWriter, dict[str, Any]]:
-        """The metrics writer and the last step's metrics; a resumed run drops what it logged
+    def _open_logs(self) -> tuple[JsonlWriter, list[dict[str, Any]]]:
+        """The metrics writer and the rows logged so far; a resumed run drops what it logged
         after its checkpoint (the steps are trained again)."""
         with writing("the run directory", self.out):
             self.out.mkdir(parents=True, exist_ok=True)
@@ -363,20 +387,30 @@ class Run:
                 log.truncate_after("step", self.trainer.step)
                 log.touch()
             log.close()
-        rows = read_jsonl(self.out / "metrics.jsonl")
-        return JsonlWriter(self.out / "metrics.jsonl"), (rows[-1] if rows else {})
+        return JsonlWriter(self.out / "metrics.jsonl"), read_jsonl(self.out / "metrics.jsonl")
 
     def _finish(
-        self, outcome: str, last: dict[str, Any], wall: float, discarded: int = 0, verified: bool | None = None
+        self,
+        outcome: str,
+        last: dict[str, Any],
+        wall: float,
+        discarded: int = 0,
+        verified: bool | None = None,
+        losses: dict[int, Any] | None = None,
     ) -> None:
-        """``discarded``: steps of this call whose update a guard vetoed or rolled back."""
+        """``discarded``: steps of this call whose update a guard vetoed or rolled back;
+        ``losses``: the logged loss of each applied step the state it ends on went through
+        (:func:`_follow`): the final train loss is the state's, not that of a step rolled back."""
         final_eval = self.trainer.evaluate()
+        ends = self.trainer.step
+        applied = [k for k in (losses or {}) if k < ends]
+        final_loss = losses[max(applied)] if applied else last.get("loss") if ends else None
         save_checkpoint(
             self.trainer.snapshot(), self.out / CHECKPOINT_DIR, run=_identity(self.config), verified=verified
         )
         self.summary = {
             "outcome": outcome,
-            "final_train_loss": last.get("loss"),
+            "final_train_loss": final_loss,
             "final_val_loss": final_eval.get("val_loss"),
             **{f"final_{k}": v for k, v in final_eval.items() if k not in ("val_loss", "step")},
             "param_sha256": param_sha256(self.trainer.model),
@@ -384,6 +418,8 @@ class Run:
             "discarded_steps": self.summary.get("discarded_steps", 0) + discarded,
             "wall_seconds": round(self.summary.get("wall_seconds", 0.0) + wall, 4),
             **({"stop_reason": last["stop"]} if outcome == "stalled" and last.get("stop") else {}),
+            **({"stopped_at_step": last["step"]} if outcome == "stalled" and "step" in last else {}),
+            **({} if verified is None else {"state_verified": verified}),
         }
         val_loss = self.summary["final_val_loss"]
         if val_loss is not None and not math.isfinite(val_loss):

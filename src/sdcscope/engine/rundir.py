@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdcscope.common.io import JsonlWriter, as_written, dumps, file_in_the_way, read_json, read_jsonl, write_json
-from sdcscope.common.validate import check_non_negative, check_positive
-from sdcscope.engine.state import MANIFEST_FILE, CheckpointError, verify_checkpoint
+from sdcscope.common.validate import build_config, check_non_negative, check_positive
+from sdcscope.engine.state import MANIFEST_FILE, CheckpointError, TrainState, check_loadable, verify_checkpoint
 
 __all__ = [
     "RUN_FILES",
@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointPolicy",
     "checkpoint_candidates",
     "choose_checkpoint",
+    "pick_checkpoint",
     "periodic_dir",
     "prune_checkpoints",
     "remove_incomplete_checkpoints",
@@ -47,12 +48,14 @@ LOG_FILES = ("metrics.jsonl", "injections.jsonl", "events.jsonl")
 CHECKPOINT_DIR = "checkpoint"
 PERIODIC_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"step-(\d+)")
+UNCERTIFIED = "written from state with an unresolved guard finding (verified: false)"
 _TEMP = re.compile(r"\..+\.(\d+)\.tmp")  # what common.io.atomic_path leaves when its process is killed
 
 
 @dataclass(kw_only=True)
 class CheckpointPolicy:
-    """Periodic checkpoints of a single-process run (``--checkpoint-every``, ``--keep-checkpoints``)."""
+    """Periodic checkpoints of a run (``--checkpoint-every``, ``--keep-checkpoints``), recorded in
+    its config.json and kept by a resume unless the resume gives another."""
 
     every: int = 100
     """Write ``checkpoints/step-N/`` every N optimizer steps (0: only at the end of a session)."""
@@ -62,6 +65,16 @@ class CheckpointPolicy:
     def __post_init__(self) -> None:
         check_non_negative("checkpoint_every", self.every)
         check_positive("keep_checkpoints", self.keep)
+
+    def to_dict(self) -> dict[str, int]:
+        """As config.json records it (``checkpoints``), so that a resume keeps it."""
+        return {"every": self.every, "keep": self.keep}
+
+    @classmethod
+    def recorded(cls, config: dict) -> CheckpointPolicy | None:
+        """The policy a run's config.json records (None: a run from before it was recorded)."""
+        data = config.get("checkpoints")
+        return None if data is None else build_config(cls, data, "checkpoints")
 
 
 def periodic_dir(run_dir: str | Path, step: int) -> Path:
@@ -89,24 +102,31 @@ def checkpoint_candidates(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def choose_checkpoint(run_dir: str | Path) -> tuple[Path, dict, list[tuple[Path, str]]]:
-    """The checkpoint a resume continues from: the newest complete and certified one, its
-    manifest, and the newer ones passed over with the reason. When none qualifies, the newest
-    one's own error is raised (a single tampered checkpoint is refused, not skipped)."""
+    """The checkpoint a resume continues from (:func:`pick_checkpoint`), its manifest and the
+    newer ones passed over with the reason."""
+    path, manifest, skipped, _ = pick_checkpoint(run_dir)
+    return path, manifest, skipped
+
+
+def pick_checkpoint(run_dir: str | Path) -> tuple[Path, dict, list[tuple[Path, str]], TrainState | None]:
+    """The newest checkpoint that is complete (its files match their manifest), certified and
+    loads as a resume loads it (:func:`~sdcscope.engine.state.check_loadable`), its manifest,
+    the newer ones passed over with the reason, and its state as loaded (None for a sharded
+    one). When none qualifies, the newest one's own error is raised (a single tampered
+    checkpoint is refused, not skipped)."""
     skipped: list[tuple[Path, str]] = []
     first_error: CheckpointError | None = None
     for _, path in checkpoint_candidates(run_dir):
         try:
             manifest = verify_checkpoint(path)
+            if manifest.get("verified") is False:
+                first_error = first_error or CheckpointError(f"checkpoint {str(path)!r} was {UNCERTIFIED}")
+                skipped.append((path, UNCERTIFIED))
+                continue
+            return path, manifest, skipped, check_loadable(path, manifest)
         except CheckpointError as exc:
             first_error = first_error or exc
             skipped.append((path, str(exc)))
-            continue
-        if manifest.get("verified") is False:
-            reason = "written from state with an unresolved guard finding (verified: false)"
-            first_error = first_error or CheckpointError(f"checkpoint {str(path)!r} was {reason}")
-            skipped.append((path, reason))
-            continue
-        return path, manifest, skipped
     if first_error is not None:
         if len(skipped) > 1:
             raise CheckpointError(

@@ -1,9 +1,10 @@
-"""Checkpoints of a sharded run (FSDP2, tensor parallel, FSDP×TP, HSDP) through
-``torch.distributed.checkpoint`` (DCP), under the contract of every other checkpoint
-(:mod:`sdcscope.engine.state`, :mod:`sdcscope.engine.rundir`).
+"""Checkpoints of a distributed run -- sharded (FSDP2, tensor parallel, FSDP×TP, HSDP) or data
+parallel (DDP) -- through ``torch.distributed.checkpoint`` (DCP), under the contract of every
+other checkpoint (:mod:`sdcscope.engine.state`, :mod:`sdcscope.engine.rundir`).
 
 - **Files.** DCP's ``.metadata`` and shard files (``__R_K.distcp``: each rank writes what it holds,
-  from ``get_state_dict`` of the model and optimizer; nothing is gathered), ``rank{r}.pt`` (rank
+  from ``get_state_dict`` of the model and optimizer; nothing is gathered, and a tensor every
+  rank holds alike, a DDP replica's, is written once), ``rank{r}.pt`` (rank
   r's RNG state and the run's step, data position and guard state: LR scale, skipped data) and
   ``manifest.json`` (format :data:`~sdcscope.engine.state.DCP_FORMAT`: the sha256 of every
   file, the step, ``verified``, the layout and the run's identity).
@@ -13,10 +14,12 @@
   leaves a temporary folder, never a checkpoint; :func:`remove_sharded_temps` clears it.
 - **Certified.** ``verified`` is every rank's guard verdict (``state_verified``) reduced with a
   logical and: a world fact.
-- **Resume.** :func:`choose_sharded` takes the newest complete, certified checkpoint
-  (:func:`~sdcscope.engine.rundir.choose_checkpoint`) and refuses, by name, one written by another
-  layout (``--parallel``, ``--nproc``): a sharded state is not resharded here. :func:`load_sharded`
-  loads it with ``dcp.load`` and ``set_state_dict``; ``rank{r}.pt`` with ``weights_only=True``.
+- **Resume.** :func:`choose_sharded` takes the newest complete, certified checkpoint whose
+  ``rank{r}.pt`` files load with ``weights_only=True`` (:func:`~sdcscope.engine.rundir.choose_checkpoint`:
+  checked before any rank starts, so a bad one is a user error naming the file) and refuses, by
+  name, one written by another layout (``--parallel``, ``--nproc``): a sharded state is not
+  resharded here. :func:`load_sharded` loads it with ``dcp.load`` and ``set_state_dict``, once
+  every rank has loaded its own ``rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import contextlib
 import json
 import logging
 import os
-import pickle
 import reprlib
 import shutil
 from pathlib import Path
@@ -36,7 +38,7 @@ import torch.distributed as dist
 
 from sdcscope.common.storage import writing
 from sdcscope.engine.rundir import PERIODIC_DIR, choose_checkpoint
-from sdcscope.engine.state import DCP_FORMAT, MANIFEST_FILE, CheckpointError, _sha256
+from sdcscope.engine.state import DCP_FORMAT, MANIFEST_FILE, CheckpointError, _safe_load, _sha256
 
 log = logging.getLogger("sdcscope.engine.shardckpt")
 
@@ -172,7 +174,7 @@ def save_sharded(
     run: dict[str, Any] | None = None,
     verified: bool | None = None,
 ) -> Path:
-    """Write the sharded state of ``trainer`` (a sharded world's :class:`~sdcscope.engine.distributed.DistTrainer`)
+    """Write the state of ``trainer`` (a :class:`~sdcscope.engine.distributed.DistTrainer`, sharded or DDP)
     to ``directory`` on every rank (a collective; see the module docstring). ``verified``: this
     rank's guard verdict (None: no guard); ``run``: the run's identity, checked on resume."""
     import torch.distributed.checkpoint as dcp
@@ -226,16 +228,17 @@ def remove_sharded_temps(run_dir: str | Path) -> list[Path]:
 def choose_sharded(
     run_dir: str | Path, layout: dict[str, Any], identity: dict[str, Any] | None = None
 ) -> tuple[Path, dict[str, Any], list[tuple[Path, str]]]:
-    """The checkpoint a sharded resume continues from (:func:`choose_checkpoint`), its manifest
-    and the newer ones passed over; refused (:class:`CheckpointError`) when it is not a sharded
-    checkpoint, was written by another layout, or by another configuration (``identity``)."""
+    """The checkpoint a distributed resume continues from (:func:`choose_checkpoint`), its manifest
+    and the newer ones passed over; refused (:class:`CheckpointError`) when its ranks did not
+    write it, was written by another layout, or by another configuration (``identity``)."""
     from sdcscope.engine.run import _differences
 
     path, manifest, skipped = choose_checkpoint(run_dir)
     if manifest.get("format") != DCP_FORMAT:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} is not a sharded checkpoint (format {manifest.get('format')!r}, "
-            f"expected {DCP_FORMAT!r}); a sharded run resumes from the checkpoints its own ranks wrote"
+            f"checkpoint {str(path)!r} was not written by the ranks of a distributed run (format "
+            f"{manifest.get('format')!r}, expected {DCP_FORMAT!r}); a distributed run resumes from the "
+            "checkpoints its own ranks wrote"
         )
     written = manifest.get("layout") or {}
     if written != layout:
@@ -262,14 +265,17 @@ def load_sharded(trainer, directory: str | Path, manifest: dict[str, Any]) -> No
 
     directory = Path(directory)
     path = directory / RANK_FILE.format(dist.get_rank())
-    try:
-        rank_state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
-        raise CheckpointError(f"checkpoint file {str(path)!r} does not load ({exc})") from None
-    if not isinstance(rank_state, dict) or rank_state.get("step") != manifest["step"]:
-        raise CheckpointError(
-            f"checkpoint file {str(path)!r} does not hold the state of step {manifest['step']} its manifest names"
-        )
+    loaded: dict[str, Any] = {}
+
+    def load_rank_state() -> None:
+        state = loaded["state"] = _safe_load(path)
+        if not isinstance(state, dict) or state.get("step") != manifest["step"]:
+            raise CheckpointError(
+                f"checkpoint file {str(path)!r} does not hold the state of step {manifest['step']} its manifest names"
+            )
+
+    _agree(_attempt(load_rank_state))  # every rank's own file first: none waits in DCP for one that gave up
+    rank_state = loaded["state"]
     with_optimizer = rank_state.get("optimizer_state", True)
     state = _state_dict(trainer, with_optimizer)  # the templates DCP loads into
     dcp.load(state, storage_reader=dcp.FileSystemReader(directory))

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import reprlib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -242,21 +243,51 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def load_checkpoint(directory: str | Path) -> TrainState:
-    """Verify the manifest, then load with ``weights_only=True``."""
-    if verify_checkpoint(directory).get("format") == DCP_FORMAT:
-        raise CheckpointError(
-            f"{str(directory)!r} is a sharded checkpoint (torch.distributed.checkpoint) of a --parallel run; "
-            "it loads on the ranks that wrote it: sdcscope train --resume RUN_DIR relaunches them"
-        )
-    path = Path(directory) / CHECKPOINT_FILE
+RANK_STATE = re.compile(r"rank\d+\.pt")
+"""A sharded checkpoint's per-rank state files (:mod:`sdcscope.engine.shardckpt`)."""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_UNPICKLER = re.compile(r"WeightsUnpickler error: (.*?\.)(\s|$)")
+
+
+def _why_not_loaded(exc: Exception) -> str:
+    """The gist of a failed ``torch.load``: the unpickler's own reason when it gives one (torch
+    wraps it in a page of advice), else the first line."""
+    text = _ANSI.sub("", str(exc))
+    found = _UNPICKLER.search(text)
+    return found.group(1) if found else text.splitlines()[0] if text else type(exc).__name__
+
+
+def _safe_load(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)``; a file that does not load so is refused by name."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
         raise CheckpointError(
-            f"checkpoint file {str(path)!r} does not load "
-            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            f"checkpoint file {str(path)!r} does not load with weights_only=True ({_why_not_loaded(exc)})"
         ) from None
+
+
+def check_loadable(directory: str | Path, manifest: dict[str, Any]) -> TrainState | None:
+    """What a resume loads, loaded as it loads it (``weights_only=True``) and checked against
+    ``manifest`` (verified by the caller): a single-process checkpoint's ``state.pt`` (returned),
+    or every ``rank{r}.pt`` of a sharded one (None: its shards load on the ranks, through DCP).
+    Refused (:class:`CheckpointError`, naming the file) when a file does not load or does not
+    hold the training state of the manifest's step."""
+    directory = Path(directory)
+    recorded = manifest["step"]
+    if manifest.get("format") == DCP_FORMAT:
+        for name in sorted(n for n in manifest["files"] if RANK_STATE.fullmatch(n)):
+            data = _safe_load(directory / name)
+            if not isinstance(data, dict) or data.get("step") != recorded:
+                raise CheckpointError(
+                    f"checkpoint file {str(directory / name)!r} does not hold the state of step {recorded} "
+                    "its manifest names"
+                )
+        return None
+    path = directory / CHECKPOINT_FILE
+    data = _safe_load(path)
     keys = {f.name for f in fields(TrainState)}
     required = {f.name for f in fields(TrainState) if f.default is MISSING and f.default_factory is MISSING}
     if not isinstance(data, dict) or not required <= data.keys() <= keys:
@@ -266,12 +297,24 @@ def load_checkpoint(directory: str | Path) -> TrainState:
             f"{', '.join(sorted(required))}; optional: {', '.join(sorted(keys - required))})"
         )
     state = TrainState(**data)
-    recorded = read_manifest(directory)["step"]
     if state.step != recorded:
         raise CheckpointError(
             f"checkpoint file {str(path)!r} holds step {state.step}, its manifest says step "
             f"{recorded}: refusing a checkpoint that does not match its manifest"
         )
+    return state
+
+
+def load_checkpoint(directory: str | Path) -> TrainState:
+    """Verify the manifest, then load with ``weights_only=True`` (:func:`check_loadable`)."""
+    manifest = verify_checkpoint(directory)
+    if manifest.get("format") == DCP_FORMAT:
+        raise CheckpointError(
+            f"{str(directory)!r} is a sharded checkpoint (torch.distributed.checkpoint) of a distributed run; "
+            "it loads on the ranks that wrote it: sdcscope train --resume RUN_DIR relaunches them"
+        )
+    state = check_loadable(directory, manifest)
+    assert state is not None
     return state
 
 

@@ -70,8 +70,22 @@ class Strikes:
             e.evidence = {**e.evidence, "ledger": evidence}
 
     def stop_reason(self, event: Event) -> str:
-        site = (event.evidence.get("ledger") or {}).get("site") or event.module or event.detector
-        return f"persistent fault at {site} on device {self.device} ({event.detector}: {event.verdict})"
+        """Why the ledger stops the run, as the ledger has it: a site it marks persistent (its
+        strikes), else the device it calls faulty (its reason) with the finding that tipped it."""
+        noted = event.evidence.get("ledger") or {}
+        site = noted.get("site")
+        entry = self.ledger.entries.get(self.device, {})
+        record = entry.get("sites", {}).get(site) if site else None
+        finding = f"{event.detector}: {event.verdict}"
+        if record is not None and record.get("persistent"):
+            return (
+                f"persistent fault at {site} on device {self.device} ({finding}, {noted.get('strikes')} "
+                f"strikes within {self.config.window} steps)"
+            )
+        where = f" at {site}" if site else f" in {event.module}" if event.module else ""
+        if entry.get("faulty"):
+            return f"device {self.device} is faulty ({entry.get('reason')}); the last finding: {finding}{where}"
+        return f"{finding}{where} on device {self.device}: the policy stops training"
 
 
 def escalate(guard: Guard, steps: int) -> None:

@@ -87,9 +87,9 @@ class Job:
     log_level: str = "WARNING"
     """The ranks' logging level: the launcher's verbosity (``-v``, ``-q``)."""
     checkpoints: CheckpointPolicy | None = None
-    """A sharded run's periodic checkpoints (None: the policy's defaults)."""
+    """The run's periodic checkpoints (None: the policy's defaults)."""
     resume: bool = False
-    """Continue the sharded run in ``out`` from its newest verified checkpoint (:func:`resume_job`)."""
+    """Continue the run in ``out`` from its newest verified checkpoint (:func:`resume_job`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -168,8 +168,9 @@ def make_job(
     ``parallel``: the topology (None: DDP), checked against ``nproc`` here and against the
     workload's model by :func:`check_job`; ``hash_every``: the replica hash check every N steps
     (0: off; None: the rank guard's default); ``ledger``: a device ledger shared across jobs
-    (default: ``out/ledger.json``); ``checkpoints``: the periodic checkpoints of a sharded run (a
-    DDP run saves one at the end); ``log_level``: the ranks' (None: this process's verbosity)."""
+    (default: ``out/ledger.json``); ``checkpoints``: the run's periodic checkpoints (every world
+    writes them through torch.distributed.checkpoint); ``log_level``: the ranks' (None: this
+    process's verbosity)."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r} must be an integer >= 1")
     if steps < 0:
@@ -212,23 +213,25 @@ def make_job(
         guard=guard,
         parallel=topology,
         log_level=log_level or _launcher_level(),
-        checkpoints=checkpoints if sharded else None,
+        checkpoints=checkpoints,
     )
 
 
 def resume_job(
     out: str | Path,
-    steps: int,
+    steps: int | None = None,
     *,
     nproc: int | None = None,
     parallel: str | None = None,
     dist_config: DistConfig | None = None,
     checkpoints: CheckpointPolicy | None = None,
 ) -> tuple[Job, Path, list[tuple[Path, str]]]:
-    """The job that continues the sharded run in ``out`` to ``steps`` steps, with the workload,
-    faults and guard its config.json records: ``(job, the checkpoint it starts from, the newer
-    ones passed over and why)``. ``nproc`` and ``parallel`` (None: as recorded) must be the run's:
-    a sharded checkpoint is not resharded. Raises ValueError (CheckpointError) before any rank starts."""
+    """The job that continues the distributed run (DDP or sharded) in ``out`` to ``steps`` steps
+    (None: the target its config.json records), with the workload, faults, guard and checkpoint
+    policy (``checkpoints``: None) config.json records: ``(job, the checkpoint it starts from,
+    the newer ones passed over and why)``. ``nproc`` and ``parallel`` (None: as recorded) must be
+    the run's: a checkpoint is not resharded. Raises ValueError (CheckpointError) before any rank
+    starts."""
     from sdcscope.engine.run import _identity
     from sdcscope.engine.shardckpt import choose_sharded, layout_of
 
@@ -237,25 +240,28 @@ def resume_job(
     if not path.is_file():
         raise ValueError(f"--resume {str(out)!r} is not a run directory (no config.json)")
     config = read_json(path)
-    recorded = config.get("parallel") or {}
     world = config.get("world_size", 1)
-    if recorded.get("kind") in (None, "ddp"):
+    if world == 1:
         raise ValueError(
-            f"--resume {str(out)!r}: only a sharded distributed run (--parallel fsdp|tp|fsdp+tp|hsdp) "
-            f"is resumed on several ranks; this one is {'a DDP' if world != 1 else 'a single-process'} run"
+            f"--resume {str(out)!r}: the run was trained in one process (its config.json records no "
+            "world_size); it resumes in one: sdcscope train --resume without --nproc, or Run.resume"
         )
     try:
-        pcfg = Topology(**recorded)
+        pcfg = Topology(**(config.get("parallel") or {}))
         wcfg, tcfg = WorkloadConfig(**config["workload"]), TrainConfig(**config["train"])
         specs = [FaultSpec.from_dict(d) for d in config.get("faults") or []]
         guard = GuardConfig.from_dict(config["guard"]) if config.get("guard") else None
+        checkpoints = checkpoints or CheckpointPolicy.recorded(config)
+        steps = config.get("steps") if steps is None else steps
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{str(path)!r}: {exc}") from None
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise ValueError(f"{str(path)!r} records no steps target (steps: {steps!r}); give steps (--steps N)")
     for flag, given, was in (("--nproc", nproc, world), ("--parallel", parallel, pcfg.kind)):
         if given is not None and given != was:
             raise ValueError(
                 f"--resume {str(out)!r} with {flag} {given}: the run and its checkpoints are {flag} {was} "
-                f"(--parallel {pcfg.kind}, --nproc {world}); a sharded checkpoint is not resharded: "
+                f"(--parallel {pcfg.kind}, --nproc {world}); a checkpoint is not resharded: "
                 f"drop {flag} or give {flag} {was}"
             )
     checkpoint, manifest, skipped = choose_sharded(out, layout_of(pcfg.kind, pcfg.inner, world), _identity(config))

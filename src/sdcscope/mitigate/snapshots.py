@@ -14,8 +14,10 @@ from sdcscope.engine.state import TrainState, apply, capture
 
 @dataclass(kw_only=True)
 class SnapshotConfig:
-    every: int = 50
-    """Take a snapshot every M optimizer steps (only of a state no detector complained about)."""
+    every: int = 10
+    """Take a snapshot every M optimizer steps (only of a state no detector complained about): a
+    rollback, and a run the guard stops, end at most M steps back. One snapshot copies the model
+    and optimizer state in memory (the tiny GPT's: about 0.3 ms, against ~15 ms a step)."""
     keep: int = 2
     """Ring size K: the K most recent verified snapshots are kept in memory."""
 
