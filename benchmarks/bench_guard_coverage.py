@@ -46,6 +46,7 @@ import argparse
 import copy
 import dataclasses
 import itertools
+import json
 import math
 import random
 import statistics
@@ -109,8 +110,16 @@ class Run:
     batches the guard skipped are never drawn again, a vetoed step is lost."""
 
     def __init__(
-        self, w, start, profile: str | None, dtype: str, fault: FaultSpec | None, steps: int, compile: bool = False
+        self,
+        w,
+        start,
+        profile: str | None,
+        dtype: str,
+        fault: FaultSpec | None,
+        steps: int,
+        compile: str | bool = False,
     ) -> None:
+        """``compile``: a torch.compile backend (or False: eager)."""
         self.w, self.steps, self.dtype = w, steps, DTYPES[dtype]
         self.first = 0 if start is None else start.steps  # data position and LR schedule go on from the start
         torch.manual_seed(0)
@@ -119,7 +128,8 @@ class Run:
         if start is not None:
             self.model.load_state_dict(copy.deepcopy(start.model_state))
             self.opt.load_state_dict(copy.deepcopy(start.opt_state))
-        self.inj = Injector(self.model, [fault] if fault else [], self.opt, warn_unfired=False, graph=compile).attach()
+        self.inj = Injector(self.model, [fault] if fault else [], self.opt, warn_unfired=False, graph=bool(compile))
+        self.inj.attach()
         self.history: list[tuple[float, float]] = []  # (loss, gradient norm) of the unguarded steps
         self.guard = None
         if profile is not None:  # the profile by name, nothing else changed but graph taps when compiled
@@ -134,7 +144,7 @@ class Run:
                         spike.check(i - self.first, value)
         if compile:
             torch._dynamo.reset()  # a run's own taps and descriptors: compiled afresh
-        self.forward = torch.compile(self.model) if compile else self.model
+        self.forward = torch.compile(self.model, backend=compile) if compile else self.model
 
     def step_fn(self, model, micro) -> torch.Tensor:
         total = 0.0
@@ -251,7 +261,12 @@ def table(rows: list[dict]) -> list[str]:
         for a, axis in enumerate(AXES)
         for key in dict.fromkeys(r["cell"][a] for r in rows)
     ]
-    for name, rs in groups + [("silent", [r for r in rows if r["silent"]]), ("all", rows)]:
+    quiet = [r for r in rows if r["silent"]]
+    sites = [
+        (f"silent site {key}", [r for r in quiet if r["cell"][0] == key])
+        for key in dict.fromkeys(r["cell"][0] for r in rows)
+    ]
+    for name, rs in groups + sites + [("silent", quiet), ("all", rows)]:
         n, hurt = len(rs), [r for r in rs if r["harmful"]]
         lats = [r["lat"] for r in rs if r["lat"] is not None]
         lat = f"{statistics.median(lats):4.1f}" if lats else "   -"
@@ -271,6 +286,10 @@ def main() -> None:
     parser.add_argument("--clean-steps", type=int, default=None, help="steps of each clean run (default 100, quick 40)")
     parser.add_argument("--misses", action="store_true", help="list each harmful class a profile did not repair")
     parser.add_argument("--compile", action="store_true", help="guarded runs compiled (graph taps, graph injector)")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend of --compile (default inductor)")
+    parser.add_argument(
+        "--write", default=None, help="write the silent classes' detected counts per profile and site (JSON)"
+    )
     parser.add_argument("--sites", nargs="+", default=list(SITES), choices=list(SITES))
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     args = parser.parse_args()
@@ -309,7 +328,7 @@ def main() -> None:
             continue
         harmful = off(bare["val"], golden[cell[2]])
         for prof in args.profiles:
-            r = Run(w, starts[cell[2]], prof, cell[2], fault, steps, args.compile).run()
+            r = Run(w, starts[cell[2]], prof, cell[2], fault, steps, args.compile and args.backend).run()
             first = r["fired"] if r["fired"] is not None else bare["fired"]
             early[prof] += [dict(e, dtype=cell[2]) for e in r["events"] if e["step"] < first]
             late = [e["step"] for e in r["events"] if e["step"] >= first and e["detector"] != "guard"]
@@ -334,7 +353,7 @@ def main() -> None:
         clean[prof] = [
             dict(e, dtype=d)
             for d in DTYPES
-            for e in Run(w, starts[d], prof, d, None, clean_steps, args.compile).run()["events"]
+            for e in Run(w, starts[d], prof, d, None, clean_steps, args.compile and args.backend).run()["events"]
         ]
     summary = []
     for prof in args.profiles:
@@ -372,6 +391,24 @@ def main() -> None:
         f"wall {time.perf_counter() - t0:.0f} s (fault classes {t_cells:.0f} s); golden val loss "
         + ", ".join(f"{d} {v:.4f}" for d, v in golden.items())
     )
+    if args.write:
+        measured = {
+            "command": "python benchmarks/bench_guard_coverage.py " + " ".join(sys.argv[1:]),
+            "workload": "tiny GPT, batch 4 as 2 micro-batches",
+            "steps_after_fault": after,
+            "compiled": bool(args.compile),
+            "schedules": args.schedules,
+            "silent": {
+                p: {
+                    site: [sum(r["det"] for r in rs), len(rs)]
+                    for site in args.sites
+                    for rs in [[r for r in rows[p] if r["silent"] and r["cell"][0] == site]]
+                }
+                for p in args.profiles
+            },
+        }
+        with open(args.write, "w") as f:
+            json.dump(measured, f, indent=1)
     print(
         f"coverage detected/repaired ({'quick: ' if args.quick else ''}{len(cells)} classes): "
         + ", ".join(f"{p} {d:.0f}%/{r:.0f}%" for p, d, r, *_ in summary)

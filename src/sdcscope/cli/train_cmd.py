@@ -268,9 +268,15 @@ def train(
         out_console.print(f"faults: {tools.fired} fired in this session ({run.out / 'injections.jsonl'})")
         note(faults_fired=tools.fired)
     if tools.guard is not None:
+        from sdcscope.guard.coverage import measured_catch
+
         out_console.print(f"guard: {len(tools.guard.events)} event(s) in {run.out / 'events.jsonl'}")
         if tools.guard.abft is not None:
             out_console.print(f"guard: {tools.guard.abft.coverage()}")
+        # compiled, every profile's ABFT checks every Linear every step: what full measured
+        measured = measured_catch("full" if run.trainer.config.compile else tools.guard.config.profile)
+        if measured is not None:
+            out_console.print(f"guard: {measured}", highlight=False, soft_wrap=True)
         note(guard_events=len(tools.guard.events))
     _exit_for(summary)
 
