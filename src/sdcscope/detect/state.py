@@ -244,7 +244,7 @@ class StateChecksum:
             t = local(tensors[i]).detach()
             if not t.is_contiguous():
                 return None
-            srcs.append(t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool else t.reshape(-1).view(torch.uint8))
+            srcs.append(t.reshape(-1).view(torch.uint8))
         device = local(tensors[seg.parts[0][0]]).device
         buffer = torch.zeros(-(-seg.words // BLOCK) * BLOCK, dtype=torch.int32, device=device)
         raw = buffer.view(torch.uint8)
