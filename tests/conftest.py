@@ -22,3 +22,13 @@ def _no_leaked_sdpa_observers():
     if attention._original:
         torch.nn.functional.scaled_dot_product_attention = attention._original[0]
         attention._original.clear()
+
+
+@pytest.fixture(scope="session")
+def sharded_runs(tmp_path_factory):
+    """The FSDP2 and tensor-parallel runs of ``helpers.sharded_checkpoint_runs``, trained once per
+    session for the sharded-checkpoint tests (tests/sharded) and the tamper probes
+    (tests/reliability); the tests copy what they change."""
+    from helpers import sharded_checkpoint_runs
+
+    return sharded_checkpoint_runs(tmp_path_factory.mktemp("sharded_checkpoints"))

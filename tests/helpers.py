@@ -416,3 +416,99 @@ def event_summary(events):
 def event_keys(events, *keys):
     """The ``keys`` of each event, as tuples."""
     return [tuple(e[k] for k in keys) for e in events]
+
+
+# --- sharded checkpoints on two gloo ranks (tests/sharded and tests/reliability share one set) ---
+
+
+def sharded_dist():
+    """The gloo world of the sharded-checkpoint runs."""
+    from sdcscope.engine.dist import DistConfig
+
+    return DistConfig(backend="gloo", timeout_s=60)
+
+
+def sharded_policy():
+    """The sharded-checkpoint runs' checkpoint policy: every 2 steps, the last 3 kept."""
+    from sdcscope.engine.rundir import CheckpointPolicy
+
+    return CheckpointPolicy(every=2, keep=3)
+
+
+def sharded_job(out, kind: str, steps: int, specs=(), guard=None) -> dict:
+    """A two-rank ``--parallel kind`` job of the tiny GPT, as a dict (to cross the spawn)."""
+    from sdcscope.engine import TrainConfig
+    from sdcscope.engine.topology import Topology
+    from sdcscope.jobs.torchrun import make_job
+    from sdcscope.workloads import WorkloadConfig
+
+    workload = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=100_000, eval_batches=1)
+    return make_job(
+        out,
+        2,
+        steps=steps,
+        workload=workload,
+        train=TrainConfig(seed=0),
+        dist_config=sharded_dist(),
+        specs=[FaultSpec.from_dict(s) for s in specs],
+        guard=guard,
+        parallel=Topology(kind=kind),
+        checkpoints=sharded_policy(),
+    ).to_dict()
+
+
+def sharded_resume(out, steps: int):
+    """``resume_job`` of a sharded run to ``steps``: (job, the checkpoint chosen, those skipped)."""
+    from sdcscope.jobs.torchrun import resume_job
+
+    return resume_job(out, steps, dist_config=sharded_dist(), checkpoints=sharded_policy())
+
+
+def _sharded_world(rank: int, world: int, jobs: list[dict]) -> None:
+    """Every job on the same two ranks, one after the other (the process start is paid once)."""
+    from sdcscope.engine.dist import init_distributed
+    from sdcscope.jobs.torchrun import Job, run_job
+
+    init_distributed(sharded_dist())
+    for job in jobs:
+        run_job(Job.from_dict(job))
+
+
+def sharded_checkpoint_runs(tmp) -> dict:
+    """Two worlds of two ranks under ``tmp``: the runs, then the resumes of those that stopped early.
+    FSDP2: ``whole`` (4 steps, a checkpoint at step 2), ``pristine`` (its copy as written, for the
+    tamper tests), ``killed`` (its copy that lost everything after step 2), ``tainted`` (a fault at
+    step 2 that the guard only reports); tensor parallel: ``tp_whole`` (3 steps), ``tp_stopped``
+    (2 steps, then resumed from its final checkpoint). Also ``reference`` (``whole``'s
+    param_sha256) and ``chosen`` (the checkpoint each resume took)."""
+    import shutil
+
+    from sdcscope.engine.dist import spawn
+    from sdcscope.guard import GuardConfig
+
+    names = ("whole", "killed", "tainted", "tp_whole", "tp_stopped")
+    paths = {n: tmp / n for n in names}
+    # the flip at step 2 is found by ABFT and, with no policy, only reported: the state is tainted from then on
+    report_only = GuardConfig.from_dict({"profile": "full", "policy": {"defaults": False}})  # every GEMM checked
+    fault = rank_flip("gemm.forward", "blocks.0.mlp.fc", 1, at(2), bit=30)
+    first = [
+        sharded_job(paths["whole"], "fsdp", 4),
+        sharded_job(paths["tainted"], "fsdp", 3, [fault], report_only),
+        sharded_job(paths["tp_whole"], "tp", 3),
+        sharded_job(paths["tp_stopped"], "tp", 2),
+    ]
+    spawn(_sharded_world, 2, (first,), timeout_s=300)
+    paths["reference"] = json.loads((paths["whole"] / "summary.json").read_text())["param_sha256"]
+    shutil.copytree(paths["whole"], tmp / "pristine")  # the tamper test's copy, as written
+    paths["pristine"] = tmp / "pristine"
+    # a run killed after step 3, before its final checkpoint: the periodic step-2 one is the newest
+    shutil.copytree(paths["whole"], paths["killed"])
+    shutil.rmtree(paths["killed"] / "checkpoint")
+    second, paths["chosen"] = [], {}
+    for name in ("killed", "tp_stopped"):
+        job, chosen, skipped = sharded_resume(paths[name], 4 if name == "killed" else 3)
+        assert skipped == []
+        paths["chosen"][name] = chosen
+        second.append(job.to_dict())
+    spawn(_sharded_world, 2, (second,), timeout_s=300)
+    return paths

@@ -3,7 +3,6 @@ is refused with one clear line; an interrupted run saves a checkpoint it can be 
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -410,35 +409,3 @@ def test_a_resumed_run_keeps_its_permanent_bit_flips_bitwise(tmp_path):
     whole, part = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "part"))
     assert part["param_sha256"] == whole["param_sha256"]
     assert (tmp_path / "part" / "injections.jsonl").read_text() == (tmp_path / "whole" / "injections.jsonl").read_text()
-
-
-def test_resume_continues_the_run_as_its_config_records_it(tmp_path):
-    """After a kill (everything after the step-2 checkpoint lost) ``--resume DIR`` trains to the
-    recorded steps with the recorded checkpoint policy and says from where; a complete run is
-    left as it is; a larger --steps and another --checkpoint-every are taken, said and recorded."""
-    from sdcscope.engine.rundir import periodic_dir
-
-    run = tmp_path / "r"
-    _ok("train", "--steps", 6, "--batch-size", 2, "--checkpoint-every", 2, "--keep-checkpoints", 3, "--out", run)
-    assert _json(run / "config.json")["checkpoints"] == {"every": 2, "keep": 3}
-    whole = _json(run / "summary.json")["param_sha256"]
-    shutil.rmtree(run / "checkpoint")  # as if killed after step 3: the step-2 checkpoint is the newest
-    shutil.rmtree(periodic_dir(run, 4))
-    out = _ok("train", "--resume", run)
-    assert f"resuming from {periodic_dir(run, 2)} (step 2) to step 6, as config.json records" in out, out
-    summary = _json(run / "summary.json")
-    assert (summary["steps"], summary["param_sha256"]) == (6, whole)
-    assert periodic_dir(run, 4).is_dir()  # the recorded --checkpoint-every 2, not the default 100
-
-    before = _files(run)
-    out = _ok("train", "--resume", run)  # complete: nothing trained, nothing changed
-    assert f"{run} is complete: 6 steps, as its config.json records; nothing to train" in out, out
-    assert "--steps N (N > 6)" in out and _files(run) == before
-
-    out = _ok("train", "--resume", run, "--steps", 8, "--checkpoint-every", 7)
-    assert "(step 6) to step 8, --steps 8 extends the 6 steps config.json records" in out, out
-    assert "checkpoints: --checkpoint-every 7 (the run had 2)" in out, out
-    config = _json(run / "config.json")
-    assert (config["steps"], config["checkpoints"]) == (8, {"every": 7, "keep": 3})
-    assert config["resumes"][-1] == {"from_step": 6, "steps": 8, "changed": {"checkpoints.every": 7}}
-    assert periodic_dir(run, 7).is_dir() and _json(run / "summary.json")["steps"] == 8
