@@ -105,7 +105,7 @@ class Call:
         self.rows = sample_rows(seed, self.step, op.name, self.number, total, rows, last)
         self.index = ix = row_index(self.rows, lead, out.device)
         self.out_rows = out.detach()[ix]
-        self.args = [_fp32(a[ix]) if i in op.row_args else _fp32(a) for i, a in enumerate(args)]
+        self.args = [_fp32(a.detach()[ix]) if i in op.row_args else _fp32(a) for i, a in enumerate(args)]
         self.kwargs = {k: _fp32(v) for k, v in kwargs.items()}
         if self.tapped and out.requires_grad:
             return _tap(out, self, OUT)
