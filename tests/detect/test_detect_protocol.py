@@ -12,7 +12,7 @@ from sdcscope.detect import ABFTConfig, ABFTDetector, NonFiniteConfig, NonFinite
 from sdcscope.detect.protocol import CheckView, Detector, Registration, register, registered, registration, unregister
 from sdcscope.guard import GuardConfig
 
-BUILT_INS = ["abft", "nonfinite", "loss_spike", "grad_spike"]
+BUILT_INS = ["abft", "canary", "nonfinite", "loss_spike", "grad_spike"]
 
 
 def test_the_built_ins_are_registered_in_their_order():
@@ -20,13 +20,17 @@ def test_the_built_ins_are_registered_in_their_order():
     flags = {r.name: (r.world_values, r.recheck, r.drain, r.rolls_back) for r in registered()}
     assert flags == {
         "abft": (False, True, True, False),  # hooks record the step: re-checked on a replay, drained on a void step
+        "canary": (False, True, True, False),  # likewise (its section: detectors: {canary: ...})
         "nonfinite": (True, True, False, False),
         "loss_spike": (True, False, False, True),  # windows of past values roll back with the model
         "grad_spike": (True, False, False, True),
     }
     config = GuardConfig(profile="full")
     sections = {f.name: getattr(config, f.name) for f in fields(config)}
-    for reg in registered():  # each is configured by its own GuardConfig section
+    for reg in registered():  # each is configured by its own GuardConfig section (the canary: under detectors)
+        if reg.name == "canary":
+            assert config.detector_section(reg) is None and GuardConfig(detectors={"canary": {}}).detectors
+            continue
         assert config.detector_section(reg) is sections[reg.name] and isinstance(sections[reg.name], reg.config)
 
 

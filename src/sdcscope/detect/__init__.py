@@ -1,4 +1,5 @@
-"""Detectors: non-finite values, spikes, ABFT checksums of every GEMM, cross-rank signatures.
+"""Detectors: non-finite values, spikes, ABFT checksums of every GEMM, the kernel canary
+(sampled rows of a registered op against its reference), cross-rank signatures.
 
 Each detector is a small class with a config dataclass and ``check(...) -> list[Event]``;
 :class:`Event` is one line of ``events.jsonl``. The guard drives them through one protocol,
@@ -8,6 +9,7 @@ May import :mod:`sdcscope.observe`.
 """
 
 from sdcscope.detect.abft import ABFTConfig, ABFTDetector
+from sdcscope.detect.canary import CanaryConfig, CanaryDetector, canary_function, canary_module
 from sdcscope.detect.checksum import gemm_check
 from sdcscope.detect.crossrank import CrossRankConfig, CrossRankDetector, ReplicaHashCheck
 from sdcscope.detect.events import GEMMS, Event
@@ -24,6 +26,8 @@ __all__ = [
     "ABFT",
     "ABFTConfig",
     "ABFTDetector",
+    "CanaryConfig",
+    "CanaryDetector",
     "CrossRankConfig",
     "CheckView",
     "CrossRankDetector",
@@ -44,6 +48,8 @@ __all__ = [
     "StateChecksumConfig",
     "bitsum",
     "bucket_norms",
+    "canary_function",
+    "canary_module",
     "fletcher",
     "gemm_check",
     "grad_signatures",

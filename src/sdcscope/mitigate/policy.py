@@ -50,6 +50,9 @@ DEFAULT_RULES: dict[str, list[str]] = {
     # A GEMM that fails its checksum again on re-execution: a persistent fault on this device.
     # Don't apply a corrupted update; the event tells the operator which layer and GEMM.
     "abft:reproducible": ["veto"],
+    # A canary op that errs again on re-execution: a wrong kernel (or a persistent fault) -- the
+    # same answer.
+    "canary:reproducible": ["veto"],
     # Memory corruption of weights or optimizer state between steps: restore a verified state.
     "state_checksum:*": ["rollback"],
     "attention_logit:high": ["qk_clip"],
