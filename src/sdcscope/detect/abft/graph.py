@@ -110,7 +110,9 @@ def _tile_expect(a2, b2, bias, r: int, s: int) -> torch.Tensor:
     """What the tile check of C = A·B (+ bias) expects (:func:`~sdcscope.detect.abft.tiles.tile_terms`),
     flattened: the tile sums (P, Q), A's row-block squared norms (P), B's column-block ones (Q),
     rows per block (P)."""
-    exp, counts, a_sq, b_sq = tile_terms(a2, b2, bias, r, s)
+    an = torch.linalg.vector_norm(a2, dim=1, dtype=_F32)
+    bn = torch.linalg.vector_norm(b2, dim=0, dtype=_F32)
+    exp, counts, a_sq, b_sq = tile_terms(a2, b2, an, bn, bias, r, s)
     return torch.cat([exp.reshape(-1), a_sq, b_sq, counts])
 
 

@@ -72,32 +72,17 @@ def tile_sums(c: torch.Tensor, r: int, s: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def tile_terms(
-    am: torch.Tensor,
-    bm: torch.Tensor,
-    bias: torch.Tensor | None,
-    r: int,
-    s: int,
-    an: torch.Tensor | None = None,
-    bn: torch.Tensor | None = None,
+    am: torch.Tensor, bm: torch.Tensor, an: torch.Tensor, bn: torch.Tensor, bias: torch.Tensor | None, r: int, s: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the r×s tile check of C = A·B (+ bias) expects, from A (…, n, k), B (…, k, m): the
-    tile sums of the product of A's row blocks and B's column blocks (…, P, Q), rows per tile row
-    (P), and the squared norms of A's row blocks (…, P) and B's column blocks (…, Q), the bias
-    counted as one more column of A (ones) and row of B. The block norms come from A's row norms
-    ``an`` (…, n) and B's column norms ``bn`` (…, m) where known, else from the block sums of the
-    squares, which a compiler computes in the same pass over A (B) as the block sums."""
+    """What the r×s tile check of C = A·B (+ bias) expects, from A (…, n, k), B (…, k, m) and
+    their row / column norms ``an`` (…, n), ``bn`` (…, m): the tile sums of the product of A's
+    row blocks and B's column blocks (…, P, Q), rows per tile row (P), and the squared norms of
+    A's row blocks (…, P) and B's column blocks (…, Q), the bias counted as one more column of A
+    (ones) and row of B."""
     n = am.shape[-2]
-    a_blocks, b_blocks = block_sum(am, -2, r), block_sum(bm, -1, s)
-    exp = torch.matmul(a_blocks, b_blocks)  # (…, P, Q) fp32
+    exp = torch.matmul(block_sum(am, -2, r), block_sum(bm, -1, s))  # (…, P, Q) fp32
     counts = block_sum(torch.ones(n, device=am.device), 0, r)  # rows per tile row
-    if an is None:
-        a_sq = block_sum(am.float().square(), -2, r).sum(-1)
-    else:
-        a_sq = block_sum(an * an, -1, r)
-    if bn is None:
-        b_sq = block_sum(bm.float().square(), -1, s).sum(-2)
-    else:
-        b_sq = block_sum(bn * bn, -1, s)
+    a_sq, b_sq = block_sum(an * an, -1, r), block_sum(bn * bn, -1, s)
     if bias is not None:
         exp = exp + counts.unsqueeze(-1) * block_sum(bias.detach().reshape(-1), 0, s)
         bb = bias.detach().float().reshape(-1)
@@ -146,7 +131,7 @@ def tile_line(
         r = s = tile
         an = a.stat("rn").float().reshape(*am.shape[:-2], n)
         bn = b.stat("cn").float().reshape(*bm.shape[:-2], m)
-        exp, counts, a_sq, b_sq = tile_terms(am, bm, bias, r, s, an, bn)
+        exp, counts, a_sq, b_sq = tile_terms(am, bm, an, bn, bias, r, s)
         act, mag = tile_sums(cm, r, s)
         sigma, hard = tile_bounds(mag, counts, a_sq, b_sq, m, k, r, s, model)
         rows = act.numel() // max(act.shape[-2] * act.shape[-1], 1)
