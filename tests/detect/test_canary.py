@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import batch_of, ce, params, same
+from helpers import batch_of, ce, guarded_step, params, same
 from sdcscope.detect import CanaryConfig, CanaryDetector, canary_function, canary_module
 from sdcscope.detect.canary import bound
 from sdcscope.detect.canary import op as canary_op
@@ -140,15 +140,12 @@ def _run(model: FlakyMLP, guarded: bool, steps: int = 5):
     guard = Guard(model, opt, config, loss_fn=ce).attach() if guarded else None
     for step in range(steps):
         batch = batch_of(step)
-        opt.zero_grad()
-        if guard is None:
-            ce(model, batch).backward()
-            opt.step()
+        if guard is not None:
+            guarded_step(guard, model, step, batch)
             continue
-        with guard.step(step, batch):
-            loss = ce(model, batch)
-            loss.backward()
-        guard.optimizer_step(loss)
+        opt.zero_grad()
+        ce(model, batch).backward()
+        opt.step()
     if guard is not None:
         guard.close()
     return params(model), guard
