@@ -223,7 +223,8 @@ def silent(start: Start, bare: dict) -> bool:
     for i, pair in enumerate(start.history + bare["history"]):
         if not all(map(math.isfinite, pair)):
             return False
-        if any(d.check(i - start.steps, v) for d, v in zip(spikes, pair)) and i >= start.steps:
+        alarms = [d.check(i - start.steps, v) for d, v in zip(spikes, pair)]  # both fed, always
+        if any(alarms) and i >= start.steps:
             return False
     return True
 
