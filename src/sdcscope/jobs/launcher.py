@@ -52,6 +52,10 @@ FAILURE_FILE = "failure.json"
 """The launcher's account of a failed job: every rank's state and what each failure file says."""
 FAILURE_GRACE_S = 3.0
 """Seconds the other ranks get to record their own failure once one rank has recorded one."""
+REAPED_GRACE_S = 20.0
+"""Seconds torchrun gets to end the job by itself, once one rank recorded a failure, when it has
+already reaped a rank: it then knows how that rank ended (a signal, an exit code) and writes it as
+it exits; cut short, that rank's end is unknown (a loaded machine delays torchrun's turn)."""
 RANK_CODES = (ExitCode.USER_ERROR, ExitCode.STORAGE, ExitCode.INTERNAL)
 """Rank exit codes that say what ended the job better than its peers' ``INFRASTRUCTURE`` (they
 lost the world because that rank left) or torchrun's 1."""
@@ -130,6 +134,11 @@ def _state(pid: int) -> str | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
         return stat[stat.rindex(")") + 2 :].split()[0]
     return None
+
+
+def _grace(ranks: dict[int, int]) -> float:
+    """How long torchrun may take to end a job in which a rank recorded a failure."""
+    return REAPED_GRACE_S if any(_state(pid) is None for pid in ranks.values()) else FAILURE_GRACE_S
 
 
 def _failures(out: Path) -> dict[int, dict[str, Any]]:
@@ -387,7 +396,7 @@ def launch(job: Job, *, timeout_s: float | None = None, grace_s: float = 30.0) -
                             ranks[rank] = pid
                     if failed_at is None and _failures(job.out):
                         failed_at = time.monotonic()
-                    if failed_at is not None and time.monotonic() > failed_at + FAILURE_GRACE_S:
+                    if failed_at is not None and time.monotonic() > failed_at + _grace(ranks):
                         _record_failure(job.out, ranks, job.dist.timeout_s)
                         _kill(proc)  # a hung rank never leaves by itself
                         break
