@@ -113,6 +113,8 @@ def guard_config(
         return config
     if config.invariants is not None:
         config.invariants = str(Path(config.invariants).resolve())
+    if config.fleet_history is not None:
+        config.fleet_history = str(Path(config.fleet_history).expanduser().resolve())
     if config.metrics is not None and config.metrics.path is not None:
         config.metrics.path = str(Path(config.metrics.path).resolve())
     return config

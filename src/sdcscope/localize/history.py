@@ -411,6 +411,16 @@ def records_from_ledger(entries: Mapping[str, Mapping[str, Any]], run: str, upda
     return found
 
 
+def record_ledger(history: History, ledger: str | Path, run: str) -> tuple[int, int]:
+    """Ingest the ledger file ``ledger`` of run ``run`` into ``history``: ``(written, found)``
+    (nothing when there is no file: a run without findings writes none)."""
+    entries = Ledger.read(ledger)
+    if entries is None:
+        return 0, 0
+    records = records_from_ledger(entries, run, read_json(ledger).get("updated"))
+    return history.append(records), len(records)
+
+
 def record_run(
     history: History, run_dir: str | Path, *, ledger: str | Path | None = None, run: str | None = None
 ) -> tuple[int, int, str]:
@@ -420,15 +430,11 @@ def record_run(
     run_dir = Path(run_dir)
     if not run_dir.is_dir() or not (run_dir / "config.json").is_file():
         raise ValueError(f"{str(run_dir)!r} is not a run directory (no config.json)")
-    path = Path(ledger) if ledger is not None else run_dir / LEDGER_FILE
+    if ledger is not None and not Path(ledger).is_file():
+        raise ValueError(f"ledger {str(ledger)!r} does not exist")
     run = run or run_id(run_dir)
-    entries = Ledger.read(path)
-    if entries is None:
-        if ledger is not None:
-            raise ValueError(f"ledger {str(path)!r} does not exist")
-        return 0, 0, run
-    records = records_from_ledger(entries, run, read_json(path).get("updated"))
-    return history.append(records), len(records), run
+    written, found = record_ledger(history, ledger if ledger is not None else run_dir / LEDGER_FILE, run)
+    return written, found, run
 
 
 def statuses(
