@@ -43,23 +43,23 @@ def test_a_failed_screen_and_a_run_conviction_make_an_offender_every_export_name
     assert code == 0 and "2 new of 2 record(s)" in out  # the conviction and its strike
     assert "0 new of 2" in cli_invoke("fleet", "record", run)[1]
 
-    code, out = cli_invoke("fleet", "list")
+    code, out = cli_invoke("fleet", "list")  # the screen's fault was injected: no evidence against the device
     host = socket.gethostname()
+    assert code == 0 and "1 injected-fault finding(s) not counted" in out and "0 repeat offender(s)" in out
+    drill = ["--count-injected"]  # a drill of the hand-off counts it
+    code, out = cli_invoke("fleet", "list", *drill)
     assert code == 0 and "REPEAT OFFENDER" in out and "1 device(s), 1 repeat offender(s)" in out
-    (row,) = json.loads(cli_invoke("fleet", "list", "--json")[1])
-    assert (row["host"], row["device"], row["convictions"], row["screens"]) == (
-        host,
-        "cpu:0",
-        2,
-        {"pass": 0, "fail": 1},
-    )
-    assert "1 device(s), 0 repeat offender(s)" in cli_invoke("fleet", "list", "--convictions", "3")[1]
+    (row,) = json.loads(cli_invoke("fleet", "list", "--json", *drill)[1])
+    assert (row["host"], row["device"], row["convictions"]) == (host, "cpu:0", 2)
+    assert row["screens"] == {"pass": 0, "fail": 1}
+    assert "0 repeat offender(s)" in cli_invoke("fleet", "list", "--convictions", "3", *drill)[1]
 
-    assert cli_invoke("fleet", "export", "--format", "slurm") == (0, host)
-    code, _ = cli_invoke("fleet", "export", "--format", "nvrx", "--job-id", "77", "--out", tmp_path)
+    assert cli_invoke("fleet", "export", "--format", "slurm", *drill) == (0, host)
+    assert cli_invoke("fleet", "export", "--format", "slurm") == (0, "")
+    code, _ = cli_invoke("fleet", "export", "--format", "nvrx", "--job-id", "77", "--out", tmp_path, *drill)
     (_, _, node, observation) = check_nvrx_decision((tmp_path / "segment_health_check.77.state").read_text())
     assert code == 0 and node["excluded_nodes"][0]["node"] == host and observation["node"] == host
-    code, out = cli_invoke("fleet", "export", "--format", "k8s", "--node", host.lower())
+    code, out = cli_invoke("fleet", "export", "--format", "k8s", "--node", host.lower(), *drill)
     (condition,) = check_k8s_patch(json.loads(out))["status"]["conditions"]
     assert code == 0 and condition["status"] == "True" and condition["type"] == "SDCSuspect"
 

@@ -23,12 +23,13 @@ DEV = "node7:cuda:3"
 OTHER = "node2:cuda:0"
 
 
-def run_dir(tmp_path, name, *, carried=None, convict=True):
+def run_dir(tmp_path, name, *, carried=None, convict=True, faults=False):
     """A finished run directory whose ledger holds what ``convict`` says (a persistent fault on DEV
     at step 5, and a single suspicion of OTHER), optionally carrying an earlier ledger over."""
     d = tmp_path / name
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"seed": 0, "workload": "gpt"}))
+    specs = [{"site": "weight", "target": "fc", "model": "bitflip", "bits": [30]}] if faults else []
+    (d / "config.json").write_text(json.dumps({"seed": 0, "workload": "gpt", "faults": specs}))
     ledger = Ledger(d / "ledger.json", LedgerConfig(strikes=2), entries=carried)
     if convict:
         for when in (5, 6):
@@ -64,8 +65,13 @@ def test_a_device_convicted_in_two_runs_is_a_repeat_offender_and_recording_is_id
     assert by_strikes["node2"].offender and "strikes in 2 runs" in by_strikes["node2"].reason
     assert by_strikes["node7"].offender  # struck in both runs too
     assert not any(s.offender for s in judge(book.read()[0], RepeatRule(convictions=3)))
+    drill = run_dir(tmp_path, "r4", faults=True)  # a run with injected faults: simulated, not the device's doing
+    drill_run = record_run(book, drill)[2]
+    assert all(r.evidence["injected"] for r in book.read()[0] if r.run == drill_run)
+    assert not {s.host: s for s in judge(book.read()[0], RepeatRule(convictions=3))}["node7"].offender
+    assert {s.host: s for s in judge(book.read()[0], RepeatRule(convictions=3, count_injected=True))}["node7"].offender
     lines = (tmp_path / "fleet" / "node7.jsonl").read_text().splitlines()
-    assert len(lines) == 6 and {json.loads(x)["host"] for x in lines} == {"node7"}  # one file per host
+    assert len(lines) == 9 and {json.loads(x)["host"] for x in lines} == {"node7"}  # one file per host
 
 
 def _at(days_ago, kind, run, now):

@@ -35,16 +35,21 @@ HISTORY_OPT = path_option(
 RULE_OPT = path_option(None, "--rule", help="YAML/JSON repeat-offender rule (convictions, window_days, ...).")
 CONVICTIONS_OPT = typer.Option(None, "--convictions", help="Convictions in distinct runs that make a repeat offender.")
 WINDOW_OPT = typer.Option(None, "--window-days", help="Days a conviction is remembered for.")
+INJECTED_OPT = typer.Option(
+    False, "--count-injected", help="Count findings of runs and screens that injected faults (a drill)."
+)
 SKIP_BAD_OPT = typer.Option(False, "--skip-bad", help="Skip bad history records (each one named) instead of failing.")
 
 
-def _rule(path: Optional[Path], convictions: Optional[int], window_days: Optional[float]):
+def _rule(path: Optional[Path], convictions: Optional[int], window_days: Optional[float], injected: bool):
     import dataclasses
 
     from sdcscope.localize.history import RepeatRule
 
     rule = RepeatRule.load(path) if path is not None else RepeatRule()
     changes = {k: v for k, v in (("convictions", convictions), ("window_days", window_days)) if v is not None}
+    if injected:
+        changes["count_injected"] = True
     return dataclasses.replace(rule, **changes)  # validated again
 
 
@@ -94,13 +99,14 @@ def list_devices(
     rule_file: Optional[Path] = RULE_OPT,
     convictions: Optional[int] = CONVICTIONS_OPT,
     window_days: Optional[float] = WINDOW_OPT,
+    count_injected: bool = INJECTED_OPT,
     skip_bad: bool = SKIP_BAD_OPT,
     as_json: bool = typer.Option(False, "--json", help="Print the devices as JSON."),
 ) -> None:
     """Every device of the history: counted convictions (and the runs), strikes, screens passed
     and failed, when last seen, and whether the rule makes it a repeat offender."""
     with user_errors():
-        rule = _rule(rule_file, convictions, window_days)
+        rule = _rule(rule_file, convictions, window_days, count_injected)
         book, found = _statuses(history, rule, skip_bad)
     shown = [s for s in found if s.offender or not offenders_only]
     if as_json:
@@ -117,6 +123,7 @@ def list_devices(
                 "strikes": s.strikes,
                 "screens": s.screens,
                 "last_seen": s.last_seen,
+                "injected_uncounted": s.injected,
             }
             for s in shown
         ]
@@ -126,7 +133,9 @@ def list_devices(
         mark = "REPEAT OFFENDER" if s.offender else "-"
         out_console.print(
             f"{s.host:20} {s.device:8} convictions {len(s.convictions)} (runs {len(s.runs)}), strikes {s.strikes}, "
-            f"screens pass {s.screens['pass']} fail {s.screens['fail']}, last seen {s.last_seen}  {mark}"
+            f"screens pass {s.screens['pass']} fail {s.screens['fail']}, last seen {s.last_seen}"
+            + (f", {s.injected} injected-fault finding(s) not counted" if s.injected else "")
+            + f"  {mark}"
             + (f": {s.reason}" if s.offender else ""),
             markup=False,
             highlight=False,
@@ -168,6 +177,7 @@ def export(
     rule_file: Optional[Path] = RULE_OPT,
     convictions: Optional[int] = CONVICTIONS_OPT,
     window_days: Optional[float] = WINDOW_OPT,
+    count_injected: bool = INJECTED_OPT,
     skip_bad: bool = SKIP_BAD_OPT,
 ) -> None:
     """Export the repeat offenders for a fleet tool: a Slurm --exclude host list, NVRx's
@@ -178,7 +188,7 @@ def export(
         from sdcscope.localize import exports
 
         check_choice("--format", fmt, FORMATS)
-        rule = _rule(rule_file, convictions, window_days)
+        rule = _rule(rule_file, convictions, window_days, count_injected)
         tasks = _tasks(array_task or [])
         if fmt == "nvrx":
             job_id = job_id or os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")

@@ -265,10 +265,12 @@ class Guard:
 
     def _record_fleet(self) -> None:
         """Record this run's ledger in the fleet history (``fleet_history``); once more adds nothing."""
-        from sdcscope.localize.history import History, record_ledger, run_id
+        from sdcscope.localize.history import History, injected_faults, record_ledger, run_id
 
-        run = run_id(self._run_dir) if self._run_dir is not None else self._started  # a plain loop: this guard's life
-        written, found = record_ledger(History(self.config.fleet_history), self._ledger_file, run)
+        run_dir = self._run_dir
+        run = run_id(run_dir) if run_dir is not None else self._started  # a plain loop: this guard's life
+        injected = run_dir is not None and injected_faults(run_dir)
+        written, found = record_ledger(History(self.config.fleet_history), self._ledger_file, run, injected=injected)
         log.info("fleet history %s: %d new of %d record(s) of run %s", self.config.fleet_history, written, found, run)
 
     def __enter__(self) -> Guard:

@@ -163,12 +163,16 @@ class RepeatRule:
     strike_runs: int = 0
     """Distinct runs with a strike against the device (a suspicion its ledger counted, convicted
     or not) within the window that make it a repeat offender too; 0: strikes alone never do."""
+    count_injected: bool = False
+    """Count the findings of runs and screens that injected faults (``evidence.injected``): a drill
+    of the hand-off. Off, they are listed but never convict the hardware."""
 
     def __post_init__(self) -> None:
         check_positive("repeat rule convictions", self.convictions)
         check_float("repeat rule window_days", self.window_days, low=0, low_open=True)
         check_bool("repeat rule screen_fail_counts", self.screen_fail_counts)
         check_bool("repeat rule cleared_by_pass", self.cleared_by_pass)
+        check_bool("repeat rule count_injected", self.count_injected)
         check_non_negative("repeat rule strike_runs", self.strike_runs)
 
     @classmethod
@@ -191,6 +195,8 @@ class DeviceStatus:
     strikes: int
     screens: dict[str, int]
     last_seen: str
+    injected: int = 0
+    """Findings of runs with injected faults left uncounted (:attr:`RepeatRule.count_injected`)."""
     offender: bool = False
     since: str | None = None
     """When it became a repeat offender (the record that tipped it)."""
@@ -211,9 +217,14 @@ def judge(records: Iterable[Record], rule: RepeatRule | None = None, now: dateti
         by_device.setdefault(r.key, []).append(r)
     found = []
     for (host, device), recs in sorted(by_device.items()):
-        passes = [r.when for r in recs if r.kind == "screen_pass"]
+        passes = [
+            r.when for r in recs if r.kind == "screen_pass" and (rule.count_injected or not r.evidence.get("injected"))
+        ]
         cleared = max(passes) if passes and rule.cleared_by_pass else None
         live = [r for r in recs if r.when >= start and (cleared is None or r.when > cleared)]
+        simulated = [r for r in live if r.evidence.get("injected")]
+        if not rule.count_injected:
+            live = [r for r in live if r not in simulated]
         convicting = ("conviction", "screen_fail") if rule.screen_fail_counts else ("conviction",)
         status = DeviceStatus(
             host,
@@ -223,6 +234,7 @@ def judge(records: Iterable[Record], rule: RepeatRule | None = None, now: dateti
             sum(r.kind == "strike" for r in live),
             {v: sum(r.kind == k for r in recs) for v, k in SCREEN_KINDS.items()},
             recs[-1].time,
+            injected=0 if rule.count_injected else len(simulated),
         )
         _offence(status, [r for r in live if r.kind == "strike"], rule)
         found.append(status)
@@ -362,17 +374,22 @@ def screen_record(
         return None
     host, device = _split(key)
     when = screen.get("time") or utc_now()
-    evidence = {k: screen[k] for k in ("screen", "first_difference") if k in screen}
+    evidence = {k: screen[k] for k in ("screen", "first_difference", "injected") if k in screen}
     key_text = json.dumps(screen.get("key"), sort_keys=True)
     return make_record(host, device, screen.get("run") or run, when, kind, evidence, identity, basis=[when, key_text])
 
 
-def records_from_ledger(entries: Mapping[str, Mapping[str, Any]], run: str, updated: str | None = None) -> list[Record]:
+def records_from_ledger(
+    entries: Mapping[str, Mapping[str, Any]], run: str, updated: str | None = None, *, injected: bool = False
+) -> list[Record]:
     """The history records of a ledger's ``entries`` (:meth:`Ledger.read`) reported by ``run``: a
     ``conviction`` per faulty device (one a screen made is its ``screen_fail``), a ``strike`` per
     suspicion, a record per passing or failing screen. ``updated``: the ledger's own time, for
-    findings of a ledger written before findings were dated (those are keyed by ``run``)."""
+    findings of a ledger written before findings were dated (those are keyed by ``run``);
+    ``injected``: the run injected faults, so its findings are marked (``evidence.injected``): a
+    simulated fault is no evidence against the hardware (:attr:`RepeatRule.count_injected`)."""
     fallback = updated or utc_now()
+    mark = {"injected": True} if injected else {}
     found: list[Record] = []
     for key, entry in entries.items():
         host, device = _split(key)
@@ -383,7 +400,7 @@ def records_from_ledger(entries: Mapping[str, Mapping[str, Any]], run: str, upda
         )
         if entry.get("faulty") and convicted_by != "screen":
             last = suspicions[-1] if suspicions else {}
-            evidence = {"reason": entry.get("reason"), "rank": entry.get("rank"), "by": convicted_by}
+            evidence = {"reason": entry.get("reason"), "rank": entry.get("rank"), "by": convicted_by, **mark}
             evidence.update({k: last.get(k) for k in ("detector", "step", "module", "verdict", "site") if k in last})
             since = entry.get("since")
             found.append(
@@ -392,7 +409,7 @@ def records_from_ledger(entries: Mapping[str, Mapping[str, Any]], run: str, upda
                 )
             )
         for s in suspicions:
-            evidence = {k: s.get(k) for k in ("detector", "step", "module", "verdict", "site")}
+            evidence = {**{k: s.get(k) for k in ("detector", "step", "module", "verdict", "site")}, **mark}
             basis = [
                 s.get("time") or ["run", run],
                 s.get("step"),
@@ -411,13 +428,20 @@ def records_from_ledger(entries: Mapping[str, Mapping[str, Any]], run: str, upda
     return found
 
 
-def record_ledger(history: History, ledger: str | Path, run: str) -> tuple[int, int]:
+def injected_faults(run_dir: str | Path) -> bool:
+    """Whether the run in ``run_dir`` injected faults (its config.json lists fault specs)."""
+    config = Path(run_dir) / "config.json"
+    return config.is_file() and bool(read_json(config).get("faults"))
+
+
+def record_ledger(history: History, ledger: str | Path, run: str, *, injected: bool = False) -> tuple[int, int]:
     """Ingest the ledger file ``ledger`` of run ``run`` into ``history``: ``(written, found)``
-    (nothing when there is no file: a run without findings writes none)."""
+    (nothing when there is no file: a run without findings writes none); ``injected``: see
+    :func:`records_from_ledger`."""
     entries = Ledger.read(ledger)
     if entries is None:
         return 0, 0
-    records = records_from_ledger(entries, run, read_json(ledger).get("updated"))
+    records = records_from_ledger(entries, run, read_json(ledger).get("updated"), injected=injected)
     return history.append(records), len(records)
 
 
@@ -426,14 +450,16 @@ def record_run(
 ) -> tuple[int, int, str]:
     """Ingest a finished run's ledger (``ledger``, default ``run_dir/ledger.json``) into
     ``history``: ``(written, found, run id)``. A run without findings has no ledger: nothing to
-    record. Recording a run again writes nothing new."""
+    record. Recording a run again writes nothing new; a run that injected faults is recorded with
+    its findings marked ``injected``."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir() or not (run_dir / "config.json").is_file():
         raise ValueError(f"{str(run_dir)!r} is not a run directory (no config.json)")
     if ledger is not None and not Path(ledger).is_file():
         raise ValueError(f"ledger {str(ledger)!r} does not exist")
     run = run or run_id(run_dir)
-    written, found = record_ledger(history, ledger if ledger is not None else run_dir / LEDGER_FILE, run)
+    path = ledger if ledger is not None else run_dir / LEDGER_FILE
+    written, found = record_ledger(history, path, run, injected=injected_faults(run_dir))
     return written, found, run
 
 

@@ -268,6 +268,7 @@ def screen(
     run = f"screen-{socket.gethostname()}-{when}"
     entries = {
         r.device: {"screen": r.verdict, "first_difference": r.first_difference, "key": r.key, "time": when, "run": run}
+        | ({"injected": True} if faults else {})  # a simulated bad device: no evidence against it
         for r in results
     }
     if history is not None:
