@@ -205,6 +205,7 @@ def export(
         else:
             patches = exports.k8s_patches(found, condition=condition, short=short)
             if node is not None:
+                node = node.lower()  # as the kubelet names nodes
                 if node not in patches:
                     known = ", ".join(patches) or "none"
                     raise CLIError(f"--node {node!r} has no record in the history; nodes: {known}")

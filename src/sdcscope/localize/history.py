@@ -30,7 +30,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -469,7 +469,3 @@ def statuses(
     """The history judged by ``rule``: ``(statuses, problems)`` (see :meth:`History.read`)."""
     records, problems = history.read(strict=strict)
     return judge(records, rule), problems
-
-
-def offenders(found: Sequence[DeviceStatus]) -> list[DeviceStatus]:
-    return [s for s in found if s.offender]
