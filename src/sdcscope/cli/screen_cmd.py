@@ -1,5 +1,6 @@
 """``sdcscope screen``: run a short golden workload on each device and compare it bit for bit with
-the reference of its software stack; verdicts go to the device ledger (:mod:`sdcscope.localize.screen`)."""
+the reference of its software stack; verdicts go to the device ledger (:mod:`sdcscope.localize.screen`)
+and, with ``--history`` or ``$SDCSCOPE_FLEET``, to the fleet history (:mod:`sdcscope.localize.history`)."""
 
 from __future__ import annotations
 
