@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -58,6 +59,8 @@ _FIELDS = ("format", "id", "time", "host", "device", "run", "kind", "evidence", 
 _TIME = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z")
 _HOST_FILE = re.compile(r"[^A-Za-z0-9._-]")
 log = logging.getLogger("sdcscope.localize.history")
+_THREADS = threading.Lock()
+"""Appends of this process's threads, one at a time (``lockf`` locks belong to a process)."""
 
 
 def default_history() -> Path:
@@ -324,28 +327,30 @@ def _id_of(line: str) -> str | None:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[tuple[int, str]]:
     """``path`` opened for appending under an exclusive lock, with its text. A last line without
-    its newline is a writer killed mid-record (every writer holds the lock): it is cut off first."""
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
+    its newline is a writer killed mid-record (every writer holds the lock): it is cut off first.
+    ``lockf`` excludes other processes; this process's threads take :data:`_THREADS` first."""
+    with _THREADS:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            import fcntl
+            try:
+                import fcntl
 
-            fcntl.lockf(fd, fcntl.LOCK_EX)
-        except (ImportError, OSError) as exc:  # no lock on this file system: appends stay whole lines
-            log.debug("fleet history %s: no lock (%s)", path, exc)
-        data = b""
-        while chunk := os.pread(fd, 1 << 20, len(data)):
-            data += chunk
-        if data and not data.endswith(b"\n"):
-            keep = data.rfind(b"\n") + 1
-            log.warning(
-                "fleet history %s: dropped a torn record (%d bytes) left by a killed writer", path, len(data) - keep
-            )
-            os.ftruncate(fd, keep)
-            data = data[:keep]
-        yield fd, data.decode("utf-8", errors="replace")
-    finally:
-        os.close(fd)  # releases the lock
+                fcntl.lockf(fd, fcntl.LOCK_EX)
+            except (ImportError, OSError) as exc:  # no lock on this file system: appends stay whole lines
+                log.debug("fleet history %s: no lock (%s)", path, exc)
+            data = b""
+            while chunk := os.pread(fd, 1 << 20, len(data)):
+                data += chunk
+            if data and not data.endswith(b"\n"):
+                keep = data.rfind(b"\n") + 1
+                log.warning(
+                    "fleet history %s: dropped a torn record (%d bytes) of a killed writer", path, len(data) - keep
+                )
+                os.ftruncate(fd, keep)
+                data = data[:keep]
+            yield fd, data.decode("utf-8", errors="replace")
+        finally:
+            os.close(fd)  # releases the lock
 
 
 def run_id(run_dir: str | Path) -> str:
