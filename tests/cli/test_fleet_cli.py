@@ -65,6 +65,8 @@ def test_a_failed_screen_and_a_run_conviction_make_an_offender_every_export_name
 
     cli_fails(["fleet", "export", "--format", "lsf"], "--format", "slurm, nvrx, k8s")
     cli_fails(["fleet", "export", "--format", "nvrx"], "--job-id")
+    cli_fails(["fleet", "export", "--format", "nvrx", "--job-id", "7", "--ttl", "0"], "--ttl")
+    cli_fails(["fleet", "export", "--format", "k8s", "--condition-type", "SDC suspect"], "condition type")
     (fleet / f"{host}.jsonl").open("a").write("not json\n")
     cli_fails(["fleet", "list"], f"{host}.jsonl:4")
     assert "skipped a bad record" in cli_invoke("fleet", "list", "--skip-bad")[1]

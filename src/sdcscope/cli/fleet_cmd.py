@@ -184,7 +184,7 @@ def export(
     scheduler-exclusion JSONL artefact, or Kubernetes node-condition status patches."""
     with user_errors():
         from sdcscope.common.io import write_text_atomic
-        from sdcscope.common.validate import check_choice
+        from sdcscope.common.validate import check_choice, check_float
         from sdcscope.localize import exports
 
         check_choice("--format", fmt, FORMATS)
@@ -195,6 +195,9 @@ def export(
             if not job_id:
                 raise CLIError("--format nvrx needs --job-id (or $SLURM_ARRAY_JOB_ID / $SLURM_JOB_ID)")
             exports.nvrx_file_name(job_id)  # refuses a bad id before any work
+            check_float("--ttl", ttl, low=0, low_open=True)
+        if fmt == "k8s":
+            exports.check_condition_type(condition)
         _, found = _statuses(history, rule, skip_bad)
         if fmt == "slurm":
             text = exports.slurm_exclude(found, short=short) + "\n"

@@ -235,6 +235,13 @@ def k8s_patches(
     return patches
 
 
+def check_condition_type(name: object) -> str:
+    """``name`` when it is a valid Kubernetes condition type (``SDCSuspect``, ``example.com/Bad``)."""
+    if not isinstance(name, str) or len(name) > 316 or not _K8S_TYPE.fullmatch(name):
+        raise ValueError(f"condition type {brief(name)} is not a valid Kubernetes condition type (e.g. SDCSuspect)")
+    return name
+
+
 def check_k8s_patch(patch: object) -> dict[str, Any]:
     """``patch`` when it is a node-status strategic-merge patch of ``status.conditions`` (each
     condition: ``type``, ``status`` True/False/Unknown, ``reason`` CamelCase, ``message``, RFC 3339
@@ -246,8 +253,7 @@ def check_k8s_patch(patch: object) -> dict[str, Any]:
     for c in patch["status"]["conditions"]:
         if not isinstance(c, dict) or not {"type", "status"} <= set(c) <= _CONDITION_KEYS:
             raise ValueError(f"a node condition has type, status and some of {sorted(_CONDITION_KEYS)}: {brief(c)}")
-        if not isinstance(c["type"], str) or len(c["type"]) > 316 or not _K8S_TYPE.fullmatch(c["type"]):
-            raise ValueError(f"condition type {brief(c['type'])} is not a valid Kubernetes condition type")
+        check_condition_type(c["type"])
         if c["status"] not in ("True", "False", "Unknown"):
             raise ValueError(f"condition status {brief(c['status'])}; allowed: True, False, Unknown")
         if "reason" in c and (
