@@ -62,6 +62,7 @@ from sdcscope.cli import (  # noqa: E402,F401  (registers commands)
     campaign_cmd,
     checkpoint_cmd,
     demo_cmd,
+    fleet_cmd,
     inject_cmd,
     invariants_cmd,
     report_cmd,

@@ -3,6 +3,7 @@ and their translation into validated configs."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -101,18 +102,23 @@ def guard_config(
     """The GuardConfig asked for on the command line, else ``recorded`` (a resumed run's, which
     ``--guard`` alone keeps and ``--invariants`` extends), or None (raises on a bad file). With
     ``resolve`` its file paths are made absolute (relative ones are to the working directory), so
-    the run resumes from anywhere."""
+    the run resumes from anywhere. ``$SDCSCOPE_FLEET`` is its ``fleet_history`` when it gives none."""
     if not guard and path is None and invariants is None:
         return recorded
     from sdcscope.guard import GuardConfig
+    from sdcscope.localize.history import HISTORY_ENV
 
     config = GuardConfig.load(check_file("--guard-config", path)) if path is not None else recorded or GuardConfig()
     if invariants is not None:
         config.invariants = str(check_file("--invariants", invariants))
+    if config.fleet_history is None and os.environ.get(HISTORY_ENV):  # a configured fleet history
+        config.fleet_history = os.environ[HISTORY_ENV]
     if not resolve:
         return config
     if config.invariants is not None:
         config.invariants = str(Path(config.invariants).resolve())
+    if config.fleet_history is not None:
+        config.fleet_history = str(Path(config.fleet_history).expanduser().resolve())
     if config.metrics is not None and config.metrics.path is not None:
         config.metrics.path = str(Path(config.metrics.path).resolve())
     return config

@@ -1,5 +1,6 @@
 """``sdcscope screen``: run a short golden workload on each device and compare it bit for bit with
-the reference of its software stack; verdicts go to the device ledger (:mod:`sdcscope.localize.screen`)."""
+the reference of its software stack; verdicts go to the device ledger (:mod:`sdcscope.localize.screen`)
+and, with ``--history`` or ``$SDCSCOPE_FLEET``, to the fleet history (:mod:`sdcscope.localize.history`)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ def screen(
         "--faults",
         help="Fault specs to inject into the golden workload (simulate a bad device; targets fc1, fc2).",
     ),
+    history: Optional[Path] = path_option(
+        None,
+        "--history",
+        help="Fleet history directory to append the pass/fail verdicts to (default $SDCSCOPE_FLEET when set; "
+        "else none).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
     """Screen devices: a device whose golden steps differ from the reference is marked faulty in the
@@ -58,14 +65,22 @@ def screen(
         specs = load_fault_file("--faults", faults) if faults is not None else []
         ref = reference or default_reference()
         book = ledger if ledger is not None and str(ledger) not in ("", ".") else None
-        results = run_screen(device, ref, book, config, record=record, faults=specs)
+        from sdcscope.localize.history import HISTORY_ENV
+
+        fleet = history or (Path(os.environ[HISTORY_ENV]).expanduser() if os.environ.get(HISTORY_ENV) else None)
+        results = run_screen(device, ref, book, config, record=record, faults=specs, history=fleet)
     if as_json:
         out_console.print_json(json.dumps([r.to_dict() for r in results]))
     else:
         for r in results:
             where = "" if r.first_difference is None else f"  first difference: {r.first_difference}"
             out_console.print(f"{r.target:8} {r.device:28} {r.verdict:16} {r.seconds:7.2f}s{where}", highlight=False)
-        out_console.print(f"reference: {ref}" + ("" if book is None else f"; ledger: {book}"), highlight=False)
+        out_console.print(
+            f"reference: {ref}"
+            + ("" if book is None else f"; ledger: {book}")
+            + ("" if fleet is None else f"; history: {fleet}"),
+            highlight=False,
+        )
     failed = [r.target for r in results if r.verdict == "fail"]
     if failed:
         raise fail(

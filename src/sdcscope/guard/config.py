@@ -138,6 +138,12 @@ class GuardConfig:
     progress) and :attr:`Guard.stalled` turns true; None: never."""
     strict: bool = False
     """Re-raise the guard's own internal errors instead of reporting them as events."""
+    fleet_history: str | None = None
+    """A fleet history directory (:mod:`sdcscope.localize.history`, docs/fleet.md): when the guard
+    closes, the run's device ledger -- convictions, strikes, screens -- is recorded there (by the
+    writing rank), so that later jobs see a device convicted again as a repeat offender. Needs a
+    ledger file (a run directory or ``ledger=``). None: not recorded (``sdcscope fleet record``
+    does it afterwards)."""
 
     def __post_init__(self) -> None:
         check_choice("guard profile", self.profile, PROFILES)
@@ -159,6 +165,8 @@ class GuardConfig:
             check_float("guard qk_clip", self.qk_clip, low=0.0, low_open=True)
         if self.invariants is not None and not isinstance(self.invariants, (str, os.PathLike)):
             raise TypeError(f"guard invariants={self.invariants!r} must be a file path or null")
+        if self.fleet_history is not None and not isinstance(self.fleet_history, (str, os.PathLike)):
+            raise TypeError(f"guard fleet_history={self.fleet_history!r} must be a directory path or null")
         if self.invariants is not None and not os.path.isfile(str(self.invariants)):
             raise FileNotFoundError(f"guard invariants file {str(self.invariants)!r} does not exist")
         for name in ("replay", "strict"):

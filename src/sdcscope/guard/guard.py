@@ -22,6 +22,7 @@ import contextlib
 import inspect
 import logging
 import math
+import socket
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -40,6 +41,7 @@ from sdcscope.guard.config import GuardConfig
 from sdcscope.guard.session import StepSession, check_loss
 from sdcscope.guard.world import fit_config, make_side
 from sdcscope.inject import reexecution
+from sdcscope.localize.ledger import LEDGER_FILE, utc_now
 from sdcscope.mitigate import LRBackoff, SnapshotRing, ZClip
 from sdcscope.observe import Metrics
 from sdcscope.observe.eventlog import event_line
@@ -186,6 +188,10 @@ class Guard:
         lead = not world.distributed or rank == 0  # in a distributed world rank 0 writes the world's events
         self._writer = JsonlWriter(Path(run_dir) / "events.jsonl") if run_dir is not None and lead else None
         self._run_dir, self._rank_writer = run_dir, None
+        self._lead, self._started = lead, f"guard-{socket.gethostname()}-{utc_now()}"
+        self._ledger_file = (
+            Path(ledger) if ledger is not None else None if run_dir is None else Path(run_dir) / LEDGER_FILE
+        )
         self.rank_batch = rank_batch
         self._on_event = on_event
         self._attached = self._ever_attached = False
@@ -247,6 +253,8 @@ class Guard:
 
     def close(self) -> None:
         self.detach()
+        if self.config.fleet_history is not None and self._lead and self._ledger_file is not None:
+            self.safe(self._record_fleet, "fleet history")
         if self.metrics is not None:
             self.metrics.close()
         if self._writer is not None:
@@ -254,6 +262,16 @@ class Guard:
         if self._rank_writer is not None:
             self._rank_writer.close()
         self.ranks.close()
+
+    def _record_fleet(self) -> None:
+        """Record this run's ledger in the fleet history (``fleet_history``); once more adds nothing."""
+        from sdcscope.localize.history import History, injected_faults, record_ledger, run_id
+
+        run_dir = self._run_dir
+        run = run_id(run_dir) if run_dir is not None else self._started  # a plain loop: this guard's life
+        injected = run_dir is not None and injected_faults(run_dir)
+        written, found = record_ledger(History(self.config.fleet_history), self._ledger_file, run, injected=injected)
+        log.info("fleet history %s: %d new of %d record(s) of run %s", self.config.fleet_history, written, found, run)
 
     def __enter__(self) -> Guard:
         return self.attach()

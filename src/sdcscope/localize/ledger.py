@@ -16,7 +16,11 @@ that a fault which keeps coming back is judged as such instead of being repaired
   detector to check every layer for that long).
 
 Time is counted in steps begun (a rolled-back step that runs again is a new moment), so a fault
-met again after a rollback counts again.
+met again after a rollback counts again. Each suspicion and each conviction also carries its wall
+time (UTC, ``time`` / ``since``), and a device entry what is known of the device itself
+(``identity``: UUID and PCI bus id of a local GPU, the CPU model): the fleet history
+(:mod:`sdcscope.localize.history`) keys its records by them, so a ledger carried into a later job
+is not counted again there.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import copy
 import json
 import logging
 import os
+import platform
 import socket
-import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +100,48 @@ def device_id(device: torch.device | str | None = None) -> str:
     return f"{host}:cpu:{os.environ.get('LOCAL_RANK', '0')}"
 
 
+def utc_now() -> str:
+    """The current time as the ledger and the fleet history write it (UTC, ISO 8601 to the
+    microsecond, ``Z``): two findings of one device are told apart by it."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def device_identity(device: str) -> dict[str, Any]:
+    """What this process can tell of ``device`` (a ledger key, ``host:cuda:i``) beyond its index:
+    a local GPU's UUID and PCI bus id, the CPU model of a CPU device; empty for a device of another
+    host (a remote rank's) or one not visible here."""
+    host, _, rest = device.partition(":")
+    kind, _, index = rest.partition(":")
+    if host != socket.gethostname():
+        return {}
+    if kind == "cpu":
+        model = _cpu_model()
+        return {"cpu": model} if model else {}
+    if kind != "cuda" or not index.isdigit() or not torch.cuda.is_available():
+        return {}
+    if int(index) >= torch.cuda.device_count():
+        return {}
+    props = torch.cuda.get_device_properties(int(index))
+    found: dict[str, Any] = {"name": props.name}
+    if getattr(props, "uuid", None) is not None:
+        found["uuid"] = f"GPU-{props.uuid}"
+    if getattr(props, "pci_bus_id", None) is not None:
+        domain, bus, dev = (getattr(props, k, 0) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+        found["pci_bus_id"] = f"{domain:08X}:{bus:02X}:{dev:02X}.0"  # as nvidia-smi writes it
+    return found
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def is_suspicion(event: Event) -> bool:
     return (
         event.verdict in SUSPICIONS
@@ -141,6 +188,12 @@ def _new_entry(rank: int | None) -> dict[str, Any]:
     return {"rank": rank, "faulty": False, "reason": None, "suspicions": [], "sites": {}}
 
 
+def _convict(entry: dict[str, Any], reason: str | None, by: str) -> None:
+    """Mark ``entry`` faulty, with when (``since``) and by what (``by``: the guard's ``ledger``, a
+    ``screen``, an ``operator``): the fleet history counts a conviction once, by its time."""
+    entry.update(faulty=True, reason=reason, since=utc_now(), by=by)
+
+
 class Ledger:
     """Findings per device and site, persisted as ``path`` (written when ``writer``).
 
@@ -182,7 +235,12 @@ class Ledger:
         return entries
 
     def entry(self, device: str, rank: int | None = None) -> dict[str, Any]:
-        return self.entries.setdefault(device, _new_entry(rank))
+        if device not in self.entries:
+            self.entries[device] = _new_entry(rank)
+            identity = device_identity(device)
+            if identity:
+                self.entries[device]["identity"] = identity
+        return self.entries[device]
 
     def note(self, device: str, event: Event, *, when: int | None = None, rank: int | None = None) -> Note:
         """Record ``event`` against ``device``; ``when``: the moment it counts at (default its
@@ -201,6 +259,7 @@ class Ledger:
                 "verdict": event.verdict,
                 "module": event.module,
                 "site": site,
+                "time": utc_now(),
             }
         )
         strikes, persistent = 0, event.verdict == "persistent"
@@ -219,11 +278,12 @@ class Ledger:
         moments = {x.get("t", x["step"]) for x in entry["suspicions"] if when - x.get("t", x["step"]) < c.window}
         was = entry["faulty"]
         if not was and (persistent or len(moments) >= c.max_suspicions):
-            entry["faulty"] = True
-            entry["reason"] = (
+            _convict(
+                entry,
                 f"persistent fault at {site or event.detector}"
                 if persistent
-                else f"{len(moments)} suspicions within {c.window} steps"
+                else f"{len(moments)} suspicions within {c.window} steps",
+                "ledger",
             )
             log.warning("ledger: device %s is faulty (%s)", device, entry["reason"])
         self.save()
@@ -231,10 +291,17 @@ class Ledger:
 
     def mark(self, device: str, faulty: bool | None, reason: str | None, **record: Any) -> None:
         """Set a device's verdict directly (a screen, an operator; ``faulty`` None: leave it as it
-        is); ``record`` joins its ``screens``."""
+        is); ``record`` joins its ``screens``. A conviction is dated (``since``), a clearing
+        removes the date."""
         entry = self.entry(device)
-        if faulty is not None:
-            entry["faulty"], entry["reason"] = faulty, reason
+        if faulty and entry["faulty"]:
+            entry["reason"] = reason  # already convicted: the first conviction keeps its date
+        elif faulty:
+            _convict(entry, reason, "screen" if "screen" in record else "operator")
+        elif faulty is not None:
+            entry.update(faulty=False, reason=reason)
+            entry.pop("since", None)
+            entry.pop("by", None)
         if record:
             entry.setdefault("screens", []).append(record)
         self.save()
@@ -249,7 +316,7 @@ class Ledger:
                 self.path,
                 {
                     "format": FORMAT,
-                    "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "updated": utc_now(),
                     "devices": self.entries,
                 },
             )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,7 +32,8 @@ from sdcscope.common.io import write_json
 from sdcscope.common.validate import check_choice, check_positive
 from sdcscope.faults import FaultSpec
 from sdcscope.inject import Injector
-from sdcscope.localize.ledger import Ledger, device_id
+from sdcscope.localize.history import History, screen_record
+from sdcscope.localize.ledger import Ledger, device_id, device_identity, utc_now
 
 REFERENCE_FORMAT = "sdcscope-screen/1"
 WORKLOAD_VERSION = 1
@@ -252,18 +254,30 @@ def screen(
     *,
     record: bool = False,
     faults: Sequence[FaultSpec] = (),
+    history: str | Path | None = None,
 ) -> list[ScreenResult]:
     """Screen ``targets`` (default every visible device) against ``reference``; write the verdicts
-    to the device ledger at ``ledger`` (failing: faulty; passing: healthy; others: noted only)."""
+    to the device ledger at ``ledger`` (failing: faulty; passing: healthy; others: noted only) and
+    the passing and failing ones to the fleet history directory ``history``
+    (:mod:`sdcscope.localize.history`), as one run."""
     refs = References(reference)
     results = [screen_device(t, refs, config, record=record, faults=faults) for t in targets or visible_devices()]
     if record:
         refs.save()
+    when = utc_now()
+    run = f"screen-{socket.gethostname()}-{when}"
+    entries = {
+        r.device: {"screen": r.verdict, "first_difference": r.first_difference, "key": r.key, "time": when, "run": run}
+        | ({"injected": True} if faults else {})  # a simulated bad device: no evidence against it
+        for r in results
+    }
+    if history is not None:
+        found = [screen_record(r.device, entries[r.device], run, device_identity(r.device)) for r in results]
+        History(history).append([x for x in found if x is not None])
     if ledger is not None:
         book = Ledger(ledger, entries=Ledger.read(ledger))
         for r in results:
-            entry = {"screen": r.verdict, "first_difference": r.first_difference, "key": r.key}
-            entry["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            entry = entries[r.device]
             if r.verdict == "fail":
                 where = r.first_difference or {}
                 book.mark(
