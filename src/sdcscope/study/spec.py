@@ -386,7 +386,7 @@ class CampaignSpec:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         wl = _keys("workload", self.workload, WORKLOAD_KEYS)
         if "name" not in wl:
-            raise ValueError("workload.name is required: gpt or cnn")
+            raise ValueError("workload.name is required: gpt, moe or cnn")
         set_("workload", wl)
         try:
             self.workload_config()  # validates names, presets and values
