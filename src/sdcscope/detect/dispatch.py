@@ -47,7 +47,9 @@ class DispatchConfig:
             if isinstance(self.targets, str):
                 self.targets = (self.targets,)
             if not isinstance(self.targets, (list, tuple)) or not all(isinstance(t, str) for t in self.targets):
-                raise TypeError(f"dispatch targets={self.targets!r} must be a module-name pattern, a list of them or null")
+                raise TypeError(
+                    f"dispatch targets={self.targets!r} must be a module-name pattern, a list of them or null"
+                )
             self.targets = tuple(self.targets)
             if not self.targets:
                 raise ValueError("dispatch targets is empty; give module-name patterns, or null for every dispatch")

@@ -104,7 +104,9 @@ def resolve_targets(model: nn.Module, spec: FaultSpec) -> list[Target]:
                     f"cannot take {spec.site!r}; use site 'activation' (its output), 'weight' or "
                     f"'param_grad' (its parameters), or target its GEMM submodules"
                 )
-        what = "GEMM module" if gemm_only else "MoE token dispatch (is_dispatch)" if spec.site == "dispatch" else "module"
+        what = (
+            "GEMM module" if gemm_only else "MoE token dispatch (is_dispatch)" if spec.site == "dispatch" else "module"
+        )
         _check_patterns(spec, [n for n, _ in candidates], what)
         return [Target(n, n, module=m) for n, m in candidates if _matches(spec, n)]
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied weight by each of its names

@@ -231,8 +231,12 @@ class MoEWorkload(GPTWorkload):
 
     def task(self) -> str:
         m = self.model_config
-        return super().task().replace(
-            "a byte-level GPT (", f"a byte-level mixture-of-experts GPT ({m.n_expert} experts, top-{m.top_k}; ", 1
+        return (
+            super()
+            .task()
+            .replace(
+                "a byte-level GPT (", f"a byte-level mixture-of-experts GPT ({m.n_expert} experts, top-{m.top_k}; ", 1
+            )
         )
 
 
