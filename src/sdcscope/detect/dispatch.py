@@ -77,7 +77,8 @@ class DispatchCheck:
         """The checked dispatch modules by name (none: a model without MoE layers, nothing to do)."""
         self._handles: list = []
         self._records: list[tuple] = []  # (module, call, counts, want counts, sums, want sums)
-        self._calls: dict[str, int] = {}
+        self._calls: dict[str, int] = {}  # forward calls of each dispatch since the step began
+        self._error: Exception | None = None
         self.checks_run = 0
 
     def attach(self) -> DispatchCheck:
@@ -95,20 +96,29 @@ class DispatchCheck:
         """Before a forward pass of ``step`` (a replay's too): calls are numbered from 0 again."""
         self._records.clear()
         self._calls.clear()
+        self._error = None
 
     def _hook(self, name: str):
+        """The forward hook of dispatch ``name``. It runs eagerly (under ``torch.compile``, at a
+        graph break: the dispatch's data-dependent counts break the graph there anyway), and an
+        error in it never reaches the user's forward: :meth:`check` raises it (the guard reports
+        an ``internal_error`` event)."""
+
         def hook(module, args, out):
             if in_backward() or not (module.training or torch.is_grad_enabled() or self.config.include_eval):
                 return None  # a checkpoint's recompute (its first pass was checked), an evaluation
-            x, experts = args[0], args[1]
-            rows, _, counts = out
-            call = self._calls.get(name, 0)
-            self._calls[name] = call + 1
-            with torch.no_grad():
-                self._records.append((name, call, *_expected(x, experts, module.n_expert, rows, counts)))
+            try:
+                x, experts = args[0], args[1]
+                rows, _, counts = out
+                call = self._calls.get(name, 0)
+                self._calls[name] = call + 1
+                with torch.no_grad():
+                    self._records.append((name, call, *_expected(x, experts, module.n_expert, rows, counts)))
+            except Exception as exc:
+                self._error = self._error or exc
             return None
 
-        return hook
+        return torch.compiler.disable(hook)
 
     def check(self, view: CheckView | int) -> list[Event]:
         """Judge the calls recorded since the last check (one host sync) -> one event per
@@ -116,6 +126,9 @@ class DispatchCheck:
         step = view.step if isinstance(view, CheckView) else int(view)
         records, self._records = self._records, []
         self._calls.clear()
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"dispatch check failed on step {step}; its records were dropped: {error!r}") from error
         if not records:
             return []
         self.checks_run += len(records)
