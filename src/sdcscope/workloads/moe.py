@@ -11,7 +11,7 @@ permutation by an all-to-all (:func:`dispatch` and :func:`combine` are plain fun
     blocks.{i}.moe.experts.{e}.proj
     (combine)                        the inverse permutation, weighted by the router probabilities
 
-The experts run as a loop of plain GEMMs, one ``nn.Linear`` call per expert with tokens: a
+The experts run as a loop of plain GEMMs, one ``nn.Linear`` call pair per expert: a
 grouped kernel (``torch._grouped_mm``) would be one op over a 3-D weight, which no module hook
 sees, so ABFT and the GEMM fault sites could not name the expert. The load-balancing loss is the
 Switch Transformer's, ``E · Σ_e f_e · P_e`` (f_e the share of the token slots routed to expert e,
@@ -161,12 +161,10 @@ class MoELayer(nn.Module):
         x = x.reshape(-1, shape[-1])
         probs, weights, experts = route(self.router(x), self.top_k)
         rows, order, counts = self.dispatch(x, experts)
-        outs, start = [], 0
-        for e, n in enumerate(counts.tolist()):  # an expert without tokens computes nothing
-            if n:
-                outs.append(self.experts[e](rows[start : start + n]))
-            start += n
-        out = combine(torch.cat(outs), order, weights)
+        # every expert runs, one without tokens on an empty slice: its gradient is zero, not
+        # missing (DDP reduces every parameter's gradient each step)
+        chunks = rows.split(counts.tolist())
+        out = combine(torch.cat([expert(c) for expert, c in zip(self.experts, chunks)]), order, weights)
         share = counts.to(probs.dtype) / order.numel()
         aux = self.n_expert * (share * probs.mean(0)).sum()
         self.aux = aux.detach()
