@@ -41,7 +41,7 @@ def test_routing_ties_go_to_the_lower_expert():
     assert torch.equal(weights[1], torch.full((2,), 0.25))
 
 
-def _train(seed: int, steps: int = 3, **cfg) -> MoEGPT:
+def _train(seed: int, steps: int = 2, **cfg) -> MoEGPT:
     torch.manual_seed(seed)
     model = MoEGPT(MoEConfig(**{**TINY, "top_k": 2, **cfg}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
