@@ -84,7 +84,7 @@ def test_guard_catches_a_dropped_token_in_its_step_and_the_replay_repairs_it(tmp
             "site": "dispatch",
             "target": "blocks.0.moe.dispatch",
             "model": "drop",
-            "schedule": {"kind": "transient", "step": 2},
+            "schedule": {"kind": "transient", "step": 1},
         }
     )
     inj = Injector(model, [spec], opt).attach()
