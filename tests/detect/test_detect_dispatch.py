@@ -123,3 +123,19 @@ def test_abft_names_the_expert_or_router_whose_gemm_a_flip_hit(target):
     events = abft.check(0)
     assert inj.records and events
     assert events[0].module == target and events[0].gemm == "forward"
+
+
+def test_a_check_that_fails_never_breaks_the_forward_and_check_raises_it():
+    class Broken(torch.nn.Module):  # claims the dispatch contract, returns two values instead of three
+        is_dispatch, n_expert = True, 2
+
+        def forward(self, x, experts):
+            return x[experts.reshape(-1)], experts.reshape(-1)
+
+    model = torch.nn.Sequential(Broken())
+    check = DispatchCheck(model).attach()
+    rows, _ = model[0](torch.ones(3, 4), torch.zeros(3, 1, dtype=torch.long))
+    assert rows.shape == (3, 4)
+    with pytest.raises(RuntimeError, match="dispatch check failed on step 0"):
+        check.check(0)
+    assert check.check(1) == []  # the error is reported once
