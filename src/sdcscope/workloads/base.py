@@ -23,7 +23,7 @@ from sdcscope.workloads.data import ByteCorpus, load_digits_tensors, step_genera
 from sdcscope.workloads.gpt import GPT, GPT_PRESETS, TP_PLAN, check_tensor_parallel, gpt_preset, lm_loss
 from sdcscope.workloads.moe import MOE_PRESETS, MoEGPT, moe_preset
 
-WORKLOADS = {"gpt": GPT_PRESETS, "moe": MOE_PRESETS, "cnn": CNN_PRESETS}
+WORKLOADS = {"gpt": GPT_PRESETS, "cnn": CNN_PRESETS, "moe": MOE_PRESETS}
 TEXT_WORKLOADS = ("gpt", "moe")
 DEFAULTS = {  # per workload: batch_size, lr, weight_decay
     "gpt": (16, 3e-3, 0.1),
