@@ -156,11 +156,12 @@ class Workload:
 
 
 class GPTWorkload(Workload):
-    preset = staticmethod(gpt_preset)
+    model_preset = staticmethod(gpt_preset)
+    model_words = "a byte-level GPT"
 
     def __init__(self, config: WorkloadConfig) -> None:
         super().__init__(config)
-        self.model_config = self.preset(config.preset)
+        self.model_config = self.model_preset(config.preset)
         self.model_config.qk_norm = config.qk_norm
         self.model_config.z_loss = config.z_loss
         self.corpus = ByteCorpus.load(config.corpus, max_bytes=config.max_corpus_bytes)
@@ -197,11 +198,11 @@ class GPTWorkload(Workload):
             if self.config.corpus is None
             else f"{size} of text from {self.corpus.source}"
         )
+        return f"{self.model_words} ({self.config.preset}: {self._shape()}) learning to predict the next byte of {data}"
+
+    def _shape(self) -> str:
         m = self.model_config
-        return (
-            f"a byte-level GPT ({self.config.preset}: {m.n_layer} layers, d={m.d_model}, {m.block_size}-byte "
-            f"context) learning to predict the next byte of {data}"
-        )
+        return f"{m.n_layer} layers, d={m.d_model}, {m.block_size}-byte context"
 
     def describe(self):
         return {
@@ -218,7 +219,8 @@ class MoEWorkload(GPTWorkload):
     the load-balancing loss trains through the model's backward pass, so ``loss`` is the
     language-model loss. No parallelize plan: the model trains whole (``--parallel ddp``)."""
 
-    preset = staticmethod(moe_preset)
+    model_preset = staticmethod(moe_preset)
+    model_words = "a byte-level mixture-of-experts GPT"
 
     def build_model(self) -> nn.Module:
         return MoEGPT(self.model_config)
@@ -229,15 +231,9 @@ class MoEWorkload(GPTWorkload):
     def check_parallel(self, kind: str, tp_degree: int) -> None:
         Workload.check_parallel(self, kind, tp_degree)
 
-    def task(self) -> str:
+    def _shape(self) -> str:
         m = self.model_config
-        return (
-            super()
-            .task()
-            .replace(
-                "a byte-level GPT (", f"a byte-level mixture-of-experts GPT ({m.n_expert} experts, top-{m.top_k}; ", 1
-            )
-        )
+        return f"{super()._shape()}, {m.n_expert} experts, top-{m.top_k}"
 
 
 class CNNWorkload(Workload):
