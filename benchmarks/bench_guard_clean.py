@@ -2,12 +2,14 @@
 seeds of the engine's training of the tiny GPT.
 
     python benchmarks/bench_guard_clean.py [--steps 2000] [--seeds 0 1 2] [--profiles ...]
-        [--workload gpt|cnn] [--batch-size 16] [--compile]
+        [--workload gpt|moe|cnn] [--batch-size 16] [--compile]
 
 Workload: the ``tiny`` GPT preset on the default corpus (the standard library's sources) at its
 default batch (16; at batch 8 the noisier loss gives seed 2 a real gradient spike at step 460,
-reproduced by the replay: the data, not the hardware, and the guard says so), or ``--workload
-cnn`` (the tiny LeNet on the digits, its default batch). Each profile is taken by name
+reproduced by the replay: the data, not the hardware, and the guard says so), ``--workload moe``
+(the tiny mixture-of-experts GPT: ABFT on the router and every expert's GEMMs, and the exact
+dispatch check of every token permutation), or ``--workload cnn`` (the tiny LeNet on the digits,
+its default batch). Each profile is taken by name
 (``GuardConfig(profile=...)``, whatever :data:`sdcscope.guard.config.PROFILES` makes of it) and
 drives the engine's trainer through its callback, every step, from step 0 (``--compile``: the
 trainer runs through ``torch.compile`` and ABFT checks inside the graph). Every event is
@@ -53,7 +55,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
-    parser.add_argument("--workload", default="gpt", choices=["gpt", "cnn"])
+    parser.add_argument("--workload", default="gpt", choices=["gpt", "moe", "cnn"])
     parser.add_argument("--batch-size", type=int, default=None, help="default: the workload's own")
     parser.add_argument("--compile", action="store_true", help="train through torch.compile (ABFT in the graph)")
     args = parser.parse_args()

@@ -58,7 +58,8 @@ def test_each_fault_file_fits_its_model(path, tmp_path):
     from sdcscope.workloads import WorkloadConfig, make_workload
 
     specs = load_specs(path)
-    workload = WorkloadConfig(workload="cnn" if path.name.startswith("cnn_") else "gpt", batch_size=2)
+    name = next((w for w in ("cnn", "moe") if path.name.startswith(f"{w}_")), "gpt")
+    workload = WorkloadConfig(workload=name, batch_size=2)
     if any(s.rank not in (0, None) or s.site == "comm" for s in specs):  # a distributed run's: as a launch checks
         check_job(make_job(tmp_path / "run", 3, workload=workload, specs=specs, dist_config=DistConfig()))
         return

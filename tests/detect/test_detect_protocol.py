@@ -12,7 +12,7 @@ from sdcscope.detect import ABFTConfig, ABFTDetector, NonFiniteConfig, NonFinite
 from sdcscope.detect.protocol import CheckView, Detector, Registration, register, registered, registration, unregister
 from sdcscope.guard import GuardConfig
 
-BUILT_INS = ["abft", "canary", "nonfinite", "loss_spike", "grad_spike"]
+BUILT_INS = ["abft", "canary", "dispatch", "nonfinite", "loss_spike", "grad_spike"]
 
 
 def test_the_built_ins_are_registered_in_their_order():
@@ -21,6 +21,7 @@ def test_the_built_ins_are_registered_in_their_order():
     assert flags == {
         "abft": (False, True, True, False),  # hooks record the step: re-checked on a replay, drained on a void step
         "canary": (False, True, True, False),  # likewise (its section: detectors: {canary: ...})
+        "dispatch": (False, True, True, False),  # likewise: MoE dispatch hooks
         "nonfinite": (True, True, False, False),
         "loss_spike": (True, False, False, True),  # windows of past values roll back with the model
         "grad_spike": (True, False, False, True),

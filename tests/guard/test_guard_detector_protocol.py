@@ -90,7 +90,7 @@ def test_a_registered_detector_is_driven_like_a_built_in(ceiling):
     clean, _, _ = run(None)
     run_dir = tempfile.mkdtemp()
     got, events, guard = run(minimal(detectors={"loss_ceiling": {"limit": 20.0}}), run_dir=run_dir)
-    assert list(guard.detectors) == ["nonfinite", "loss_ceiling"]
+    assert list(guard.detectors) == ["dispatch", "nonfinite", "loss_ceiling"]  # dispatch: MoE layers (none here)
     assert [(e["step"], e["detector"], e["verdict"], e["action"]) for e in events] == [
         (BAD_STEP, "loss_ceiling", "transient", "recompute")  # the replay's verdict, the policy's *:transient
     ]
@@ -121,7 +121,7 @@ def test_the_view_holds_the_world_values(ceiling):
 
 def test_not_configured_or_unregistered_leaves_the_guard_as_before(ceiling):
     registered_only = run(minimal())
-    assert list(registered_only[2].detectors) == ["nonfinite"]
+    assert list(registered_only[2].detectors) == ["dispatch", "nonfinite"]
     unregister("loss_ceiling")
     try:
         without = run(minimal())

@@ -292,3 +292,19 @@ def test_an_activation_fault_lands_on_the_first_tensor_of_a_tuple_output(target)
     assert out[0].flatten()[7].item() == flip32(clean[0].flatten()[7].item(), 30)
     rest = (out[1], clean[1]) if target == "mha" else (out[1][0], clean[1][0])  # untouched
     assert torch.equal(*rest)
+
+
+def test_dispatch_site_targets_moe_dispatches_only():
+    """Site ``dispatch`` resolves to the MoE token dispatches (``is_dispatch``) and names them when a
+    pattern hits another module."""
+    from sdcscope.inject.targets import resolve_targets
+    from sdcscope.workloads.moe import MoEConfig, MoEGPT
+
+    model = MoEGPT(MoEConfig(n_layer=2, n_head=2, d_model=32, block_size=8, mlp_ratio=2, n_expert=2, top_k=1))
+    spec = FaultSpec(site="dispatch", target="blocks.*", model="drop", schedule={"kind": "transient", "step": 0})
+    assert [t.name for t in resolve_targets(model, spec)] == ["blocks.0.moe.dispatch", "blocks.1.moe.dispatch"]
+    bad = FaultSpec(
+        site="dispatch", target="blocks.0.moe.router", model="drop", schedule={"kind": "transient", "step": 0}
+    )
+    with pytest.raises(ValueError, match=r"no MoE token dispatch.*blocks.0.moe.dispatch"):
+        resolve_targets(model, bad)

@@ -214,3 +214,25 @@ def test_planning_errors_name_the_spec_file(tmp_path):
     with pytest.raises(ValueError, match=rf"{path.name}'.*blocks.9.nothing"):
         init_campaign(tmp_path / "c", path)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_campaign_drops_and_duplicates_tokens_of_moe_dispatches_only():
+    text = BASE.replace("name: gpt", "name: moe").replace(
+        """  sites: [gemm.forward, gemm.grad_weight]
+  targets: ["blocks.0.attn.*_proj", head]
+  bits: ["0-3", 30]""",
+        """  sites: [dispatch]
+  targets: ["blocks.*.moe.dispatch"]
+  models: [drop, duplicate]
+  patterns: [{kind: row}]""",
+    )
+    plan = plan_campaign(load_campaign(text))
+    assert sorted((t.target, t.model) for t in plan) == [
+        (f"blocks.{b}.moe.dispatch", m) for b in (0, 1) for m in ("drop", "duplicate")
+    ]
+    assert plan[0].fault_spec().pattern.kind == "row"
+    space = {"sites": ["dispatch"], "targets": ["*"], "models": ["drop"]}
+    with pytest.raises(ValueError, match=r"hit one whole token slot: faults.patterns \[\{kind: row\}\]"):
+        FaultSpace.from_dict(space)
+    with pytest.raises(ValueError, match=r"need faults.sites \[dispatch\]"):
+        FaultSpace.from_dict({**space, "sites": ["dispatch", "activation"], "patterns": [{"kind": "row"}]})

@@ -11,11 +11,11 @@ import typer
 
 from sdcscope.cli.common import CLIError, check_file, path_option
 
-WORKLOAD_OPT = typer.Option("gpt", "--workload", "-w", help="Workload: gpt or cnn.")
-PRESET_OPT = typer.Option("tiny", "--preset", "-p", help="Model size: tiny, small or base.")
+WORKLOAD_OPT = typer.Option("gpt", "--workload", "-w", help="Workload: gpt, moe (mixture of experts) or cnn.")
+PRESET_OPT = typer.Option("tiny", "--preset", "-p", help="Model size: tiny, small or base (moe: tiny or small).")
 STEPS_OPT = typer.Option(200, "--steps", "-n", help="Optimizer steps in total.")
 SEED_OPT = typer.Option(0, "--seed", "-s", help="Seed of initialization and data order.")
-CORPUS_OPT = path_option(None, "--corpus", help="Text file or folder (gpt; default: Python's stdlib source).")
+CORPUS_OPT = path_option(None, "--corpus", help="Text file or folder (gpt, moe; default: Python's stdlib source).")
 BATCH_SIZE_OPT = typer.Option(None, "--batch-size", help="Sequences / images per micro-batch.")
 LR_OPT = typer.Option(None, "--lr", help="Peak learning rate.")
 GRAD_ACCUM_OPT = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step.")

@@ -4,6 +4,10 @@
   its class name, so transformers need not be imported), and the duck-typed **MatMul contract**: a
   module whose class (or instance) has ``is_matmul = True`` and whose ``forward(a, b)`` returns
   ``a @ b`` (batched, no bias). ``sdcscope.workloads.gpt.MatMul`` follows it; so can any user module.
+* the duck-typed **dispatch contract** of a mixture-of-experts layer: a module with
+  ``is_dispatch = True``, an ``n_expert`` and ``forward(x [N, d], experts [N, k])`` returning
+  ``(rows, order, counts)`` -- the token rows sorted by expert, the assignment ``t·k + j`` each
+  slot holds, the slots per expert (``sdcscope.workloads.moe.TokenDispatch``).
 * shell-style module-name patterns (``fnmatch``, ``*`` also crosses dots) resolved against
   ``model.named_modules()``, with close matches in the error when a pattern matches nothing.
 """
@@ -27,6 +31,11 @@ GEMM_TYPES = (nn.Linear, *CHANNELS_FIRST)
 def is_matmul(module: nn.Module) -> bool:
     """True for modules following the MatMul contract (``is_matmul = True``, ``forward(a, b) = a @ b``)."""
     return getattr(module, "is_matmul", False) is True
+
+
+def is_dispatch(module: nn.Module) -> bool:
+    """True for an MoE token dispatch following the dispatch contract (see the module docstring)."""
+    return getattr(module, "is_dispatch", False) is True
 
 
 def weight_in_out(module: nn.Module) -> bool:

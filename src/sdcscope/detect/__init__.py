@@ -1,5 +1,6 @@
 """Detectors: non-finite values, spikes, ABFT checksums of every GEMM, the kernel canary
-(sampled rows of a registered op against its reference), cross-rank signatures.
+(sampled rows of a registered op against its reference), the MoE token-permutation check,
+cross-rank signatures.
 
 Each detector is a small class with a config dataclass and ``check(...) -> list[Event]``;
 :class:`Event` is one line of ``events.jsonl``. The guard drives them through one protocol,
@@ -12,6 +13,7 @@ from sdcscope.detect.abft import ABFTConfig, ABFTDetector
 from sdcscope.detect.canary import CanaryConfig, CanaryDetector, canary_function, canary_module
 from sdcscope.detect.checksum import gemm_check
 from sdcscope.detect.crossrank import CrossRankConfig, CrossRankDetector, ReplicaHashCheck
+from sdcscope.detect.dispatch import DispatchCheck, DispatchConfig
 from sdcscope.detect.events import GEMMS, Event
 from sdcscope.detect.nonfinite import NonFiniteConfig, NonFiniteDetector
 from sdcscope.detect.protocol import CheckView, Detector, Registration, register, registered, unregister
@@ -32,6 +34,8 @@ __all__ = [
     "CheckView",
     "CrossRankDetector",
     "Detector",
+    "DispatchCheck",
+    "DispatchConfig",
     "Event",
     "GEMMS",
     "Gathered",

@@ -12,7 +12,8 @@ of the guard's services it takes (the world values, a re-check on the replay, a 
 step, a rollback of its state). The guard builds every registered detector whose section is set
 and calls them in registration order (:meth:`StepSession.detect <sdcscope.guard.session.StepSession.detect>`).
 The built-ins register themselves when :mod:`sdcscope.detect` is imported: ``abft``,
-``nonfinite``, ``loss_spike``, ``grad_spike``, in that order.
+``canary`` (configured under ``GuardConfig.detectors``), ``dispatch``, ``nonfinite``,
+``loss_spike``, ``grad_spike``, in that order.
 
 Optional hooks, called when the detector has them: ``attach()`` / ``detach()`` with the guard's,
 ``begin_step(step)`` before every forward pass of a step (a replay's too).

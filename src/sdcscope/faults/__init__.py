@@ -11,7 +11,8 @@ from .ops import BIT_MODELS, MODELS, FaultResult, apply_fault, bitflip, random_v
 from .patterns import resolve_indices, sample_bit_errors, swizzle_permutation
 from .schedule import fault_generator, fires
 from .spec import FaultSpec, FaultSpecError, Pattern, Schedule
-from .vocab import PATTERN_KINDS, RANDOM, SCHEDULE_KINDS, SITES, STEP_SITES, SWIZZLE_MODES
+from .tokens import apply_token_fault
+from .vocab import PATTERN_KINDS, RANDOM, SCHEDULE_KINDS, SITES, STEP_SITES, SWIZZLE_MODES, TOKEN_MODELS
 
 __all__ = [
     "BIT_MODELS",
@@ -23,6 +24,7 @@ __all__ = [
     "SITES",
     "STEP_SITES",
     "SWIZZLE_MODES",
+    "TOKEN_MODELS",
     "FaultResult",
     "FaultSpec",
     "FaultSpecError",
@@ -31,6 +33,7 @@ __all__ = [
     "Schedule",
     "apply_fault",
     "apply_spec",
+    "apply_token_fault",
     "bitflip",
     "check_bits",
     "check_spec",

@@ -11,6 +11,8 @@ from .formats import Format, check_bits, fault_format
 from .ops import FaultResult, apply_fault
 from .patterns import ChannelDim, resolve_indices, sample_bit_errors
 from .spec import FaultSpec, FaultSpecError
+from .tokens import apply_token_fault
+from .vocab import TOKEN_MODELS
 
 __all__ = ["apply_spec", "check_spec"]
 
@@ -69,6 +71,11 @@ def apply_spec(
     fires: that is :func:`.schedule.fires`.
     """
     fmt, index = _locate(spec, tensor.dtype, tensor.shape, generator, channel_dim, step)
+    if spec.model in TOKEN_MODELS:  # a whole slot of a dispatch: its row (the pattern's)
+        try:
+            return apply_token_fault(tensor, index, spec.model)
+        except ValueError as exc:
+            raise FaultSpecError(str(exc)) from None
     if index is None:  # the tensor pattern: independent bit errors
         index, masks = sample_bit_errors(spec.pattern.ber, tensor.numel(), fmt, generator, bits=spec.bits)
         return apply_fault(tensor, index, spec.model, masks, fmt=fmt, generator=generator)

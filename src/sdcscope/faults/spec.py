@@ -25,6 +25,7 @@ from .vocab import (
     SITES,
     STEP_SITES,
     SWIZZLE_MODES,
+    TOKEN_MODELS,
     check_site_pattern,
 )
 
@@ -340,7 +341,14 @@ class FaultSpec:
             if not isinstance(t, str) or not t:
                 raise TypeError(f"target patterns must be non-empty str, got {brief(t)}")
         _set(self, "target", tuple(target))
-        model = choice("model", self.model, MODELS)
+        model = choice("model", self.model, MODELS + TOKEN_MODELS)
+        if model in TOKEN_MODELS and self.site != "dispatch":
+            raise ValueError(
+                f"model {brief(model)} drops or duplicates a token of an MoE dispatch: it needs site 'dispatch', "
+                f"not {brief(self.site)}; models for site {brief(self.site)}: {list(MODELS)}"
+            )
+        if model in TOKEN_MODELS and self.pattern == Pattern():  # the default: one random slot
+            _set(self, "pattern", Pattern(kind="row"))
         for name, cls in (("pattern", Pattern), ("schedule", Schedule)):
             value = getattr(self, name)
             if isinstance(value, Mapping):
@@ -348,6 +356,13 @@ class FaultSpec:
             elif not isinstance(value, cls):
                 raise TypeError(f"{name} must be a mapping or a {cls.__name__}, got {brief(value)}")
         check_site_pattern(self.site, self.pattern)
+        if model in TOKEN_MODELS and self.pattern.kind != "row":
+            raise ValueError(
+                f"model {brief(model)} hits one whole slot of the dispatch: pattern kind 'row' (index: the slot, "
+                f"or random), not {brief(self.pattern.kind)}"
+            )
+        if model in TOKEN_MODELS and self.format is not None:
+            raise ValueError(f"model {brief(model)} moves whole rows: it takes no format, got {brief(self.format)}")
         if self.format is not None:
             get_format(self.format)
         self._check_bits(model)

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SITES",
     "STEP_SITES",
+    "TOKEN_MODELS",
     "PATTERN_KINDS",
     "SCHEDULE_KINDS",
     "RANDOM",
@@ -29,8 +30,16 @@ SITES: tuple[str, ...] = (
     "optimizer_state",
     "checkpoint",
     "comm",
+    "dispatch",
 )
-"""Where a fault can land (see docs/architecture.md, vocabulary)."""
+"""Where a fault can land (see docs/architecture.md, vocabulary). ``dispatch``: the token rows a
+mixture-of-experts layer's dispatch hands its experts (the permutation's output, what an
+expert-parallel all-to-all moves); the element fault models act on its bits, the
+:data:`TOKEN_MODELS` on whole slots."""
+
+TOKEN_MODELS: tuple[str, ...] = ("drop", "duplicate")
+"""Fault models of site ``dispatch`` only, on one whole slot (a ``row`` pattern): ``drop`` (the
+token never arrived: zeros) and ``duplicate`` (the next slot's token arrived in its place)."""
 
 STEP_SITES: frozenset[str] = frozenset({"param_grad", "optimizer_state", "checkpoint", "comm"})
 """Sites touched once per optimizer step, so a schedule's ``micro_batch`` means nothing."""

@@ -16,7 +16,7 @@ from sdcscope.common.validate import (
     check_positive,
     did_you_mean,
 )
-from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
+from sdcscope.detect import ABFTConfig, DispatchConfig, NonFiniteConfig, SpikeConfig
 from sdcscope.detect.protocol import Registration, registered
 from sdcscope.detect.state import StateChecksumConfig
 from sdcscope.localize.ledger import LedgerConfig
@@ -29,6 +29,7 @@ _NESTED = {
     "loss_spike": SpikeConfig,
     "grad_spike": SpikeConfig,
     "abft": ABFTConfig,
+    "dispatch": DispatchConfig,
     "state_checksum": StateChecksumConfig,
     "snapshots": SnapshotConfig,
     "lr_backoff": LRBackoffConfig,
@@ -102,6 +103,10 @@ class GuardConfig:
     """Checksums of the Linear and attention products, forward, dX and dW: the profile's sample of
     them (``balanced``) or every one every step (``full``); ``budget`` (e.g. 0.02) samples layers
     and steps to an overhead budget instead."""
+    dispatch: DispatchConfig | None = field(default_factory=DispatchConfig)
+    """The exact check of every mixture-of-experts token dispatch (token counts and an integer
+    checksum of the permuted rows per expert, :mod:`sdcscope.detect.dispatch`): nothing to do in
+    a model without one."""
     state_checksum: StateChecksumConfig | None = field(default_factory=StateChecksumConfig)
     detectors: dict[str, Any] = field(default_factory=dict)
     """The sections of registered detectors that are not built in (:mod:`sdcscope.detect.protocol`):

@@ -25,6 +25,9 @@ gemm.grad_input     dX (for ``a @ b``: d a) is replaced by a post-hook on the ca
 gemm.grad_weight    this GEMM's dW: a hook on the call's own autograd node that hands dW to the
                     weight, before it is summed with the weight's other uses and accumulated
                     into ``.grad``; for ``a @ b``: d b, as dX above
+dispatch            forward hook on an MoE token dispatch (``is_dispatch``): the dispatched token
+                    rows [slots, d] are faulted -- their bits by the element models, a whole slot
+                    by ``drop`` / ``duplicate`` (:mod:`sdcscope.faults.tokens`)
 weight              memory fault on the parameter, applied before the forward of the event;
                     a permanent fault is re-applied after every optimizer update
 param_grad          post-accumulate-grad hook of the step's last micro-batch: the ``.grad``
@@ -102,7 +105,7 @@ class SiteHooks:
         weight faults are applied in set_position, optimizer_state in the optimizer pre-hook,
         checkpoint faults by corrupt_checkpoint_file."""
         site = spec.site
-        if site == "activation" or (site == "gemm.forward" and spec.pattern.kind != "mac_cell"):
+        if site in ("activation", "dispatch") or (site == "gemm.forward" and spec.pattern.kind != "mac_cell"):
             return t.module.register_forward_hook(self._output_hook(i, spec, t), prepend=True)
         if site == "gemm.forward":
             return t.module.register_forward_hook(self._mac_cell_hook(i, spec, t), prepend=True)

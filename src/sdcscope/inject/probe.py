@@ -96,7 +96,7 @@ def probe_model(
     return dict(calls)
 
 
-EVAL_SITES = ("activation", "gemm.forward")
+EVAL_SITES = ("activation", "gemm.forward", "dispatch")
 """Module sites that act in an evaluation pass (a forward without autograd), by a permanent fault."""
 
 

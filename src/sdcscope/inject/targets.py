@@ -1,6 +1,7 @@
 """Resolve a spec's targets on a live model: the modules or parameters its patterns name.
 
-Module sites (``activation``, ``gemm.*``) match qualified module names. Parameter sites
+Module sites (``activation``, ``gemm.*``, ``dispatch``) match qualified module names (``dispatch``:
+those of MoE token dispatches, :func:`~sdcscope.common.modules.is_dispatch`). Parameter sites
 (``weight``, ``param_grad``, ``optimizer_state``, ``checkpoint``) match parameter names
 (``blocks.0.mlp.fc.weight``) or, for a module name (``blocks.0.mlp.fc``), that module's own
 ``weight``. Mistakes name the pattern and list close names. Whether a spec fits what it targets
@@ -17,18 +18,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdcscope.common.modules import CHANNELS_FIRST, is_gemm
+from sdcscope.common.modules import CHANNELS_FIRST, is_dispatch, is_gemm
 from sdcscope.common.validate import close_matches
 from sdcscope.faults import FaultSpec
 from sdcscope.faults.patterns import ChannelDim
 
-MODULE_SITES = ("activation", "gemm.forward", "gemm.grad_input", "gemm.grad_weight")
+MODULE_SITES = ("activation", "gemm.forward", "gemm.grad_input", "gemm.grad_weight", "dispatch")
 PARAM_SITES = ("weight", "param_grad", "optimizer_state", "checkpoint")
 UNREACHED = {
     "activation": "was never called (or returned no tensor)",
     "gemm.forward": "was never called",
     "gemm.grad_input": "computed no input gradient dX (its input needs none: a first layer?)",
     "gemm.grad_weight": "computed no weight gradient dW",
+    "dispatch": "was never called",
 }
 """Why a module site's fault never fired, by site (its module never reached the site)."""
 
@@ -85,7 +87,8 @@ def resolve_targets(model: nn.Module, spec: FaultSpec) -> list[Target]:
         )
     if spec.site in MODULE_SITES:
         gemm_only = spec.site.startswith("gemm.")
-        candidates = [(n, m) for n, m in model.named_modules() if n and (not gemm_only or is_gemm(m))]
+        kind = is_gemm if gemm_only else is_dispatch if spec.site == "dispatch" else lambda m: True
+        candidates = [(n, m) for n, m in model.named_modules() if n and kind(m)]
         if gemm_only:  # a module that is there but no GEMM: say so, rather than offer close names
             other = [
                 (n, m)
@@ -101,7 +104,10 @@ def resolve_targets(model: nn.Module, spec: FaultSpec) -> list[Target]:
                     f"cannot take {spec.site!r}; use site 'activation' (its output), 'weight' or "
                     f"'param_grad' (its parameters), or target its GEMM submodules"
                 )
-        _check_patterns(spec, [n for n, _ in candidates], "GEMM module" if gemm_only else "module")
+        what = (
+            "GEMM module" if gemm_only else "MoE token dispatch (is_dispatch)" if spec.site == "dispatch" else "module"
+        )
+        _check_patterns(spec, [n for n, _ in candidates], what)
         return [Target(n, n, module=m) for n, m in candidates if _matches(spec, n)]
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied weight by each of its names
     weighted = [(n, m) for n, m in model.named_modules() if n and isinstance(getattr(m, "weight", None), nn.Parameter)]

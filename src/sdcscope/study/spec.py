@@ -46,7 +46,7 @@ from typing import Any
 from sdcscope.common.io import load_yaml, read_text
 from sdcscope.common.validate import did_you_mean
 from sdcscope.engine.trainer import SEED_MAX
-from sdcscope.faults import BIT_MODELS, MODELS, SITES, SWIZZLE_MODES, Pattern, check_bits, get_format
+from sdcscope.faults import BIT_MODELS, MODELS, SITES, SWIZZLE_MODES, TOKEN_MODELS, Pattern, check_bits, get_format
 from sdcscope.faults.vocab import check_site_pattern
 from sdcscope.study.guarded import guard_section
 
@@ -214,7 +214,13 @@ class FaultSpace:
                 )
             targets.append(tuple(dict.fromkeys(t)) if group else t)
         set_("targets", tuple(targets))
-        set_("models", _choices("faults.models", self.models, MODELS))
+        set_("models", _choices("faults.models", self.models, MODELS + TOKEN_MODELS))
+        token = [m for m in self.models if m in TOKEN_MODELS]
+        if token and set(self.sites) != {"dispatch"}:
+            raise ValueError(
+                f"faults.models {token} drop or duplicate a token of an MoE dispatch: they need faults.sites "
+                f"[dispatch], got {list(self.sites)} (give the other sites a campaign of their own)"
+            )
         if self.format is not None:
             get_format(self.format)
         if any(m in BIT_MODELS for m in self.models):
@@ -237,6 +243,11 @@ class FaultSpace:
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"faults.patterns entry {p!r}: {exc}") from None
         set_("patterns", _unique(patterns))  # two spellings of one pattern are one fault-space point
+        if token and any(p["kind"] != "row" for p in self.patterns):
+            raise ValueError(
+                f"faults.models {token} hit one whole token slot: faults.patterns [{{kind: row}}], "
+                f"got {list(self.patterns)}"
+            )
         for site in self.sites:  # every site meets every pattern: refuse a field one of them would ignore
             for p in self.patterns:
                 try:
@@ -386,7 +397,7 @@ class CampaignSpec:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         wl = _keys("workload", self.workload, WORKLOAD_KEYS)
         if "name" not in wl:
-            raise ValueError("workload.name is required: gpt or cnn")
+            raise ValueError("workload.name is required: gpt, moe or cnn")
         set_("workload", wl)
         try:
             self.workload_config()  # validates names, presets and values

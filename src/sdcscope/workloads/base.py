@@ -1,7 +1,8 @@
 """The workload contract the engine trains: model, optimizer, data, loss, evaluation, and how the
 model may be split over ranks (its :class:`ParallelizePlan`).
 
-``make_workload(WorkloadConfig(...))`` returns a :class:`GPTWorkload` or :class:`CNNWorkload`.
+``make_workload(WorkloadConfig(...))`` returns a :class:`GPTWorkload`, :class:`MoEWorkload` or
+:class:`CNNWorkload`.
 Everything a run depends on is in the config, so a run is reproducible from ``config.json``.
 """
 
@@ -20,10 +21,13 @@ from sdcscope.common.validate import check_bool, check_choice, check_float, chec
 from sdcscope.workloads.cnn import CNN_PRESETS, LeNet, cnn_preset
 from sdcscope.workloads.data import ByteCorpus, load_digits_tensors, step_generator
 from sdcscope.workloads.gpt import GPT, GPT_PRESETS, TP_PLAN, check_tensor_parallel, gpt_preset, lm_loss
+from sdcscope.workloads.moe import MOE_PRESETS, MoEGPT, moe_preset
 
-WORKLOADS = {"gpt": GPT_PRESETS, "cnn": CNN_PRESETS}
+WORKLOADS = {"gpt": GPT_PRESETS, "cnn": CNN_PRESETS, "moe": MOE_PRESETS}
+TEXT_WORKLOADS = ("gpt", "moe")
 DEFAULTS = {  # per workload: batch_size, lr, weight_decay
     "gpt": (16, 3e-3, 0.1),
+    "moe": (16, 3e-3, 0.1),
     "cnn": (64, 3e-3, 0.0),
 }
 
@@ -43,7 +47,7 @@ class WorkloadConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables clipping."""
     corpus: str | None = None
-    """Text file or folder for the GPT; ``None`` = the running Python's standard library."""
+    """Text file or folder for the GPT and the MoE GPT; ``None`` = the running Python's standard library."""
     max_corpus_bytes: int = 4_000_000
     eval_batches: int = 8
     qk_norm: bool = False
@@ -77,8 +81,10 @@ class WorkloadConfig:
                 f"corpus={self.corpus!r} must be a path (a text file or a folder) or null "
                 "(the running Python's standard library)"
             )
-        if self.corpus is not None and self.workload != "gpt":
-            raise ValueError(f"corpus applies to the gpt workload only, not {self.workload!r}")
+        if self.corpus is not None and self.workload not in TEXT_WORKLOADS:
+            raise ValueError(
+                f"corpus applies to the {' and '.join(TEXT_WORKLOADS)} workloads only, not {self.workload!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,9 +156,12 @@ class Workload:
 
 
 class GPTWorkload(Workload):
+    model_preset = staticmethod(gpt_preset)
+    model_words = "a byte-level GPT"
+
     def __init__(self, config: WorkloadConfig) -> None:
         super().__init__(config)
-        self.model_config = gpt_preset(config.preset)
+        self.model_config = self.model_preset(config.preset)
         self.model_config.qk_norm = config.qk_norm
         self.model_config.z_loss = config.z_loss
         self.corpus = ByteCorpus.load(config.corpus, max_bytes=config.max_corpus_bytes)
@@ -189,11 +198,11 @@ class GPTWorkload(Workload):
             if self.config.corpus is None
             else f"{size} of text from {self.corpus.source}"
         )
+        return f"{self.model_words} ({self.config.preset}: {self._shape()}) learning to predict the next byte of {data}"
+
+    def _shape(self) -> str:
         m = self.model_config
-        return (
-            f"a byte-level GPT ({self.config.preset}: {m.n_layer} layers, d={m.d_model}, {m.block_size}-byte "
-            f"context) learning to predict the next byte of {data}"
-        )
+        return f"{m.n_layer} layers, d={m.d_model}, {m.block_size}-byte context"
 
     def describe(self):
         return {
@@ -203,6 +212,28 @@ class GPTWorkload(Workload):
             "val_bytes": len(self.corpus.val),
             "model": self.model_config.to_dict(),
         }
+
+
+class MoEWorkload(GPTWorkload):
+    """The GPT's data and loss with a mixture-of-experts model (:mod:`sdcscope.workloads.moe`);
+    the load-balancing loss trains through the model's backward pass, so ``loss`` is the
+    language-model loss. No parallelize plan: the model trains whole (``--parallel ddp``)."""
+
+    model_preset = staticmethod(moe_preset)
+    model_words = "a byte-level mixture-of-experts GPT"
+
+    def build_model(self) -> nn.Module:
+        return MoEGPT(self.model_config)
+
+    def parallelize_plan(self) -> None:
+        return None
+
+    def check_parallel(self, kind: str, tp_degree: int) -> None:
+        Workload.check_parallel(self, kind, tp_degree)
+
+    def _shape(self) -> str:
+        m = self.model_config
+        return f"{super()._shape()}, {m.n_expert} experts, top-{m.top_k}"
 
 
 class CNNWorkload(Workload):
@@ -247,4 +278,4 @@ class CNNWorkload(Workload):
 
 
 def make_workload(config: WorkloadConfig) -> Workload:
-    return {"gpt": GPTWorkload, "cnn": CNNWorkload}[config.workload](config)
+    return {"gpt": GPTWorkload, "moe": MoEWorkload, "cnn": CNNWorkload}[config.workload](config)

@@ -166,21 +166,24 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """``block``: the class of the repeated blocks (:class:`Block`; the MoE GPT's own, which
+    replaces the MLP by a routed layer of experts)."""
+
+    def __init__(self, cfg: GPTConfig, block: type[nn.Module] = Block) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied_head:
             self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
-        # GPT-2 style scaled init of the residual projections.
+        # GPT-2 style scaled init of the residual projections (the MLP's, or each expert's).
         for name, p in self.named_parameters():
-            if name.endswith(("o_proj.weight", "mlp.proj.weight")):
+            if name.endswith(("o_proj.weight", ".proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
