@@ -263,23 +263,26 @@ def _thresholds(spec: CampaignSpec, baselines: list[dict]) -> list[dict]:
 
 def _write_envelope(spec: CampaignSpec, db: ResultsDB) -> None:
     """The twins' envelope at the end of the horizon (threshold ``dist_twin``) per injection step,
-    the twins' leave-one-out and the baselines' drift labels, and every stored trial decided again
-    (a campaign finished before the twins gets its labels here, from its stored measures)."""
+    the drift labels of the twins (leave-one-out) and of the healthy re-seeded runs, and every
+    stored trial decided again (a campaign finished before the twins gets its labels here, from
+    its stored measures)."""
     alpha, margin = spec.baseline.alpha, spec.baseline.twin_margin
+    all_twins, all_bases, thresholds = db.twins(), db.baselines(), db.thresholds()
     rows, twin_labels, base_labels = [], {}, {}
+    beyond = lambda d, bound: None if d is None else int(d > bound)  # noqa: E731
     for s in spec.inject_steps:
-        twins = [t for t in db.twins() if t["inject_step"] == s]
+        twins = [t for t in all_twins if t["inject_step"] == s]
         row = envelope_bound([t["dist_golden"] for t in twins], alpha, margin)
         if row is None:  # no spread among the twins' distances: the fixed bound, said so
-            row = {"bound": TWIN_BOUND, "n": len(twins), "alpha": alpha, "rule": "fixed TWIN_BOUND (twins without spread)"}
+            row = {"bound": TWIN_BOUND, "n": len(twins), "alpha": alpha, "rule": "fixed TWIN_BOUND (no spread)"}
             log.warning("perturbation twins at step %d have no spread; sdc:drift uses the fixed bound %g", s, TWIN_BOUND)
         rows.append({"inject_step": s, "measure": "dist_twin", **row})
-        twin_labels.update({(s, t["twin"]): f for t, f in zip(twins, twin_flags(twins, alpha, margin))})
-        bases = [b for b in db.baselines() if b["inject_step"] == s]
-        spread = spread_flags([b["dist_golden"] for b in bases], alpha)
-        for b, f in zip(bases, spread):
-            twin = None if b["dist_golden"] is None else int(b["dist_golden"] > row["bound"])
-            base_labels[(s, b["seed"])] = {"drift_twin": twin, "drift_spread": f}
+        spread = thresholds[s]["dist_golden"]
+        for t, f in zip(twins, twin_flags(twins, alpha, margin)):
+            twin_labels[(s, t["twin"])] = {"drift_twin": f, "drift_spread": beyond(t["dist_golden"], spread)}
+        bases = [b for b in all_bases if b["inject_step"] == s]
+        for b, f in zip(bases, spread_flags([b["dist_golden"] for b in bases], alpha)):
+            base_labels[(s, b["seed"])] = {"drift_twin": beyond(b["dist_golden"], row["bound"]), "drift_spread": f}
     db.write_envelope(spec, rows, twin_labels, base_labels)
 
 

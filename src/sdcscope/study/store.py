@@ -114,9 +114,11 @@ TWIN_COLUMNS: dict[str, str] = {
     "drift": "TEXT",
     "disagree": "TEXT",
     "drift_twin": "INTEGER",
+    "drift_spread": "INTEGER",
     "wall_s": "REAL",
 }
-"""A perturbation twin; ``drift_twin``: beyond the envelope of the other twins (a false drift)."""
+"""A perturbation twin; ``drift_twin``: beyond the envelope of the other twins, ``drift_spread``:
+beyond the re-seed spread (each a false drift)."""
 _TABLES = {
     "meta": "key TEXT PRIMARY KEY, value TEXT",
     "golden": "step INTEGER PRIMARY KEY, loss REAL",
@@ -264,21 +266,20 @@ class ResultsDB:
 
     def write_envelope(self, spec: CampaignSpec, rows: list[dict[str, Any]], twin_flags, baseline_flags) -> None:
         """The twins' envelope rows (measure ``dist_twin``; replacing any), the twins' and the
-        baselines' drift labels (``{(inject_step, twin or seed): value}``), and every stored
-        trial decided again against the envelope: one transaction."""
+        baselines' drift labels (``{(inject_step, twin or seed): {"drift_twin", "drift_spread"}}``),
+        and every stored trial decided again against the envelope: one transaction."""
         with self._writing("the perturbation twins' envelope"):
             for row in rows:
                 self.conn.execute(
                     "DELETE FROM thresholds WHERE inject_step=? AND measure=?", (row["inject_step"], row["measure"])
                 )
                 self._insert("thresholds", row)
-            for (s, k), flag in twin_flags.items():
-                self.conn.execute("UPDATE twins SET drift_twin=? WHERE inject_step=? AND twin=?", (flag, s, k))
-            for (s, seed), flags in baseline_flags.items():
-                self.conn.execute(
-                    "UPDATE baseline SET drift_twin=?, drift_spread=? WHERE inject_step=? AND seed=?",
-                    (flags["drift_twin"], flags["drift_spread"], s, seed),
-                )
+            for table, key, labels in (("twins", "twin", twin_flags), ("baseline", "seed", baseline_flags)):
+                for (s, k), flags in labels.items():
+                    self.conn.execute(
+                        f"UPDATE {table} SET drift_twin=?, drift_spread=? WHERE inject_step=? AND {key}=?",
+                        (flags["drift_twin"], flags["drift_spread"], s, k),
+                    )
             self._reclassify(spec)
 
     def _extends(self, meta: dict[str, str], spec: CampaignSpec) -> bool:

@@ -105,14 +105,11 @@ def twin_flags(twins: list[dict], alpha: float, margin: float) -> list[int | Non
 
 def spread_flags(values: list[Any], alpha: float) -> list[int | None]:
     """Each healthy re-seeded run's final distance to golden against the re-seed bound of the
-    others (leave-one-out, the rule of :func:`.stats.prediction_bound`; with one other, its value):
-    1 when beyond it -- a false ``drift_spread``."""
+    others (leave-one-out, the rule of :func:`.stats.prediction_bound`): 1 when beyond it -- a
+    false ``drift_spread``; None with fewer than 2 others (no spread to test against)."""
     out = []
     for i, d in enumerate(values):
         others = [float(v) for j, v in enumerate(values) if j != i and isinstance(v, (int, float))]
-        if not others or not isinstance(d, (int, float)):
-            out.append(None)
-            continue
-        bound = prediction_bound(others, alpha)["bound"] if len(others) >= 2 else others[0]
-        out.append(int(d > bound))
+        ok = len(others) >= 2 and isinstance(d, (int, float))
+        out.append(int(d > prediction_bound(others, alpha)["bound"]) if ok else None)
     return out
