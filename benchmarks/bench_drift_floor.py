@@ -2,7 +2,7 @@
 every horizon, exponent flips do not, and the twins' own false-drift rate.
 
     python benchmarks/bench_drift_floor.py [--horizon 500] [--twins 8] [--inject-steps 20 60]
-        [--margin 2.0] [--workers 2] [--threads 1] [--keep DIR]
+        [--margin 2.0] [--lr 3e-3] [--workers 2] [--threads 1] [--keep DIR]
 
 Runs one campaign on the tiny GPT (batch 4): weight faults at each injection step in three
 Linears (``blocks.0.mlp.fc``, ``blocks.1.attn.v_proj``, ``blocks.1.mlp.proj``), bit 0 (one ulp)
@@ -27,7 +27,7 @@ from pathlib import Path
 
 SPEC = """
 name: drift-floor
-workload: {{name: gpt, preset: tiny, batch_size: 4, eval_batches: 1}}
+workload: {{name: gpt, preset: tiny, batch_size: 4, eval_batches: 1, lr: {lr}}}
 inject_steps: {steps}
 horizon: {horizon}
 faults:
@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--twins", type=int, default=8)
     parser.add_argument("--inject-steps", type=int, nargs="+", default=[20, 60])
     parser.add_argument("--margin", type=float, default=2.0)
+    parser.add_argument("--lr", type=float, default=3e-3, help="the GPT's learning rate (3e-3: its default)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--keep", type=Path, default=None, help="run the campaign here (kept) instead of a temp dir")
@@ -67,7 +68,9 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
         spec_path = root / "spec.yaml"
         spec_path.write_text(
-            SPEC.format(steps=list(args.inject_steps), horizon=args.horizon, twins=args.twins, margin=args.margin)
+            SPEC.format(
+                steps=list(args.inject_steps), horizon=args.horizon, twins=args.twins, margin=args.margin, lr=args.lr
+            )
         )
         t0 = time.perf_counter()
         if not (root / "c" / "results.sqlite").exists():
@@ -93,7 +96,10 @@ def main() -> None:
                 twin_tests += 1
                 twin_end += beyond and k == len(offsets) - 1
         print(f"step {s}: envelope " + " ".join(f"{o}:{b:.2g}" for o, b in zip(offsets, env[s])))
-        print(f"step {s}: twins    " + " ".join(f"{o}:{max(t['drift'][k] for t in mine):.2g}" for k, o in enumerate(offsets)))
+        print(
+            f"step {s}: twins    "
+            + " ".join(f"{o}:{max(t['drift'][k] for t in mine):.2g}" for k, o in enumerate(offsets))
+        )
     ulp_beyond, expo_row, expo_row_beyond, old_drift, n_ulp = 0, 0, 0, 0, 0
     for r in trials:
         pattern = "row" if "row" in r["pattern"] else "element"
@@ -101,9 +107,10 @@ def main() -> None:
         beyond = [k for k, v in enumerate(d) if v is not None and v > env[r["inject_step"]][k]]
         old = d and d[-1] is not None and d[-1] > TWIN_BOUND
         healthy_loss = r["outcome"] != "sdc" or r["sdc_kind"] == "drift"
+        label = r["outcome"] + (f":{r['sdc_kind']}" if r["sdc_kind"] else "")
         print(
             f"step {r['inject_step']} {r['target']:<20} bit {r['bit']:>2} {pattern:<7} "
-            f"outcome {r['outcome']}{':' + r['sdc_kind'] if r['sdc_kind'] else ''}, old bound {'drift' if old else '-'}; "
+            f"outcome {label}, old bound {'drift' if old else '-'}; "
             + " ".join(f"{o}:{v:.2g}{'*' if k in beyond else ''}" for k, (o, v) in enumerate(zip(offsets, d)))
         )
         if r["bit"] == 0:

@@ -28,7 +28,9 @@ def test_a_twin_changes_one_ulp_of_a_seeded_random_half_of_the_weights():
     before = [p.detach().clone() for p in base.parameters()]
     changed = perturb_twin(base, 5, 0)
     total = sum(p.numel() for p in base.parameters())
-    steps = torch.cat([(p.detach().view(torch.int32) - b.view(torch.int32)).reshape(-1) for p, b in zip(base.parameters(), before)])
+    steps = torch.cat(
+        [(p.detach().view(torch.int32) - b.view(torch.int32)).reshape(-1) for p, b in zip(base.parameters(), before)]
+    )
     assert set(steps.abs().unique().tolist()) == {0, 1}  # one ulp or nothing, in the stored word
     assert int((steps != 0).sum()) == changed and 0.4 * total < changed < 0.6 * total
     again, other = _model(), _model()

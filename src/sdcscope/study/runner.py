@@ -275,7 +275,9 @@ def _write_envelope(spec: CampaignSpec, db: ResultsDB) -> None:
         row = envelope_bound([t["dist_golden"] for t in twins], alpha, margin)
         if row is None:  # no spread among the twins' distances: the fixed bound, said so
             row = {"bound": TWIN_BOUND, "n": len(twins), "alpha": alpha, "rule": "fixed TWIN_BOUND (no spread)"}
-            log.warning("perturbation twins at step %d have no spread; sdc:drift uses the fixed bound %g", s, TWIN_BOUND)
+            log.warning(
+                "perturbation twins at step %d have no spread; sdc:drift uses the fixed bound %g", s, TWIN_BOUND
+            )
         rows.append({"inject_step": s, "measure": "dist_twin", **row})
         spread = thresholds[s]["dist_golden"]
         for t, f in zip(twins, twin_flags(twins, alpha, margin)):
