@@ -76,7 +76,7 @@ def test_report_states_twin_and_spread_drift(campaign):
     # 4 twins, none beyond the others' envelope nor the re-seed spread; both re-seeds beyond the
     # chaos envelope (another data order), their leave-one-out spread not measurable with 2
     assert "| perturbation twins | 4 | 0 | 0 |" in section and "| healthy re-seeded | 2 | 2 | – |" in section
-    assert "false-drift rate of the perturbation twins 0/4 = 0.0%" in section
+    assert "False-drift rate of the perturbation twins 0/4 = 0.0%" in section
     assert "dist_twin (the chaos envelope" in md.split("## Healthy-spread thresholds")[1].split("\n## ")[0]
     assert "drift against the exact twin" in (campaign / "report.html").read_text()
 

@@ -183,7 +183,7 @@ def drift_figure(
     return _png(fig)
 
 
-_TWIN_COLOR, _ENVELOPE_COLOR = "#26a69a", "#8e24aa"
+_TWIN_COLOR, _ENVELOPE_COLOR = "#a1887f", "#000000"
 
 
 def _stats(values: list[float | None]) -> tuple[float | None, float | None]:
@@ -250,10 +250,10 @@ def false_drift(twins: list[dict]) -> str:
     interval, as a sentence."""
     flags = [t["drift_twin"] for t in twins if t.get("drift_twin") is not None]
     if not flags:
-        return "no perturbation twins (a database written before them): drift_twin uses the fixed bound"
+        return "No perturbation twins (a database written before them): drift_twin uses the fixed bound."
     k, n = sum(flags), len(flags)
     lo, hi = wilson_interval(k, n)
-    return f"false-drift rate of the perturbation twins {k}/{n} = {k / n:.1%} (95% interval [{lo:.3f}, {hi:.3f}])"
+    return f"False-drift rate of the perturbation twins {k}/{n} = {k / n:.1%} (95% interval [{lo:.3f}, {hi:.3f}])"
 
 
 def drift_section(
