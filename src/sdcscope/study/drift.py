@@ -98,6 +98,10 @@ def disagreement(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None
 # ---------------------------------------------------------------------------------- report
 
 
+_TWIN_COLOR, _ENVELOPE_COLOR = "#a1887f", "#000000"
+"""The perturbation twins' lines and their envelope in the drift figure (apart from every outcome's)."""
+
+
 def _png(fig) -> str:
     import matplotlib.pyplot as plt
 
@@ -181,9 +185,6 @@ def drift_figure(
     zero = sum(1 for r in shown if all(v == 0 for v in _series(r["drift"])))
     fig.suptitle(f"drift against the exact golden twin ({zero} of {len(shown)} trials stay at 0)", fontsize=10)
     return _png(fig)
-
-
-_TWIN_COLOR, _ENVELOPE_COLOR = "#a1887f", "#000000"
 
 
 def _stats(values: list[float | None]) -> tuple[float | None, float | None]:
