@@ -12,7 +12,8 @@ import sqlite3
 
 import pytest
 
-from sdcscope.study import build_report, init_campaign, run_campaign, write_report
+from sdcscope.study import init_campaign, run_campaign, write_report
+from sdcscope.study.drift import drift_section
 from sdcscope.study.outcomes import TWIN_BOUND
 from sdcscope.study.spec import load_campaign
 from sdcscope.study.store import SCHEMA, ResultsDB
@@ -133,10 +134,11 @@ def test_a_database_before_twins_that_cannot_be_written_still_reports(campaign, 
     _as_before_twins(campaign, old := tmp_path / "c", 3).close()
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p).startswith(str(old)) else real(p, mode))
-    report = build_report(old)
-    drift = next(t for t in report["tables"] if t["title"] == "Drift against the exact golden twin")
-    assert f"the fixed twin bound ({TWIN_BOUND:g}; this database has no perturbation twins)" in drift["note"]
-    assert drift["rows"][-1][:4] == ["healthy re-seeded", "2", "–", "–"]  # no labels in that schema
-    assert ["sdc:drift", "1", "1", "0"] in [r[:4] for r in drift["rows"]]  # by the fixed bound
+    with _db(old) as db:
+        assert db.readonly
+        _, _, rows, note = drift_section(db.trials(), db.baselines(), db.twins())
+    assert f"the fixed twin bound ({TWIN_BOUND:g}; this database has no perturbation twins)" in note
+    assert rows[-1][:4] == ["healthy re-seeded", 2, None, None]  # no labels in that schema
+    assert ["sdc:drift", 1, 1, 0] in [r[:4] for r in rows]  # by the fixed bound
     with sqlite3.connect(old / "results.sqlite") as conn:  # nothing was written
         assert conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone() == ("3",)
