@@ -84,10 +84,10 @@ def envelope_bound(distances: Sequence[Any], alpha: float, margin: float) -> dic
 def envelope_curve(twins: list[dict], alpha: float, margin: float) -> list[float | None]:
     """The envelope at each drift offset from the twins' ``drift`` lists (None where fewer than 2
     twins have a positive distance there)."""
-    n = max((len(t.get("drift") or []) for t in twins), default=0)
+    curves = [t.get("drift") or [] for t in twins]
     out = []
-    for k in range(n):
-        row = envelope_bound([(t.get("drift") or [None] * n)[k] for t in twins], alpha, margin)
+    for k in range(max(map(len, curves), default=0)):
+        row = envelope_bound([c[k] for c in curves if k < len(c)], alpha, margin)
         out.append(None if row is None else row["bound"])
     return out
 
