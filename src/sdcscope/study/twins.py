@@ -8,9 +8,10 @@ natural divergence at each drift offset: golden's snapshot at the injection step
 a random half of the weights** (bit 0 of the stored word flipped, :func:`sdcscope.faults.bitflip`;
 a seeded Bernoulli(1/2) mask per twin), trained on with golden's seed and data order. That is a
 change "at rounding level, anywhere": what a healthy chip that rounds differently (another
-reduction order) would do, and an upper bound on what one rounding-level corruption of any value
-can start. Every twin starts ~1 ulp away in every changed element, so the envelope covers a fault
-that changed fewer values by as little, at every horizon.
+reduction order) would do. Chaos amplifies any rounding-level change, of one value or of many, to
+the same growing divergence within a few steps, so the twins sample its spread, and the bound
+below (a prediction bound for one more such run, times a margin) covers a fault that changed
+values by as little, at every horizon.
 
 The envelope at an offset is, over the K twins' relative weight distances ``d`` to golden there,
 ``margin * exp(max(max(log d), mean(log d) + t[1-alpha, K-1] * sd(log d) * sqrt(1 + 1/K)))``: the
