@@ -46,12 +46,12 @@ __all__ = ["CAMPAIGNS", "HERE", "MARK", "SHRINK", "main", "regenerate", "run"]
 HERE = Path(__file__).resolve().parent
 GAP_POINTS = 6
 # what --shrink changes in each spec (merged into it): the same fault models, fewer trials and steps
-_NVDLA_CNN = {"horizon": 60, "faults": {"repeats": 2}, "baseline": {"seeds": [1, 2]}}
+_NVDLA_CNN = {"horizon": 60, "faults": {"repeats": 2}, "baseline": {"seeds": [1, 2], "twins": 3}}
 _NVDLA_GPT = {
     "horizon": 100,
     "workload": {"eval_batches": 2, "batch_size": 8},
     "faults": {"repeats": 2},
-    "baseline": {"seeds": [1, 2]},
+    "baseline": {"seeds": [1, 2], "twins": 3},
 }
 SHRINK = {
     "gpt_bits": {
@@ -60,7 +60,7 @@ SHRINK = {
         "workload": {"eval_batches": 2, "batch_size": 4},
         "faults": {"targets": ["head"], "bits": [0, 22, 27, 30, 31]},
         "sampling": {"kind": "exhaustive"},
-        "baseline": {"seeds": [101, 102]},
+        "baseline": {"seeds": [101, 102], "twins": 3},
     },
     "nvdla_cnn": _NVDLA_CNN,
     "nvdla_cnn_swizzled": _NVDLA_CNN,
@@ -141,6 +141,7 @@ def load(directory: Path) -> dict:
             "dir": directory,
             "rows": db.trials(),
             "baselines": db.baselines(),
+            "twins": db.twins(),
             "refs": db.references(),
             "thresholds": db.thresholds(),
         }

@@ -20,6 +20,7 @@ from sdcscope.study import (
     run_campaign,
     write_report,
 )
+from sdcscope.study.stats import THRESHOLD_MEASURES
 
 SPEC = """
 name: ci-40
@@ -84,8 +85,9 @@ def test_campaign_rows_are_complete_and_classified(finished):
         baselines, thresholds = db.baselines(), db.thresholds()[5]
         trials = db.trials()
     assert len(baselines) == 3
-    for measure, bound in thresholds.items():  # thresholds come from the recorded healthy spread
-        assert bound == pytest.approx(prediction_bound([abs(b[measure]) for b in baselines], 0.01)["bound"])
+    for measure in THRESHOLD_MEASURES:  # thresholds come from the recorded healthy spread
+        want = prediction_bound([abs(b[measure]) for b in baselines], 0.01)["bound"]
+        assert thresholds[measure] == pytest.approx(want)
     for r in trials:  # and every outcome follows from them
         m = {**r, "crash": bool(r["crash"]), "masked": bool(r["masked"])}
         assert classify(m, thresholds, guard=False) == {k: r[k] for k in ("effect", "sdc_kind", "outcome")}

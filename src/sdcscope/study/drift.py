@@ -10,10 +10,11 @@ fault's doing. Two measures at the drift steps (``drift_offsets`` after the inje
   ``disagree_final``): the argmax of the model's output on the workload's validation inputs,
   computed on a hook-free copy of the model (the healthy chip, as for the weights).
 
-``sdc:drift`` holds by the twin (``drift_twin``: final weight distance above
-:data:`~sdcscope.study.outcomes.TWIN_BOUND`) or by the spread of data-order re-seeds
-(``drift_spread``); the report states both, with a figure of both distances over time in which a
-trial that stays bit-identical to its twin shows at 0.
+``sdc:drift`` holds by the twin (``drift_twin``: final weight distance beyond the chaos floor, the
+envelope of perturbation twins, :mod:`.twins`) or by the spread of data-order re-seeds
+(``drift_spread``); the report states both, with a figure of both distances over time -- the
+twins and their envelope drawn, a trial that stays bit-identical to its twin at 0 -- and the
+false-drift rate of the twins (each tested against the others) and of the re-seeded runs.
 """
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ from typing import Any
 import torch
 
 from sdcscope.study.outcomes import NOT_FIRED, TWIN_BOUND
+from sdcscope.study.stats import wilson_interval
 
-__all__ = ["Predictor", "disagreement", "drift_figure", "drift_section", "drift_table_rows", "val_inputs"]
+__all__ = [
+    "Predictor",
+    "disagreement",
+    "drift_figure",
+    "drift_section",
+    "drift_table_rows",
+    "false_drift",
+    "val_inputs",
+]
 
 
 def val_inputs(workload) -> list[torch.Tensor] | None:
@@ -88,6 +98,10 @@ def disagreement(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None
 # ---------------------------------------------------------------------------------- report
 
 
+_TWIN_COLOR, _ENVELOPE_COLOR = "#a1887f", "#000000"
+"""The perturbation twins' lines and their envelope in the drift figure (apart from every outcome's)."""
+
+
 def _png(fig) -> str:
     import matplotlib.pyplot as plt
 
@@ -106,10 +120,18 @@ def _series(values: Any) -> list[float]:
     return [v if isinstance(v, (int, float)) and math.isfinite(v) else math.nan for v in values or []]
 
 
-def drift_figure(rows: list[dict], baselines: list[dict], offsets: list[int], bound: float = TWIN_BOUND) -> str | None:
+def drift_figure(
+    rows: list[dict],
+    baselines: list[dict],
+    offsets: list[int],
+    twins: list[dict] = (),
+    envelopes: dict[int, list[float | None]] | None = None,
+) -> str | None:
     """Weight distance and prediction disagreement to the golden twin over the steps after the
-    injection, one line per trial (coloured by outcome) and per healthy re-seeded run (dashed).
-    The weight axis is symmetric-log, so trials bit-identical to their twin lie on 0."""
+    injection, one line per trial (coloured by outcome), per healthy re-seeded run (dashed) and per
+    perturbation twin (thin), with the twins' envelope of each injection step (dotted; the fixed
+    :data:`TWIN_BOUND` without twins). The weight axis is symmetric-log, so trials bit-identical
+    to their twin lie on 0."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,12 +150,19 @@ def drift_figure(rows: list[dict], baselines: list[dict], offsets: list[int], bo
             ys = _series(b.get(key))
             if ys:
                 ax.plot(offsets[: len(ys)], ys, color="#757575", lw=1.2, ls="--")
+        for t in twins:
+            ys = _series(t.get(key))
+            if ys:
+                ax.plot(offsets[: len(ys)], ys, color=_TWIN_COLOR, lw=0.7, alpha=0.6)
         for r in shown:
             ys = _series(r.get(key))
             if ys:
                 ax.plot(offsets[: len(ys)], ys, color=COLORS.get(_label(r), "#000000"), lw=0.8, alpha=0.7, marker=".")
         if key == "drift":
-            ax.axhline(bound, color="#8e24aa", lw=0.8, ls=":")
+            for curve in (envelopes or {}).values():
+                ax.plot(offsets[: len(curve)], _series(curve), color=_ENVELOPE_COLOR, lw=1.6, ls=":")
+            if not envelopes:
+                ax.axhline(TWIN_BOUND, color=_ENVELOPE_COLOR, lw=0.8, ls=":")
             tiny = [abs(v) for r in shown for v in _series(r.get("drift")) if v and not math.isnan(v)]
             ax.set_yscale("symlog", linthresh=max(min(tiny, default=1e-6), 1e-9))
         ax.set_xlabel("steps after injection")
@@ -143,7 +172,15 @@ def drift_figure(rows: list[dict], baselines: list[dict], offsets: list[int], bo
         if any(_label(r) == name for r in shown):
             ax.plot([], [], color=color, label=name)
     ax.plot([], [], color="#757575", ls="--", label="healthy re-seeded")
-    ax.plot([], [], color="#8e24aa", ls=":", label=f"twin bound {bound:g}")
+    if twins:
+        ax.plot([], [], color=_TWIN_COLOR, lw=0.7, label="perturbation twins")
+    ax.plot(
+        [],
+        [],
+        color=_ENVELOPE_COLOR,
+        ls=":",
+        label="chaos envelope (twins)" if envelopes else f"fixed twin bound {TWIN_BOUND:g} (no twins)",
+    )
     ax.legend(fontsize=7, ncol=2, loc="best", framealpha=0.6)
     zero = sum(1 for r in shown if all(v == 0 for v in _series(r["drift"])))
     fig.suptitle(f"drift against the exact golden twin ({zero} of {len(shown)} trials stay at 0)", fontsize=10)
@@ -163,10 +200,13 @@ def _twin(r: dict) -> bool:
     return r.get("effect") not in ("crash", NOT_FIRED) and isinstance(d, float) and d > TWIN_BOUND
 
 
-def drift_table_rows(rows: list[dict], baselines: list[dict], by: str = "outcome") -> list[list[Any]]:
-    """One row per value of ``by`` and one for the healthy re-seeded runs: trials, how many are
-    beyond the twin bound and beyond the re-seed spread, median and max weight distance and
-    prediction disagreement to the twin at the end of the horizon."""
+def drift_table_rows(
+    rows: list[dict], baselines: list[dict], twins: list[dict] = (), by: str = "outcome"
+) -> list[list[Any]]:
+    """One row per value of ``by``, one for the perturbation twins and one for the healthy
+    re-seeded runs: how many, how many beyond the twins' envelope (a twin: beyond the other twins'
+    envelope) and beyond the re-seed spread (a re-seeded run: beyond the others' spread), median
+    and max weight distance and prediction disagreement to golden at the end of the horizon."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
         if r["effect"] != NOT_FIRED:
@@ -184,29 +224,58 @@ def drift_table_rows(rows: list[dict], baselines: list[dict], by: str = "outcome
                 *_stats([r.get("disagree_final") for r in rs]),
             ]
         )
-    if baselines:
-        ends = [(b.get("disagree") or [None])[-1] for b in baselines]
-        out.append(
-            [
-                "healthy re-seeded",
-                len(baselines),
-                None,
-                None,
-                *_stats([b["dist_golden"] for b in baselines]),
-                *_stats(ends),
-            ]
-        )
+    for name, runs in (("perturbation twins", twins), ("healthy re-seeded", baselines)):
+        if runs:
+            ends = [(r.get("disagree") or [None])[-1] for r in runs]
+            out.append(
+                [
+                    name,
+                    len(runs),
+                    _count(runs, "drift_twin"),
+                    _count(runs, "drift_spread"),
+                    *_stats([r["dist_golden"] for r in runs]),
+                    *_stats(ends),
+                ]
+            )
     return out
 
 
-def drift_section(rows: list[dict], baselines: list[dict]) -> tuple[str, list[str], list[list[Any]], str]:
+def _count(runs: list[dict], key: str) -> int | None:
+    """How many of ``runs`` have the label ``key`` set; None when none was labelled."""
+    flags = [r[key] for r in runs if r.get(key) is not None]
+    return sum(map(int, flags)) if flags else None
+
+
+def false_drift(twins: list[dict]) -> str:
+    """The twins' false-drift rate (each twin beyond the other twins' envelope) with a Wilson 95 %
+    interval, as a sentence."""
+    flags = [t["drift_twin"] for t in twins if t.get("drift_twin") is not None]
+    if not flags:
+        return "No perturbation twins (a database written before them): drift_twin uses the fixed bound."
+    k, n = sum(flags), len(flags)
+    lo, hi = wilson_interval(k, n)
+    return f"False-drift rate of the perturbation twins {k}/{n} = {k / n:.1%} (95% interval [{lo:.3f}, {hi:.3f}])"
+
+
+def drift_section(
+    rows: list[dict], baselines: list[dict], twins: list[dict] = ()
+) -> tuple[str, list[str], list[list[Any]], str]:
     """The report's drift table: (title, headers, rows, note)."""
-    headers = ["outcome", "trials", "beyond twin bound", "beyond re-seed spread"]
+    headers = ["outcome", "runs", "beyond chaos envelope", "beyond re-seed spread"]
     headers += [f"{s} {m}" for m in ("weight distance", "prediction disagreement") for s in ("median", "max")]
+    floor = (
+        "the envelope of the perturbation twins at the end of the horizon (threshold dist_twin: golden's snapshot "
+        "with one ulp of a random half of the weights, trained on with golden's data order; its rule in the "
+        "thresholds table)"
+        if twins
+        else f"the fixed twin bound ({TWIN_BOUND:g}; this database has no perturbation twins)"
+    )
     note = (
         "at the end of the horizon, against the bit-identical golden run: weight distance ‖θ − θ_twin‖ / "
         "‖θ_twin‖; prediction disagreement: the share of held-out argmax predictions that differ. sdc:drift "
-        f"when the weight distance exceeds the twin bound ({TWIN_BOUND:g}) or the healthy re-seeds' bound "
-        "(threshold dist_golden); the last row: the re-seeded healthy runs' own distance to golden"
+        f"when the weight distance exceeds {floor} or the healthy re-seeds' bound (threshold dist_golden). "
+        "Perturbation twins: each tested against the other twins' envelope; healthy re-seeded: each against "
+        "the envelope and against the other re-seeds' spread (another data order lands beyond the chaos "
+        f"envelope by design). {false_drift(twins)}"
     )
-    return "Drift against the exact golden twin", headers, drift_table_rows(rows, baselines), note
+    return "Drift against the exact golden twin", headers, drift_table_rows(rows, baselines, twins), note

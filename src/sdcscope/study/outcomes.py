@@ -14,10 +14,12 @@
   (fault removed) is worse than golden's by more than the healthy ``val_delta`` bound;
   ``drift`` -- the losses look healthy but the parameters moved away from golden's, decided two
   ways and both recorded: ``drift_twin`` -- the final relative distance to the bit-exact golden
-  twin (``dist_golden``) exceeds :data:`TWIN_BOUND`; ``drift_spread`` -- it exceeds the distance
-  healthy re-seeded runs reach (their bound). A re-seeded run lands far from golden (another data
-  order), so only the twin measure sees a fault that sends the weights elsewhere with a normal loss
-  (Ma et al.); ``sdc_kind`` is ``drift`` when either holds (see :mod:`.drift`);
+  twin (``dist_golden``) exceeds the chaos floor, the envelope of perturbation twins at the end of
+  the horizon (threshold ``dist_twin``, :mod:`.twins`; :data:`TWIN_BOUND` where a database has no
+  twins yet); ``drift_spread`` -- it exceeds the distance healthy re-seeded runs reach (their
+  bound). A re-seeded run lands far from golden (another data order), so only the twin measure
+  sees a fault that sends the weights elsewhere with a normal loss (Ma et al.); ``sdc_kind`` is
+  ``drift`` when either holds (see :mod:`.drift`);
 - ``benign``: parameters differ from golden but every measure is within healthy variance.
 
 ``outcome`` -- ``effect``, unless the guard is on and emitted an event at or after the step
@@ -40,10 +42,10 @@ EFFECTS = ("masked", "benign", "crash", "sdc", NOT_FIRED)
 SDC_KINDS = ("sharp", "slow", "drift")
 OUTCOMES = ("masked", "benign", "detected", "recovered", "crash", "sdc", NOT_FIRED)
 TWIN_BOUND = 0.01
-"""``drift_twin``: the final weights differ from the bit-exact golden twin's by more than 1 % of
-their norm (‖θ − θ_golden‖ / ‖θ_golden‖ > 0.01). The twin is bit-reproducible, so any non-zero
-distance is the fault's doing; the bound leaves out rounding-level traces (a low mantissa bit)
-and keeps a move the size of a real training change."""
+"""The fixed ``drift_twin`` bound of databases without perturbation twins (written before them, or
+read-only): the final weights differ from the bit-exact golden twin's by more than 1 % of their
+norm. Training is chaotic, so a rounding-level trace outgrows any fixed bound on a long enough
+horizon; a campaign run decides against its twins' envelope instead (:mod:`.twins`)."""
 
 
 def _above(value: float | None, bound: float) -> bool:
@@ -56,9 +58,9 @@ def _flag(value: float | None, bound: float) -> int | None:
 
 def drift_flags(m: dict[str, Any], thresholds: dict[str, float]) -> dict[str, int | None]:
     """``{"drift_twin", "drift_spread"}``: the final weight distance to golden (``dist_golden``)
-    against :data:`TWIN_BOUND` (``thresholds["dist_twin"]`` when given) and against the healthy
-    re-seeds' bound, whatever the effect; None without a finite distance (a crash, a fault that
-    never fired)."""
+    against the perturbation twins' envelope ``thresholds["dist_twin"]`` (:data:`TWIN_BOUND`
+    without one) and against the healthy re-seeds' bound, whatever the effect; None without a
+    finite distance (a crash, a fault that never fired)."""
     dist = None if m["crash"] or not m.get("fired", True) else m["dist_golden"]
     return {
         "drift_twin": _flag(dist, thresholds.get("dist_twin", TWIN_BOUND)),

@@ -30,6 +30,7 @@ from sdcscope.study.spec import load_campaign
 from sdcscope.study.stats import pvf_table, wilson_interval
 from sdcscope.study.store import DB_FILE, ResultsDB
 from sdcscope.study.tables import table as _table
+from sdcscope.study.twins import envelope_curve
 from sdcscope.study.worker import drift_offsets
 
 __all__ = ["build_report", "build_run_report", "write_report", "EXPECTED_DIRECTION"]
@@ -128,6 +129,17 @@ def _levels(rows: list[dict]) -> list[dict[str, Any]]:
     return tables
 
 
+def _threshold_note(thresholds: list[dict]) -> str:
+    """The rule of each kind of threshold row: the healthy spread's, and the twins' envelope
+    (``dist_twin``, whose mean and sd columns are the twins' geometric mean and sd of log d)."""
+    notes = {}
+    for t in thresholds:
+        twin = t["measure"] == "dist_twin"
+        what = "dist_twin (the chaos envelope; mean: geometric, sd: of log distance)" if twin else "bound"
+        notes.setdefault(what, f"{what} = {t['rule']} (alpha {t['alpha']})")
+    return "; ".join(notes.values())
+
+
 def build_report(directory: str | Path) -> dict[str, Any]:
     """Everything the report shows (tables as text cells, figures as base64 PNG)."""
     directory = Path(directory)
@@ -140,7 +152,7 @@ def build_report(directory: str | Path) -> dict[str, Any]:
         )
     spec = load_campaign(directory / SPEC_FILE)
     with ResultsDB(directory / DB_FILE, spec) as db:
-        rows, baselines, refs = db.trials(), db.baselines(), db.references()
+        rows, baselines, refs, twins = db.trials(), db.baselines(), db.references(), db.twins()
         golden, thresholds = db.golden_losses(), db.threshold_rows()
         planned = db.plan_size if db.plan_size is not None and not db.extended else count_plan(spec, db)
     if not rows:
@@ -153,7 +165,8 @@ def build_report(directory: str | Path) -> dict[str, Any]:
             [[k, v, v / len(rows)] for k, v in counts.most_common()],
             note="masked: bitwise-identical parameters or no value changed; benign: within healthy "
             "variance; sdc:sharp loss spike, sdc:slow worse validation loss, sdc:drift parameters "
-            "away from the golden twin or beyond healthy re-seeded runs (see drift below)",
+            "away from the golden twin beyond the chaos floor (perturbation twins) or beyond healthy "
+            "re-seeded runs (see drift below)",
         )
     ]
     tables.append(
@@ -161,7 +174,7 @@ def build_report(directory: str | Path) -> dict[str, Any]:
             "Healthy-spread thresholds",
             ["inject step", "measure", "bound", "healthy mean", "healthy sd", "healthy max", "K"],
             [[t["inject_step"], t["measure"], t["bound"], t["mean"], t["sd"], t["max"], t["n"]] for t in thresholds],
-            note=f"bound = {thresholds[0]['rule']} (alpha {thresholds[0]['alpha']})",
+            note=_threshold_note(thresholds),
         )
     )
     dims = ["site", "target", "bit", "model"] + [
@@ -178,8 +191,15 @@ def build_report(directory: str | Path) -> dict[str, Any]:
         "loss curves": figures.loss_curves(golden, rows, baselines),
         "drift": figures.drift_curves(rows, baselines, drift_offsets(spec.horizon)),
     }
-    figs["drift against the exact twin"] = drift.drift_figure(rows, baselines, drift_offsets(spec.horizon))
-    tables.append(_table(*drift.drift_section(rows, baselines)))
+    base = spec.baseline
+    envelopes = {
+        s: envelope_curve([t for t in twins if t["inject_step"] == s], base.alpha, base.twin_margin)
+        for s in sorted({t["inject_step"] for t in twins})
+    }
+    figs["drift against the exact twin"] = drift.drift_figure(
+        rows, baselines, drift_offsets(spec.horizon), twins, envelopes
+    )
+    tables.append(_table(*drift.drift_section(rows, baselines, twins)))
     permanent = _permanent(rows, refs)
     if permanent:
         tables.append(

@@ -1,7 +1,9 @@
 """Plan, run and resume a campaign directory (``campaign.yaml``, ``results.sqlite``, ``golden/``).
 
 Phases: one golden run that saves snapshots at the injection steps; healthy baselines (each
-snapshot continued with other data-order seeds); thresholds from their spread; then the trials.
+snapshot continued with other data-order seeds); thresholds from their spread; perturbation twins
+(each snapshot with a rounding-level change, golden's data order) and their envelope, the chaos
+floor of ``sdc:drift`` (:mod:`.twins`); then the trials.
 Every phase skips what ``results.sqlite`` already holds, so running a killed campaign again
 resumes it; results are a pure function of (spec, trial id), whatever the worker count. One
 run at a time per directory: a run holds an exclusive ``flock`` on ``run.lock`` (released when
@@ -17,6 +19,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import logging
 import multiprocessing
 import os
 import shutil
@@ -32,19 +35,23 @@ from typing import Any
 import torch
 import yaml
 
+from sdcscope.study.outcomes import TWIN_BOUND
 from sdcscope.study.plan import Trial, build_plan, pending_trials
 from sdcscope.study.spec import CampaignSpec, load_campaign, read_campaign_data
 from sdcscope.study.stats import RULE, THRESHOLD_MEASURES, prediction_bound
 from sdcscope.study.store import DB_FILE, ResultsDB
+from sdcscope.study.twins import envelope_bound, spread_flags, twin_flags
 from sdcscope.study.worker import GOLDEN_DIR, Worker
 
 __all__ = ["SPEC_FILE", "LOCK_FILE", "CampaignBusyError", "init_campaign", "plan_campaign", "run_campaign", "Progress"]
+
+log = logging.getLogger("sdcscope.study.runner")
 
 SPEC_FILE = "campaign.yaml"
 LOCK_FILE = "run.lock"
 """Held (``flock``) by the one ``run_campaign`` working on a directory; it dies with its process."""
 Progress = Callable[[str, int, int], None]
-"""``progress(phase, done, total)``; phases: golden, baseline, trials."""
+"""``progress(phase, done, total)``; phases: golden, baseline, twins, trials."""
 
 
 def plan_campaign(spec: CampaignSpec) -> list[Trial]:
@@ -254,6 +261,33 @@ def _thresholds(spec: CampaignSpec, baselines: list[dict]) -> list[dict]:
     return rows
 
 
+def _write_envelope(spec: CampaignSpec, db: ResultsDB) -> None:
+    """The twins' envelope at the end of the horizon (threshold ``dist_twin``) per injection step,
+    the drift labels of the twins (leave-one-out) and of the healthy re-seeded runs, and every
+    stored trial decided again (a campaign finished before the twins gets its labels here, from
+    its stored measures)."""
+    alpha, margin = spec.baseline.alpha, spec.baseline.twin_margin
+    all_twins, all_bases, thresholds = db.twins(), db.baselines(), db.thresholds()
+    rows, twin_labels, base_labels = [], {}, {}
+    beyond = lambda d, bound: None if d is None else int(d > bound)  # noqa: E731
+    for s in spec.inject_steps:
+        twins = [t for t in all_twins if t["inject_step"] == s]
+        row = envelope_bound([t["dist_golden"] for t in twins], alpha, margin)
+        if row is None:  # no spread among the twins' distances: the fixed bound, said so
+            row = {"bound": TWIN_BOUND, "n": len(twins), "alpha": alpha, "rule": "fixed TWIN_BOUND (no spread)"}
+            log.warning(
+                "perturbation twins at step %d have no spread; sdc:drift uses the fixed bound %g", s, TWIN_BOUND
+            )
+        rows.append({"inject_step": s, "measure": "dist_twin", **row})
+        spread = thresholds[s]["dist_golden"]
+        for t, f in zip(twins, twin_flags(twins, alpha, margin)):
+            twin_labels[(s, t["twin"])] = {"drift_twin": f, "drift_spread": beyond(t["dist_golden"], spread)}
+        bases = [b for b in all_bases if b["inject_step"] == s]
+        for b, f in zip(bases, spread_flags([b["dist_golden"] for b in bases], alpha)):
+            base_labels[(s, b["seed"])] = {"drift_twin": beyond(b["dist_golden"], row["bound"]), "drift_spread": f}
+    db.write_envelope(spec, rows, twin_labels, base_labels)
+
+
 def run_campaign(
     directory: str | Path,
     *,
@@ -338,7 +372,9 @@ def _run_locked(
     with ResultsDB(directory / DB_FILE, spec, len(plan)) as db:
         todo = pending_trials(plan, db.trial_keys())  # by key: an extended campaign keeps its rows
         db.set_plan_size(len(db.trial_keys()) + len(todo))  # also after a `campaign status` bound the edit
-        backend = _backend(directory, spec, workers, ray_address) if todo or not db.thresholds() else None
+        th = db.thresholds()
+        ready = bool(th) and all("dist_twin" in v for v in th.values())  # baselines, twins, envelope
+        backend = None if ready and not todo else _backend(directory, spec, workers, ray_address)
         try:
             if backend is not None:
                 _run_phases(directory, spec, db, backend, todo, progress)
@@ -380,6 +416,17 @@ def _run_phases(
             db.write_baseline(result)
     if not db.thresholds():
         db.write_thresholds(_thresholds(spec, db.baselines()))
+    have = {(t["inject_step"], t["twin"]) for t in db.twins()}
+    jobs = [
+        {**base_job("twin", s), "twin": k}
+        for s in spec.inject_steps
+        for k in range(spec.baseline.twins)
+        if (s, k) not in have
+    ]
+    for result in _each(backend, jobs, "twins", progress):
+        db.write_twin(result)
+    if jobs or any("dist_twin" not in th for th in db.thresholds().values()):
+        _write_envelope(spec, db)
     thresholds = db.thresholds()
     jobs = [
         {**base_job("trial", t.inject_step), "trial": dataclasses.asdict(t), "thresholds": thresholds[t.inject_step]}

@@ -19,7 +19,7 @@ Example (every key but ``workload``, ``inject_steps``, ``horizon`` and ``faults`
       repeats: 1                   # independent draws (fault seeds) per point
       seed: 0
     sampling: {kind: random, n: 40, seed: 0}   # exhaustive | random | stratified (+ by: [bit], or by: bit)
-    baseline: {seeds: [101, 102, 103], alpha: 0.01}
+    baseline: {seeds: [101, 102, 103], alpha: 0.01, twins: 4, twin_margin: 2.0}
     guard: false                   # true: the guard, profile balanced; or a guard config mapping:
                                    # {profile: minimal | balanced | full, abft: {c: 9}, ...}
     analysis: basic                # full: also lock-step (level a) and gradient NSR (level b)
@@ -80,6 +80,8 @@ UNSUPPORTED_SITES = {
 CAMPAIGN_SITES = tuple(s for s in SITES if s not in UNSUPPORTED_SITES)
 BASELINE_SEED_MAX = 2**63 - 1
 """results.sqlite keeps a baseline's seed as a signed 64-bit integer."""
+TWINS_MIN, TWINS_MAX = 3, 64
+"""Perturbation twins per injection step: each is tested against the others (>= 2 of them)."""
 WORKLOAD_KEYS = (
     "name",
     "preset",
@@ -351,10 +353,18 @@ class Sampling:
 @dataclass(frozen=True)
 class Baseline:
     """Healthy runs continued from each injection snapshot with other data-order ``seeds``; their
-    spread sets the outcome thresholds (one-sided level ``alpha``, see :mod:`.stats`)."""
+    spread sets the outcome thresholds (one-sided level ``alpha``, see :mod:`.stats`).
+
+    ``twins`` perturbation twins per injection step set the chaos floor of ``sdc:drift``: golden's
+    snapshot with a rounding-level change (one ulp of a random half of the weights), trained with
+    golden's data order; a trial is beyond the floor when its final distance to golden exceeds
+    ``twin_margin`` times the twins' bound (see :mod:`.twins`). At least 3 twins, so that each twin
+    can be tested against the others (the false-drift rate)."""
 
     seeds: tuple[int, ...] = (1001, 1002, 1003)
     alpha: float = 0.01
+    twins: int = 4
+    twin_margin: float = 2.0
 
     def __post_init__(self) -> None:
         seeds = [_int("baseline seed", s, 0, BASELINE_SEED_MAX) for s in _list("baseline.seeds", self.seeds)]
@@ -366,9 +376,16 @@ class Baseline:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < 0.5:
             raise ValueError(f"baseline.alpha must be a number in (0, 0.5), got {self.alpha!r}")
         object.__setattr__(self, "alpha", float(self.alpha))
+        _int("baseline.twins", self.twins, TWINS_MIN, TWINS_MAX)
+        margin = self.twin_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 1 <= margin < float("inf"):
+            raise ValueError(
+                f"baseline.twin_margin must be a finite number >= 1 (a factor on the twins' bound), got {margin!r}"
+            )
+        object.__setattr__(self, "twin_margin", float(margin))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"seeds": list(self.seeds), "alpha": self.alpha}
+        return {"seeds": list(self.seeds), "alpha": self.alpha, "twins": self.twins, "twin_margin": self.twin_margin}
 
 
 @dataclass(frozen=True)
@@ -459,7 +476,9 @@ class CampaignSpec:
                 raise ValueError(f"campaign key {key!r} is required")
         data["faults"] = FaultSpace.from_dict(data["faults"])
         data["sampling"] = Sampling(**_keys("sampling", data.get("sampling", {}), ("kind", "n", "by", "seed")))
-        data["baseline"] = Baseline(**_keys("baseline", data.get("baseline", {}), ("seeds", "alpha")))
+        data["baseline"] = Baseline(
+            **_keys("baseline", data.get("baseline", {}), ("seeds", "alpha", "twins", "twin_margin"))
+        )
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -493,11 +512,19 @@ class CampaignSpec:
         return space_hash(self.to_dict())
 
 
+_TWIN_DEFAULTS = {"twins": Baseline.twins, "twin_margin": Baseline.twin_margin}
+
+
 def _hash_form(spec: Mapping) -> Mapping:
     """``spec`` as hashed: a guard of every default (``{profile: balanced}``) as ``true``, as specs
-    wrote it before guard profiles, so their results databases stay bound to them."""
+    wrote it before guard profiles, and the perturbation twins' knobs left out at their defaults,
+    as specs wrote them before twins, so their results databases stay bound to them (they gain
+    the twins on the next ``campaign run``)."""
     if spec.get("guard") == {"profile": "balanced"}:
-        return {**spec, "guard": True}
+        spec = {**spec, "guard": True}
+    base = spec.get("baseline")
+    if isinstance(base, Mapping):
+        spec = {**spec, "baseline": {k: v for k, v in base.items() if _TWIN_DEFAULTS.get(k, object()) != v}}
     return spec
 
 

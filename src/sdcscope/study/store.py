@@ -2,7 +2,8 @@
 
 Tables: ``meta`` (spec hash and the normalized spec), ``golden`` (the golden loss curve),
 ``reference`` (golden at the end of each horizon), ``baseline`` (healthy re-seeded runs),
-``thresholds`` (the healthy-spread bound of each measure at each injection step) and ``trials``.
+``twins`` (perturbation twins: the chaos floor, :mod:`.twins`), ``thresholds`` (the healthy-spread
+bound of each measure at each injection step, and the twins' envelope ``dist_twin``) and ``trials``.
 A database of an older schema is migrated when opened (see :meth:`ResultsDB._migrate`). Only the
 campaign's main process writes; every row is its own transaction, so a killed runner loses at most
 the trials in flight, and a trial id is its primary key, so none is written twice.
@@ -22,11 +23,12 @@ from sdcscope.common.io import dumps
 from sdcscope.common.storage import storage_cause, writing
 from sdcscope.study.spec import CampaignSpec, space_hash
 
-__all__ = ["ResultsDB", "TRIAL_COLUMNS", "BASELINE_COLUMNS", "DB_FILE"]
+__all__ = ["ResultsDB", "TRIAL_COLUMNS", "BASELINE_COLUMNS", "TWIN_COLUMNS", "DB_FILE"]
 
 DB_FILE = "results.sqlite"
-SCHEMA = 3
-"""2: the drift columns; 3: a trial's ``detector`` (the guard's first detector after the fault)."""
+SCHEMA = 4
+"""2: the drift columns; 3: a trial's ``detector`` (the guard's first detector after the fault);
+4: the ``twins`` table and a baseline's ``drift_twin`` / ``drift_spread`` labels."""
 JSON_COLUMNS = {"losses", "drift", "disagree", "first_divergence", "lockstep", "nsr", "drift_steps"}
 TRIAL_COLUMNS: dict[str, str] = {
     "trial_id": "INTEGER PRIMARY KEY",
@@ -95,7 +97,28 @@ BASELINE_COLUMNS: dict[str, str] = {
     "drift": "TEXT",
     "wall_s": "REAL",
     "disagree": "TEXT",
+    "drift_twin": "INTEGER",
+    "drift_spread": "INTEGER",
 }
+TWIN_COLUMNS: dict[str, str] = {
+    "inject_step": "INTEGER",
+    "twin": "INTEGER",
+    "changed": "INTEGER",
+    "val_loss": "REAL",
+    "val_acc": "REAL",
+    "val_delta": "REAL",
+    "loss_excess": "REAL",
+    "dist_golden": "REAL",
+    "guard_events": "INTEGER",
+    "losses": "TEXT",
+    "drift": "TEXT",
+    "disagree": "TEXT",
+    "drift_twin": "INTEGER",
+    "drift_spread": "INTEGER",
+    "wall_s": "REAL",
+}
+"""A perturbation twin; ``drift_twin``: beyond the envelope of the other twins, ``drift_spread``:
+beyond the re-seed spread (each a false drift)."""
 _TABLES = {
     "meta": "key TEXT PRIMARY KEY, value TEXT",
     "golden": "step INTEGER PRIMARY KEY, loss REAL",
@@ -105,6 +128,7 @@ _TABLES = {
     "thresholds": "inject_step INTEGER, measure TEXT, bound REAL, n INTEGER, mean REAL, sd REAL, max REAL, "
     "t REAL, alpha REAL, rule TEXT, PRIMARY KEY (inject_step, measure)",
     "trials": ", ".join(f"{k} {v}" for k, v in TRIAL_COLUMNS.items()),
+    "twins": ", ".join(f"{k} {v}" for k, v in TWIN_COLUMNS.items()) + ", PRIMARY KEY (inject_step, twin)",
 }
 
 
@@ -190,32 +214,23 @@ class ResultsDB:
             )
 
     def _migrate(self, spec: CampaignSpec) -> None:
-        """An older schema -> :data:`SCHEMA`: add the columns it lacks -- 2: the drift columns (a
-        trial's ``disagree``, ``disagree_final``, ``drift_twin``, ``drift_spread``; a baseline's
-        ``disagree``), 3: a trial's ``detector`` -- and decide each finished trial's outcome again
-        from its stored measures (``sdc:drift`` also holds against the golden twin since 2); the
-        measures it did not take stay empty. A database that cannot be written is read as it is
-        (the new columns read as None)."""
-        from sdcscope.study.outcomes import classify, drift_flags
-
+        """An older schema -> :data:`SCHEMA`: add the tables and columns it lacks -- 2: the drift
+        columns (a trial's ``disagree``, ``disagree_final``, ``drift_twin``, ``drift_spread``; a
+        baseline's ``disagree``), 3: a trial's ``detector``, 4: the ``twins`` table and a
+        baseline's ``drift_twin`` / ``drift_spread`` -- and decide each finished trial's outcome
+        again from its stored measures (:meth:`_reclassify`); the measures it did not take stay
+        empty. Until the next ``campaign run`` adds the perturbation twins, ``drift_twin`` is
+        decided against the fixed :data:`~sdcscope.study.outcomes.TWIN_BOUND`. A database that
+        cannot be written is read as it is (the new columns read as None, no twins)."""
         try:
             self.conn.execute("BEGIN IMMEDIATE")
+            self.conn.execute(f"CREATE TABLE IF NOT EXISTS twins ({_TABLES['twins']})")
             for table, columns in (("trials", TRIAL_COLUMNS), ("baseline", BASELINE_COLUMNS)):
                 have = {r[1] for r in self.conn.execute(f"PRAGMA table_info({table})")}
                 for name, kind in columns.items():
                     if name not in have:
                         self.conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
-            thresholds = self.thresholds()
-            for r in self._rows("SELECT * FROM trials"):
-                if r["inject_step"] not in thresholds:
-                    continue
-                m = {**r, "crash": bool(r["crash"]), "masked": bool(r["masked"])}
-                th = thresholds[r["inject_step"]]
-                new = {**classify(m, th, bool(spec.guard)), **drift_flags(m, th)}
-                self.conn.execute(
-                    "UPDATE trials SET effect=?, sdc_kind=?, outcome=?, drift_twin=?, drift_spread=? WHERE trial_id=?",
-                    [new[k] for k in ("effect", "sdc_kind", "outcome", "drift_twin", "drift_spread")] + [r["trial_id"]],
-                )
+            self._reclassify(spec)
             self.conn.execute("UPDATE meta SET value=? WHERE key='schema'", (str(SCHEMA),))
             self.conn.execute("COMMIT")
         except sqlite3.OperationalError as exc:  # read-only file or folder
@@ -231,6 +246,41 @@ class ResultsDB:
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
             raise
+
+    def _reclassify(self, spec: CampaignSpec) -> None:
+        """Decide every stored trial's outcome and drift labels again from its stored measures
+        and the current thresholds (inside the caller's transaction)."""
+        from sdcscope.study.outcomes import classify, drift_flags
+
+        thresholds = self.thresholds()
+        for r in self._rows("SELECT * FROM trials"):
+            if r["inject_step"] not in thresholds:
+                continue
+            m = {**r, "crash": bool(r["crash"]), "masked": bool(r["masked"])}
+            th = thresholds[r["inject_step"]]
+            new = {**classify(m, th, bool(spec.guard)), **drift_flags(m, th)}
+            self.conn.execute(
+                "UPDATE trials SET effect=?, sdc_kind=?, outcome=?, drift_twin=?, drift_spread=? WHERE trial_id=?",
+                [new[k] for k in ("effect", "sdc_kind", "outcome", "drift_twin", "drift_spread")] + [r["trial_id"]],
+            )
+
+    def write_envelope(self, spec: CampaignSpec, rows: list[dict[str, Any]], twin_flags, baseline_flags) -> None:
+        """The twins' envelope rows (measure ``dist_twin``; replacing any), the twins' and the
+        baselines' drift labels (``{(inject_step, twin or seed): {"drift_twin", "drift_spread"}}``),
+        and every stored trial decided again against the envelope: one transaction."""
+        with self._writing("the perturbation twins' envelope"):
+            for row in rows:
+                self.conn.execute(
+                    "DELETE FROM thresholds WHERE inject_step=? AND measure=?", (row["inject_step"], row["measure"])
+                )
+                self._insert("thresholds", row)
+            for table, key, labels in (("twins", "twin", twin_flags), ("baseline", "seed", baseline_flags)):
+                for (s, k), flags in labels.items():
+                    self.conn.execute(
+                        f"UPDATE {table} SET drift_twin=?, drift_spread=? WHERE inject_step=? AND {key}=?",
+                        (flags["drift_twin"], flags["drift_spread"], s, k),
+                    )
+            self._reclassify(spec)
 
     def _extends(self, meta: dict[str, str], spec: CampaignSpec) -> bool:
         """Whether ``spec`` extends the stored one (only its sampling differs: see
@@ -321,6 +371,10 @@ class ResultsDB:
         with self._writing("a baseline's results"):
             self._insert("baseline", {k: row.get(k) for k in BASELINE_COLUMNS})
 
+    def write_twin(self, row: dict[str, Any]) -> None:
+        with self._writing("a perturbation twin's results"):
+            self._insert("twins", {k: row.get(k) for k in TWIN_COLUMNS})
+
     def write_thresholds(self, rows: list[dict[str, Any]]) -> None:
         with self._writing("the thresholds"):
             for row in rows:
@@ -347,6 +401,14 @@ class ResultsDB:
         return [
             {**dict.fromkeys(BASELINE_COLUMNS), **r}
             for r in self._rows("SELECT * FROM baseline ORDER BY inject_step, seed")
+        ]
+
+    def twins(self) -> list[dict[str, Any]]:
+        """The perturbation twins (none in a database written before them and not run since)."""
+        if not self.conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='twins'").fetchone():
+            return []
+        return [
+            {**dict.fromkeys(TWIN_COLUMNS), **r} for r in self._rows("SELECT * FROM twins ORDER BY inject_step, twin")
         ]
 
     def thresholds(self) -> dict[int, dict[str, float]]:

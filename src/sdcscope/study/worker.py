@@ -1,4 +1,4 @@
-"""The campaign worker: golden run, healthy baselines and trials, one job at a time.
+"""The campaign worker: golden run, healthy baselines, perturbation twins and trials, one job at a time.
 
 A worker builds the workload and a trainer once, then restores a golden snapshot for each job
 (never re-training from step 0). Every job result is a pure function of (campaign spec, job):
@@ -26,6 +26,7 @@ from sdcscope.study.levels import gradient_level, submodule_level
 from sdcscope.study.outcomes import classify, drift_flags
 from sdcscope.study.plan import Trial
 from sdcscope.study.spec import CampaignSpec
+from sdcscope.study.twins import perturb_twin
 from sdcscope.workloads import make_workload
 
 __all__ = ["Worker", "GOLDEN_DIR", "drift_offsets", "flat_params", "rel_distance"]
@@ -74,7 +75,7 @@ def _finite(x: Any) -> bool:
 
 
 class Worker:
-    """Runs campaign jobs (``{"kind": "golden" | "baseline" | "trial", ...}``) in one process."""
+    """Runs campaign jobs (``{"kind": "golden" | "baseline" | "twin" | "trial", ...}``) in one process."""
 
     def __init__(self, directory: str | Path, spec: dict[str, Any]) -> None:
         torch.set_num_threads(1)
@@ -87,7 +88,8 @@ class Worker:
 
     def run(self, job: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
-        result = {"golden": self.golden, "baseline": self.baseline, "trial": self.trial}[job["kind"]](job)
+        kinds = {"golden": self.golden, "baseline": self.baseline, "twin": self.twin, "trial": self.trial}
+        result = kinds[job["kind"]](job)
         result["wall_s"] = round(time.perf_counter() - t0, 4)
         return result
 
@@ -208,24 +210,36 @@ class Worker:
             "loss_diff_mean": sum(map(abs, diffs)) / len(diffs) if diffs else None,
         }
 
-    # -- healthy baseline --------------------------------------------------------------------
+    # -- healthy baseline and perturbation twin ---------------------------------------------
     def baseline(self, job: dict[str, Any]) -> dict[str, Any]:
-        s, seed, ref = job["inject_step"], job["seed"], job["reference"]
+        """A healthy run re-seeded (another data order) from the injection snapshot."""
+        s, seed = job["inject_step"], job["seed"]
         self._restore(s, seed)
+        row = self._healthy(job, f"the healthy baseline run from step {s} with seed {seed}")
+        _save(flat_params(self.trainer.model), self.dir / f"baseline-{s}-{seed}.pt")
+        return {**row, "kind": "baseline", "seed": seed}
+
+    def twin(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Perturbation twin ``job["twin"]``: the injection snapshot with one ulp of a random half of
+        the weights (:func:`~sdcscope.study.twins.perturb_twin`), trained on with golden's seed."""
+        s, k = job["inject_step"], job["twin"]
+        self._restore(s)
+        changed = perturb_twin(self.trainer.model, s, k)
+        row = self._healthy(job, f"perturbation twin {k} from step {s}")
+        return {**row, "kind": "twin", "twin": k, "changed": changed}
+
+    def _healthy(self, job: dict[str, Any], what: str) -> dict[str, Any]:
+        """Train a restored healthy run over the horizon (under the guard when the campaign has
+        one) and measure it against golden; a diverged healthy run stops the campaign."""
+        s, ref = job["inject_step"], job["reference"]
         guard = make_guard(self.trainer, self.spec.guard_config()) if self.spec.guard else None
         run = self._train(job)
         if run["crash"]:
-            raise ValueError(
-                f"the healthy baseline run from step {s} with seed {seed} diverged "
-                f"({run['error'] or 'non-finite loss'}); lower the learning rate"
-            )
+            raise ValueError(f"{what} diverged ({run['error'] or 'non-finite loss'}); lower the learning rate")
         ev = self.trainer.evaluate()
-        _save(flat_params(self.trainer.model), self.dir / f"baseline-{s}-{seed}.pt")
         m = self._measures(job, run)
         return {
-            "kind": "baseline",
             "inject_step": s,
-            "seed": seed,
             "val_loss": ev["val_loss"],
             "val_acc": ev.get("val_acc"),
             "val_delta": ev["val_loss"] - ref["val_loss"],
