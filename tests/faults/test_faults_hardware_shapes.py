@@ -66,7 +66,9 @@ def test_strided_is_every_kth_element_from_its_start(shape, stride, start, count
 @given(
     numel=st.integers(1, 300),
     size=st.sampled_from([32, 64, 4]),
-    lanes=st.one_of(st.just("random"), st.just("all"), st.lists(st.integers(0, 31), min_size=1, max_size=5, unique=True)),
+    lanes=st.one_of(
+        st.just("random"), st.just("all"), st.lists(st.integers(0, 31), min_size=1, max_size=5, unique=True)
+    ),
     warp=st.one_of(st.just("random"), st.integers(0, 9)),
     stride=st.one_of(st.none(), st.integers(1, 4)),
     count=st.one_of(st.none(), st.integers(1, 3)),

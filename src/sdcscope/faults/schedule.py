@@ -61,12 +61,12 @@ def fault_generator(spec: FaultSpec, step: int, micro_batch: int | None, module:
     """A fresh CPU generator for the random draws (indices, values) of one event.
 
     Seeded by a stable hash of (seed, step, micro-batch, module, rank) for a transient
-    fault, so every event of a recomputation draws the same indices. Intermittent, permanent and periodic faults model one faulty unit
-    (:attr:`.spec.Schedule.recurs`): their generator ignores step and micro-batch, so a
-    ``"random"`` location, burst of bits or value is drawn once per (spec, module, rank)
-    and every firing hits the same one. Specs with the same seed draw the same locations,
-    which keeps a sweep over bits or fault models on one element; give independent faults
-    distinct seeds.
+    fault, so every event of a recomputation draws the same indices. Intermittent,
+    permanent and periodic faults model one faulty unit (:attr:`.spec.Schedule.recurs`):
+    their generator ignores step and micro-batch, so a ``"random"`` location, burst of
+    bits or value is drawn once per (spec, module, rank) and every firing hits the same
+    one. Specs with the same seed draw the same locations, which keeps a sweep over bits
+    or fault models on one element; give independent faults distinct seeds.
     """
     micro_batch = 0 if micro_batch is None else micro_batch
     if not spec.schedule.recurs:
