@@ -344,13 +344,15 @@ def main() -> None:
     golden = {d: Run(w, starts[d], None, d, None, steps).run()["val"] for d in DTYPES}
     every = every_class()
     cells = [c for c in cells_for(args.quick, args.patterns) if c[0] in args.sites and c[3] in args.schedules]
+    # the matrix the chosen patterns span (the periodic schedule's classes when it is asked for)
+    pool = [c for c in every if c[5] in args.patterns and (c[3] in OLD or c[3] in args.schedules)]
     mode = f"a stratified sample (seed {SAMPLE_SEED}) of {len(cells)}" if args.quick else "all"
     print(
         f"tiny GPT trained {WARM} steps in each dtype (spike detectors primed with them), then {steps} steps per run "
-        f"(batch 4 = 2 micro-batches), faults from step {at}; {mode} of the {len(every)} fault classes"
+        f"(batch 4 = 2 micro-batches), faults from step {at}; {mode} of the {len(pool)} fault classes"
         + (
             f" (sites {' '.join(args.sites)}; {' '.join(args.schedules)}; patterns {' '.join(args.patterns)})"
-            if len(cells) < len(every)
+            if len(cells) < len(pool)
             else ""
         )
         + ("; guarded runs compiled" if args.compile else ""),
