@@ -2,17 +2,25 @@
 fast, and repaired -- and how many events clean runs raise.
 
     python benchmarks/bench_guard_coverage.py [--quick] [--misses] [--profiles minimal balanced full]
-        [--compile] [--sites Y dX dW weight] [--schedules transient intermittent permanent]
+        [--compile] [--sites Y dX dW weight] [--schedules transient intermittent permanent periodic]
+        [--patterns element burst lane warp warp-periodic]
 
 A fault class is site (a Linear's forward output Y, its dX, its dW, its weight in memory) × bit
 field of the stored format (top exponent bit, lowest exponent bit, top mantissa bit; Y, dX and
 dW are stored in the autocast dtype, weights in fp32) × dtype (fp32, bf16 autocast, fp16
 autocast) × schedule (transient at the fault step; intermittent, p = 0.3 per micro-batch from
-it on; permanent from it on) × moment in the step (micro-batch 0 or 1 of two). The full mode
-runs every class of this cross-product; ``--quick`` runs a stratified sample of it: every
-(site, field, dtype) once, with the (schedule, moment) pairs dealt out evenly by a fixed seed
-(each schedule a third of the classes, each moment half). A class's Linear and element are
-drawn with a seed fixed per class, so a class is the same fault in both modes.
+it on; permanent from it on; periodic: every second step from it on, at the moment's
+micro-batch) × moment in the step (micro-batch 0 or 1 of two) × pattern (``element``: one
+element, the field's bit; ``burst``: one element, a burst of the field's bit and the two below;
+``lane``: a faulty SIMT lane, every 32nd element; ``warp``: one whole warp of 32 elements;
+``warp-periodic``: every 8th warp; the last three flip the field's bit). By default the matrix
+is the element pattern under the first three schedules. The full mode runs every class of the
+cross-product; ``--quick`` runs a stratified sample of it: every (site, field, dtype) once, with
+the (schedule, moment) pairs of the first three schedules dealt out evenly by a fixed seed (each
+schedule a third of the classes, each moment half), the transient ones again as periodic, each
+pattern on the same classes. A class's Linear and element are drawn with a seed fixed per class
+(the classes of the element pattern under the first three schedules keep the seeds they had
+before the pattern axis), so a class is the same fault in both modes.
 
 Workload: the tiny GPT, batch 4 as two micro-batches, in a plain loop with gradient
 accumulation driven through ``Guard(step_fn=...)``; faults come from ``sdcscope.inject``; the
@@ -37,7 +45,9 @@ their detected share. ``--compile`` runs the guarded runs as compiled training i
 (``torch.compile``, inductor): the guard's ABFT through graph taps and the faults through the
 injector's graph mode, each run compiled afresh; the unguarded runs stay eager. ``--sites`` and
 ``--schedules`` restrict the classes (``--sites Y dX dW --schedules transient``: the transient GEMM
-faults, whose catch rate in their step the profiles' coverage lines quote).
+faults, whose catch rate in their step the profiles' coverage lines quote); ``--patterns`` picks
+the patterns (``--quick --patterns burst lane warp warp-periodic --schedules transient periodic``:
+the hardware-shaped faults, once and recurring).
 """
 
 from __future__ import annotations
@@ -67,9 +77,19 @@ from sdcscope.workloads import WorkloadConfig, make_workload
 SITES = {"Y": "gemm.forward", "dX": "gemm.grad_input", "dW": "gemm.grad_weight", "weight": "weight"}
 FIELDS = ("exp-high", "exp-low", "mant-high")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-SCHEDULES = ("transient", "intermittent", "permanent")
+SCHEDULES = ("transient", "intermittent", "permanent", "periodic")
 MOMENTS = (0, 1)
-AXES = ("site", "field", "dtype", "schedule", "moment")
+BURST = 3  # bits of a multi-bit burst: the field's bit and the two below it
+WARP = 32  # lanes of a warp (NVIDIA)
+PATTERNS = {  # pattern class -> (the spec's pattern, burst_bits)
+    "element": ({"kind": "element", "index": "random"}, None),
+    "burst": ({"kind": "element", "index": "random"}, BURST),
+    "lane": ({"kind": "strided", "stride": WARP}, None),  # a faulty SIMT lane: one lane of every warp
+    "warp": ({"kind": "warp", "lanes": "all"}, None),  # one whole warp's elements
+    "warp-periodic": ({"kind": "warp", "lanes": "all", "stride": 8}, None),  # every 8th warp
+}
+AXES = ("site", "field", "dtype", "schedule", "moment", "pattern")
+OLD = ("transient", "intermittent", "permanent")  # the schedules of the matrix before periodic
 WARM = 100  # steps of each dtype's start (:class:`Start`)
 FAULT_STEP = 3  # steps of each run before its fault (the guard's first snapshot, clean checks)
 TOLERANCE = 0.005  # repaired: validation loss within 0.5 % of the golden run's
@@ -84,19 +104,23 @@ def field_bit(field: str, fmt: str) -> int:
 
 
 def make_spec(cell: tuple, target: str, seed: int, at: int) -> FaultSpec:
-    site, field, dtype, schedule, moment = cell
+    site, field, dtype, schedule, moment, pattern = cell
     stored = "fp32" if site == "weight" else dtype  # weights stay fp32; GEMM results are autocast's
     sched = {
         "transient": {"kind": "transient", "step": at, "micro_batch": moment},
         "intermittent": {"kind": "intermittent", "p": 0.3, "start": at},
         "permanent": {"kind": "permanent", "start": at},
+        "periodic": {"kind": "periodic", "every": 2, "start": at, "micro_batch": moment},
     }[schedule]
+    where, burst = PATTERNS[pattern]
+    bit = field_bit(field, stored)
     return FaultSpec(
         site=SITES[site],
         target=target,
         model="bitflip",
-        bits=(field_bit(field, stored),),
-        pattern={"kind": "element", "index": "random"},
+        bits=tuple(range(bit - burst + 1, bit + 1)) if burst else (bit,),
+        burst_bits=burst,
+        pattern=where,
         schedule=sched,
         seed=seed,
     )
@@ -229,15 +253,25 @@ def silent(start: Start, bare: dict) -> bool:
     return True
 
 
-def cells_for(quick: bool) -> list[tuple]:
-    """Every fault class, or (quick) the stratified sample described in the module docstring."""
+def every_class() -> list[tuple]:
+    """Every fault class, numbered by position (a class's seed): the classes of the matrix before
+    the periodic schedule and the pattern axis first, in their old order, so they keep their seeds."""
+    product = itertools.product(SITES, FIELDS, DTYPES, SCHEDULES, MOMENTS, PATTERNS)
+    return sorted(product, key=lambda c: c[3] not in OLD or c[5] != "element")  # stable
+
+
+def cells_for(quick: bool, patterns: list[str]) -> list[tuple]:
+    """Every fault class of ``patterns``, or (quick) the stratified sample described in the module
+    docstring: each pattern on the same dealt classes, and the transient ones again as periodic."""
     if not quick:
-        return list(itertools.product(SITES, FIELDS, DTYPES, SCHEDULES, MOMENTS))
+        return [c for c in every_class() if c[5] in patterns]
     base = list(itertools.product(SITES, FIELDS, DTYPES))
-    pairs = list(itertools.product(SCHEDULES, MOMENTS))
+    pairs = list(itertools.product(OLD, MOMENTS))
     dealt = (pairs * math.ceil(len(base) / len(pairs)))[: len(base)]
     random.Random(SAMPLE_SEED).shuffle(dealt)
-    return [(*b, *p) for b, p in zip(base, dealt)]
+    once = [(*b, *pair) for b, pair in zip(base, dealt)]
+    again = [(*c[:3], "periodic", c[4]) for c in once if c[3] == "transient"]
+    return [(*c, p) for p in patterns for c in once + again]
 
 
 def rel(val: float, golden: float) -> float:
@@ -292,7 +326,8 @@ def main() -> None:
         "--write", default=None, help="write the silent classes' detected counts per profile and site (JSON)"
     )
     parser.add_argument("--sites", nargs="+", default=list(SITES), choices=list(SITES))
-    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    parser.add_argument("--schedules", nargs="+", default=list(OLD), choices=list(SCHEDULES))
+    parser.add_argument("--patterns", nargs="+", default=["element"], choices=list(PATTERNS))
     args = parser.parse_args()
     after = args.after or (4 if args.quick else 6)
     if after < 1:
@@ -307,13 +342,19 @@ def main() -> None:
     starts = {d: Start(w, d, WARM) for d in DTYPES}
     targets = [n for n, m in w.build_model().named_modules() if isinstance(m, torch.nn.Linear)]
     golden = {d: Run(w, starts[d], None, d, None, steps).run()["val"] for d in DTYPES}
-    every = list(itertools.product(SITES, FIELDS, DTYPES, SCHEDULES, MOMENTS))
-    cells = [c for c in cells_for(args.quick) if c[0] in args.sites and c[3] in args.schedules]
+    every = every_class()
+    cells = [c for c in cells_for(args.quick, args.patterns) if c[0] in args.sites and c[3] in args.schedules]
+    # the matrix the chosen patterns span (the periodic schedule's classes when it is asked for)
+    pool = [c for c in every if c[5] in args.patterns and (c[3] in OLD or c[3] in args.schedules)]
     mode = f"a stratified sample (seed {SAMPLE_SEED}) of {len(cells)}" if args.quick else "all"
     print(
         f"tiny GPT trained {WARM} steps in each dtype (spike detectors primed with them), then {steps} steps per run "
-        f"(batch 4 = 2 micro-batches), faults from step {at}; {mode} of the {len(every)} fault classes"
-        + (f" (sites {' '.join(args.sites)}; {' '.join(args.schedules)})" if len(cells) < len(every) else "")
+        f"(batch 4 = 2 micro-batches), faults from step {at}; {mode} of the {len(pool)} fault classes"
+        + (
+            f" (sites {' '.join(args.sites)}; {' '.join(args.schedules)}; patterns {' '.join(args.patterns)})"
+            if len(cells) < len(pool)
+            else ""
+        )
         + ("; guarded runs compiled" if args.compile else ""),
         flush=True,
     )
@@ -399,6 +440,7 @@ def main() -> None:
             "steps_after_fault": after,
             "compiled": bool(args.compile),
             "schedules": args.schedules,
+            "patterns": args.patterns,
             "silent": {
                 p: {
                     site: [sum(r["det"] for r in rs), len(rs)]

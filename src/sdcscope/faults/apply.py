@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from .formats import Format, check_bits, fault_format
-from .ops import FaultResult, apply_fault
+from .ops import FaultResult, apply_fault, burst_masks, check_burst
 from .patterns import ChannelDim, resolve_indices, sample_bit_errors
 from .spec import FaultSpec, FaultSpecError
 from .tokens import apply_token_fault
@@ -30,7 +30,9 @@ def _locate(
     fail to fit the tensor raises :class:`FaultSpecError`."""
     try:
         fmt = fault_format(dtype, spec.format)
-        if spec.bits is not None:
+        if spec.burst_bits is not None:
+            check_burst(spec.burst_bits, fmt, spec.bits)
+        elif spec.bits is not None:
             check_bits(spec.bits, fmt)
         if shape is None or spec.pattern.kind == "tensor":
             return fmt, None
@@ -63,7 +65,8 @@ def apply_spec(
 
     Resolves the spec's pattern on the tensor's shape (``channel_dim``: see
     :func:`.patterns.resolve_indices`; only ``mac_cell`` uses it, and ``step`` too when it
-    swizzles its channels), checks ``bits``
+    swizzles its channels), draws each element's burst of ``burst_bits`` adjacent bits
+    (:func:`.ops.burst_masks`, after the indices, from the same generator), checks ``bits``
     against the format the fault lives in (``spec.format`` or the tensor's dtype) and
     calls :func:`.ops.apply_fault`; a spec that does not fit the tensor raises
     :class:`FaultSpecError` before any value changes. ``generator`` is normally
@@ -79,4 +82,7 @@ def apply_spec(
     if index is None:  # the tensor pattern: independent bit errors
         index, masks = sample_bit_errors(spec.pattern.ber, tensor.numel(), fmt, generator, bits=spec.bits)
         return apply_fault(tensor, index, spec.model, masks, fmt=fmt, generator=generator)
-    return apply_fault(tensor, index, spec.model, spec.bits, fmt=fmt, generator=generator)
+    bits = spec.bits
+    if spec.burst_bits is not None:  # a burst of adjacent bits per element, drawn after the indices
+        bits = burst_masks(index.numel(), spec.burst_bits, fmt, generator, spec.bits)
+    return apply_fault(tensor, index, spec.model, bits, fmt=fmt, generator=generator)

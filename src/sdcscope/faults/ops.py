@@ -30,6 +30,8 @@ __all__ = [
     "random_value",
     "zero",
     "apply_fault",
+    "burst_masks",
+    "check_burst",
 ]
 
 MODELS: tuple[str, ...] = ("bitflip", "stuck_at_0", "stuck_at_1", "random_value", "zero")
@@ -50,6 +52,37 @@ def _mask(bits: Bits, fmt: Format, device: torch.device) -> torch.Tensor:
     if len(bits) == 0:
         raise ValueError(f"no bit positions given; allowed: 0..{fmt.width - 1} for {fmt.name}")
     return torch.tensor(fmt.mask(bits), dtype=fmt.int_dtype, device=device)
+
+
+def check_burst(width: int, fmt: Format, bits: Sequence[int] | None = None) -> tuple[int, int]:
+    """``(lowest, highest)`` bit a burst of ``width`` adjacent bits may start at inside ``bits`` (a
+    contiguous range of positions in ``fmt``; default the whole word). Raises ``ValueError`` for a
+    burst wider than the range, or ``bits`` that are not contiguous."""
+    span = tuple(range(fmt.width)) if bits is None else tuple(sorted(check_bits(bits, fmt)))
+    if span != tuple(range(span[0], span[-1] + 1)):
+        raise ValueError(
+            f"bits {list(bits)} must be a contiguous range for burst_bits (the burst's adjacent bits lie in it)"
+        )
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= len(span):
+        where = f"bits {span[0]}..{span[-1]}" if bits is not None else f"the {fmt.width}-bit {fmt.name} word"
+        raise ValueError(f"burst_bits {width!r} does not fit {where}; allowed: 1..{len(span)}")
+    return span[0], span[-1] - width + 1
+
+
+def burst_masks(
+    n: int, width: int, fmt: Format, generator: torch.Generator, bits: Sequence[int] | None = None
+) -> torch.Tensor:
+    """``n`` masks (``fmt.int_dtype``) of ``width`` adjacent bits each: a multi-bit burst within a
+    word, its lowest bit drawn uniformly (from ``generator``) for each element so that the burst
+    lies inside ``bits`` (:func:`check_burst`)."""
+    first, last = check_burst(width, fmt, bits)
+    low = first + torch.randint(last - first + 1, (n,), generator=generator)
+    run = low.unsqueeze(1) + torch.arange(width, dtype=torch.long)
+    masks = (torch.ones_like(run) << run).sum(1)  # distinct bits: the sum is their OR (int64 wraps)
+    if fmt.width < 64:  # as the signed word
+        sign = 1 << (fmt.width - 1)
+        masks = torch.where(masks >= sign, masks - 2 * sign, masks)
+    return masks.to(fmt.int_dtype)
 
 
 def bitflip(values: torch.Tensor, bits: Bits) -> torch.Tensor:

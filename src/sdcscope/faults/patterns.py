@@ -17,6 +17,7 @@ import torch
 
 from .formats import Format, check_bits, resolve_format
 from .spec import RANDOM, Pattern
+from .vocab import ALL
 
 __all__ = ["resolve_indices", "sample_bit_errors", "swizzle_permutation", "SWIZZLE_ROLES"]
 
@@ -180,6 +181,11 @@ def resolve_indices(
     axis), so the channels that meet the faulty cell are ``{c : perm_t[c] in lanes}``;
     ``step`` is then required. Swizzling moves the faulty products, it never adds any.
 
+    ``strided`` selects flat elements ``start + i * stride``; ``warp`` the flat elements
+    ``w * warp_size + lane`` for its lanes and warps w (``warp``, ``warp + stride``, ...): the
+    addresses a faulty SIMT lane, or a warp-aligned periodic corruption, touches when thread t of a
+    kernel writes flat element t. Lanes past the end of a partial last warp select nothing.
+
     The ``tensor`` pattern selects bits, not elements: use :func:`sample_bit_errors`.
     An empty tensor yields no indices.
     """
@@ -223,8 +229,49 @@ def resolve_indices(
         i = torch.arange(r, rows, n_r, dtype=torch.long)
         j = torch.arange(c, cols, n_c, dtype=torch.long)
         return (i.unsqueeze(1) * cols + j.unsqueeze(0)).reshape(-1)
+    if kind == "strided":
+        return _strided(pattern, numel, shape, generator)
+    if kind == "warp":
+        return _warp(pattern, numel, shape, generator)
     assert kind == "mac_cell", kind
     return _mac_cell(pattern, shape, generator, channel_dim, step)
+
+
+def _periodic(what: str, n: int, stride: int, count: int | None, start: int | str, shape, gen) -> torch.Tensor:
+    """``start, start + stride, ...`` below ``n`` (or ``count`` of them, which must fit). A random
+    ``start`` is drawn in the first period (with ``count``: wherever the whole run fits)."""
+    if count is None:
+        first = _pick(what, start, n if start != RANDOM else min(stride, n), shape, gen)
+        return torch.arange(first, n, stride, dtype=torch.long)
+    span = stride * (count - 1) + 1
+    if span > n:
+        raise ValueError(
+            f"pattern count {count} with stride {stride} spans {span} {what.split()[0]}s, more than the {n} of a "
+            f"tensor of shape {list(shape)}; allowed: count <= {(n - 1) // stride + 1}"
+        )
+    first = _pick(what, start, n - span + 1, shape, gen)
+    return torch.arange(first, first + span, stride, dtype=torch.long)
+
+
+def _strided(pattern: Pattern, numel: int, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Every ``stride``-th flat element from ``start`` (see :func:`resolve_indices`)."""
+    return _periodic("element start", numel, pattern.stride, pattern.count, pattern.start, shape, gen)
+
+
+def _warp(pattern: Pattern, numel: int, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """The chosen lanes of the chosen warps (see :func:`resolve_indices`)."""
+    size = pattern.warp_size
+    warps = -(-numel // size)  # the last one may be partial
+    count = 1 if pattern.stride is None and pattern.count is None else pattern.count
+    chosen = _periodic("warp index", warps, pattern.stride or 1, count, pattern.warp, shape, gen)
+    if pattern.lanes == ALL:
+        lanes = torch.arange(size, dtype=torch.long)
+    elif pattern.lanes == RANDOM:
+        lanes = torch.randint(size, (1,), generator=gen)
+    else:
+        lanes = torch.tensor(pattern.lanes, dtype=torch.long)
+    flat = (chosen.unsqueeze(1) * size + lanes.unsqueeze(0)).reshape(-1)
+    return flat[flat < numel]  # lanes past the end of a partial last warp run no thread
 
 
 def _distinct(n: int, k: int, gen: torch.Generator) -> torch.Tensor:

@@ -37,7 +37,9 @@ def fires(spec: FaultSpec, step: int, micro_batch: int | None, module: str, rank
       (``None``: 0);
     - intermittent: ``start <= step < stop`` and a uniform number in [0, 1), hashed from
       (seed, step, micro-batch, module, rank), is below ``p`` -- independent per event;
-    - permanent: ``step >= start``, every micro-batch.
+    - permanent: ``step >= start``, every micro-batch;
+    - periodic: ``start <= step < stop``, ``step - start`` a multiple of ``every``, and
+      micro-batch ``== schedule.micro_batch`` (``None``: 0).
     """
     if spec.rank is not None and rank != spec.rank:
         return False
@@ -45,7 +47,7 @@ def fires(spec: FaultSpec, step: int, micro_batch: int | None, module: str, rank
     if not schedule.covers(step):
         return False
     micro_batch = 0 if micro_batch is None else micro_batch
-    if schedule.kind == "transient" and micro_batch != (schedule.micro_batch or 0):
+    if schedule.once_per_step and micro_batch != (schedule.micro_batch or 0):
         return False
     if not spec.matches(module):
         return False
@@ -59,14 +61,15 @@ def fault_generator(spec: FaultSpec, step: int, micro_batch: int | None, module:
     """A fresh CPU generator for the random draws (indices, values) of one event.
 
     Seeded by a stable hash of (seed, step, micro-batch, module, rank) for a transient
-    fault, so every event of a recomputation draws the same indices. Intermittent and
-    permanent faults model one faulty unit: their generator ignores step and
-    micro-batch, so a ``"random"`` location (and a random value) is drawn the same at
-    every step. Specs with the same seed draw the same locations, which keeps a sweep
-    over bits or fault models on one element; give independent faults distinct seeds.
+    fault, so every event of a recomputation draws the same indices. Intermittent,
+    permanent and periodic faults model one faulty unit (:attr:`.spec.Schedule.recurs`):
+    their generator ignores step and micro-batch, so a ``"random"`` location, burst of
+    bits or value is drawn once per (spec, module, rank) and every firing hits the same
+    one. Specs with the same seed draw the same locations, which keeps a sweep over bits
+    or fault models on one element; give independent faults distinct seeds.
     """
     micro_batch = 0 if micro_batch is None else micro_batch
-    if spec.schedule.kind == "transient":
+    if not spec.schedule.recurs:
         key = _hash64("where", spec.seed, step, micro_batch, module, rank)
     else:
         key = _hash64("where", spec.seed, module, rank)

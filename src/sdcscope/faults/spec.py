@@ -16,8 +16,9 @@ from typing import Any
 from sdcscope.common.validate import brief, check_int, check_keys, check_mapping, choice, missing_keys, required_fields
 
 from .formats import FORMATS, check_bits, get_format
-from .ops import BIT_MODELS, MODELS
+from .ops import BIT_MODELS, MODELS, check_burst
 from .vocab import (
+    ALL,
     MAC_CELL_SINGLE_AXIS,
     PATTERN_KINDS,
     RANDOM,
@@ -26,6 +27,7 @@ from .vocab import (
     STEP_SITES,
     SWIZZLE_MODES,
     TOKEN_MODELS,
+    WARP_SIZE,
     check_site_pattern,
 )
 
@@ -117,6 +119,13 @@ class Pattern:
       (:func:`check_site_pattern`) rather than ignored.
     - ``tensor``: ``ber`` in (0, 1]; every candidate bit of every element flips
       independently with that probability (candidates: the spec's ``bits``, or all).
+    - ``strided``: every ``stride``-th flat element (k >= 1) from ``start`` (``"random"``: drawn
+      in the first period), to the end of the tensor or ``count`` elements.
+    - ``warp``: the tensor's flat elements seen as warps of ``warp_size`` (default 32) threads,
+      thread t writing element t; hits ``lanes`` (``"random"``: one drawn lane, ``"all"``: every
+      lane, or a list of lane numbers) of warp ``warp`` (``"random"`` or an int), and with
+      ``stride`` every ``stride``-th warp from there to the end (or ``count`` warps); without
+      ``stride``, ``count`` consecutive warps (default 1).
     """
 
     kind: str = "element"
@@ -130,12 +139,17 @@ class Pattern:
     ber: float | None = None
     swizzle: str | None = None
     swizzle_seed: int | None = None
+    stride: int | None = None
+    count: int | None = None
+    lanes: tuple[int, ...] | str | None = None
+    warp: int | str | None = None
+    warp_size: int | None = None
 
     @property
     def draws(self) -> bool:
         """Whether the pattern draws its elements from the fault generator (so two fault seeds
         may hit different elements)."""
-        fields_ = (self.index, self.start, self.pe, self.input_channel, self.output_channel)
+        fields_ = (self.index, self.start, self.pe, self.input_channel, self.output_channel, self.lanes, self.warp)
         # a mac_cell's ``array`` draws nothing itself: only a "random" cell row or column does
         return self.kind == "tensor" or any(v == RANDOM for v in fields_)
 
@@ -182,6 +196,15 @@ class Pattern:
             _set(self, "pe", pe)
         elif kind == "mac_cell":
             self._check_mac_cell()
+        elif kind == "strided":
+            if self.stride is None:
+                raise ValueError("pattern kind 'strided' needs 'stride' (an int >= 1: every stride-th element)")
+            check_int("pattern stride", self.stride, 1)
+            _set(self, "start", _index("pattern start", RANDOM if self.start is None else self.start))
+            if self.count is not None:
+                check_int("pattern count", self.count, 1)
+        elif kind == "warp":
+            self._check_warp()
         else:  # tensor
             ber = self.ber
             if isinstance(ber, bool) or not isinstance(ber, (int, float)):
@@ -216,6 +239,30 @@ class Pattern:
             seed = 0 if self.swizzle_seed is None else self.swizzle_seed
             _set(self, "swizzle_seed", check_int("pattern swizzle_seed", seed))
 
+    def _check_warp(self) -> None:
+        size = check_int("pattern warp_size", WARP_SIZE if self.warp_size is None else self.warp_size, 1)
+        _set(self, "warp_size", size)
+        lanes = RANDOM if self.lanes is None else self.lanes
+        if isinstance(lanes, str):
+            _set(self, "lanes", choice("pattern lanes", lanes, (RANDOM, ALL)))
+        else:
+            lanes = (lanes,) if not isinstance(lanes, (list, tuple)) else tuple(lanes)
+            if not lanes:
+                raise ValueError(f"pattern lanes must not be empty; allowed: {RANDOM!r}, {ALL!r} or lane numbers")
+            lanes = tuple(check_int(f"pattern lanes[{i}]", v) for i, v in enumerate(lanes))
+            if max(lanes) >= size:
+                raise ValueError(
+                    f"pattern lanes {list(lanes)} lie outside a warp of {size} threads (warp_size); allowed: "
+                    f"0..{size - 1} (warp_size is the hardware's: {WARP_SIZE} on NVIDIA, 64 on AMD)"
+                )
+            if len(set(lanes)) != len(lanes):
+                raise ValueError(f"pattern lanes must be distinct, got {list(lanes)}")
+            _set(self, "lanes", tuple(sorted(lanes)))
+        _set(self, "warp", _index("pattern warp", RANDOM if self.warp is None else self.warp))
+        for name in ("stride", "count"):
+            if getattr(self, name) is not None:
+                check_int(f"pattern {name}", getattr(self, name), 1)
+
     @property
     def swizzled(self) -> bool:
         """Whether the channels are re-mapped every step (``mac_cell`` with ``swizzle: per_step``)."""
@@ -231,6 +278,8 @@ class Pattern:
         out = _to_dict(self, PATTERN_KINDS[self.kind])
         if out.get("swizzle") == "none":
             del out["swizzle"]
+        if out.get("warp_size") == WARP_SIZE:
+            del out["warp_size"]
         return out
 
 
@@ -249,9 +298,13 @@ class Schedule:
       ``optimizer_state``) it acts once on each value written there: a ``bitflip`` is an
       inverting cell (a value an update computed from the flipped one may read back clean);
       ``stuck_at`` is a bit that always reads 0 or 1.
+    - ``periodic``: at steps ``start``, ``start + every``, ``start + 2 every``, ... before ``stop``
+      (``None``: no end), each time once, at micro-batch ``micro_batch`` (``None``: 0).
 
     An *event* is one (step, micro-batch, module, rank) visit of a site; see
-    :func:`.schedule.fires`.
+    :func:`.schedule.fires`. Every schedule but ``transient`` is one faulty unit firing again
+    and again: it :attr:`recurs` -- each firing hits the same elements and bits
+    (:func:`.schedule.fault_generator`).
     """
 
     kind: str
@@ -260,17 +313,25 @@ class Schedule:
     p: float | None = None
     start: int | None = None
     stop: int | None = None
+    every: int | None = None
 
     def __post_init__(self) -> None:
         kind = _check_kind_fields(self, "schedule", SCHEDULE_KINDS)
+        if self.micro_batch is not None:
+            check_int("schedule micro_batch", self.micro_batch)
         if kind == "transient":
             if self.step is None:
                 raise ValueError("schedule kind 'transient' needs 'step' (an int >= 0)")
             check_int("schedule step", self.step)
-            if self.micro_batch is not None:
-                check_int("schedule micro_batch", self.micro_batch)
             return
         _set(self, "start", check_int("schedule start", 0 if self.start is None else self.start))
+        if kind == "periodic":
+            if self.every is None:
+                raise ValueError("schedule kind 'periodic' needs 'every' (an int >= 1: steps between firings)")
+            check_int("schedule every", self.every, 1)
+        if kind in ("intermittent", "periodic") and self.stop is not None:
+            if check_int("schedule stop", self.stop) <= self.start:
+                raise ValueError(f"schedule stop must be > start ({self.start}) or null, got {brief(self.stop)}")
         if kind == "intermittent":
             p = self.p
             if isinstance(p, bool) or not isinstance(p, (int, float)):
@@ -278,13 +339,25 @@ class Schedule:
             if not 0 <= p <= 1:
                 raise ValueError(f"schedule p must be in [0, 1], got {brief(p)}")
             _set(self, "p", float(p))
-            if self.stop is not None and check_int("schedule stop", self.stop) <= self.start:
-                raise ValueError(f"schedule stop must be > start ({self.start}) or null, got {brief(self.stop)}")
+
+    @property
+    def recurs(self) -> bool:
+        """Whether the schedule models one faulty unit firing again and again, so that every
+        firing hits the same elements and bits (all kinds but ``transient``)."""
+        return self.kind != "transient"
+
+    @property
+    def once_per_step(self) -> bool:
+        """Whether the schedule fires in one micro-batch of a step only (``transient``,
+        ``periodic``: at ``micro_batch``, default 0)."""
+        return self.kind in ("transient", "periodic")
 
     def covers(self, step: int) -> bool:
         """Whether the schedule can fire at ``step`` at all (cheap; no hashing)."""
         if self.kind == "transient":
             return step == self.step
+        if self.kind == "periodic" and (step - self.start) % self.every:
+            return False
         return step >= self.start and (self.stop is None or step < self.stop)
 
     @classmethod
@@ -311,6 +384,9 @@ class FaultSpec:
       (with the ``tensor`` pattern they are optional and restrict the candidate bits),
       not taken by ``random_value``/``zero``. Without ``format`` they are checked here
       against the widest format and again against the tensor's dtype when applied.
+    - ``burst_bits``: a multi-bit burst within a word: each hit element gets ``burst_bits``
+      adjacent bits, at a position drawn per element, inside ``bits`` (then a contiguous range,
+      e.g. the exponent field) or anywhere in the word (``bits`` left out); for the bit models.
     - ``format``: the format the fault lives in (see :func:`.ops.apply_fault`), ``None``
       for the faulted tensor's own dtype.
     - ``rank``: the rank the fault lives on, ``None`` for every rank.
@@ -323,6 +399,7 @@ class FaultSpec:
     target: str | tuple[str, ...]
     model: str
     bits: tuple[int, ...] | None = None
+    burst_bits: int | None = None
     format: str | None = None
     pattern: Pattern = field(default_factory=Pattern)
     schedule: Schedule
@@ -389,15 +466,19 @@ class FaultSpec:
             )
 
     def _check_bits(self, model: str) -> None:
-        bits, ber = self.bits, self.pattern.kind == "tensor"
+        bits, ber, burst = self.bits, self.pattern.kind == "tensor", self.burst_bits
         if model not in BIT_MODELS:
             if ber:
                 raise ValueError(
                     f"pattern 'tensor' flips bits; it needs a model in {list(BIT_MODELS)}, not {brief(model)}"
                 )
-            if bits:
-                raise ValueError(f"model {brief(model)} takes no bits; bits are for {list(BIT_MODELS)}")
+            if bits or burst is not None:
+                what = "bits" if bits else "burst_bits"
+                raise ValueError(f"model {brief(model)} takes no {what}; bits are for {list(BIT_MODELS)}")
             _set(self, "bits", None)
+            return
+        if burst is not None:
+            self._check_burst(bits, burst, ber)
             return
         if bits is None:
             if not ber:
@@ -417,6 +498,27 @@ class FaultSpec:
                 f"{exc} (the widest format; without 'format', bits are checked again "
                 "against the tensor's dtype when applied)"
             ) from None
+
+    def _check_burst(self, bits: Any, burst: Any, ber: bool) -> None:
+        check_int("burst_bits", burst, 1)
+        if ber:
+            raise ValueError(
+                "burst_bits with pattern 'tensor': that pattern draws its own bits; use burst_bits with one "
+                f"of {[k for k in PATTERN_KINDS if k != 'tensor']}"
+            )
+        if bits is not None and (not isinstance(bits, (list, tuple)) or not bits):
+            raise TypeError(f"bits must be a non-empty list of ints (the range a burst lies in), got {brief(bits)}")
+        bits = None if bits is None else tuple(bits)
+        try:
+            check_burst(burst, _WIDEST if self.format is None else get_format(self.format), bits)
+        except ValueError as exc:
+            if self.format is not None or bits is not None:  # bits bound the burst, whatever the format
+                raise
+            raise ValueError(
+                f"{exc} (the widest format; without 'format', it is checked again against the tensor's dtype "
+                "when applied)"
+            ) from None
+        _set(self, "bits", bits)
 
     def matches(self, module: str) -> bool:
         """Whether the qualified module name ``module`` matches one of the targets."""

@@ -15,6 +15,8 @@ __all__ = [
     "PATTERN_KINDS",
     "SCHEDULE_KINDS",
     "RANDOM",
+    "ALL",
+    "WARP_SIZE",
     "SWIZZLE_MODES",
     "MAC_CELL_SINGLE_AXIS",
     "check_site_pattern",
@@ -55,8 +57,17 @@ PATTERN_KINDS: dict[str, tuple[str, ...]] = {
     "pe": ("array", "pe"),
     "mac_cell": ("input_channel", "output_channel", "array", "swizzle", "swizzle_seed"),
     "tensor": ("ber",),
+    "strided": ("stride", "start", "count"),
+    "warp": ("lanes", "warp", "stride", "count", "warp_size"),
 }
 """Spatial pattern kinds and the fields each takes."""
+
+WARP_SIZE = 32
+"""Threads per warp on NVIDIA GPUs: the default ``warp_size`` of a ``warp`` pattern (AMD's
+wavefronts are 64 wide)."""
+
+ALL = "all"
+"""The ``lanes`` value of a ``warp`` pattern that hits every lane (a whole warp's elements)."""
 
 SWIZZLE_MODES: tuple[str, ...] = ("none", "per_step")
 """Channel swizzling of a ``mac_cell`` pattern: ``none`` (logical channel c always runs on
@@ -66,6 +77,7 @@ SCHEDULE_KINDS: dict[str, tuple[str, ...]] = {
     "transient": ("step", "micro_batch"),
     "intermittent": ("p", "start", "stop"),
     "permanent": ("start",),
+    "periodic": ("every", "start", "stop", "micro_batch"),
 }
 """Temporal schedule kinds and the fields each takes."""
 

@@ -193,10 +193,10 @@ class GraphSites:
 
     def _graph_rows(self, e: Entry, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The event's descriptor rows, resolved with the injector's ``_apply`` (cached for a
-        fault whose draws do not change with the step: intermittent and permanent ones)."""
+        fault whose draws do not change with the step: one that recurs, unless it swizzles)."""
         spec, t = e.spec, e.target
         key = (e.i, t.name, shape, dtype)
-        cache = spec.schedule.kind != "transient" and not spec.pattern.swizzled
+        cache = spec.schedule.recurs and not spec.pattern.swizzled
         if cache and key in self._graph_rows_cache:
             return self._graph_rows_cache[key]
         cd = channel_dim(spec.site, t.module)

@@ -171,15 +171,18 @@ def validate_spec(
 
 
 def _always_hit(spec: FaultSpec) -> FaultSpec | None:
-    """For a ``pe`` or an arrayed ``mac_cell`` pattern, which may select no element of a tensor (an
-    idle PE or cell): ``spec`` with its ``"random"`` positions put at 0, a PE or cell every tensor
-    reaches, so it selects nothing only where its fixed positions are idle whatever is drawn."""
+    """For a ``pe``, an arrayed ``mac_cell`` or a ``warp`` pattern with fixed lanes, which may select
+    no element of a tensor (an idle PE, cell or lane): ``spec`` with its ``"random"`` positions put
+    at 0, a PE, cell or warp every tensor reaches, so it selects nothing only where its fixed
+    positions are idle whatever is drawn."""
     p = spec.pattern
     if p.kind == "pe":
         return dataclasses.replace(spec, pattern=dataclasses.replace(p, pe=(0, 0) if p.pe == RANDOM else p.pe))
     if p.kind == "mac_cell" and p.array is not None:
         fixed = {k: 0 if getattr(p, k) == RANDOM else getattr(p, k) for k in ("input_channel", "output_channel")}
         return dataclasses.replace(spec, pattern=dataclasses.replace(p, **fixed))
+    if p.kind == "warp" and isinstance(p.lanes, tuple):  # lanes past a partial last warp are idle
+        return dataclasses.replace(spec, pattern=dataclasses.replace(p, warp=0 if p.warp == RANDOM else p.warp))
     return None
 
 
@@ -198,6 +201,9 @@ def _check_idle(spec: FaultSpec, selected: dict[tuple[int, ...] | None, int | No
             f"a pe inside the tensor's [rows, columns] view: rows 0..{min(rows, p.array[0]) - 1}, "
             f"columns 0..{min(cols, p.array[1]) - 1}"
         )
+    elif p.kind == "warp":
+        what = f"warp lanes {list(p.lanes)} of warp {p.warp!r}"
+        allowed = "lanes below the tensor's element count"
     else:
         what = (
             f"mac_cell input_channel {p.input_channel!r}, output_channel {p.output_channel!r} of array {list(p.array)}"
@@ -215,7 +221,7 @@ def check_schedule(spec: FaultSpec, steps: int | None, grad_accum: int | None) -
     sched = spec.schedule
     if sched.kind == "intermittent" and sched.p == 0:
         raise ValueError("schedule p 0 never fires; allowed: p in (0, 1]")
-    if sched.kind == "transient" and grad_accum is not None and (sched.micro_batch or 0) >= grad_accum:
+    if sched.once_per_step and grad_accum is not None and (sched.micro_batch or 0) >= grad_accum:
         raise ValueError(
             f"schedule micro_batch {sched.micro_batch} never fires: a step runs grad_accum="
             f"{grad_accum} micro-batch(es); allowed: 0..{grad_accum - 1}"
@@ -224,6 +230,8 @@ def check_schedule(spec: FaultSpec, steps: int | None, grad_accum: int | None) -
     hi = math.inf if steps is None else steps + (spec.site == "checkpoint")
     start = sched.step if sched.kind == "transient" else sched.start
     stop = start + 1 if sched.kind == "transient" else (sched.stop or math.inf)
+    if sched.kind == "periodic" and start < lo:  # its first firing the site visits
+        start -= (start - lo) // sched.every * sched.every
     if max(start, lo) >= min(stop, hi):
         visits = (
             f"steps >= {lo}"

@@ -289,7 +289,7 @@ class Worker:
         over = (
             (lambda: t.step > sched.step)
             if sched.kind == "transient"
-            else ((lambda: t.step >= sched.stop) if sched.kind == "intermittent" and sched.stop is not None else None)
+            else ((lambda: t.step >= sched.stop) if sched.kind != "permanent" and sched.stop is not None else None)
         )
         early_ok = over is not None and guard is None and spec.pattern.kind != "mac_cell"
         stop = (lambda: over() and _unchanged(fault.records)) if early_ok else None
