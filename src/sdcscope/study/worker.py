@@ -4,7 +4,10 @@ A worker builds the workload and a trainer once, then restores a golden snapshot
 (never re-training from step 0). Every job result is a pure function of (campaign spec, job):
 workers run torch with one thread, so results do not depend on the worker count or on which
 worker runs a job. Files it writes (snapshots, trajectories, baseline end states) go to
-``DIR/golden/`` atomically; rows go back to the runner, which commits them.
+``DIR/golden/`` atomically; rows go back to the runner, which commits them. Each trial also leaves
+what the scoreboard reads (``sdcscope.study.scoreboard``): ``DIR/trials/trial-ID/injections.jsonl``
+(the fired faults' records) and, in a guarded campaign, its ``events.jsonl`` (the guard's events);
+a healthy baseline of a guarded campaign leaves ``DIR/trials/baseline-STEP-SEED/events.jsonl``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from sdcscope.study.guarded import first_detection, guard_events, make_guard
 from sdcscope.study.levels import gradient_level, submodule_level
 from sdcscope.study.outcomes import classify, drift_flags
 from sdcscope.study.plan import Trial
+from sdcscope.study.scoreboard import TRIALS_DIR, baseline_name, trial_name, write_rows
 from sdcscope.study.spec import CampaignSpec
 from sdcscope.workloads import make_workload
 
@@ -221,6 +225,8 @@ class Worker:
             )
         ev = self.trainer.evaluate()
         _save(flat_params(self.trainer.model), self.dir / f"baseline-{s}-{seed}.pt")
+        if guard is not None:
+            write_rows(self.dir.parent / TRIALS_DIR / baseline_name(s, seed) / "events.jsonl", guard_events(guard, s))
         m = self._measures(job, run)
         return {
             "kind": "baseline",
@@ -315,6 +321,10 @@ class Worker:
             for k in self.spec.baseline.seeds
         ]
         events = guard_events(guard, s) if guard is not None else []
+        where = self.dir.parent / TRIALS_DIR / trial_name(trial.trial_id)
+        write_rows(where / "injections.jsonl", records)
+        if guard is not None:
+            write_rows(where / "events.jsonl", events)
         first, hit = first_detection(events, records)
         row.update(
             fired=int(bool(records)),

@@ -1,0 +1,132 @@
+"""The detector scoreboard: the truth and verdict formats are validated with clear errors; the
+scorer's recall, false positives, localization and latency per fault class; ``sdcscope score`` on
+a guarded campaign scores its profile and an external callable on the same trials."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sdcscope.cli.app import app
+from sdcscope.study import init_campaign, run_campaign
+from sdcscope.study.score import run_callable, score
+from sdcscope.study.scoreboard import TRUTH_FORMAT, VERDICT_FORMAT, load_rows, validate_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def truth(trial, step=5, layer="fc1", element=7, site="weight", schedule="transient"):
+    return {
+        "format": TRUTH_FORMAT,
+        "trial": trial,
+        "fault": True,
+        "step": step,
+        "site": site,
+        "model": "bitflip",
+        "pattern": "element",
+        "schedule": schedule,
+        "bit": 30,
+        "rank": 0,
+        "layer": layer,
+        "element": element,
+    }
+
+
+def clean(trial):
+    return {"format": TRUTH_FORMAT, "trial": trial, "fault": False}
+
+
+def verdict(trial, step, layer=None, element=None, detector="d"):
+    return {
+        "format": VERDICT_FORMAT,
+        "trial": trial,
+        "detector": detector,
+        "step": step,
+        "verdict": "x",
+        "rank": 0,
+        "layer": layer,
+        "element": element,
+    }
+
+
+@pytest.mark.parametrize(
+    "row, fmt, words",
+    [
+        ({**clean("c"), "step": 3}, TRUTH_FORMAT, "a clean trial (fault false) has no step"),
+        ({**truth("t"), "layers": "fc1"}, TRUTH_FORMAT, "unknown field(s) ['layers']"),
+        ({**truth("t"), "step": -1}, TRUTH_FORMAT, "field 'step' = -1"),
+        ({**truth("t"), "element": [1, "a"]}, TRUTH_FORMAT, "field 'element'"),
+        ({**verdict("t", 2), "format": TRUTH_FORMAT}, VERDICT_FORMAT, "this file must hold 'sdcscope.verdict/1'"),
+        ({**verdict("t", 2), "step": None}, VERDICT_FORMAT, "field 'step' is required"),
+    ],
+)
+def test_bad_rows_are_refused_naming_line_and_field(row, fmt, words):
+    with pytest.raises(ValueError) as err:
+        validate_rows([truth("ok") if fmt == TRUTH_FORMAT else verdict("ok", 1), row], fmt, "f.jsonl")
+    assert "f.jsonl, line 2" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_recall_false_positives_localization_and_latency_per_class(tmp_path):
+    rows = [truth("a"), truth("b"), truth("c", step=None), truth("d", schedule="permanent"), clean("e"), clean("f")]
+    said = [
+        verdict("a", 4),  # before the fault: a false verdict (its later one still detects it)
+        verdict("a", 6, layer="fc1", element=7),
+        verdict("b", 5, layer="fc2", element=[0, 7]),  # wrong layer; a multi-index and a flat one: not compared
+        verdict("c", 9),  # the fault never fired: false
+        verdict("e", 1),  # clean trial: false
+    ]
+    path = tmp_path / "truth.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scores = score(load_rows(path, TRUTH_FORMAT), validate_rows(said, VERDICT_FORMAT), detectors=["silent"])
+    transient = scores["d"]["weight x bitflip x element x transient"]
+    assert (transient["trials"], transient["fired"], transient["detected"], transient["recall"]) == (3, 2, 2, 1.0)
+    assert transient["false"] == 2 and transient["fp_rate"] == pytest.approx(2 / 3)
+    assert (transient["layer"], transient["element"], transient["localized"]["element"]) == (0.5, 1.0, 1)
+    assert (transient["latency_median"], transient["latency_max"]) == (0.5, 1)
+    assert scores["d"]["weight x bitflip x element x permanent"]["recall"] == 0.0
+    assert scores["d"]["clean"]["fp_rate"] == 0.5 and scores["d"]["all"]["fired"] == 3
+    assert scores["silent"]["all"]["recall"] == 0.0 and scores["silent"]["clean"]["false"] == 0
+
+
+def test_a_callable_detector_is_run_per_trial_and_its_verdicts_validated():
+    rows = {"t1": [{"step": 0, "loss": 1.0}, {"step": 1, "loss": None}], "t2": [{"step": 0, "loss": 1.0}]}
+
+    def nonfinite(steps):
+        return [{"step": s["step"], "verdict": "nan"} for s in steps if s["loss"] is None]
+
+    assert [(v["trial"], v["step"], v["detector"]) for v in run_callable(nonfinite, "nf", rows)] == [("t1", 1, "nf")]
+    with pytest.raises(ValueError, match="field 'step' is required"):
+        run_callable(lambda steps: [{"verdict": "x"}], "bad", rows)
+
+
+SPEC = """
+name: scored
+workload: {name: gpt, preset: tiny, batch_size: 4, eval_batches: 1}
+inject_steps: [3]
+horizon: 3
+faults: {sites: [gemm.forward], targets: [blocks.0.mlp.fc], bits: [30]}
+baseline: {seeds: [5, 6]}
+guard: {profile: full}
+"""
+
+
+def test_score_a_guarded_campaign_and_an_external_detector(tmp_path, monkeypatch):
+    (tmp_path / "spec.yaml").write_text(SPEC)
+    init_campaign(tmp_path / "c", tmp_path / "spec.yaml")
+    run_campaign(tmp_path / "c", workers=0)
+    assert (tmp_path / "c" / "trials" / "trial-0" / "injections.jsonl").is_file()
+    monkeypatch.setenv("COLUMNS", "300")
+    zscore = f"{ROOT / 'examples' / 'zscore_detector.py'}:detect"
+    r = CliRunner().invoke(
+        app, ["score", str(tmp_path / "c"), "--detector", zscore, "--json", str(tmp_path / "s.json")]
+    )
+    assert r.exit_code == 0, r.output
+    scores = json.loads((tmp_path / "s.json").read_text())["scores"]
+    assert set(scores) == {"full", "detect"}
+    full = scores["full"]["gemm.forward x bitflip x element(index=random) x transient"]
+    assert (full["recall"], full["layer"], full["latency_max"]) == (1.0, 1.0, 0)  # ABFT in the fault's step
+    assert scores["full"]["clean"]["trials"] == 2 and scores["full"]["clean"]["false"] == 0
+    assert "full" in r.output and "gemm.forward x bitflip" in r.output
