@@ -130,3 +130,43 @@ def test_score_a_guarded_campaign_and_an_external_detector(tmp_path, monkeypatch
     assert (full["recall"], full["layer"], full["latency_max"]) == (1.0, 1.0, 0)  # ABFT in the fault's step
     assert scores["full"]["clean"]["trials"] == 2 and scores["full"]["clean"]["false"] == 0
     assert "full" in r.output and "gemm.forward x bitflip" in r.output
+
+
+def test_a_run_directory_and_jsonl_files_are_scored_through_the_command(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    fault = {"site": "weight", "model": "bitflip", "bits": [30], "pattern": {"kind": "element"}}
+    (run / "config.json").write_text(json.dumps({"faults": [{**fault, "schedule": {"kind": "permanent"}}]}))
+    (run / "injections.jsonl").write_text(
+        json.dumps(
+            {"step": 4, "rank": 0, "site": "weight", "when": "train", "module": "fc.weight", "spec": 0, "index": [9]}
+        )
+        + "\n"
+    )
+    events = [
+        {"step": 4, "detector": "guard", "verdict": "stalled", "module": None, "rank": 0, "index": None},
+        {"step": 5, "detector": "state_checksum", "verdict": "corrupt", "module": "fc.weight", "rank": 0, "index": [9]},
+    ]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    other = tmp_path / "other.jsonl"  # another tool's verdicts on the same trial
+    other.write_text(json.dumps(verdict("run", 4, layer="fc.bias")) + "\n")
+    monkeypatch.setenv("COLUMNS", "300")
+    r = CliRunner().invoke(
+        app, ["score", str(run), str(other), "--json", str(tmp_path / "s.json"), "--export", str(tmp_path / "rows")]
+    )
+    assert r.exit_code == 0, r.output
+    scores = json.loads((tmp_path / "s.json").read_text())["scores"]
+    ours = scores["sdcscope"]["weight x bitflip x element x permanent"]  # the guard's own notice is no finding
+    assert (ours["recall"], ours["latency_max"], ours["layer"], ours["element"], ours["rank"]) == (
+        1.0,
+        1,
+        1.0,
+        1.0,
+        1.0,
+    )
+    assert (scores["d"]["all"]["recall"], scores["d"]["all"]["layer"]) == (1.0, 0.0)
+    assert load_rows(tmp_path / "rows" / "truth.jsonl", TRUTH_FORMAT)[0]["element"] == 9
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**verdict("run", 1), "step": "one"}) + "\n")
+    r = CliRunner().invoke(app, ["score", str(run), str(bad)])
+    assert r.exit_code == 2 and "bad.jsonl, line 1: field 'step'" in " ".join(r.output.split())

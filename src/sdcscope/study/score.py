@@ -49,7 +49,9 @@ def class_label(truth: dict[str, Any], fields: tuple[str, ...] = CLASS_FIELDS) -
 def _same_element(truth: Any, verdict: Any) -> bool | None:
     """Whether the verdict names the truth's element: equal flat indices, or equal multi-indices
     (a verdict's null coordinates unknown and not compared); None when they cannot be compared
-    (one is missing, or one is flat and the other a multi-index)."""
+    (one is missing, or one is flat and the other a multi-index of several coordinates; a
+    one-coordinate multi-index is a flat index)."""
+    truth, verdict = (x[0] if isinstance(x, list) and len(x) == 1 else x for x in (truth, verdict))
     if truth is None or verdict is None or isinstance(truth, int) != isinstance(verdict, int):
         return None
     if isinstance(truth, int):
