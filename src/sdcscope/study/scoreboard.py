@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from sdcscope.common.io import dumps, read_jsonl, write_text_atomic
+from sdcscope.common.storage import writing
 
 __all__ = [
     "TRUTH_FORMAT",
@@ -131,10 +132,12 @@ def load_rows(path: str | Path, fmt: str) -> list[dict[str, Any]]:
 
 
 def write_rows(path: str | Path, rows: Iterable[dict[str, Any]]) -> Path:
-    """JSON lines, written atomically (folders made as needed)."""
+    """JSON lines, written atomically (folders made as needed); a write the storage refuses is a
+    ``StorageError`` naming the file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, "".join(dumps(r) + "\n" for r in rows))
+    with writing("the scoreboard's rows", path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, "".join(dumps(r) + "\n" for r in rows))
     return path
 
 
