@@ -83,7 +83,7 @@ def score(
     """Recall, false positives, localization (rank, layer, element) and latency of every detector, per fault class."""
     with user_errors():
         from sdcscope.common.io import write_json
-        from sdcscope.study.score import run_callable
+        from sdcscope.study.score import load_callable, run_callable
         from sdcscope.study.score import score as score_all
         from sdcscope.study.scoreboard import FIELDS, TRUTH_FORMAT, write_rows
 
@@ -92,15 +92,13 @@ def score(
         bad = [f for f in fields if f not in allowed]
         if bad or not fields:
             raise CLIError(f"--by {by!r}: unknown field(s) {bad}; allowed: {', '.join(allowed)}")
+        callables = {ref.rpartition(":")[2]: load_callable(ref) for ref in detector or ()}  # before any work
         truth, verdicts, losses, detectors = _load(sources)
-        if detector and not losses:
+        if callables and not losses:
             raise CLIError("--detector runs on a campaign's per-step losses: give a campaign directory")
-        from sdcscope.study.score import load_callable
-
-        for ref in detector or ():
-            name = ref.rpartition(":")[2]
+        for name, fn in callables.items():
             detectors.append(name)
-            verdicts += run_callable(load_callable(ref), name, losses)
+            verdicts += run_callable(fn, name, losses)
         scores = score_all(truth, verdicts, fields, detectors)
         if export is not None:
             write_rows(export / "truth.jsonl", truth)
