@@ -91,6 +91,23 @@ def test_recall_false_positives_localization_and_latency_per_class(tmp_path):
     assert scores["silent"]["all"]["recall"] == 0.0 and scores["silent"]["clean"]["false"] == 0
 
 
+@pytest.mark.parametrize(
+    "shape, said, same",
+    [
+        ([4, 8], [2, 5], True),  # 21 = 2 x 8 + 5: the whole shape known
+        ([4, 8], [2, 6], False),
+        ([8], [None, None, 5], True),  # only the trailing width known (a Linear's output): its column
+        ([8], [None, None, 6], False),
+        ([8], [1, None, 5], None),  # a leading coordinate the truth cannot place
+        (None, [2, 5], None),  # no shape: a flat index and a multi-index do not compare
+    ],
+)
+def test_a_flat_index_is_compared_with_a_multi_index_on_the_known_shape(shape, said, same):
+    row = {**truth("t", element=21), "shape": shape}
+    m = score(validate_rows([row], TRUTH_FORMAT), [verdict("t", 5, element=said)])["d"]["all"]
+    assert m["element"] == (None if same is None else float(same))
+
+
 def test_a_callable_detector_is_run_per_trial_and_its_verdicts_validated():
     rows = {"t1": [{"step": 0, "loss": 1.0}, {"step": 1, "loss": None}], "t2": [{"step": 0, "loss": 1.0}]}
 
@@ -127,7 +144,8 @@ def test_score_a_guarded_campaign_and_an_external_detector(tmp_path, monkeypatch
     scores = json.loads((tmp_path / "s.json").read_text())["scores"]
     assert set(scores) == {"full", "detect"}
     full = scores["full"]["gemm.forward x bitflip x element(index=random) x transient"]
-    assert (full["recall"], full["layer"], full["latency_max"]) == (1.0, 1.0, 0)  # ABFT in the fault's step
+    # ABFT in the fault's step, in the right layer and column (its flat index unravelled by the Linear's width)
+    assert (full["recall"], full["layer"], full["element"], full["latency_max"]) == (1.0, 1.0, 1.0, 0)
     assert scores["full"]["clean"]["trials"] == 2 and scores["full"]["clean"]["false"] == 0
     assert "full" in r.output and "gemm.forward x bitflip" in r.output
 

@@ -46,18 +46,34 @@ def class_label(truth: dict[str, Any], fields: tuple[str, ...] = CLASS_FIELDS) -
     return " x ".join(str(truth.get(f)) for f in fields)
 
 
-def _same_element(truth: Any, verdict: Any) -> bool | None:
+def _same_element(truth: Any, verdict: Any, shape: list[int] | None = None) -> bool | None:
     """Whether the verdict names the truth's element: equal flat indices, or equal multi-indices
-    (a verdict's null coordinates unknown and not compared); None when they cannot be compared
-    (one is missing, or one is flat and the other a multi-index of several coordinates; a
-    one-coordinate multi-index is a flat index)."""
+    (a verdict's null coordinates are unknown and not compared; a one-coordinate multi-index is a
+    flat index). A flat truth and a verdict's multi-index compare on the coordinates ``shape`` (the
+    truth's known trailing dimensions) gives, aligned from the last; None when nothing can be
+    compared (one side missing, or no coordinate both sides know)."""
     truth, verdict = (x[0] if isinstance(x, list) and len(x) == 1 else x for x in (truth, verdict))
-    if truth is None or verdict is None or isinstance(truth, int) != isinstance(verdict, int):
+    if truth is None or verdict is None:
         return None
-    if isinstance(truth, int):
+    if isinstance(truth, int) and isinstance(verdict, int):
         return truth == verdict
-    if len(truth) != len(verdict):
-        return False
+    if isinstance(truth, int):  # a flat index against a multi-index: unravel what the shape knows
+        if isinstance(verdict, int) or not shape or len(shape) > len(verdict):
+            return None
+        coords, rest = [], truth
+        for d in reversed(shape):
+            coords.insert(0, rest % d)
+            rest //= d
+        lead = verdict[: len(verdict) - len(shape)]
+        if len(shape) == len(verdict) and rest:
+            return False  # beyond the tensor: not the element
+        if any(v is not None for v in lead):
+            return None  # the verdict names leading coordinates the truth cannot place
+        truth, verdict = coords, verdict[len(lead) :]
+    if isinstance(verdict, int) or len(truth) != len(verdict):
+        return None if isinstance(verdict, int) else False
+    if all(v is None for v in verdict):
+        return None
     return all(v is None or v == t for t, v in zip(truth, verdict))
 
 
@@ -113,7 +129,7 @@ def _count(tally: dict[str, Any], t: dict[str, Any], said: list[dict]) -> None:
     for key in ("rank", "layer"):
         if t[key] is not None and hit[key] is not None:
             tally[key].append(hit[key] == t[key])
-    same = _same_element(t["element"], hit["element"])
+    same = _same_element(t["element"], hit["element"], t.get("shape"))
     if same is not None:
         tally["element"].append(same)
 

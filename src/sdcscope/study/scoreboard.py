@@ -10,7 +10,8 @@ sdcscope run and campaign directories.
 ``fault`` false is a clean trial (every other field null): any verdict on it is a false positive.
 ``step`` is the first training step the fault fired at (null: it never fired; such a trial is
 left out of recall). ``element`` is a flat (row-major) index, or a multi-index, into the
-corrupted tensor.
+corrupted tensor; ``shape`` (optional) its trailing dimensions as far as known (all of them for a
+parameter-shaped site), so that a flat index can be compared with a detector's multi-index.
 
 **Verdicts** (``sdcscope.verdict/1``): one row per finding of a detector::
 
@@ -44,6 +45,7 @@ __all__ = [
     "from_campaign",
     "trial_name",
     "baseline_name",
+    "known_shape",
 ]
 
 TRUTH_FORMAT = "sdcscope.truth/1"
@@ -68,6 +70,7 @@ FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
         "rank": _INT,
         "layer": _STR,
         "element": (int, list, type(None)),
+        "shape": (list, type(None)),
     },
     VERDICT_FORMAT: {
         "trial": (str,),
@@ -161,9 +164,31 @@ def truth_row(trial: str, records: list[dict], labels: dict[str, Any] | None) ->
         first = min(fired, key=lambda r: (r["step"], r.get("micro_batch") or 0))
         row.update(step=first["step"], rank=first.get("rank"), layer=first.get("module"))
         row["element"] = _element(first.get("index"))
+        row["shape"] = first.get("shape")
         if row["site"] is None:
             row["site"] = first.get("site")
     return row
+
+
+def known_shape(model: Any, site: str, name: str) -> list[int] | None:
+    """The trailing dimensions of the tensor a fault at ``site`` on ``name`` corrupts, as far as the
+    model tells them: a parameter's whole shape (``weight``, ``param_grad``, ``optimizer_state``: a
+    parameter's name, optionally with a state suffix; ``gemm.grad_weight``: the module's weight), a
+    Linear's output or input features for its ``gemm.forward`` / ``gemm.grad_input`` (the leading
+    batch dimensions are not known); None otherwise."""
+    params = dict(model.named_parameters())
+    match = next((p for n, p in params.items() if name == n or name.startswith(n + ".")), None)
+    if site in ("weight", "param_grad", "optimizer_state") and match is not None:
+        return list(match.shape)
+    module = dict(model.named_modules()).get(name)
+    weight = getattr(module, "weight", None)
+    if weight is None or not hasattr(weight, "shape"):
+        return None
+    if site == "gemm.grad_weight":
+        return list(weight.shape)
+    if type(module).__name__ == "Linear" and site in ("gemm.forward", "gemm.grad_input"):
+        return [int(weight.shape[0 if site == "gemm.forward" else 1])]
+    return None
 
 
 def verdict_rows(trial: str, detector: str, events: Iterable[dict]) -> list[dict[str, Any]]:

@@ -6,8 +6,9 @@ workers run torch with one thread, so results do not depend on the worker count 
 worker runs a job. Files it writes (snapshots, trajectories, baseline end states) go to
 ``DIR/golden/`` atomically; rows go back to the runner, which commits them. Each trial also leaves
 what the scoreboard reads (``sdcscope.study.scoreboard``): ``DIR/trials/trial-ID/injections.jsonl``
-(the fired faults' records) and, in a guarded campaign, its ``events.jsonl`` (the guard's events);
-a healthy baseline of a guarded campaign leaves ``DIR/trials/baseline-STEP-SEED/events.jsonl``.
+(the fired faults' records, each with the corrupted tensor's ``shape`` as far as known) and, in a
+guarded campaign, its ``events.jsonl`` (the guard's events); a healthy baseline of a guarded
+campaign leaves ``DIR/trials/baseline-STEP-SEED/events.jsonl``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from sdcscope.study.guarded import first_detection, guard_events, make_guard
 from sdcscope.study.levels import gradient_level, submodule_level
 from sdcscope.study.outcomes import classify, drift_flags
 from sdcscope.study.plan import Trial
-from sdcscope.study.scoreboard import TRIALS_DIR, baseline_name, trial_name, write_rows
+from sdcscope.study.scoreboard import TRIALS_DIR, baseline_name, known_shape, trial_name, write_rows
 from sdcscope.study.spec import CampaignSpec
 from sdcscope.workloads import make_workload
 
@@ -322,7 +323,9 @@ class Worker:
         ]
         events = guard_events(guard, s) if guard is not None else []
         where = self.dir.parent / TRIALS_DIR / trial_name(trial.trial_id)
-        write_rows(where / "injections.jsonl", records)
+        write_rows(
+            where / "injections.jsonl", [{**r, "shape": known_shape(t.model, r["site"], r["module"])} for r in records]
+        )
         if guard is not None:
             write_rows(where / "events.jsonl", events)
         first, hit = first_detection(events, records)
