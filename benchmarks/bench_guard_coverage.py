@@ -66,7 +66,7 @@ from sdcscope.faults import FaultSpec, get_format
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.config import PROFILES
 from sdcscope.inject import Injector
-from sdcscope.study.scoreboard import truth_row, verdict_rows, write_rows
+from sdcscope.study.scoreboard import known_shape, truth_row, verdict_rows, write_rows
 from sdcscope.workloads import WorkloadConfig, make_workload
 
 SITES = {"Y": "gemm.forward", "dX": "gemm.grad_input", "dW": "gemm.grad_weight", "weight": "weight"}
@@ -312,7 +312,8 @@ def main() -> None:
     steps = at + after
     clean_steps = args.clean_steps or (40 if args.quick else 100)
     starts = {d: Start(w, d, WARM) for d in DTYPES}
-    targets = [n for n, m in w.build_model().named_modules() if isinstance(m, torch.nn.Linear)]
+    model = w.build_model()  # names and shapes
+    targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     golden = {d: Run(w, starts[d], None, d, None, steps).run()["val"] for d in DTYPES}
     every = list(itertools.product(SITES, FIELDS, DTYPES, SCHEDULES, MOMENTS))
     cells = [c for c in cells_for(args.quick) if c[0] in args.sites and c[3] in args.schedules]
@@ -344,7 +345,8 @@ def main() -> None:
             "schedule": cell[3],
             "bit": fault.bits[0],
         }
-        truth.append(truth_row(trial, bare["records"], labels))
+        records = [{**r, "shape": known_shape(model, r["site"], r["module"])} for r in bare["records"]]
+        truth.append(truth_row(trial, records, labels))
         for prof in args.profiles:
             r = Run(w, starts[cell[2]], prof, cell[2], fault, steps, args.compile and args.backend).run()
             verdicts += verdict_rows(trial, prof, r["events"])
