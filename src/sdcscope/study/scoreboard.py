@@ -114,13 +114,15 @@ def validate_rows(rows: Iterable[Any], fmt: str, where: str = "rows") -> list[di
         for key, kinds in fields.items():
             value = row.get(key)
             bad = not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
-            if not bad and key in ("step", "rank", "bit") and value is not None:
+            counts = key in ("step", "rank", "bit")
+            if not bad and counts and value is not None:
                 bad = value < 0
             if not bad and isinstance(value, list):
                 bad = not value or not all(isinstance(i, int) and not isinstance(i, bool) or i is None for i in value)
             if bad:
                 allowed = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
-                raise ValueError(f"{at}: field {key!r} = {value!r}; allowed: {allowed} (counts >= 0)")
+                what = " (>= 0)" if counts else " (a list: of integers, null where unknown)" if list in kinds else ""
+                raise ValueError(f"{at}: field {key!r} = {value!r}; allowed: {allowed}{what}")
         if fmt == TRUTH_FORMAT and not row["fault"]:
             set_ = [k for k in fields if k not in ("trial", "fault") and row.get(k) is not None]
             if set_:
@@ -154,8 +156,8 @@ def _element(index: Any) -> int | list | None:
 def truth_row(trial: str, records: list[dict], labels: dict[str, Any] | None) -> dict[str, Any]:
     """The truth of one trial from its injection records (``injections.jsonl``) and its fault's
     class labels (site, model, pattern, schedule, bit); ``labels`` None: a clean trial."""
-    row: dict[str, Any] = {"format": TRUTH_FORMAT, "trial": trial, "fault": labels is not None}
-    row.update(dict.fromkeys(FIELDS[TRUTH_FORMAT]) | {"trial": trial, "fault": labels is not None})
+    row: dict[str, Any] = {"format": TRUTH_FORMAT, **dict.fromkeys(FIELDS[TRUTH_FORMAT])}
+    row.update(trial=trial, fault=labels is not None)
     if labels is None:
         return row
     row.update({k: labels.get(k) for k in ("site", "model", "pattern", "schedule", "bit")})
