@@ -47,7 +47,11 @@ injector's graph mode, each run compiled afresh; the unguarded runs stay eager. 
 ``--schedules`` restrict the classes (``--sites Y dX dW --schedules transient``: the transient GEMM
 faults, whose catch rate in their step the profiles' coverage lines quote); ``--patterns`` picks
 the patterns (``--quick --patterns burst lane warp warp-periodic --schedules transient periodic``:
-the hardware-shaped faults, once and recurring).
+the hardware-shaped faults, once and recurring). ``--score DIR`` also
+writes the runs as the detector scoreboard's rows (``DIR/truth.jsonl``: one trial per class and one
+clean trial per dtype; ``DIR/verdicts.jsonl``: each profile's events), so ``sdcscope score
+DIR/truth.jsonl DIR/verdicts.jsonl --by site,schedule`` gives this matrix as a scoreboard report,
+with its localization (layer, element) beside detection and latency.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from sdcscope.faults import FaultSpec, get_format
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.config import PROFILES
 from sdcscope.inject import Injector
+from sdcscope.study.scoreboard import known_shape, truth_row, verdict_rows, write_rows
 from sdcscope.workloads import WorkloadConfig, make_workload
 
 SITES = {"Y": "gemm.forward", "dX": "gemm.grad_input", "dW": "gemm.grad_weight", "weight": "weight"}
@@ -222,6 +227,7 @@ class Run:
             "val": val,
             "fired": min(fired) if fired else None,
             "events": events,
+            "records": list(self.inj.records),
             "stopped": stopped,
             "history": self.history,
         }
@@ -328,6 +334,7 @@ def main() -> None:
     parser.add_argument("--sites", nargs="+", default=list(SITES), choices=list(SITES))
     parser.add_argument("--schedules", nargs="+", default=list(OLD), choices=list(SCHEDULES))
     parser.add_argument("--patterns", nargs="+", default=["element"], choices=list(PATTERNS))
+    parser.add_argument("--score", default=None, help="write the runs as scoreboard rows to this folder")
     args = parser.parse_args()
     after = args.after or (4 if args.quick else 6)
     if after < 1:
@@ -340,7 +347,8 @@ def main() -> None:
     steps = at + after
     clean_steps = args.clean_steps or (40 if args.quick else 100)
     starts = {d: Start(w, d, WARM) for d in DTYPES}
-    targets = [n for n, m in w.build_model().named_modules() if isinstance(m, torch.nn.Linear)]
+    model = w.build_model()  # names and shapes
+    targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     golden = {d: Run(w, starts[d], None, d, None, steps).run()["val"] for d in DTYPES}
     every = every_class()
     cells = [c for c in cells_for(args.quick, args.patterns) if c[0] in args.sites and c[3] in args.schedules]
@@ -359,6 +367,7 @@ def main() -> None:
         flush=True,
     )
     rows: dict[str, list[dict]] = defaultdict(list)
+    truth, verdicts = [], []  # the scoreboard's rows (--score)
     early: dict[str, list[dict]] = defaultdict(list)  # events of the faulty runs before their fault fired
     unfired = 0
     for cell in cells:
@@ -369,8 +378,19 @@ def main() -> None:
             unfired += 1
             continue
         harmful = off(bare["val"], golden[cell[2]])
+        trial = "/".join(map(str, cell))
+        labels = {
+            "site": fault.site,
+            "model": "bitflip",
+            "pattern": cell[5],
+            "schedule": cell[3],
+            "bit": fault.bits[0],
+        }
+        records = [{**r, "shape": known_shape(model, r["site"], r["module"])} for r in bare["records"]]
+        truth.append(truth_row(trial, records, labels))
         for prof in args.profiles:
             r = Run(w, starts[cell[2]], prof, cell[2], fault, steps, args.compile and args.backend).run()
+            verdicts += verdict_rows(trial, prof, r["events"])
             first = r["fired"] if r["fired"] is not None else bare["fired"]
             early[prof] += [dict(e, dtype=cell[2]) for e in r["events"] if e["step"] < first]
             late = [e["step"] for e in r["events"] if e["step"] >= first and e["detector"] != "guard"]
@@ -391,12 +411,16 @@ def main() -> None:
             )
     t_cells = time.perf_counter() - t0
     clean: dict[str, list[dict]] = {}
+    truth += [truth_row(f"clean/{d}", [], None) for d in DTYPES]
     for prof in args.profiles:
-        clean[prof] = [
-            dict(e, dtype=d)
-            for d in DTYPES
-            for e in Run(w, starts[d], prof, d, None, clean_steps, args.compile and args.backend).run()["events"]
-        ]
+        clean[prof] = []
+        for d in DTYPES:
+            events = Run(w, starts[d], prof, d, None, clean_steps, args.compile and args.backend).run()["events"]
+            clean[prof] += [dict(e, dtype=d) for e in events]
+            verdicts += verdict_rows(f"clean/{d}", prof, events)
+    if args.score:
+        write_rows(f"{args.score}/truth.jsonl", truth)
+        write_rows(f"{args.score}/verdicts.jsonl", verdicts)
     summary = []
     for prof in args.profiles:
         n = len(rows[prof])

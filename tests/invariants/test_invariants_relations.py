@@ -37,6 +37,7 @@ STYLES = {  # correct loops that differ from the references: how they clear, bac
     "model_zero_grad": "model.zero_grad() instead of optimizer.zero_grad()",
     "autograd_backward": "torch.autograd.backward(loss) instead of loss.backward()",
     "imported_clip": "a clip_grad_norm_ imported before the recorder attached",
+    "no_clip": "gradient clipping turned off (the references clip)",
 }
 
 
@@ -78,7 +79,7 @@ def mlp_run(attach, seed, bug=None, steps=12, lr=1e-2, style=None):
         if bug == "guarded" and step == 6:  # a guard's veto: no update, the step is discarded
             tool.abandon_step()
             continue
-        if bug != "clip_late" or step >= 2:
+        if style != "no_clip" and (bug != "clip_late" or step >= 2) and (bug != "clip_dropped" or step < 6):
             clip(model.parameters(), 1.0)
         if bug == "zero_grad_before_step":
             opt.zero_grad()
@@ -166,7 +167,8 @@ def test_clean_run_of_another_seed_passes_online_and_offline(invariants, tmp_pat
         ("stale_scheduler", "arg.train.lr_scheduler.step.drives_optimizer", 0, "lr_scheduler.step"),
         ("frozen", "contain.optimizer.step.update", 0, "fc1.weight"),
         ("scaled_loss", "arg.train.backward.loss", 0, "backward"),
-        ("clip_late", "sequence.train", 0, "clip_grad_norm_"),
+        ("clip_late", "sequence.train", 2, "clip_grad_norm_"),  # clipping on or off is the run's choice:
+        ("clip_dropped", "sequence.train", 6, "clip_grad_norm_"),  # on some steps only is a bug
         ("no_eval_mode", "arg.eval.forward.Dropout.training", 4, "drop"),
     ],
 )

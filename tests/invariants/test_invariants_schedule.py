@@ -56,15 +56,18 @@ def warm_cosine(s: int, warm: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (s + 1 - warm) / (STEPS + 1 - warm)))
 
 
-def run(attach, *, seed=0, lr=0.05, warm=3, stepped=True):
-    """A plain loop under ``warm_cosine`` (LambdaLR); returns the attached tool."""
+def run(attach, *, seed=0, lr=0.05, warm=3, stepped=True, start=0, restored=True):
+    """A plain loop under ``warm_cosine`` (LambdaLR); returns the attached tool.  ``start``: the
+    step a resumed run continues from, with its scheduler ``restored`` (or rebuilt: its warm-up
+    starts again)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warm_cosine(s, warm))
+    offset = start if restored else 0
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warm_cosine(s + offset, warm))
     tool = attach(model, opt, schedulers=[sched])
     g = torch.Generator().manual_seed(seed)
-    for step in range(STEPS):
+    for step in range(start, STEPS):
         tool.step_begin(step)
         opt.zero_grad()
         x = torch.randn(16, 6, generator=g)
@@ -127,3 +130,12 @@ def test_a_warm_up_longer_than_allowed_is_flagged_while_it_runs(schedule):
 def test_a_scheduler_never_stepped_stalls_the_decay(schedule):
     found = checked(schedule, stepped=False)
     assert {e["evidence"]["rule"] for e in found} == {"stall"} and found[0]["step"] == 2
+
+
+def test_a_resume_past_the_warm_up_is_judged_on_a_restarted_warm_up_only(schedule):
+    strict = dataclasses.replace(schedule, params={**schedule.params, "max_peak": 6})
+    assert checked(strict, start=6) == []  # the schedule continues where it was
+    found = checked(strict, start=6, restored=False)  # a rebuilt scheduler warms up again
+    assert [(e["step"], e["evidence"]["rule"]) for e in found] == [(7, "rise")]
+    assert "warm-up restarted" in found[0]["evidence"]["meaning"]
+    assert checked(strict, start=3, restored=False) == []  # resumed within the allowed warm-up

@@ -66,6 +66,7 @@ from sdcscope.cli import (  # noqa: E402,F401  (registers commands)
     inject_cmd,
     invariants_cmd,
     report_cmd,
+    score_cmd,
     screen_cmd,
     train_cmd,
 )

@@ -197,31 +197,13 @@ def infer(
     out_console.print(f"wrote {out}")
 
 
-def _few(items: list, total: int | None = None) -> str:
-    total = len(items) if total is None else total
-    return ", ".join(map(str, items[:3])) + (f" (+{total - 3})" if total > 3 else "")
-
-
 def _evidence(ev: dict) -> str:
     """The gist of a violation's evidence in one short line (the full record is in events.jsonl)."""
     from rich.markup import escape
 
-    if ev.get("missing"):
-        text = f"missing: {_few(ev['missing'], ev.get('n_missing'))}"
-    elif ev.get("extra"):
-        text = f"unexpected: {_few(ev['extra'], ev.get('n_extra'))}"
-    elif "observed" in ev:
-        seen = _few(ev["observed"]) if isinstance(ev["observed"], list) else ev["observed"]
-        text = f"expected {ev['expected']}, observed {seen}"
-    elif "bounds" in ev:
-        text = f"{ev['value']} outside [{ev['bounds'][0]:.4g}, {ev['bounds'][1]:.4g}]"
-    elif "first_seen_step" in ev:
-        text = f"same value as at step {ev['first_seen_step']}"
-    elif "differing" in ev:
-        text = f"{ev['n_differing']}/{ev['n_pairs']} pairs differ: {' != '.join(ev['differing'][0])}"
-    else:
-        text = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("relation", "phase", "description"))
-    return escape(text)
+    from sdcscope.invariants.summary import summarize
+
+    return escape(summarize(ev))
 
 
 @invariants_app.command()

@@ -155,6 +155,10 @@ class Observers:
         if self._in_step:
             self._outside |= self._written_since(self._expect)
         self._versions = list(map(_VERSION, self._params))
+        if not self._updates_seen:
+            self._updates_seen = True
+            if any(opt.state.values()):  # state before this run's first update: a checkpoint's
+                self._record()["resumed"] = True
         if self.config.confirm_updates and self._step % CONFIRM_EVERY == 0:
             self._copies = torch._foreach_clone(self._detached)
         fields: dict[str, Any] = {}

@@ -35,7 +35,11 @@ Per step it records one compact dict (written to ``trace.jsonl`` when ``out`` is
 - ``checksums``: exact full-tensor checksums of the watched tensors (for ``Consistent``);
 - ``grad_norms``: the 2-norm of each parameter's gradient when ``optimizer.step`` returned (the
   gradients the update used), with the mask of the parameters that had one (for ``GradShare``);
-- ``metrics``: whatever the loop logs.
+- ``metrics``: whatever the loop logs;
+- ``resumed``: ``true`` on the record of the first update this recorder saw when the optimizer
+  already held state then (moments, momentum buffers, a step count: loaded from a checkpoint), so
+  the run continues one that trained before it, whatever its step numbers say (a new process may
+  count from 0 again); absent otherwise.
 
 Tensor-valued facts are kept on the device and fetched together at the end of the record, so a
 step costs one device-to-host copy however many values it records.  Forwards and metrics seen
@@ -153,6 +157,7 @@ class TraceRecorder(Observers, EngineCallbacks):
         self._tokens: tuple[torch.Tensor, dict[str, Any]] | None = None  # last token input, its fields
         self._before: tuple[list, list[int] | None] | None = None
         self._step_call: int | None = None  # index of the open optimizer.step call in the record
+        self._updates_seen = False  # whether an optimizer.step ran since attaching (see ``resumed``)
         self._decay_key: tuple | None = None
         self._decay_mask = 0
         self._probe = probe.CausalProbe(model) if self.config.causal_probe else None

@@ -37,6 +37,10 @@ PHASES = ("train", "eval")
 SKIPPABLE = {"optimizer.step": "scaler.step"}
 """APIs another API may legitimately skip: ``GradScaler.step`` skips ``optimizer.step`` when
 the gradients overflowed, which mixed-precision training does by design now and then."""
+OPTIONAL = frozenset({"clip_grad_norm_"})
+"""APIs a run may leave out altogether: gradient clipping on or off is a setting of the run (a
+hyper-parameter), not a bug.  A run that runs one on some steps and not on others is still
+inconsistent, and where it runs, its place in the order and its arguments are still judged."""
 MASK_FIELDS = frozenset({"params", "decayed"})
 """Call fields holding a set of the model's parameters (a bit mask in the trace): the parameters
 ``clip_grad_norm_`` clips, those ``optimizer.step`` applies a weight decay to."""

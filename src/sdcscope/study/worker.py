@@ -4,7 +4,11 @@ A worker builds the workload and a trainer once, then restores a golden snapshot
 (never re-training from step 0). Every job result is a pure function of (campaign spec, job):
 workers run torch with one thread, so results do not depend on the worker count or on which
 worker runs a job. Files it writes (snapshots, trajectories, baseline end states) go to
-``DIR/golden/`` atomically; rows go back to the runner, which commits them.
+``DIR/golden/`` atomically; rows go back to the runner, which commits them. Each trial also leaves
+what the scoreboard reads (``sdcscope.study.scoreboard``): ``DIR/trials/trial-ID/injections.jsonl``
+(the fired faults' records, each with the corrupted tensor's ``shape`` as far as known) and, in a
+guarded campaign, its ``events.jsonl`` (the guard's events); a healthy baseline of a guarded
+campaign leaves ``DIR/trials/baseline-STEP-SEED/events.jsonl``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from sdcscope.study.guarded import first_detection, guard_events, make_guard
 from sdcscope.study.levels import gradient_level, submodule_level
 from sdcscope.study.outcomes import classify, drift_flags
 from sdcscope.study.plan import Trial
+from sdcscope.study.scoreboard import TRIALS_DIR, baseline_name, known_shape, trial_name, write_rows
 from sdcscope.study.spec import CampaignSpec
 from sdcscope.study.twins import perturb_twin
 from sdcscope.workloads import make_workload
@@ -215,7 +220,8 @@ class Worker:
         """A healthy run re-seeded (another data order) from the injection snapshot."""
         s, seed = job["inject_step"], job["seed"]
         self._restore(s, seed)
-        row = self._healthy(job, f"the healthy baseline run from step {s} with seed {seed}")
+        events = self.dir.parent / TRIALS_DIR / baseline_name(s, seed) / "events.jsonl"  # a clean trial's verdicts
+        row = self._healthy(job, f"the healthy baseline run from step {s} with seed {seed}", events)
         _save(flat_params(self.trainer.model), self.dir / f"baseline-{s}-{seed}.pt")
         return {**row, "kind": "baseline", "seed": seed}
 
@@ -228,15 +234,18 @@ class Worker:
         row = self._healthy(job, f"perturbation twin {k} from step {s}")
         return {**row, "kind": "twin", "twin": k, "changed": changed}
 
-    def _healthy(self, job: dict[str, Any], what: str) -> dict[str, Any]:
+    def _healthy(self, job: dict[str, Any], what: str, events: Path | None = None) -> dict[str, Any]:
         """Train a restored healthy run over the horizon (under the guard when the campaign has
-        one) and measure it against golden; a diverged healthy run stops the campaign."""
+        one, its events written to ``events`` for the scoreboard) and measure it against golden;
+        a diverged healthy run stops the campaign."""
         s, ref = job["inject_step"], job["reference"]
         guard = make_guard(self.trainer, self.spec.guard_config()) if self.spec.guard else None
         run = self._train(job)
         if run["crash"]:
             raise ValueError(f"{what} diverged ({run['error'] or 'non-finite loss'}); lower the learning rate")
         ev = self.trainer.evaluate()
+        if guard is not None and events is not None:
+            write_rows(events, guard_events(guard, s))
         m = self._measures(job, run)
         return {
             "inject_step": s,
@@ -329,6 +338,12 @@ class Worker:
             for k in self.spec.baseline.seeds
         ]
         events = guard_events(guard, s) if guard is not None else []
+        where = self.dir.parent / TRIALS_DIR / trial_name(trial.trial_id)
+        write_rows(
+            where / "injections.jsonl", [{**r, "shape": known_shape(t.model, r["site"], r["module"])} for r in records]
+        )
+        if guard is not None:
+            write_rows(where / "events.jsonl", events)
         first, hit = first_detection(events, records)
         row.update(
             fired=int(bool(records)),

@@ -14,7 +14,7 @@ has, so a run with another gradient accumulation than the references is no viola
   micro-batches out (1/N x), a loss is scaled or reduced differently.  Learned only when at
   least two references start at the same step with positive losses that agree within
   ``AGREE``: one observation per run, so the agreement of independent runs is the evidence.
-  A run that starts elsewhere (resumed from a checkpoint) is not judged.
+  A resumed run (see ``resumed``) is not judged: its first loss is a trained model's.
 - ``LossTrend``: from a learned step on, the step loss averaged over the last ``window`` steps
   is lower than over the run's first ``window`` steps, as it was in every reference, and by at
   least half as much as the slowest reference improved it (``max_ratio``: the recent / first
@@ -25,9 +25,20 @@ has, so a run with another gradient accumulation than the references is no viola
   same progress, and a higher one no earlier than the references' step.  Breaks when training
   makes no progress or makes the model worse at a normal-looking loss: labels that do not
   belong to their inputs, gradient ascent, updates that never reach the weights.  Only the first
-  window is the baseline (not the best one), so noise and a late plateau are no violation; a run
-  that starts at another step than the references (resumed) is not judged, nor are losses that
-  are not positive (the ratio needs a positive baseline).
+  window is the baseline (not the best one), so noise and a late plateau are no violation; losses
+  that are not positive are not judged (the ratio needs a positive baseline).
+
+  A resumed run (see ``resumed``) starts on the plateau its checkpoint reached, so its own first
+  window is no baseline: it is judged against where training starts, the lowest first-window mean
+  of the references (``first_mean``), once the run has made since the resume the progress (summed
+  learning rates) the slowest reference needed.  A correct resume is far below it; a resumed run
+  whose loss is back where training starts -- the model restarted from an untrained state, or
+  labels that no longer belong to their inputs -- is flagged.  Without ``first_mean`` (files
+  written before it), a resumed run is not judged.
+
+A run is **resumed** when its first step is not the references' first step (a run resumed by the
+engine continues its step numbers), or when the optimizer held state at the run's first update
+(the recorder's ``resumed`` mark: a new process that counts steps from 0 again, a traced script).
 """
 
 from __future__ import annotations
@@ -70,6 +81,12 @@ def step_loss(view: View) -> float | None:
         if values:
             return sum(values)
     return None
+
+
+def resumed(view: View, start: int) -> bool:
+    """Whether the run whose first record is ``view`` continues one that trained before it (see
+    the module doc): it starts at another step than ``start``, or the recorder marked it."""
+    return view.step != start or bool(view.rec.get("resumed"))
 
 
 def step_lr(view: View) -> float:
@@ -143,8 +160,8 @@ class _InitialCheck(Check):
         x = step_loss(view)
         if self.done or x is None:
             return []
-        self.done = True  # the run's first step with a loss, judged only if it is the references'
-        if view.step != self.step or math.isfinite(x) and self.bounds[0] <= x <= self.bounds[1]:
+        self.done = True  # the run's first step with a loss, judged only if it starts training
+        if resumed(view, self.step) or math.isfinite(x) and self.bounds[0] <= x <= self.bounds[1]:
             return []
         return [("loss", {"step_loss": x, "bounds": self.bounds})]
 
@@ -153,25 +170,28 @@ class _InitialCheck(Check):
 class LossTrend(Relation):
     name = "LossTrend"
     required = {"start": int, "window": int, "from_step": int, "max_ratio": (int, float)}
-    optional = {"from_lr_sum": (int, float)}
+    optional = {"from_lr_sum": (int, float), "first_mean": (int, float)}
 
     @classmethod
     def validate(cls, params):
         super().validate(params)
         if params["window"] < 1 or params["from_step"] < 0 or not 0 < params["max_ratio"] <= 1:
             raise ValueError(f"LossTrend: window must be >= 1, from_step >= 0 and max_ratio in (0, 1], not {params!r}")
+        if "first_mean" in params and not (math.isfinite(params["first_mean"]) and params["first_mean"] > 0):
+            raise ValueError(f"LossTrend: first_mean={params['first_mean']!r} must be a positive number")
 
     @classmethod
     def infer(cls, traces, config: InferConfig) -> list[Invariant]:
         series = [_lr_series(t) for t in traces]
         if not all(len(s) >= 2 * WINDOW for s in series) or len({s[0][0] for s in series}) != 1:
             return []
-        ratios = []  # per reference: (step, lr sum before the window, recent window mean / first window mean)
+        ratios, bases = [], []  # per reference: (step, lr sum before the window, recent / first window mean)
         for s in series:
             losses = [x for _, x, _ in s]
             base = sum(losses[:WINDOW]) / WINDOW
             if not all(map(math.isfinite, losses)) or not base > 0:
                 return []
+            bases.append(base)
             ratios.append(
                 [
                     (s[i][0], s[i - WINDOW + 1][2], sum(losses[i - WINDOW + 1 : i + 1]) / WINDOW / base)
@@ -189,11 +209,19 @@ class LossTrend(Relation):
             Invariant(
                 id="trend.train.loss",
                 relation=cls.name,
-                params={"start": start, "window": WINDOW, "from_step": k, "max_ratio": bound, "from_lr_sum": tau},
+                params={
+                    "start": start,
+                    "window": WINDOW,
+                    "from_step": k,
+                    "max_ratio": bound,
+                    "from_lr_sum": tau,
+                    "first_mean": min(bases),
+                },
                 precondition=Precondition(phase="train", when=("backward",)),
                 description=f"from step {k} on, once the learning rates summed over the steps reach {tau:.4g}, "
                 f"the training loss averaged over {WINDOW} steps is below {bound:.4g} x its average over the "
-                f"run's first {WINDOW} steps",
+                f"run's first {WINDOW} steps (a resumed run: below {bound:.4g} x {min(bases):.4g}, the "
+                "references' lowest first-window average, once it made that progress since the resume)",
                 support=sum(1 for rs in ratios for step, _, _ in rs if step >= k),
             )
         ]
@@ -209,12 +237,14 @@ class _TrendCheck(Check):
         p = inv.params
         self.start, self.window, self.from_step = p["start"], p["window"], p["from_step"]
         self.max_ratio, self.from_tau = p["max_ratio"], p.get("from_lr_sum", 0.0)
+        self.fresh_start = p.get("first_mean")  # the baseline of a resumed run
         self.first: list[float] = []  # the run's first window: the baseline
         self.recent: deque[float] = deque(maxlen=self.window)
         self.taus: deque[float] = deque(maxlen=self.window)  # the lr sum before each step of the window
-        self.tau = 0.0
+        self.tau = 0.0  # summed from the run's (or the resume's) first step
         self.n = 0
-        self.judged = True  # False: the run did not start where the references did
+        self.resumed = False
+        self.judged = True  # False: a resumed run, and no first_mean to judge it against
 
     def check(self, view: View):
         x = step_loss(view)
@@ -223,9 +253,10 @@ class _TrendCheck(Check):
         if x is None:
             self.tau += step_lr(view)
             return []
-        if not self.n and view.step != self.start:
-            self.judged = False
-            return []
+        if not self.n and resumed(view, self.start):
+            self.resumed, self.judged = True, self.fresh_start is not None
+            if not self.judged:
+                return []
         self.n += 1
         if len(self.first) < self.window:
             self.first.append(x)
@@ -233,9 +264,11 @@ class _TrendCheck(Check):
         self.taus.append(self.tau)
         self.tau += step_lr(view)
         w = self.window
-        if self.n < 2 * w or view.step < self.from_step or self.taus[0] < self.from_tau:
+        # A fresh run needs its first window and a recent one; a resumed run only a recent one.
+        if self.n < (w if self.resumed else 2 * w) or view.step < self.from_step or self.taus[0] < self.from_tau:
             return []
-        base, recent = sum(self.first) / w, sum(self.recent) / w
+        base = self.fresh_start if self.resumed else sum(self.first) / w
+        recent = sum(self.recent) / w
         if not base > 0 or recent < base * self.max_ratio:  # NaN compares False: no improvement
             return []
         return [
@@ -248,6 +281,7 @@ class _TrendCheck(Check):
                     "max_ratio": self.max_ratio,
                     "window": w,
                     "from_step": self.from_step,
+                    "resumed": self.resumed,
                 },
             )
         ]

@@ -26,7 +26,11 @@ schedule multiplies never matters: another learning rate is no violation.
   rises, ``decay`` is any other monotone decrease; references that disagree, or whose rate
   rises again after its peak (cyclic schedules), give no decay check.
 
-A run that does not start at the references' first step (resumed) is not judged.
+A run that does not start at the references' first step (resumed) is judged only when it
+resumes at or after step ``start + max_peak``, past any warm-up the references allow, and only
+on its rate never rising (references with a decay shape): a rate that rises there is a warm-up
+restarted by the resume (a scheduler rebuilt instead of restored).  Its peak lies before the
+resume, so the decay's floor and shape are not judged.  A run resumed earlier is not judged.
 """
 
 from __future__ import annotations
@@ -200,6 +204,7 @@ class _ScheduleCheck(Check):
         self.shape, self.floor = p.get("shape"), p.get("floor", 0.0)
         self.n, self.last_step = 0, -1
         self.judged = True  # False: the run did not start where the references did
+        self.resumed: int | None = None  # the step a run resumed at (judged: rises only)
         self.peak: tuple[int, float] | None = None  # step and value, once the warm-up has ended
         self.prev = 0.0
         self.tail: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (step, value / peak) after the peak
@@ -210,7 +215,12 @@ class _ScheduleCheck(Check):
         if not self.judged or x is None or view.step <= self.last_step:  # a rolled-back step runs again
             return []
         if not self.n and view.step != self.start:
-            self.judged = False
+            if view.step < self.start + self.max_peak or self.shape is None:
+                self.judged = False
+                return []
+            self.resumed = view.step  # past any warm-up the references allow: the peak lies before
+            self.peak, self.n, self.last_step, self.prev = (view.step, x), 1, view.step, x
+            self.tail.append((view.step, 1.0))
             return []
         self.n += 1
         self.last_step, prev, self.prev = view.step, self.prev, x
@@ -234,6 +244,8 @@ class _ScheduleCheck(Check):
         found = []
         if y > before * (1 + TOL):
             found += self._report("rise", step, lr=x, peak_step=peak_step)
+        if self.resumed is not None:  # y is a fraction of the rate at the resume, not of the peak
+            return found
         elif self.shape == "constant" and not _same(y, 1.0, 1.0):
             found += self._report("shape", step, lr=x, peak_step=peak_step)
         if self.shape in SMOOTH and len(tail) > STALL and y > self.floor * (1 + TOL):
@@ -253,7 +265,13 @@ class _ScheduleCheck(Check):
         meaning = {
             "warmup": f"the learning rate is still rising at step {step}: the warm-up never reaches its "
             f"peak (references' schedule peaks within {self.max_peak} steps)",
-            "rise": f"the learning rate rose at step {step}, after its warm-up had peaked",
+            "rise": f"the learning rate rose at step {step}, after its warm-up had peaked"
+            + (
+                ""
+                if self.resumed is None
+                else f" (the run resumed at step {self.resumed}, after any warm-up the references "
+                "allow: the warm-up restarted)"
+            ),
             "stall": f"the learning rate stopped decaying at step {step} ({STALL} steps unchanged above "
             f"{self.floor:.3g} of its peak): the references' {self.shape} decay does not proceed",
             "shape": f"the learning rate after its peak no longer follows the references' {self.shape} schedule",

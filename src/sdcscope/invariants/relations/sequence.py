@@ -14,7 +14,10 @@ Two more matters of style are not held against a loop:
   out of order);
 - how the gradients are cleared: a step without ``zero_grad`` whose every gradient was cleared
   anyway (``p.grad = None`` by hand) is complete.  On a run's first step every gradient counts
-  as cleared (there is nothing before it), so a missing ``zero_grad`` shows from the second.
+  as cleared (there is nothing before it), so a missing ``zero_grad`` shows from the second;
+- whether the run clips its gradients (``spec.OPTIONAL``): a run that never clips is complete.
+  The run's first checked step says whether it clips; a run that clips on some steps only is
+  reported at the first step that breaks the pattern (clipping begun late, or dropped).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from sdcscope.invariants.relations.base import (
     learn_min_step,
     register,
 )
-from sdcscope.invariants.spec import APIS, SKIPPABLE, Invariant, Precondition
+from sdcscope.invariants.spec import APIS, OPTIONAL, SKIPPABLE, Invariant, Precondition
 
 EXCLUDED = frozenset({"forward"})
 CLEARING = "zero_grad"
@@ -122,10 +125,19 @@ class _SequenceCheck(Check):
         super().__init__(inv)
         self.apis = list(inv.params["apis"])
         self.everything = everything
+        self.optional: dict[str, int | None] = {}  # optional API -> None: the run calls it; else
+        # the first step it did not (the run does without it)
 
     def check(self, view: View):
         first = view.first
         apis = _expected(self.apis, view, self.everything)
+        for api in OPTIONAL.intersection(apis):
+            without = self.optional.setdefault(api, None if api in first else view.step)
+            if without is not None and api in first:  # a run without it calls it after all
+                self.optional[api] = None
+                meaning = f"{api} runs at step {view.step} but did not from step {without}: on some steps only"
+                return [(api, {"absent_since": without, "expected": self.apis, "meaning": meaning})]
+        apis = [a for a in apis if self.optional.get(a) is None]
         missing = [a for a in apis if a not in first]
         if missing:
             return [
