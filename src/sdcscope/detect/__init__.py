@@ -11,6 +11,7 @@ May import :mod:`sdcscope.observe`.
 from sdcscope.detect.abft import ABFTConfig, ABFTDetector
 from sdcscope.detect.canary import CanaryConfig, CanaryDetector, canary_function, canary_module
 from sdcscope.detect.checksum import gemm_check
+from sdcscope.detect.collectives import CollectiveCheck, CollectivesConfig
 from sdcscope.detect.crossrank import CrossRankConfig, CrossRankDetector, ReplicaHashCheck
 from sdcscope.detect.events import GEMMS, Event
 from sdcscope.detect.nonfinite import NonFiniteConfig, NonFiniteDetector
@@ -30,6 +31,8 @@ __all__ = [
     "CanaryDetector",
     "CrossRankConfig",
     "CheckView",
+    "CollectiveCheck",
+    "CollectivesConfig",
     "CrossRankDetector",
     "Detector",
     "Event",

@@ -10,6 +10,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SITES",
+    "COLLECTIVE_SITES",
+    "DIRECTIONS",
     "STEP_SITES",
     "PATTERN_KINDS",
     "SCHEDULE_KINDS",
@@ -29,10 +31,22 @@ SITES: tuple[str, ...] = (
     "optimizer_state",
     "checkpoint",
     "comm",
+    "comm.all_gather",
+    "comm.reduce_scatter",
 )
 """Where a fault can land (see docs/architecture.md, vocabulary)."""
 
-STEP_SITES: frozenset[str] = frozenset({"param_grad", "optimizer_state", "checkpoint", "comm"})
+COLLECTIVE_SITES: dict[str, tuple[str, ...]] = {
+    "comm.all_gather": ("forward", "backward"),
+    "comm.reduce_scatter": (),
+}
+"""FSDP2's collectives a fault can corrupt, on the rank the data arrived on, and the phases each
+takes (``comm.all_gather``: the ``forward`` all-gather or the ``backward`` re-gather)."""
+DIRECTIONS: tuple[str, ...] = ("recv", "send")
+"""Which end of a link a collective fault lives at: ``recv`` (what arrived on ``rank`` from
+``source``) or ``send`` (what left ``source``: every receiver's copy)."""
+
+STEP_SITES: frozenset[str] = frozenset({"param_grad", "optimizer_state", "checkpoint", "comm", *COLLECTIVE_SITES})
 """Sites touched once per optimizer step, so a schedule's ``micro_batch`` means nothing."""
 
 RANDOM = "random"

@@ -16,7 +16,7 @@ from sdcscope.common.validate import (
     check_positive,
     did_you_mean,
 )
-from sdcscope.detect import ABFTConfig, NonFiniteConfig, SpikeConfig
+from sdcscope.detect import ABFTConfig, CollectivesConfig, NonFiniteConfig, SpikeConfig
 from sdcscope.detect.protocol import Registration, registered
 from sdcscope.detect.state import StateChecksumConfig
 from sdcscope.localize.ledger import LedgerConfig
@@ -30,6 +30,7 @@ _NESTED = {
     "grad_spike": SpikeConfig,
     "abft": ABFTConfig,
     "state_checksum": StateChecksumConfig,
+    "collectives": CollectivesConfig,
     "snapshots": SnapshotConfig,
     "lr_backoff": LRBackoffConfig,
     "zclip": ZClipConfig,
@@ -103,6 +104,10 @@ class GuardConfig:
     them (``balanced``) or every one every step (``full``); ``budget`` (e.g. 0.02) samples layers
     and steps to an overhead budget instead."""
     state_checksum: StateChecksumConfig | None = field(default_factory=StateChecksumConfig)
+    collectives: CollectivesConfig | None = field(default_factory=CollectivesConfig)
+    """FSDP2's collectives, checked online (:mod:`sdcscope.detect.collectives`): each parameter
+    all-gather exactly (integer digests of what left each rank and what arrived), each gradient
+    reduce-scatter against its rounding bound; a model without FSDP2 units has none to check."""
     detectors: dict[str, Any] = field(default_factory=dict)
     """The sections of registered detectors that are not built in (:mod:`sdcscope.detect.protocol`):
     ``{name: settings}``, a mapping or the registration's config object switching one on (``{}``:

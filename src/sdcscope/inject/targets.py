@@ -83,6 +83,11 @@ def resolve_targets(model: nn.Module, spec: FaultSpec) -> list[Target]:
             "site 'comm' corrupts a DDP gradient bucket: attach it to a "
             "DistributedDataParallel model with sdcscope.inject.comm"
         )
+    if spec.site.startswith("comm."):
+        raise ValueError(
+            f"site {spec.site!r} corrupts one of FSDP2's collectives: it needs --nproc 2 or more with "
+            "--parallel fsdp, hsdp or fsdp+tp (sdcscope.inject.collectives)"
+        )
     if spec.site in MODULE_SITES:
         gemm_only = spec.site.startswith("gemm.")
         candidates = [(n, m) for n, m in model.named_modules() if n and (not gemm_only or is_gemm(m))]
