@@ -72,7 +72,10 @@ def test_fsdp_all_gather_and_reduce_scatter_faults_are_caught_named_and_repaired
     assert _lines(tmp_path / "clean" / "events.jsonl") == []
 
     fired = _lines(tmp_path / "faulty" / "injections.jsonl")
-    assert {(r["site"], r["step"], r["dst"]) for r in fired} == {("comm.all_gather", 2, 1), ("comm.reduce_scatter", 1, 0)}
+    assert {(r["site"], r["step"], r["dst"]) for r in fired} == {
+        ("comm.all_gather", 2, 1),
+        ("comm.reduce_scatter", 1, 0),
+    }
     events = _lines(tmp_path / "faulty" / "events.jsonl")
     assert {e["detector"] for e in events} == {"collectives"}
     (gather,) = [e for e in events if e["evidence"]["collective"] == "all_gather"]

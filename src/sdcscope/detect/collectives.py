@@ -26,7 +26,6 @@ without FSDP2 units has nothing to check (:data:`~sdcscope.common.world.SUPPORT`
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ from sdcscope.common.fsdp import PASSES, FSDPUnit, fsdp_units, on_gathered
 from sdcscope.common.validate import check_bool
 from sdcscope.common.world import local
 from sdcscope.detect.events import Event
-from sdcscope.detect.links import WORDS, Link, compare, digest, digest_rows, localize
+from sdcscope.detect.links import WORDS, Link, compare, digest_parts, localize
 from sdcscope.detect.protocol import CheckView, Registration, register
 from sdcscope.detect.rounding import unit_roundoff
 
@@ -68,6 +67,10 @@ class CollectiveCheck:
         self.rank = 0 if rank is None else rank
         self.topology: list | None = None  # every rank's (shard ranks, dp ranks, shard rank) per parameter
         self.step = 0
+        self.links_compared = 0
+        """All-gather links compared exactly so far (every rank's, as every rank compares them)."""
+        self.scatter_margin = 0.0
+        """The largest |reduced sum - expected| / bound of a reduce-scatter this rank judged clean."""
 
     # -- hooks -------------------------------------------------------------------------------
     def attach(self) -> CollectiveCheck:
@@ -114,27 +117,30 @@ class CollectiveCheck:
         self.sent = torch.zeros(P, WORDS, dtype=torch.int64, device=dev)
         self.arrived = torch.zeros(len(PASSES), P, S, WORDS, dtype=torch.int64, device=dev)
         self.seen = torch.zeros(len(PASSES), P, dtype=torch.int64, device=dev)
-        self.unreduced = torch.zeros(P, S, 3, dtype=torch.float64, device=dev)  # sum, Σ|g|, micro-batches
+        self.unreduced = torch.zeros(P, S, 2, dtype=torch.float64, device=dev)  # chunk sums, Σ|g|
+        self.micro = [0] * P  # micro-batches accumulated
         self.sent_done: set[int] = set()
 
     @torch.no_grad()
     def _gathered(self, unit: FSDPUnit, phase: str) -> None:
         k = PASSES.index(phase)
-        for gp in unit.params:
-            i = self.index[id(gp)]
-            rows = gp.gathered()
-            if rows is None:
-                continue
-            if i not in self.sent_done:
-                self.sent[i] = digest(gp.sent())
-                self.sent_done.add(i)
-            self.arrived[k, i, : rows.shape[0]] = digest_rows(rows)
-            self.seen[k, i] = 1
-            if self.config.reduce_scatter and i not in self.grad_hooks:
-                p = gp.unsharded()
-                if p is not None and p.requires_grad:
-                    gp.grad_hook = p.register_post_accumulate_grad_hook(lambda p, i=i, gp=gp: self._unreduced(i, gp, p))
-                    self.grad_hooks.add(i)
+        got = [(self.index[id(gp)], gp, rows) for gp in unit.params if (rows := gp.gathered()) is not None]
+        if not got:
+            return
+        idx = [i for i, _, _ in got]
+        if idx[0] not in self.sent_done:  # what this rank sent: its shards, as they were at the gather
+            self.sent[idx] = digest_parts([gp.sent().view(1, -1) for _, gp, _ in got])[0]
+            self.sent_done.update(idx)
+        S = got[0][2].shape[0]
+        self.arrived[k, idx, :S] = digest_parts([rows for _, _, rows in got]).transpose(0, 1)
+        self.seen[k, idx] = 1
+        if not self.config.reduce_scatter:
+            return
+        for i, gp, _ in got:
+            p = gp.unsharded()
+            if i not in self.grad_hooks and p is not None and p.requires_grad:
+                gp.grad_hook = p.register_post_accumulate_grad_hook(lambda p, i=i, gp=gp: self._unreduced(i, gp, p))
+                self.grad_hooks.add(i)
 
     @torch.no_grad()
     def _unreduced(self, i: int, gp, p: torch.Tensor) -> None:
@@ -145,139 +151,155 @@ class CollectiveCheck:
             flat = g.reshape(-1)
             pad = S * gp.padded_numel() - flat.numel()
             rows = (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(S, -1)
-            sums, mags = rows.sum(1, dtype=torch.float64), rows.abs().sum(1, dtype=torch.float64)
+            sums = torch.stack([rows.sum(1, dtype=torch.float64), rows.abs().sum(1, dtype=torch.float64)], 1)
         else:
             chunks = g.chunk(S, gp.shard_dim)
-            sums = torch.stack([c.sum(dtype=torch.float64) for c in chunks])
-            mags = torch.stack([c.abs().sum(dtype=torch.float64) for c in chunks])
-        self.unreduced[i, :S, 0] += sums
-        self.unreduced[i, :S, 1] += mags
-        self.unreduced[i, :S, 2] += 1
+            sums = torch.stack(
+                [torch.stack([c.sum(dtype=torch.float64), c.abs().sum(dtype=torch.float64)]) for c in chunks]
+            )
+        self.unreduced[i, :S, :2] += sums
+        self.micro[i] += 1
 
     # -- the check ---------------------------------------------------------------------------
     @torch.no_grad()
     def check(self, view: CheckView) -> list[Event]:
         if not self.active:
             return []
-        import torch.distributed as dist
-
         if self.topology is None:
-            mine = [(u.shard_ranks, u.dp_ranks, u.shard_rank) for u, _ in self.params]
-            self.topology = [None] * self.world
-            dist.all_gather_object(self.topology, mine)
-        P = len(self.params)
-        reduced = torch.zeros(P, 2, dtype=torch.float64, device=self.device)  # sum, has a gradient
-        if self.config.reduce_scatter:
-            grads = [(i, local(gp.fp.sharded_param.grad)) for i, (_, gp) in enumerate(self.params)]
-            for i, g in grads:
-                if g is not None:
-                    reduced[i, 0] = g.sum(dtype=torch.float64)
-                    reduced[i, 1] = 1
-        ints = [self.sent.flatten(), self.arrived.flatten(), self.seen.flatten()]
-        floats = torch.cat([self.unreduced.flatten(), reduced.flatten()])
-        row = torch.cat([*ints, floats.view(torch.int64)])
+            self._learn_topology()
+        row = torch.cat(
+            [
+                self.sent.flatten(),
+                self.arrived.flatten(),
+                self.seen.flatten(),
+                self.unreduced.flatten().view(torch.int64),
+            ]
+        )
         from sdcscope.common.world import World
 
-        rows = World("sharded", self.rank, self.world).gather(row)
-        table = torch.stack(rows).cpu()  # the one host read of the step
-        W, S = self.world, self.S
-        n_sent, n_arr, n_seen = P * WORDS, len(PASSES) * P * S * WORDS, len(PASSES) * P
-        sent = table[:, :n_sent].view(W, P, WORDS)
-        arrived = table[:, n_sent : n_sent + n_arr].view(W, len(PASSES), P, S, WORDS)
-        seen = table[:, n_sent + n_arr : n_sent + n_arr + n_seen].view(W, len(PASSES), P)
-        f = table[:, n_sent + n_arr + n_seen :].contiguous().view(torch.float64)
-        unreduced, red = f[:, : P * S * 3].view(W, P, S, 3), f[:, P * S * 3 :].view(W, P, 2)
-        events = self._all_gather_events(view.step, sent, arrived, seen) if self.config.all_gather else []
+        table = torch.stack(World("sharded", self.rank, self.world).gather(row)).cpu()  # the step's one host read
+        W, P, S = self.world, len(self.params), self.S
+        sizes = [P * WORDS, len(PASSES) * P * S * WORDS, len(PASSES) * P, P * S * 2]
+        sent, arrived, seen, unreduced = table.split(sizes, 1)
+        events = []
+        if self.config.all_gather:
+            shapes = (W, len(PASSES), P, S, WORDS)
+            events += self._all_gather_events(
+                view.step, sent.view(W, P, WORDS), arrived.view(shapes), seen.view(W, -1, P)
+            )
         if self.config.reduce_scatter:
-            events += self._reduce_scatter_events(view.step, unreduced, red)
+            events += self._reduce_scatter_events(
+                view.step, unreduced.contiguous().view(torch.float64).view(W, P, S, 2)
+            )
         return events
 
-    def _all_gather_events(self, step, sent, arrived, seen) -> list[Event]:
+    def _learn_topology(self) -> None:
+        """Every rank's shard group and reduction group of each parameter (once: a collective)."""
+        import torch.distributed as dist
+
+        mine = [(u.shard_ranks, u.dp_ranks, u.shard_rank) for u, _ in self.params]
+        self.topology = [None] * self.world
+        dist.all_gather_object(self.topology, mine)
         W, P, S = self.world, len(self.params), self.S
-        src = torch.full((W, P, S), -1, dtype=torch.int64)
+        self.src = torch.full((W, P, S), -1, dtype=torch.int64)  # the sender of each slot of what arrived
         for r in range(W):
             for i, (shard_ranks, _, _) in enumerate(self.topology[r]):
-                src[r, i, : len(shard_ranks)] = torch.tensor(shard_ranks)
-        valid = src >= 0
-        expected = sent[src.clamp(min=0), torch.arange(P).view(1, P, 1).expand(W, P, S)]  # [W, P, S, 2]
+                self.src[r, i, : len(shard_ranks)] = torch.tensor(shard_ranks)
+        self.valid = self.src >= 0
+        self.slot = (self.src.clamp(min=0), torch.arange(P).view(1, P, 1).expand(W, P, S))
+        # this rank's reduced shards: chunk k of every rank it reduces over, divided as FSDP2 divides
+        own = self.topology[self.rank]
+        self.chunk = torch.tensor([k for _, _, k in own])
+        self.over = torch.zeros(W, P, dtype=torch.float64)
+        for i, (_, dp_ranks, _) in enumerate(own):
+            self.over[dp_ranks, i] = 1.0
+        self.factor = torch.tensor([u.divide_factor() for u, _ in self.params], dtype=torch.float64)
+        sharded = [gp.fp.sharded_param for _, gp in self.params]
+        us = [
+            max(unit_roundoff(d) for d in (p.dtype, gp.fp.reduce_dtype or p.dtype))
+            for p, (_, gp) in zip(sharded, self.params)
+        ]
+        self.units_u = torch.tensor(us, dtype=torch.float64)
+        self.summands = self.over.sum(0)
+        self.floor = torch.tensor([local(p).numel() * torch.finfo(p.dtype).tiny for p in sharded], dtype=torch.float64)
+
+    def _all_gather_events(self, step, sent, arrived, seen) -> list[Event]:
+        expected = sent[self.slot]  # [W, P, S, 2]: the sender's words of each slot
         links, got, want = [], [], []
         for k, phase in enumerate(PASSES):
-            mask = valid & seen[:, k].bool().unsqueeze(-1)
+            mask = self.valid & seen[:, k].bool().unsqueeze(-1)
+            self.links_compared += int(mask.sum())
             bad = mask & (arrived[:, k] != expected).any(-1)
             for r, i, s in bad.nonzero().tolist():
-                links.append(self._link(phase, int(src[r, i, s]), r, i, s))
+                links.append(self._link(phase, int(self.src[r, i, s]), r, i, s))
                 got.append(arrived[r, k, i, s])
                 want.append(expected[r, i, s])
         if not links:
             return []
         found = compare(links, torch.stack(want), torch.stack(got))
+        names = {gp.name: i for i, (_, gp) in enumerate(self.params)}
         receivers = {}
         for m in found:
-            i = next(j for j, (_, gp) in enumerate(self.params) if gp.name == m.link.tensor)
-            k = PASSES.index(m.link.phase)
+            i, k = names[m.link.tensor], PASSES.index(m.link.phase)
             receivers[(m.link.collective, m.link.phase, m.link.tensor, m.link.src)] = [
-                r for r in range(W) if seen[r, k, i] and m.link.src in self.topology[r][i][0]
+                r for r in range(self.world) if seen[r, k, i] and m.link.src in self.topology[r][i][0]
             ]
         localize(found, receivers)
         events = []
         for m in found:
             if m.link.dst != self.rank:
                 continue  # every rank found it; the rank it arrived on reports it
-            suspect = m.suspects[0] if m.suspect == "sender" else m.link.dst
             link = m.link
+            suspect = m.suspects[0] if m.suspect == "sender" else link.dst
             log.warning("all-gather link %s corrupted: %s (%s, suspect %s)", link, link.tensor, link.phase, m.suspect)
-            events.append(Event(step, NAME, "mismatch", module=m.link.tensor, rank=suspect, evidence=m.evidence()))
+            events.append(Event(step, NAME, "mismatch", module=link.tensor, rank=suspect, evidence=m.evidence()))
         return events
 
     def _link(self, phase: str, src: int, dst: int, i: int, s: int) -> Link:
         _, gp = self.params[i]
         return Link("all_gather", src, dst, gp.name, phase, gp.source_range(s), gp.shard_dim)
 
-    def _reduce_scatter_events(self, step, unreduced, red) -> list[Event]:
+    def _reduce_scatter_events(self, step, unreduced) -> list[Event]:
+        """Each rank judges the reduced shards that arrived on it (see the module docstring)."""
+        grads = [(i, gp.fp.sharded_param.grad) for i, (_, gp) in enumerate(self.params)]
+        grads = [(i, local(g)) for i, g in grads if g is not None]
+        if not grads:
+            return []
+        idx = torch.tensor([i for i, _ in grads])
+        got = torch.stack([g.sum(dtype=torch.float64) for _, g in grads]).cpu()
+        P = len(self.params)
+        chunks = unreduced[:, torch.arange(P), self.chunk]  # [W, P, 2]: every rank's chunk of ours
+        totals = (chunks * self.over.unsqueeze(-1)).sum(0) / self.factor.unsqueeze(-1)
+        expected, magnitude = totals[idx, 0], totals[idx, 1]
+        micro = torch.tensor([self.micro[i] for i in idx.tolist()], dtype=torch.float64)
+        tol = (self.summands[idx] + 3 + micro) * self.units_u[idx] * magnitude + self.floor[idx]
+        residual = (got - expected).abs()
+        judged = torch.isfinite(expected + magnitude)  # a non-finite gradient before the reduction: not ours
+        ok = judged & (residual <= tol)
+        if ok.any():
+            self.scatter_margin = max(self.scatter_margin, float((residual[ok] / tol[ok]).max()))
         events = []
-        r = self.rank  # each rank judges what arrived on it
-        for i, (unit, gp) in enumerate(self.params):
-            if not red[r, i, 1]:
-                continue
-            shard_ranks, dp_ranks, k = self.topology[r][i]
-            g = gp.fp.sharded_param.grad
-            dtypes = [g.dtype] + [d for d in (gp.fp.reduce_dtype,) if d is not None]
-            u = max(unit_roundoff(d) for d in dtypes)
-            factor = unit.divide_factor()
-            rows = unreduced[dp_ranks, i, k]  # [n, 3]
-            expected = float(rows[:, 0].sum()) / factor
-            magnitude = float(rows[:, 1].sum()) / factor
-            micro = float(rows[:, 2].max())
-            tol = (len(dp_ranks) + 3 + micro) * u * magnitude + g.numel() * torch.finfo(g.dtype).tiny
-            got = float(red[r, i, 0])
-            residual = abs(got - expected)
-            if not math.isfinite(expected + magnitude):
-                continue  # a non-finite gradient before the reduction: the non-finite detector's finding
-            if not residual <= tol:  # a non-finite reduced shard fails too
-                start, stop = gp.source_range(k)
-                log.warning("reduce-scatter of %s on rank %d off by %.3g (bound %.3g)", gp.name, r, residual, tol)
-                events.append(
-                    Event(
-                        step,
-                        NAME,
-                        "mismatch",
-                        module=gp.name,
-                        rank=r,
-                        evidence={
-                            "collective": "reduce_scatter",
-                            "dst": r,
-                            "src": None,
-                            "sources": dp_ranks,
-                            "tensor": gp.name,
-                            "elements": [start, stop],
-                            "dim": gp.shard_dim,
-                            "sum": got,
-                            "expected": expected,
-                            "residual": residual,
-                            "tolerance": tol,
-                        },
-                    )
-                )
+        for j in (judged & ~ok).nonzero().flatten().tolist():  # a non-finite reduced shard too
+            i = int(idx[j])
+            unit, gp = self.params[i]
+            start, stop = gp.source_range(int(self.chunk[i]))
+            log.warning(
+                "reduce-scatter of %s on rank %d off by %.3g (bound %.3g)", gp.name, self.rank, residual[j], tol[j]
+            )
+            evidence = {
+                "collective": "reduce_scatter",
+                "dst": self.rank,
+                "src": None,
+                "sources": self.topology[self.rank][i][1],
+                "tensor": gp.name,
+                "elements": [start, stop],
+                "dim": gp.shard_dim,
+                "sum": float(got[j]),
+                "expected": float(expected[j]),
+                "residual": float(residual[j]),
+                "tolerance": float(tol[j]),
+            }
+            events.append(Event(step, NAME, "mismatch", module=gp.name, rank=self.rank, evidence=evidence))
         return events
 
 

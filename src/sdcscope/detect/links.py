@@ -55,6 +55,30 @@ def digest_rows(rows: torch.Tensor) -> torch.Tensor:
     return lanes.view(r, -1, WORDS).sum(1, dtype=torch.int64)
 
 
+def digest_parts(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``[R, len(parts), 2]`` int64: :func:`digest_rows` of each ``[R, n_j]`` part, in one pass
+    over all of them (each part's rows zero-padded to whole blocks side by side, the blocks'
+    sums added up per part): a handful of operations for a whole FSDP2 unit, not per tensor."""
+    r = parts[0].shape[0]
+    words = [words_of(p.reshape(r, -1)).view(r, -1) if _whole_words(p) else None for p in parts]
+    if any(w is None for w in words):
+        return torch.stack([digest_rows(p) for p in parts], 1)
+    blocks = [-(-w.shape[1] // BLOCK) for w in words]
+    buf = words[0].new_zeros(r, sum(blocks) * BLOCK)
+    at = 0
+    for w, nb in zip(words, blocks):
+        buf[:, at : at + w.shape[1]] = w
+        at += nb * BLOCK
+    m = _mult(buf.device)
+    lanes = _lanes(buf.view(-1, BLOCK), m[0], m[1], None).view(r, -1, WORDS).to(torch.int64)
+    seg = torch.repeat_interleave(torch.arange(len(parts), device=buf.device), torch.tensor(blocks, device=buf.device))
+    return lanes.new_zeros(r, len(parts), WORDS).index_add_(1, seg, lanes)
+
+
+def _whole_words(p: torch.Tensor) -> bool:
+    return p.numel() == 0 or (p[0].numel() * p.element_size()) % 4 == 0
+
+
 def _empty(device: torch.device) -> torch.Tensor:
     return torch.zeros(0, WORDS, dtype=torch.int64, device=device)
 
