@@ -53,9 +53,15 @@ class GatheredParam:
         """What arrived, ``[S, padded numel]``: row ``s`` from shard rank ``s`` (None before the
         first all-gather or after a reshard freed it)."""
         outs = self.fp.all_gather_outputs
-        if len(outs) != 1 or outs[0].untyped_storage().size() == 0:
+        if not self.plain or len(outs) != 1 or outs[0].untyped_storage().size() == 0:
             return None
         return outs[0].view(self.size, -1)
+
+    @property
+    def plain(self) -> bool:
+        """FSDP2 gathers the shard as it is stored: no all-gather extension of the tensor
+        (``fsdp_pre_all_gather``, which sends something else) and no CPU offload."""
+        return not hasattr(self.fp._sharded_local_tensor, "fsdp_pre_all_gather") and not self.fp.offload_to_cpu
 
     @property
     def size(self) -> int:

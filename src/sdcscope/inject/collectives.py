@@ -163,7 +163,10 @@ class CollectiveInjector:
                 self._fired.add(key)
                 part = rows[slot, :n].view(shape)
                 gen = fault_generator(spec, self.step, None, gp.name, lives_on)
-                result = apply_spec(spec, part, gen, step=self.step)
+                # as FSDP2 writes a re-gather: autograd saved the parameter in forward, and the
+                # values changing under it is the fault, not a use error
+                with torch.autograd._unsafe_preserve_version_counter(gp.fp.all_gather_outputs[0]):
+                    result = apply_spec(spec, part, gen, step=self.step)
                 start, stop = gp.source_range(slot)
                 extra = {"phase": phase, "src": spec.source, "dst": self.rank, "direction": spec.direction or "recv"}
                 self._record(i, spec, gp.name, {**extra, "elements": [start, stop], "dim": gp.shard_dim}, result)
