@@ -11,7 +11,6 @@ May import :mod:`sdcscope.observe`.
 from sdcscope.detect.abft import ABFTConfig, ABFTDetector
 from sdcscope.detect.canary import CanaryConfig, CanaryDetector, canary_function, canary_module
 from sdcscope.detect.checksum import gemm_check
-from sdcscope.detect.collectives import CollectiveCheck, CollectivesConfig
 from sdcscope.detect.crossrank import CrossRankConfig, CrossRankDetector, ReplicaHashCheck
 from sdcscope.detect.events import GEMMS, Event
 from sdcscope.detect.nonfinite import NonFiniteConfig, NonFiniteDetector
@@ -20,6 +19,9 @@ from sdcscope.detect.rounding import RoundingModel, rounding_model, unit_roundof
 from sdcscope.detect.signatures import Gathered, GradientSignatures, bitsum, bucket_norms, fletcher, grad_signatures
 from sdcscope.detect.spike import SpikeConfig, SpikeDetector, SpikeState
 from sdcscope.detect.state import StateChecksum, StateChecksumConfig
+
+# isort: split
+from sdcscope.detect.collectives import CollectiveCheck, CollectivesConfig  # registers last
 
 ABFT = ABFTDetector
 
