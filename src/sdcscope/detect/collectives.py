@@ -119,7 +119,7 @@ class CollectiveCheck:
         self.seen = torch.zeros(len(PASSES), P, dtype=torch.int64, device=dev)
         self.unreduced = torch.zeros(P, S, 2, dtype=torch.float64, device=dev)  # chunk sums, Σ|g|
         self.micro = [0] * P  # micro-batches accumulated
-        self.sent_done: set[int] = set()
+        self.sent_done = False
 
     @torch.no_grad()
     def _gathered(self, unit: FSDPUnit, phase: str) -> None:
@@ -128,9 +128,10 @@ class CollectiveCheck:
         if not got:
             return
         idx = [i for i, _, _ in got]
-        if idx[0] not in self.sent_done:  # what this rank sent: its shards, as they were at the gather
-            self.sent[idx] = digest_parts([gp.sent().view(1, -1) for _, gp, _ in got])[0]
-            self.sent_done.update(idx)
+        if not self.sent_done:  # what this rank sends: its shards, as at the step's first gather (one pass)
+            mine = [(i, gp) for i, (_, gp) in enumerate(self.params) if gp.plain]
+            self.sent[[i for i, _ in mine]] = digest_parts([gp.sent().view(1, -1) for _, gp in mine])[0]
+            self.sent_done = True
         S = got[0][2].shape[0]
         self.arrived[k, idx, :S] = digest_parts([rows for _, _, rows in got]).transpose(0, 1)
         self.seen[k, idx] = 1
@@ -151,7 +152,8 @@ class CollectiveCheck:
             flat = g.reshape(-1)
             pad = S * gp.padded_numel() - flat.numel()
             rows = (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(S, -1)
-            sums = torch.stack([rows.sum(1, dtype=torch.float64), rows.abs().sum(1, dtype=torch.float64)], 1)
+            both = torch.stack([rows, rows.abs()], 1)  # [S, 2, n]: one reduction for both sums
+            sums = both.sum(2, dtype=torch.float64)
         else:
             chunks = g.chunk(S, gp.shard_dim)
             sums = torch.stack(

@@ -63,16 +63,26 @@ def digest_parts(parts: list[torch.Tensor]) -> torch.Tensor:
     words = [words_of(p.reshape(r, -1)).view(r, -1) if _whole_words(p) else None for p in parts]
     if any(w is None for w in words):
         return torch.stack([digest_rows(p) for p in parts], 1)
-    blocks = [-(-w.shape[1] // BLOCK) for w in words]
-    buf = words[0].new_zeros(r, sum(blocks) * BLOCK)
-    at = 0
-    for w, nb in zip(words, blocks):
+    key = (r, words[0].device, tuple(w.shape[1] for w in words))
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        blocks = [-(-w.shape[1] // BLOCK) for w in words]
+        starts = [BLOCK * sum(blocks[:j]) for j in range(len(blocks))]
+        seg = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor(blocks)).to(words[0].device)
+        layout = _LAYOUTS[key] = (sum(blocks), starts, seg)
+        if len(_LAYOUTS) > 256:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+    nblocks, starts, seg = layout
+    buf = words[0].new_zeros(r, nblocks * BLOCK)
+    for w, at in zip(words, starts):
         buf[:, at : at + w.shape[1]] = w
-        at += nb * BLOCK
     m = _mult(buf.device)
     lanes = _lanes(buf.view(-1, BLOCK), m[0], m[1], None).view(r, -1, WORDS).to(torch.int64)
-    seg = torch.repeat_interleave(torch.arange(len(parts), device=buf.device), torch.tensor(blocks, device=buf.device))
     return lanes.new_zeros(r, len(parts), WORDS).index_add_(1, seg, lanes)
+
+
+_LAYOUTS: dict[tuple, tuple[int, list[int], torch.Tensor]] = {}
+"""digest_parts' block layout per shape of its parts (the units of a model repeat every step)."""
 
 
 def _whole_words(p: torch.Tensor) -> bool:
