@@ -182,7 +182,7 @@ def after_reduce(units: list[FSDPUnit], fn: Callable[[], None]) -> list[Removabl
     same tensor, queues ``fn`` behind it."""
     if not units:
         return []
-    root = units[-1] if units[-1].name == "" else next((u for u in units if u.name == ""), units[-1])
+    root = next((u for u in units if u.name == ""), units[-1])  # the model itself, else the last unit
 
     def post(module, args, output):
         if not torch.is_grad_enabled():

@@ -32,7 +32,7 @@ import torch
 
 from sdcscope.common.fsdp import PASSES, FSDPUnit, fsdp_units, on_gathered
 from sdcscope.common.validate import check_bool
-from sdcscope.common.world import local
+from sdcscope.common.world import World, local
 from sdcscope.detect.events import Event
 from sdcscope.detect.links import WORDS, Link, compare, digest_parts, localize
 from sdcscope.detect.protocol import CheckView, Registration, register
@@ -81,12 +81,12 @@ class CollectiveCheck:
         self.units = fsdp_units(self.model)
         if not self.units:
             return self
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.params = [(u, gp) for u in self.units for gp in u.params]
         self.index = {id(gp): i for i, (_, gp) in enumerate(self.params)}
         self.S = max(gp.size for _, gp in self.params)
         self.device = self.params[0][1].fp.sharded_param.device
-        if self.config.all_gather:
+        if self.config.all_gather or self.config.reduce_scatter:  # (the gradient hooks go on there)
             self.handles += on_gathered(self.units, self._gathered)
         self.grad_hooks: set[int] = set()
         self._reset()
@@ -128,13 +128,8 @@ class CollectiveCheck:
         if not got:
             return
         idx = [i for i, _, _ in got]
-        if not self.sent_done:  # what this rank sends: its shards, as at the step's first gather (one pass)
-            mine = [(i, gp) for i, (_, gp) in enumerate(self.params) if gp.plain]
-            self.sent[[i for i, _ in mine]] = digest_parts([gp.sent().view(1, -1) for _, gp in mine])[0]
-            self.sent_done = True
-        S = got[0][2].shape[0]
-        self.arrived[k, idx, :S] = digest_parts([rows for _, _, rows in got]).transpose(0, 1)
-        self.seen[k, idx] = 1
+        if self.config.all_gather:
+            self._digest(k, idx, got)
         if not self.config.reduce_scatter:
             return
         for i, gp, _ in got:
@@ -142,6 +137,16 @@ class CollectiveCheck:
             if i not in self.grad_hooks and p is not None and p.requires_grad:
                 gp.grad_hook = p.register_post_accumulate_grad_hook(lambda p, i=i, gp=gp: self._unreduced(i, gp, p))
                 self.grad_hooks.add(i)
+
+    def _digest(self, k: int, idx: list[int], got: list) -> None:
+        """The words of what arrived (and, at the step's first gather, of what this rank sends)."""
+        if not self.sent_done:  # what this rank sends: its shards, as at the step's first gather (one pass)
+            mine = [(i, gp) for i, (_, gp) in enumerate(self.params) if gp.plain]
+            self.sent[[i for i, _ in mine]] = digest_parts([gp.sent().view(1, -1) for _, gp in mine])[0]
+            self.sent_done = True
+        S = got[0][2].shape[0]
+        self.arrived[k, idx, :S] = digest_parts([rows for _, _, rows in got]).transpose(0, 1)
+        self.seen[k, idx] = 1
 
     @torch.no_grad()
     def _unreduced(self, i: int, gp, p: torch.Tensor) -> None:
@@ -177,10 +182,8 @@ class CollectiveCheck:
                 self.unreduced.flatten().view(torch.int64),
             ]
         )
-        from sdcscope.common.world import World
-
-        table = torch.stack(World("sharded", self.rank, self.world).gather(row)).cpu()  # the step's one host read
-        W, P, S = self.world, len(self.params), self.S
+        table = torch.stack(World("sharded", self.rank, self.size).gather(row)).cpu()  # the step's one host read
+        W, P, S = self.size, len(self.params), self.S
         sizes = [P * WORDS, len(PASSES) * P * S * WORDS, len(PASSES) * P, P * S * 2]
         sent, arrived, seen, unreduced = table.split(sizes, 1)
         events = []
@@ -200,9 +203,9 @@ class CollectiveCheck:
         import torch.distributed as dist
 
         mine = [(u.shard_ranks, u.dp_ranks, u.shard_rank) for u, _ in self.params]
-        self.topology = [None] * self.world
+        self.topology = [None] * self.size
         dist.all_gather_object(self.topology, mine)
-        W, P, S = self.world, len(self.params), self.S
+        W, P, S = self.size, len(self.params), self.S
         self.src = torch.full((W, P, S), -1, dtype=torch.int64)  # the sender of each slot of what arrived
         for r in range(W):
             for i, (shard_ranks, _, _) in enumerate(self.topology[r]):
@@ -244,7 +247,7 @@ class CollectiveCheck:
         for m in found:
             i, k = names[m.link.tensor], PASSES.index(m.link.phase)
             receivers[(m.link.collective, m.link.phase, m.link.tensor, m.link.src)] = [
-                r for r in range(self.world) if seen[r, k, i] and m.link.src in self.topology[r][i][0]
+                r for r in range(self.size) if seen[r, k, i] and m.link.src in self.topology[r][i][0]
             ]
         localize(found, receivers)
         events = []

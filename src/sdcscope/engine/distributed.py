@@ -117,8 +117,12 @@ class DistTrainer(Trainer):
         other = [(i, s) for i, s in enumerate(specs) if s.site != "comm" and not is_collective(s)]
         if comm and (why := self.world.unsupported("fault.comm")):
             raise ValueError(f"faults of site 'comm' under --parallel {self.topology.kind}: {why}")
-        if coll and (why := self.world.unsupported("fault.collectives")):
-            raise ValueError(f"faults of site {coll[0][1].site!r} under --parallel {self.topology.kind}: {why}")
+        for _, spec in coll:
+            why = self.world.unsupported("fault.collectives")
+            if why is None and spec.site.split(".")[1] not in self.world.collectives:
+                why = f"this world runs {', '.join(self.world.collectives) or 'no collective'}, no FSDP2 unit"
+            if why:
+                raise ValueError(f"faults of site {spec.site!r} under --parallel {self.topology.kind}: {why}")
         if coll:
             self.collective_injector = CollectiveInjector(
                 self.model,
