@@ -3,6 +3,8 @@
     python benchmarks/bench_collective_checks.py                       # 2,000 checked + 2,000 unchecked steps
     python benchmarks/bench_collective_checks.py --steps 200 --block 20  # a quick look
 
+    python benchmarks/bench_collective_checks.py --localize            # who is suspected, on 4 ranks
+
 Two ranks train the GPT (tiny preset) split by ``fully_shard`` (each block, then the root: the
 ``--parallel fsdp`` layout) in one plain loop. Blocks of ``--block`` steps alternate between the
 unchecked loop and the same loop with :class:`~sdcscope.detect.collectives.CollectiveCheck`
@@ -17,6 +19,14 @@ events, the all-gather links compared (the exact check cannot false-alarm: a cle
 the sender's bits, so its digest is the sender's), and the largest reduce-scatter residual as a
 fraction of its bound. Last line: ``collective checks fsdp/2: wall ratio W, cpu ratio C; N
 events over S clean steps (L links compared, reduce-scatter margin M)``.
+
+``--localize`` instead runs guarded 4-rank jobs through the torchrun job's own code, each with one
+all-gather fault on shard rank 2's part of a weight: ``send`` on fsdp/4 (every receiver's copy:
+the sender is suspected), ``recv`` on rank 3 of fsdp/4 (one receiver of three: the receiver),
+``recv`` on hsdp 2×2 (a shard group of two: the link, both ends), and a ``permanent`` recv fault
+(the link keeps failing: the ledger's strikes stop the run, naming the pair). Each transient case
+must end bitwise where its clean twin ends. Last line: ``localization: K/N cases suspected as
+expected, R/T transient cases repaired bitwise``.
 """
 
 from __future__ import annotations
@@ -87,12 +97,106 @@ def _rank(rank: int, size: int, steps: int, block: int, threads: int, out: str) 
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
 
 
+LOCAL_WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=100_000)
+FAULT = {
+    "site": "comm.all_gather",
+    "target": "blocks.1.attn.k_proj.weight",
+    "source": 2,
+    "model": "bitflip",
+    "bits": [30],
+    "pattern": {"kind": "element", "index": 1},
+    "schedule": {"kind": "transient", "step": 1},
+}
+CASES = {  # name: (parallel, fault changes, expected suspect, expected suspects)
+    "send fsdp/4 (backward re-gather)": (
+        "fsdp",
+        {"direction": "send", "rank": None, "phase": "backward"},
+        "sender",
+        [2],
+    ),
+    "recv fsdp/4, rank 3": ("fsdp", {"rank": 3}, "receiver", [3]),
+    "recv hsdp 2x2, rank 3": ("hsdp", {"rank": 3}, "link", [2, 3]),
+    "recv fsdp/4, rank 3, permanent": (
+        "fsdp",
+        {"rank": 3, "schedule": {"kind": "permanent", "start": 1}},
+        "receiver",
+        [3],
+    ),
+}
+
+
+def _job(out: Path, kind: str, specs: list[dict], steps: int):
+    from sdcscope.engine import TrainConfig
+    from sdcscope.faults import FaultSpec
+    from sdcscope.guard import GuardConfig
+    from sdcscope.jobs.torchrun import make_job
+
+    return make_job(
+        out,
+        4,
+        steps=steps,
+        workload=LOCAL_WORKLOAD,
+        train=TrainConfig(seed=0),
+        dist_config=DistConfig(backend="gloo", timeout_s=300),
+        specs=[FaultSpec.from_dict(s) for s in specs],
+        guard=GuardConfig(profile="minimal"),
+        parallel=Topology(kind=kind),
+    ).to_dict()
+
+
+def _jobs(rank: int, size: int, jobs: list[dict]) -> None:
+    from sdcscope.jobs.torchrun import Job, run_job
+
+    init_distributed(DistConfig(backend="gloo", timeout_s=300))
+    for job in jobs:
+        run_job(Job.from_dict(job))
+
+
+def localize(steps: int = 5) -> None:
+    """The ``--localize`` cases (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        jobs = [_job(root / f"clean-{k}", k, [], steps) for k in ("fsdp", "hsdp")]
+        for i, (kind, change, _, _) in enumerate(CASES.values()):
+            jobs.append(_job(root / f"case{i}", kind, [{**FAULT, **change}], steps))
+        spawn(_jobs, 4, (jobs,), timeout_s=3600)
+        clean = {k: json.loads((root / f"clean-{k}" / "summary.json").read_text()) for k in ("fsdp", "hsdp")}
+        named = repaired = transient = 0
+        for i, (name, (kind, change, suspect, suspects)) in enumerate(CASES.items()):
+            run = root / f"case{i}"
+            summary = json.loads((run / "summary.json").read_text())
+            events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+            links = [e for e in events if e["detector"] == "collectives"]
+            got = {(e["evidence"]["suspect"], tuple(e["evidence"]["suspects"])) for e in links}
+            ok = bool(links) and got == {(suspect, tuple(suspects))}
+            named += ok
+            line = f"{name}: {len(links)} link events {sorted(got)}, outcome {summary['outcome']}"
+            if change.get("schedule", {}).get("kind") == "permanent":
+                ledger = json.loads((run / "ledger.json").read_text())
+                pairs = {k: v["count"] for d in ledger["devices"].values() for k, v in d.get("links", {}).items()}
+                line += f", ledger links {pairs}, stop: {summary.get('stop_reason')}"
+            else:
+                transient += 1
+                same = summary["param_sha256"] == clean[kind]["param_sha256"]
+                repaired += same
+                line += f", final state {'==' if same else '!='} clean"
+            print(line)
+        print(
+            f"localization: {named}/{len(CASES)} cases suspected as expected, "
+            f"{repaired}/{transient} transient cases repaired bitwise"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2000, help="checked steps (as many unchecked ones interleaved)")
     ap.add_argument("--block", type=int, default=50, help="steps per timed block")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--localize", action="store_true", help="the 4-rank localization cases instead")
     args = ap.parse_args(argv)
+    if args.localize:
+        localize()
+        return
     with tempfile.TemporaryDirectory() as out:
         spawn(_rank, 2, (args.steps, args.block, args.threads, out), timeout_s=7200)
         records = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
