@@ -301,7 +301,7 @@ def world_of(model: torch.nn.Module, ddp: Any = None, *, rank: int | None = None
         degrees = {n: mesh.size(i) for i, n in enumerate(names)}
         from sdcscope.common.fsdp import fsdp_units
 
-        collectives = ("all_reduce",) if len(sharded) < len(params) or "tp" in degrees else ()
+        collectives = ("all_reduce",) if "tp" in degrees or "replicate" in degrees else ()  # TP, HSDP's replicas
         collectives += ("all_gather", "reduce_scatter") if fsdp_units(model) else ()
         return World("sharded", own, size, mesh=mesh, degrees=degrees, collectives=collectives)
     return World("single", 0 if rank is None else rank, 1)
