@@ -3,6 +3,7 @@ cannot run is refused when the user set it and switched off when it is only the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -45,7 +46,13 @@ def test_a_section_the_user_set_is_refused_where_the_world_cannot_run_it(kind):
     for name in SECTIONS:
         if unsupported(f"guard.{name}", kind) is None:
             continue
-        value = {"metrics": {"stats_every": 2}, "zclip": {}, "qk_clip": 50.0, "invariants": None}[name]
+        value = {
+            "metrics": {"stats_every": 2},
+            "zclip": {},
+            "qk_clip": 50.0,
+            "invariants": None,
+            "collectives": {"reduce_scatter": False},
+        }[name]
         if value is None:
             continue  # an invariants file must exist: checked by the DDP job tests
         with pytest.raises(ValueError, match=f"guard {name} is not supported in a {kind} run"):
@@ -57,6 +64,8 @@ def test_a_default_section_the_world_cannot_run_is_switched_off_with_a_line(capl
         fitted = fit_config(GuardConfig(), "sharded")
     assert fitted.metrics is None and fitted.abft == GuardConfig().abft
     assert "guard metrics is off in a sharded run" in caplog.text
-    assert fit_config(GuardConfig(), "single") == GuardConfig()
+    # one process runs no collective: the default collective checks are off, all else stays
+    assert fit_config(GuardConfig(), "single") == dataclasses.replace(GuardConfig(), collectives=None)
+    assert fit_config(GuardConfig(), "sharded").collectives == GuardConfig().collectives
     with pytest.raises(ValueError, match="ranks: null cannot watch a ddp run"):
         fit_config(GuardConfig(ranks=None), "ddp")

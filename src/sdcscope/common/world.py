@@ -110,6 +110,15 @@ SUPPORT: dict[str, dict[str, str]] = {
         "single": "site 'comm' corrupts a DDP gradient bucket: it needs --nproc 2 or more with --parallel ddp",
         "sharded": "site 'comm' is the DDP bucket hook's: it needs --parallel ddp",
     },
+    "fault.collectives": {
+        "single": "sites 'comm.all_gather' and 'comm.reduce_scatter' corrupt FSDP2's collectives: they need "
+        "--nproc 2 or more with --parallel fsdp, hsdp or fsdp+tp",
+        "ddp": "DDP runs no all-gather or reduce-scatter (its all-reduce is site 'comm'); use --parallel fsdp",
+    },
+    "guard.collectives": {
+        "single": "one process runs no collective: nothing to check",
+        "ddp": "DDP's all-reduce reduces: the rank guard's pre-reduction signatures and replica hashes check it",
+    },
     "train.eval_every": {
         "sharded": "evaluation of a sharded model is a collective and runs once, at the end",
     },
@@ -159,6 +168,9 @@ class World:
     """Mesh dim name -> size (``dp``, ``tp``, ``replicate``, ``shard``); DDP: ``{"dp": size}``."""
     ddp: Any = None
     """The DDP wrapper of a data-parallel world's model."""
+    collectives: tuple[str, ...] = ()
+    """The collectives a training step runs: ``all_reduce`` (DDP, tensor parallel), ``all_gather``
+    and ``reduce_scatter`` (FSDP2); what the collective checks and fault sites need."""
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, self.kind
@@ -276,7 +288,7 @@ def world_of(model: torch.nn.Module, ddp: Any = None, *, rank: int | None = None
 
         own, size = dist.get_rank(ddp.process_group), dist.get_world_size(ddp.process_group)
         _check_rank(rank, own, "the DDP process group")
-        return World("ddp", own, size, degrees={"dp": size}, ddp=ddp)
+        return World("ddp", own, size, degrees={"dp": size}, ddp=ddp, collectives=("all_reduce",))
     if sharded:
         import torch.distributed as dist
 
@@ -287,7 +299,11 @@ def world_of(model: torch.nn.Module, ddp: Any = None, *, rank: int | None = None
         mesh = max((p.device_mesh for p in sharded), key=lambda m: m.ndim)
         names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
         degrees = {n: mesh.size(i) for i, n in enumerate(names)}
-        return World("sharded", own, size, mesh=mesh, degrees=degrees)
+        from sdcscope.common.fsdp import fsdp_units
+
+        collectives = ("all_reduce",) if "tp" in degrees or "replicate" in degrees else ()  # TP, HSDP's replicas
+        collectives += ("all_gather", "reduce_scatter") if fsdp_units(model) else ()
+        return World("sharded", own, size, mesh=mesh, degrees=degrees, collectives=collectives)
     return World("single", 0 if rank is None else rank, 1)
 
 

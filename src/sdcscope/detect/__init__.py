@@ -22,6 +22,9 @@ from sdcscope.detect.signatures import Gathered, GradientSignatures, bitsum, buc
 from sdcscope.detect.spike import SpikeConfig, SpikeDetector, SpikeState
 from sdcscope.detect.state import StateChecksum, StateChecksumConfig
 
+# isort: split
+from sdcscope.detect.collectives import CollectiveCheck, CollectivesConfig  # registers last
+
 ABFT = ABFTDetector
 
 __all__ = [
@@ -32,6 +35,8 @@ __all__ = [
     "CanaryDetector",
     "CrossRankConfig",
     "CheckView",
+    "CollectiveCheck",
+    "CollectivesConfig",
     "CrossRankDetector",
     "Detector",
     "DispatchCheck",

@@ -11,7 +11,8 @@ rank of an initialized process group, laid out by a :class:`~sdcscope.engine.top
   step (:func:`~sdcscope.engine.dist.shard`); the ranks of one tensor-parallel group share it.
   One data-parallel rank reproduces the single-process :class:`Trainer`.
 - **Faults.** Each rank arms the fault specs bound to it: site ``comm`` through the bucket hook
-  (a data-parallel world only), every other site through an :class:`Injector`.
+  (a data-parallel world only), ``comm.all_gather`` / ``comm.reduce_scatter`` on FSDP2's units
+  (:mod:`sdcscope.inject.collectives`), every other site through an :class:`Injector`.
 
 ``self.model`` is the plain (or split) module: FSDP2 and TP keep its names, so snapshots and
 hashes name parameters as in one process. The run bound to a run directory is
@@ -38,6 +39,7 @@ from sdcscope.engine.topology import Topology
 from sdcscope.engine.trainer import StepContext, TrainConfig, Trainer
 from sdcscope.faults import FaultSpec
 from sdcscope.inject import Injector, reexecution
+from sdcscope.inject.collectives import CollectiveInjector, is_collective
 from sdcscope.inject.comm import CommInjector
 from sdcscope.workloads import Workload
 
@@ -92,6 +94,7 @@ class DistTrainer(Trainer):
         """The DDP gradient-bucket hook of a data-parallel world (None in a sharded one)."""
         self.injector: Injector | None = None
         self.comm_injector: CommInjector | None = None
+        self.collective_injector: CollectiveInjector | None = None
         self._attach_faults(list(specs), injection_log)
 
     @property
@@ -110,9 +113,26 @@ class DistTrainer(Trainer):
 
     def _attach_faults(self, specs: list[FaultSpec], log: Callable[[dict], None] | None) -> None:
         comm = [(i, s) for i, s in enumerate(specs) if s.site == "comm"]
-        other = [(i, s) for i, s in enumerate(specs) if s.site != "comm"]
+        coll = [(i, s) for i, s in enumerate(specs) if is_collective(s)]
+        other = [(i, s) for i, s in enumerate(specs) if s.site != "comm" and not is_collective(s)]
         if comm and (why := self.world.unsupported("fault.comm")):
             raise ValueError(f"faults of site 'comm' under --parallel {self.topology.kind}: {why}")
+        for _, spec in coll:
+            why = self.world.unsupported("fault.collectives")
+            if why is None and spec.site.split(".")[1] not in self.world.collectives:
+                why = f"this world runs {', '.join(self.world.collectives) or 'no collective'}, no FSDP2 unit"
+            if why:
+                raise ValueError(f"faults of site {spec.site!r} under --parallel {self.topology.kind}: {why}")
+        if coll:
+            self.collective_injector = CollectiveInjector(
+                self.model,
+                [s for _, s in coll],
+                rank=self.rank,
+                world_size=self.world.size,
+                log=log,
+                spec_ids=[i for i, _ in coll],
+            )
+            self.callbacks.insert(0, self.collective_injector.callback())
         if comm:
             self.comm_injector = CommInjector(
                 self.model,
@@ -201,7 +221,7 @@ class DistTrainer(Trainer):
             self.model = model
 
     def close(self) -> None:
-        for inj in (self.injector, self.comm_injector):
+        for inj in (self.injector, self.comm_injector, self.collective_injector):
             if inj is not None:
                 inj.close()
 

@@ -58,6 +58,14 @@ class Topology:
         return "sharded" if self.sharded else "ddp"
 
     @property
+    def collectives(self) -> tuple[str, ...]:
+        """The collectives a training step of this topology runs (the fault sites and checks of
+        :data:`~sdcscope.faults.vocab.COLLECTIVE_SITES` need theirs): DDP's gradient all-reduce,
+        FSDP2's parameter all-gather and gradient reduce-scatter, tensor parallelism's reductions."""
+        out = ("all_reduce",) if self.kind in ("ddp", "tp", "fsdp+tp", "hsdp") else ()
+        return out + (("all_gather", "reduce_scatter") if self.kind in ("fsdp", "fsdp+tp", "hsdp") else ())
+
+    @property
     def mixes_plain_parameters(self) -> bool:
         """Tensor parallelism alone leaves some parameters plain (embeddings, norms) beside DTensor
         ones: the optimizer cannot step them in one fused (``foreach``) call."""

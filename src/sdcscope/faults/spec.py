@@ -19,6 +19,8 @@ from .formats import FORMATS, check_bits, get_format
 from .ops import BIT_MODELS, MODELS, check_burst
 from .vocab import (
     ALL,
+    COLLECTIVE_SITES,
+    DIRECTIONS,
     MAC_CELL_SINGLE_AXIS,
     PATTERN_KINDS,
     RANDOM,
@@ -407,7 +409,13 @@ class FaultSpec:
     seed: int = 0
     state_key: str | None = None
     phase: str | None = None
-    """For site ``comm``: corrupt the gradient bucket ``before`` or ``after`` the all-reduce."""
+    """For site ``comm``: corrupt the gradient bucket ``before`` or ``after`` the all-reduce; for
+    ``comm.all_gather``: the ``forward`` all-gather (the default) or the ``backward`` re-gather."""
+    source: int | None = None
+    """For ``comm.all_gather``: the rank whose part of the gathered parameter is corrupted."""
+    direction: str | None = None
+    """For ``comm.all_gather``: ``recv`` (default: what arrived on ``rank`` from ``source``) or
+    ``send`` (what left ``source``: every receiver's copy; ``rank`` then is ``source`` or null)."""
 
     def __post_init__(self) -> None:
         choice("site", self.site, SITES)
@@ -455,14 +463,40 @@ class FaultSpec:
                     f"not {brief(self.site)}"
                 )
         if self.phase is not None:
-            if self.site != "comm":
-                raise ValueError(f"phase {brief(self.phase)} is only used with site 'comm', not {brief(self.site)}")
-            choice("phase", self.phase, ("before", "after"))
+            phases = {"comm": ("before", "after"), **COLLECTIVE_SITES}.get(self.site) or ()
+            if not phases:
+                raise ValueError(
+                    f"phase {brief(self.phase)} is only used with sites 'comm' and 'comm.all_gather', "
+                    f"not {brief(self.site)}"
+                )
+            choice("phase" if self.site == "comm" else f"{self.site} phase", self.phase, phases)
+        self._check_link()
         if self.site in STEP_SITES and self.schedule.micro_batch is not None:
             raise ValueError(
                 f"site {brief(self.site)} runs once per step, so schedule micro_batch "
                 f"{brief(self.schedule.micro_batch)} would never fire; micro_batch is for sites "
                 f"{[s for s in SITES if s not in STEP_SITES]}"
+            )
+
+    def _check_link(self) -> None:
+        """``source`` and ``direction``: a collective fault's link (``comm.all_gather`` only)."""
+        for name in ("source", "direction"):
+            if getattr(self, name) is not None and self.site != "comm.all_gather":
+                raise ValueError(
+                    f"{name} {brief(getattr(self, name))} is only used with site 'comm.all_gather', "
+                    f"not {brief(self.site)}"
+                )
+        if self.site != "comm.all_gather":
+            return
+        if self.source is None:
+            raise ValueError("site 'comm.all_gather' needs source: the rank whose part of the parameter is corrupted")
+        check_int("source", self.source)
+        if self.direction is not None:
+            choice("direction", self.direction, DIRECTIONS)
+        if self.direction == "send" and self.rank not in (None, self.source):
+            raise ValueError(
+                f"direction 'send' corrupts what left source {self.source} on every receiver; rank "
+                f"{brief(self.rank)} must be the source or null"
             )
 
     def _check_bits(self, model: str) -> None:

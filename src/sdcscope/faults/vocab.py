@@ -10,6 +10,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SITES",
+    "COLLECTIVE_SITES",
+    "DIRECTIONS",
     "STEP_SITES",
     "TOKEN_MODELS",
     "PATTERN_KINDS",
@@ -33,6 +35,8 @@ SITES: tuple[str, ...] = (
     "checkpoint",
     "comm",
     "dispatch",
+    "comm.all_gather",
+    "comm.reduce_scatter",
 )
 """Where a fault can land (see docs/architecture.md, vocabulary). ``dispatch``: the token rows a
 mixture-of-experts layer's dispatch hands its experts (the permutation's output, what an
@@ -43,7 +47,17 @@ TOKEN_MODELS: tuple[str, ...] = ("drop", "duplicate")
 """Fault models of site ``dispatch`` only, on one whole slot (a ``row`` pattern): ``drop`` (the
 token never arrived: zeros) and ``duplicate`` (the next slot's token arrived in its place)."""
 
-STEP_SITES: frozenset[str] = frozenset({"param_grad", "optimizer_state", "checkpoint", "comm"})
+COLLECTIVE_SITES: dict[str, tuple[str, ...]] = {
+    "comm.all_gather": ("forward", "backward"),
+    "comm.reduce_scatter": (),
+}
+"""FSDP2's collectives a fault can corrupt, on the rank the data arrived on, and the phases each
+takes (``comm.all_gather``: the ``forward`` all-gather or the ``backward`` re-gather)."""
+DIRECTIONS: tuple[str, ...] = ("recv", "send")
+"""Which end of a link a collective fault lives at: ``recv`` (what arrived on ``rank`` from
+``source``) or ``send`` (what left ``source``: every receiver's copy)."""
+
+STEP_SITES: frozenset[str] = frozenset({"param_grad", "optimizer_state", "checkpoint", "comm", *COLLECTIVE_SITES})
 """Sites touched once per optimizer step, so a schedule's ``micro_batch`` means nothing."""
 
 RANDOM = "random"

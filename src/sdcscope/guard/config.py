@@ -16,7 +16,7 @@ from sdcscope.common.validate import (
     check_positive,
     did_you_mean,
 )
-from sdcscope.detect import ABFTConfig, DispatchConfig, NonFiniteConfig, SpikeConfig
+from sdcscope.detect import ABFTConfig, CollectivesConfig, DispatchConfig, NonFiniteConfig, SpikeConfig
 from sdcscope.detect.protocol import Registration, registered
 from sdcscope.detect.state import StateChecksumConfig
 from sdcscope.localize.ledger import LedgerConfig
@@ -31,6 +31,7 @@ _NESTED = {
     "abft": ABFTConfig,
     "dispatch": DispatchConfig,
     "state_checksum": StateChecksumConfig,
+    "collectives": CollectivesConfig,
     "snapshots": SnapshotConfig,
     "lr_backoff": LRBackoffConfig,
     "zclip": ZClipConfig,
@@ -108,6 +109,10 @@ class GuardConfig:
     checksum of the permuted rows per expert, :mod:`sdcscope.detect.dispatch`): nothing to do in
     a model without one."""
     state_checksum: StateChecksumConfig | None = field(default_factory=StateChecksumConfig)
+    collectives: CollectivesConfig | None = field(default_factory=CollectivesConfig)
+    """FSDP2's collectives, checked online (:mod:`sdcscope.detect.collectives`): each parameter
+    all-gather exactly (integer digests of what left each rank and what arrived), each gradient
+    reduce-scatter against its rounding bound; a model without FSDP2 units has none to check."""
     detectors: dict[str, Any] = field(default_factory=dict)
     """The sections of registered detectors that are not built in (:mod:`sdcscope.detect.protocol`):
     ``{name: settings}``, a mapping or the registration's config object switching one on (``{}``:

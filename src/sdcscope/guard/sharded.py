@@ -13,7 +13,9 @@ decision loop (:meth:`StepSession.decide <sdcscope.guard.session.StepSession.dec
 side supplies, per step and on every rank:
 
 1. the ranks' findings are shared (one all-reduce of a count; an object gather only when there
-   is something to share) -- so every rank holds the same list and takes the same actions;
+   is something to share) -- so every rank holds the same list and takes the same actions; a
+   step on corrupted state is decided by the state checksums alone, and one whose all-gather
+   delivered other bits than were sent by that link alone (the rest are its consequences);
 2. any finding but a state checksum's makes every rank replay the step together (the replay is a
    collective: FSDP2 gathers, TP reduces); a finding the replay does not reproduce anywhere is
    ``transient`` and the clean re-execution is kept (``recompute``), one that comes back is
@@ -201,6 +203,8 @@ class ShardedRanks(WorldSide):
                 events.append(e)
         if any(e.detector == "state_checksum" for e in events):
             events = [e for e in events if e.detector == "state_checksum"]
+        elif any(_link(e) for e in events):  # corrupted bits delivered: the rest is their consequence
+            events = [e for e in events if _link(e)]
         return events
 
     def replay(self, session: StepSession, events: list[Event], loss: Any, rerun: Any) -> Any:
@@ -277,6 +281,11 @@ class ShardedRanks(WorldSide):
 
     def close(self) -> None:
         self.ledger.save()
+
+
+def _link(e: Event) -> bool:
+    """An exact link finding: an all-gather delivered other bits than its sender sent."""
+    return e.detector == "collectives" and e.evidence.get("collective") == "all_gather"
 
 
 def world_replay(results: list[dict[str, Any]]) -> dict[str, Any]:

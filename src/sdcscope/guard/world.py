@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sdcscope.guard.world")
 
-SECTIONS = ("metrics", "zclip", "qk_clip", "invariants")
+SECTIONS = ("metrics", "zclip", "qk_clip", "invariants", "collectives")
 """Guard sections :data:`~sdcscope.common.world.SUPPORT` rules on (``guard.<name>``)."""
 
 

@@ -85,6 +85,11 @@ def resolve_targets(model: nn.Module, spec: FaultSpec) -> list[Target]:
             "site 'comm' corrupts a DDP gradient bucket: attach it to a "
             "DistributedDataParallel model with sdcscope.inject.comm"
         )
+    if spec.site.startswith("comm."):
+        raise ValueError(
+            f"site {spec.site!r} corrupts one of FSDP2's collectives: it needs --nproc 2 or more with "
+            "--parallel fsdp, hsdp or fsdp+tp (sdcscope.inject.collectives)"
+        )
     if spec.site in MODULE_SITES:
         gemm_only = spec.site.startswith("gemm.")
         kind = is_gemm if gemm_only else is_dispatch if spec.site == "dispatch" else lambda m: True

@@ -23,6 +23,7 @@ from sdcscope.faults import FaultSpec
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.inject import Injector, corrupt_checkpoint_file, probe_model, validate_specs
 from sdcscope.inject.checkpoint import checkpoint_faults
+from sdcscope.inject.collectives import check_collective_specs, is_collective
 from sdcscope.inject.comm import check_comm_specs
 from sdcscope.inject.probe import evaluated
 from sdcscope.inject.targets import Target, resolve_targets
@@ -106,7 +107,16 @@ def check_faults(
             grad_accum=train.grad_accum,
             spec_ids=[i for i, _ in comm],
         )
-        specs = [s for s in specs if s.site != "comm"]
+        coll = [(i, s) for i, s in enumerate(specs) if is_collective(s)]
+        check_collective_specs(
+            model,
+            [s for _, s in coll],
+            world_size=world_size,
+            steps=steps,
+            grad_accum=train.grad_accum,
+            spec_ids=[i for i, _ in coll],
+        )
+        specs = [s for s in specs if s.site != "comm" and not is_collective(s)]
     batch = workload.batch(train.seed, 0, 0)
     return validate_specs(
         model,

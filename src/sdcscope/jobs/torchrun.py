@@ -40,6 +40,7 @@ from sdcscope.engine.run import Interrupted, stop_requests
 from sdcscope.engine.rundir import CheckpointPolicy, read_json, write_json
 from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
+from sdcscope.faults.vocab import COLLECTIVE_SITES
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.world import fit_config
 from sdcscope.jobs.assemble import check_faults, guard_trainer
@@ -142,8 +143,9 @@ def _launcher_level() -> str:
 
 def _check_ranks(specs: Sequence[FaultSpec], world_size: int) -> None:
     for i, s in enumerate(specs):
-        if s.rank is not None and s.rank >= world_size:
-            raise ValueError(f"fault spec #{i}: rank {s.rank} does not exist; allowed: 0..{world_size - 1}")
+        for what, r in (("rank", s.rank), ("source", s.source)):
+            if r is not None and r >= world_size:
+                raise ValueError(f"fault spec #{i}: {what} {r} does not exist; allowed: 0..{world_size - 1}")
 
 
 def make_job(
@@ -185,6 +187,10 @@ def make_job(
         raise ValueError(f"--eval-every with --parallel {topology.kind}: {why}; drop --eval-every")
     if any(s.site == "comm" for s in specs) and (why := unsupported("fault.comm", kind)):
         raise ValueError(f"faults of site 'comm' under --parallel {topology.kind}: {why}")
+    for s in specs:
+        if s.site in COLLECTIVE_SITES and s.site.split(".")[1] not in topology.collectives:
+            why = unsupported("fault.collectives", kind) or "a tensor-parallel model has no FSDP2 unit"
+            raise ValueError(f"faults of site {s.site!r} under --parallel {topology.kind}: {why}")
     if guard is not None and sharded:
         guard = fit_config(guard, "sharded")
     elif guard is not None:

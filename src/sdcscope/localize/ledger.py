@@ -146,7 +146,7 @@ def is_suspicion(event: Event) -> bool:
     return (
         event.verdict in SUSPICIONS
         or event.verdict == "persistent"
-        or (event.detector == "abft" and event.verdict == "reproducible")
+        or (event.detector in ("abft", "collectives") and event.verdict == "reproducible")
     )
 
 
@@ -168,9 +168,27 @@ def site_of(event: Event) -> str | None:
         return f"state:{ev.get('tensor', event.module)}{where}"
     if d == "nonfinite":
         return f"nonfinite:{event.module}:{ev.get('what')}"
+    if d == "collectives":  # a link: the pair of ranks, the collective
+        src = "*" if ev.get("src") is None else ev["src"]
+        return f"link:{src}->{ev.get('dst')}:{ev.get('collective')}"
     if d in ("spike", "attention_logit", "guard", "quarantine"):
         return None
     return f"{d}:{event.module}" if event.module is not None else None
+
+
+def _note_link(entry: dict[str, Any], event: Event) -> None:
+    """A collective's link that failed: the pair (source rank -> destination rank), how often, and
+    whom the topology suspects (``sender``, ``receiver`` or the ``link`` itself)."""
+    ev = event.evidence
+    pair = f"{'*' if ev.get('src') is None else ev['src']}->{ev.get('dst')}"
+    link = entry.setdefault("links", {}).setdefault(
+        pair, {"src": ev.get("src"), "dst": ev.get("dst"), "collectives": [], "count": 0, "steps": []}
+    )
+    link["count"] += 1
+    link["steps"] = (link["steps"] + [event.step])[-16:]
+    link["suspect"] = ev.get("suspect", "receiver")
+    if ev.get("collective") not in link["collectives"]:
+        link["collectives"].append(ev.get("collective"))
 
 
 @dataclass
@@ -262,6 +280,8 @@ class Ledger:
                 "time": utc_now(),
             }
         )
+        if event.detector == "collectives":
+            _note_link(entry, event)
         strikes, persistent = 0, event.verdict == "persistent"
         if site is not None:
             s = entry["sites"].setdefault(

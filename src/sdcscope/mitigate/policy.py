@@ -50,6 +50,9 @@ DEFAULT_RULES: dict[str, list[str]] = {
     # A GEMM that fails its checksum again on re-execution: a persistent fault on this device.
     # Don't apply a corrupted update; the event tells the operator which layer and GEMM.
     "abft:reproducible": ["veto"],
+    # A collective that delivers other bits again on re-execution: a link or device that stays
+    # broken. Never apply an update computed from them; the ledger's strikes then stop the run.
+    "collectives:reproducible": ["veto"],
     # A canary op that errs again on re-execution: a wrong kernel (or a persistent fault) -- the
     # same answer.
     "canary:reproducible": ["veto"],

@@ -75,6 +75,10 @@ UNSUPPORTED_SITES = {
     "checkpoint": "a trial never writes a checkpoint to corrupt; inject checkpoint faults with `sdcscope inject`",
     "comm": "a trial trains in one process, without a gradient all-reduce; inject comm faults with "
     "`sdcscope train --nproc N --faults FILE`",
+    "comm.all_gather": "a trial trains in one process, without FSDP2's all-gathers; inject them with "
+    "`sdcscope train --nproc N --parallel fsdp --faults FILE` (benchmarks/bench_collective_checks.py, tests/sharded)",
+    "comm.reduce_scatter": "a trial trains in one process, without FSDP2's reduce-scatters; inject them with "
+    "`sdcscope train --nproc N --parallel fsdp --faults FILE`",
 }
 """Fault sites a campaign cannot inject, and why."""
 CAMPAIGN_SITES = tuple(s for s in SITES if s not in UNSUPPORTED_SITES)

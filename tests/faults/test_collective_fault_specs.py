@@ -1,0 +1,59 @@
+"""Fault specs of FSDP2's collectives (``comm.all_gather``, ``comm.reduce_scatter``) are refused
+with the bad value and the allowed ones -- a missing or unknown source, direction or phase, a
+rank or source outside the world, a topology that runs no such collective -- before any rank
+starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdcscope.engine.topology import Topology
+from sdcscope.faults import FaultSpec
+
+BASE = {
+    "site": "comm.all_gather",
+    "target": "blocks.0.mlp.fc.weight",
+    "rank": 1,
+    "source": 0,
+    "model": "bitflip",
+    "bits": [30],
+    "schedule": {"kind": "transient", "step": 2},
+}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"source": None}, "needs source"),
+        ({"direction": "sideways"}, "unknown direction 'sideways'.*'recv', 'send'"),
+        ({"direction": "send", "rank": 1}, "direction 'send'.*rank 1 must be the source or null"),
+        ({"phase": "after"}, "unknown comm.all_gather phase 'after'.*'forward', 'backward'"),
+        ({"site": "comm.reduce_scatter"}, "source 0 is only used with site 'comm.all_gather'"),
+        ({"site": "weight", "source": None, "direction": "recv"}, "direction 'recv' is only used with"),
+        ({"site": "comm.reduce_scatter", "source": None, "phase": "forward"}, "phase 'forward' is only used"),
+    ],
+)
+def test_bad_link_fields_are_refused_with_the_allowed_values(change, message):
+    with pytest.raises(ValueError, match=message):
+        FaultSpec.from_dict({**BASE, **change})
+
+
+def test_a_send_fault_lives_on_its_source_and_round_trips():
+    spec = FaultSpec.from_dict({**BASE, "direction": "send", "rank": None, "phase": "backward"})
+    assert FaultSpec.from_dict(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize(
+    "kind, nproc, change, message",
+    [
+        ("fsdp", 2, {"source": 2}, "source 2 does not exist; allowed: 0..1"),
+        ("fsdp", 2, {"rank": 3}, "rank 3 does not exist"),
+        ("ddp", 2, {}, "DDP runs no all-gather"),
+        ("tp", 2, {}, "comm.all_gather.*--parallel tp"),
+    ],
+)
+def test_the_job_refuses_what_its_world_cannot_run(tmp_path, kind, nproc, change, message):
+    from sdcscope.jobs.torchrun import make_job
+
+    with pytest.raises(ValueError, match=message):
+        make_job(tmp_path / "run", nproc, specs=[FaultSpec.from_dict({**BASE, **change})], parallel=Topology(kind=kind))
