@@ -52,6 +52,7 @@ def test_the_own_loop_script_catches_its_fault_under_the_shipped_guard_config(tm
 @pytest.mark.parametrize("path", sorted((EXAMPLES / "faults").glob("*.yaml")), ids=lambda p: p.name)
 def test_each_fault_file_fits_its_model(path, tmp_path):
     from sdcscope.engine.dist import DistConfig
+    from sdcscope.engine.topology import Topology
     from sdcscope.inject import validate_specs
     from sdcscope.jobs import make_job
     from sdcscope.jobs.launcher import check_job
@@ -60,8 +61,15 @@ def test_each_fault_file_fits_its_model(path, tmp_path):
     specs = load_specs(path)
     name = next((w for w in ("cnn", "moe") if path.name.startswith(f"{w}_")), "gpt")
     workload = WorkloadConfig(workload=name, batch_size=2)
-    if any(s.rank not in (0, None) or s.site == "comm" for s in specs):  # a distributed run's: as a launch checks
-        check_job(make_job(tmp_path / "run", 3, workload=workload, specs=specs, dist_config=DistConfig()))
+    if any(
+        s.rank not in (0, None) or s.site.startswith("comm") for s in specs
+    ):  # a distributed run's: as a launch checks
+        fsdp = path.name.startswith("fsdp_")  # FSDP2's collectives: the two-rank run its first line names
+        world = {"parallel": Topology(kind="fsdp")} if fsdp else {}
+        job = make_job(
+            tmp_path / "run", 2 if fsdp else 3, workload=workload, specs=specs, dist_config=DistConfig(), **world
+        )
+        check_job(job)
         return
     w = make_workload(workload)
     model = w.build_model()

@@ -12,7 +12,7 @@ from sdcscope.detect import ABFTConfig, ABFTDetector, NonFiniteConfig, NonFinite
 from sdcscope.detect.protocol import CheckView, Detector, Registration, register, registered, registration, unregister
 from sdcscope.guard import GuardConfig
 
-BUILT_INS = ["abft", "canary", "dispatch", "nonfinite", "loss_spike", "grad_spike"]
+BUILT_INS = ["abft", "canary", "dispatch", "nonfinite", "loss_spike", "grad_spike", "collectives"]
 
 
 def test_the_built_ins_are_registered_in_their_order():
@@ -25,6 +25,7 @@ def test_the_built_ins_are_registered_in_their_order():
         "nonfinite": (True, True, False, False),
         "loss_spike": (True, False, False, True),  # windows of past values roll back with the model
         "grad_spike": (True, False, False, True),
+        "collectives": (False, True, True, False),  # FSDP2 hooks record the step's collectives
     }
     config = GuardConfig(profile="full")
     sections = {f.name: getattr(config, f.name) for f in fields(config)}
