@@ -33,10 +33,9 @@ from sdcscope.common.validate import close_matches
 from sdcscope.common.world import local
 from sdcscope.faults import FaultSpec, FaultSpecError, apply_spec, check_spec, fault_generator, fires
 from sdcscope.faults.vocab import COLLECTIVE_SITES
+from sdcscope.inject.comm import record_firing
 from sdcscope.inject.injector import _REEXECUTING
 from sdcscope.inject.validate import check_schedule
-
-MAX_RECORDED = 64
 
 
 def is_collective(spec: FaultSpec) -> bool:
@@ -197,27 +196,7 @@ class CollectiveInjector:
                     self._record(i, spec, gp.name, {**extra, "elements": [start, stop], "dim": gp.shard_dim}, result)
 
     def _record(self, i: int, spec: FaultSpec, name: str, link: dict[str, Any], result) -> None:
-        values = result.to_dict()
-        record = {
-            "step": self.step,
-            "micro_batch": None,
-            "rank": self.rank,
-            "site": spec.site,
-            "when": "replay" if _REEXECUTING.get() else "train",
-            "call": None,
-            "module": name,
-            "spec": i,
-            "model": spec.model,
-            "bits": list(spec.bits) if spec.bits else None,
-            **link,
-            "count": len(values["index"]),
-            **{k: v[:MAX_RECORDED] for k, v in values.items()},
-        }
-        self.records.append(record)
-        if self._file is not None:
-            self._file.write(record)
-        if self._sink is not None:
-            self._sink(record)
+        record_firing(self, i, spec, name, result, "replay" if _REEXECUTING.get() else "train", **link)
 
     def detach(self) -> None:
         for h in self.handles:

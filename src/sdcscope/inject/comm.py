@@ -135,6 +135,33 @@ def check_comm_specs(
     return checked
 
 
+def record_firing(owner: Any, i: int, spec: FaultSpec, name: str, result, when: str, **extra: Any) -> None:
+    """Record one firing of a once-per-step fault (a bucket's, a collective's) on ``owner`` (an
+    injector with ``step``, ``rank``, ``records``, ``_file`` and ``_sink``): in its records, its
+    ``injections.jsonl`` and its sink."""
+    values = result.to_dict()
+    record = {
+        "step": owner.step,
+        "micro_batch": None,
+        "rank": owner.rank,
+        "site": spec.site,
+        "when": when,
+        "call": None,
+        "module": name,
+        "spec": i,
+        "model": spec.model,
+        "bits": list(spec.bits) if spec.bits else None,
+        **extra,
+        "count": len(values["index"]),
+        **{k: v[:MAX_RECORDED] for k, v in values.items()},
+    }
+    owner.records.append(record)
+    if owner._file is not None:
+        owner._file.write(record)
+    if owner._sink is not None:
+        owner._sink(record)
+
+
 class CommInjector:
     """Comm-site faults of one rank, as a bucket-hook stage; logs every fired fault.
 
@@ -194,27 +221,7 @@ class CommInjector:
                     self._record(i, spec, name, phase, apply_spec(spec, tensor, gen, step=self.step))
 
     def _record(self, i: int, spec: FaultSpec, name: str, phase: str, result) -> None:
-        values = result.to_dict()
-        record = {
-            "step": self.step,
-            "micro_batch": None,
-            "rank": self.rank,
-            "site": "comm",
-            "phase": phase,
-            "when": "train",
-            "call": None,
-            "module": name,
-            "spec": i,
-            "model": spec.model,
-            "bits": list(spec.bits) if spec.bits else None,
-            "count": len(values["index"]),
-            **{k: v[:MAX_RECORDED] for k, v in values.items()},
-        }
-        self.records.append(record)
-        if self._file is not None:
-            self._file.write(record)
-        if self._sink is not None:
-            self._sink(record)
+        record_firing(self, i, spec, name, result, "train", phase=phase)
 
     def close(self) -> None:
         if self._file is not None:
