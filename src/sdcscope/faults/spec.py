@@ -18,6 +18,7 @@ from sdcscope.common.validate import brief, check_int, check_keys, check_mapping
 from .formats import FORMATS, check_bits, get_format
 from .ops import BIT_MODELS, MODELS
 from .vocab import (
+    GEMM_OPERANDS,
     MAC_CELL_SINGLE_AXIS,
     PATTERN_KINDS,
     RANDOM,
@@ -330,6 +331,9 @@ class FaultSpec:
     state_key: str | None = None
     phase: str | None = None
     """For site ``comm``: corrupt the gradient bucket ``before`` or ``after`` the all-reduce."""
+    operand: str | None = None
+    """For a GEMM site (``gemm.*``) of an FP8 layer: what the fault hits, one of
+    :data:`~.vocab.GEMM_OPERANDS` (``None``: the result, as on every GEMM)."""
 
     def __post_init__(self) -> None:
         choice("site", self.site, SITES)
@@ -366,6 +370,12 @@ class FaultSpec:
             if self.site != "comm":
                 raise ValueError(f"phase {brief(self.phase)} is only used with site 'comm', not {brief(self.site)}")
             choice("phase", self.phase, ("before", "after"))
+        if self.operand is not None:
+            if not self.site.startswith("gemm."):
+                raise ValueError(
+                    f"operand {brief(self.operand)} is only used with the gemm.* sites, not {brief(self.site)}"
+                )
+            choice("operand", self.operand, GEMM_OPERANDS)
         if self.site in STEP_SITES and self.schedule.micro_batch is not None:
             raise ValueError(
                 f"site {brief(self.site)} runs once per step, so schedule micro_batch "

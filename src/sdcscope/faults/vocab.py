@@ -15,6 +15,7 @@ __all__ = [
     "SCHEDULE_KINDS",
     "RANDOM",
     "SWIZZLE_MODES",
+    "GEMM_OPERANDS",
     "MAC_CELL_SINGLE_AXIS",
     "check_site_pattern",
 ]
@@ -31,6 +32,12 @@ SITES: tuple[str, ...] = (
     "comm",
 )
 """Where a fault can land (see docs/architecture.md, vocabulary)."""
+
+GEMM_OPERANDS: tuple[str, ...] = ("output", "a", "b", "scale_a", "scale_b")
+"""What a fault on a GEMM site of an FP8 layer hits (the spec's ``operand``), as the GEMM unit
+reads or writes it: ``output`` (the result C, the default), ``a`` / ``b`` (the fp8 operands of
+C = (scale_a·A)·(scale_b·B): Y = X·Wᵀ, dX = dY·W, dW = dYᵀ·X, faulted in their fp8 format) or
+``scale_a`` / ``scale_b`` (their fp32 per-tensor scales)."""
 
 STEP_SITES: frozenset[str] = frozenset({"param_grad", "optimizer_state", "checkpoint", "comm"})
 """Sites touched once per optimizer step, so a schedule's ``micro_batch`` means nothing."""

@@ -93,6 +93,7 @@ WORKLOAD_KEYS = (
     "eval_batches",
     "qk_norm",
     "z_loss",
+    "precision",
 )
 
 
