@@ -186,6 +186,11 @@ class GPTWorkload(Workload):
         return ParallelizePlan(blocks="blocks", tensor_parallel=TP_PLAN)
 
     def check_parallel(self, kind: str, tp_degree: int) -> None:
+        if self.config.precision == "fp8":
+            raise ValueError(
+                f"--parallel {kind}: FP8 Linears (precision fp8) are not split over ranks (torch._scaled_mm "
+                "takes no DTensor shards); train them in one process or with --parallel ddp"
+            )
         check_tensor_parallel(self.model_config, tp_degree, f"--parallel {kind}")
 
     def task(self) -> str:

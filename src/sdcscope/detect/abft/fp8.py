@@ -49,8 +49,8 @@ class Fp8Checks:
         if number is None or call.gemm not in self.config.gemms:
             return
         with torch.no_grad():
-            a = Operand(call.a.float().mul_(call.scale_a), self._cs)
-            b = Operand(call.b.float().mul_(call.scale_b), self._cs)
+            a = self._fp8_operand(call, call.a, call.scale_a)
+            b = self._fp8_operand(call, call.b, call.scale_b)
             model = self._models.get(("fp8", out.device))
             if model is None:
                 model = self._models[("fp8", out.device)] = fp8_rounding_model(out.device, self._cs)
@@ -60,6 +60,19 @@ class Fp8Checks:
         self._records.append(
             CheckRecord(layer.name, call.gemm, number, a.shape[1], dtype, GemmCheck(lines, SIDES[which]))
         )
+
+    def _fp8_operand(self, call: ScaledGemm, t: torch.Tensor, scale: torch.Tensor) -> Operand:
+        """The dequantized operand scale·t in fp32. X, W and dY are each read by two GEMMs of the
+        call (W as Wᵀ in Y): dequantized once, kept in the call's state until its backward ends."""
+        base = t if t._base is None else t._base
+        key = ("abft", id(self), id(base))
+        got = call.state.get(key)
+        if got is None or got[0] is not base or got[1] is not scale:
+            transposed = t is not base and t.shape == base.shape[::-1] and t.stride() == base.stride()[::-1]
+            if t is not base and not transposed:  # another view: not shared
+                return Operand(t.float().mul_(scale), self._cs)
+            got = call.state[key] = (base, scale, Operand(base.float().mul_(scale), self._cs))
+        return got[2] if t is base else got[2].T
 
 
 class _Fp8Wrapper:
