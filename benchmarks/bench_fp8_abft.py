@@ -30,7 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import interleaved_ratio  # noqa: E402
-
 from sdcscope.common.fp8 import add_fp8_wrapper, is_fp8_linear  # noqa: E402
 from sdcscope.detect import ABFTConfig, ABFTDetector  # noqa: E402
 from sdcscope.engine import TrainConfig, Trainer  # noqa: E402

@@ -28,7 +28,11 @@ FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 """The fp8 formats a layer's operands take (:mod:`sdcscope.faults.formats` knows both)."""
 
 GEMMS = ("forward", "grad_input", "grad_weight")
-OPERANDS = {"forward": ("input", "weight"), "grad_input": ("grad_output", "weight"), "grad_weight": ("grad_output", "input")}
+OPERANDS = {
+    "forward": ("input", "weight"),
+    "grad_input": ("grad_output", "weight"),
+    "grad_weight": ("grad_output", "input"),
+}
 """The tensors each GEMM reads as its A and B: Y = X·Wᵀ, dX = dY·W, dW = dYᵀ·X."""
 
 _EPS = 1e-12  # amax floor (torchao's): an all-zero tensor gets a finite scale
@@ -114,6 +118,9 @@ class Fp8Linear(nn.Linear):
         grad_format: str = "e5m2",
     ) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
+        self._set_formats(fp8_format, grad_format)
+
+    def _set_formats(self, fp8_format: str, grad_format: str) -> None:
         for name, value in (("fp8_format", fp8_format), ("grad_format", grad_format)):
             if value not in FP8_DTYPES:
                 raise ValueError(f"{name}={value!r} is not an fp8 format; allowed: {list(FP8_DTYPES)}")
@@ -121,17 +128,13 @@ class Fp8Linear(nn.Linear):
         self.fp8_wrappers: list[tuple[int, object]] = []
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, **formats) -> Fp8Linear:
+    def from_linear(cls, linear: nn.Linear, *, fp8_format: str = "e4m3", grad_format: str = "e5m2") -> Fp8Linear:
         """An Fp8Linear holding ``linear``'s own parameters (not copies)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
-        new.fp8_format, new.grad_format = formats.get("fp8_format", "e4m3"), formats.get("grad_format", "e5m2")
-        for name in ("fp8_format", "grad_format"):
-            if getattr(new, name) not in FP8_DTYPES:
-                raise ValueError(f"{name}={getattr(new, name)!r} is not an fp8 format; allowed: {list(FP8_DTYPES)}")
-        new.fp8_wrappers = []
+        new._set_formats(fp8_format, grad_format)
         new.train(linear.training)
         return new
 

@@ -20,8 +20,8 @@ from torch import nn
 from sdcscope.common.modules import CHANNELS_FIRST, TRANSPOSED_TYPES, weight_in_out
 from sdcscope.faults import RANDOM, FaultSpec, FaultSpecError, check_spec
 from sdcscope.faults.patterns import ChannelDim
-from sdcscope.inject.optstate import state_keys
 from sdcscope.inject.fp8 import fp8_site, fp8_view, refuse_operand
+from sdcscope.inject.optstate import state_keys
 from sdcscope.inject.probe import EVAL_SITES, ModuleCall
 from sdcscope.inject.targets import (
     UNREACHED,

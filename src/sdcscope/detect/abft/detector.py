@@ -34,9 +34,7 @@ from sdcscope.detect.protocol import CheckView, Registration, register
 log = logging.getLogger("sdcscope.detect.abft")
 
 
-class ABFTDetector(
-    ModuleHooks, LinearChecks, ConvChecks, Fp8Checks, FunctionalTaps, TensorParallelChecks, GraphChecks
-):
+class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, Fp8Checks, FunctionalTaps, TensorParallelChecks, GraphChecks):
     """Checksum detector for the GEMMs of ``model`` (see :mod:`sdcscope.detect.abft`)."""
 
     name = "abft"
