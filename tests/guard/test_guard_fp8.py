@@ -11,7 +11,7 @@ from sdcscope.inject import Injector
 from sdcscope.workloads import WorkloadConfig, make_workload
 from sdcscope.workloads.gpt import GPTConfig
 
-STEP, STEPS = 2, 4
+STEP, STEPS = 1, 3
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,6 @@ def golden(fp8_gpt):
     [
         ("gemm.forward", None, 30, "blocks.0.mlp.fc"),  # an exponent flip of the fp32 result
         ("gemm.grad_input", "scale_b", 29, "blocks.0.attn.q_proj"),  # W's scale as dX's GEMM reads it
-        ("gemm.grad_weight", "a", 5, "blocks.0.mlp.proj"),  # an exponent bit of dY in e5m2
     ],
 )
 def test_fp8_gemm_fault_caught_named_and_repaired_bitwise(fp8_gpt, golden, site, operand, bit, target):
