@@ -218,9 +218,9 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, Fp8Checks, FunctionalT
         for layer in self.layers:
             if layer.graph is not None:  # checked by its graph taps
                 continue
+            if layer.kind == "fp8":  # a wrapper on its GEMM site, not module hooks
+                self._sync_fp8(layer, layer.name in want)
             if layer.functional is not None or layer.kind == "fp8":
-                if layer.kind == "fp8":
-                    self._sync_fp8(layer, layer.name in want)
                 self._sync_probe(layer, layer.name in want)
                 continue
             if layer.name in want:
