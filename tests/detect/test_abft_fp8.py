@@ -88,3 +88,36 @@ def test_fault_in_fp8_gemm_caught_on_its_step_with_layer_and_gemm(operand, bit):
         before, after = torch.tensor(rec["before"]).to(dtype), torch.tensor(rec["after"]).to(dtype)
         itype = torch.int8 if dtype.itemsize == 1 else torch.int32
         assert torch.equal(before.view(itype) ^ after.view(itype), torch.tensor([1 << bit]).to(itype))
+
+
+def test_torchao_float8_linear_checked_through_the_same_site():
+    """torchao's Float8Linear (its CPU path): Y, dX and dW checked at its torch._scaled_mm calls,
+    result / scale / fp8 operand faults caught and named, torch._scaled_mm restored on detach."""
+    float8 = pytest.importorskip("torchao.float8")
+    original = torch._scaled_mm
+    m = nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.Linear(48, 16))
+    float8.convert_to_float8_training(m)
+    det = ABFTDetector(m, ABFTConfig()).attach()
+    assert [x.kind for x in det.layers] == ["fp8", "fp8"] and det.skipped == []
+    faults = [(None, 30), ("scale_b", 30), ("a", 6)]  # Y's result, dX's W scale, dW's dY (e5m2)
+    specs = [
+        FaultSpec(
+            site=f"gemm.{g}",
+            target="2",
+            model="bitflip",
+            bits=[bit],
+            operand=op,
+            seed=3,
+            schedule={"kind": "transient", "step": s},
+        )
+        for s, (g, (op, bit)) in enumerate(zip(GEMMS, faults), 1)
+    ]
+    inj = Injector(m, specs).attach()
+    events = train(m, det, 4, inj)
+    assert [(e.step, e.module, e.gemm) for e in events] == [(s, "2", g) for s, g in enumerate(GEMMS, 1)]
+    assert [r["module"] for r in inj.records] == ["2", "2:scale_b", "2:a"]
+    clean = [r for (layer, _), r in det.max_ratio.items() if layer == "0"]
+    assert len(clean) == 3 and max(clean) < det.config.c / 4
+    det.detach()
+    inj.detach()
+    assert torch._scaled_mm is original

@@ -27,7 +27,7 @@ def test_operand_refused_off_gemm_sites_and_off_fp8_layers():
         spec(site="weight", target="0.weight", operand="a")
     with pytest.raises(ValueError, match="operand.*'x'.*allowed"):
         spec(operand="x")
-    with pytest.raises(ValueError, match="'0' is a Linear, not an Fp8Linear"):
+    with pytest.raises(ValueError, match="'0' is a Linear, not an FP8 layer"):
         Injector(nn.Sequential(nn.Linear(4, 4)), [spec(operand="scale_a")])
     with pytest.raises(ValueError, match="bit 9 is out of range for fp8_e4m3fn"):  # the operand's own format
         Injector(nn.Sequential(Fp8Linear(4, 4)), [spec(operand="b", bits=[9])])

@@ -7,6 +7,9 @@ amax (``scale = amax / fp8_max``, the dequantization factor ``torch._scaled_mm``
 product is accumulated and returned in fp32 (no output quantization); the bias is added after the
 GEMM. X's and W's fp8 copies are kept for the backward GEMMs, as torchao keeps them.
 
+torchao's ``Float8Linear`` (dynamic tensorwise recipe) gets the same site: while a wrapper is on
+one, ``torch._scaled_mm`` is wrapped and the layer's hooks tell its Y, dX and dW calls apart.
+
 Every GEMM goes through the layer's *site*: wrappers registered with :func:`add_fp8_wrapper`
 see the GEMM's call (:class:`ScaledGemm`: which GEMM, the fp8 operands in C = A·B order, their
 scales) and the result. Rooms register wrappers without knowing of each other: the injector's
@@ -146,27 +149,42 @@ class Fp8Linear(nn.Linear):
             y = y + self.bias
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
-    def run_gemm(self, call: ScaledGemm, depth: int | None = None) -> torch.Tensor:
-        """The wrappers from the outermost (highest ``order``) in, then :func:`scaled_mm`."""
-        depth = len(self.fp8_wrappers) if depth is None else depth
-        if depth == 0:
-            return scaled_mm(call)
-        wrapper = self.fp8_wrappers[depth - 1][1]
-        return wrapper.around(self, call, lambda c: self.run_gemm(c, depth - 1))
+    def run_gemm(self, call: ScaledGemm) -> torch.Tensor:
+        return run_wrappers(self, call, scaled_mm)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_format}, grad={self.grad_format}"
 
 
+def run_wrappers(module: nn.Module, call: ScaledGemm, gemm, depth: int | None = None) -> torch.Tensor:
+    """``module``'s wrappers from the outermost (highest ``order``) in, then ``gemm(call)``."""
+    wrappers = module.__dict__.get("fp8_wrappers", ())
+    depth = len(wrappers) if depth is None else depth
+    if depth == 0:
+        return gemm(call)
+    return wrappers[depth - 1][1].around(module, call, lambda c: run_wrappers(module, c, gemm, depth - 1))
+
+
+def is_torchao_float8(module: object) -> bool:
+    """torchao's ``Float8Linear`` (known by its class, so torchao need not be imported)."""
+    cls = type(module)
+    return cls.__name__ == "Float8Linear" and cls.__module__.startswith("torchao.")
+
+
 def is_fp8_linear(module: object) -> bool:
-    return isinstance(module, Fp8Linear)
+    """An FP8 layer whose GEMMs have a site: :class:`Fp8Linear` or torchao's ``Float8Linear``."""
+    return isinstance(module, Fp8Linear) or is_torchao_float8(module)
 
 
-def operand_dtype(module: Fp8Linear, gemm: str, operand: str) -> torch.dtype:
+def operand_dtype(module: nn.Module, gemm: str, operand: str) -> torch.dtype:
     """The stored dtype of operand ``a``/``b``/``scale_a``/``scale_b`` (or ``output``) of ``gemm``."""
     if operand.startswith("scale") or operand == "output":
         return torch.float32
     role = OPERANDS[gemm][0 if operand == "a" else 1]
+    if is_torchao_float8(module):
+        c = module.config
+        key = {"input": "cast_config_input", "weight": "cast_config_weight", "grad_output": "cast_config_grad_output"}
+        return getattr(c, key[role]).target_dtype
     return FP8_DTYPES[module.grad_format if role == "grad_output" else module.fp8_format]
 
 
@@ -175,14 +193,94 @@ class _Handle:
         self.module, self.wrapper = module, wrapper
 
     def remove(self) -> None:
-        self.module.fp8_wrappers = [e for e in self.module.fp8_wrappers if e[1] is not self.wrapper]
+        m = self.module
+        m.fp8_wrappers = [e for e in m.fp8_wrappers if e[1] is not self.wrapper]
+        if not m.fp8_wrappers and is_torchao_float8(m):
+            _untap(m)
 
 
-def add_fp8_wrapper(module: Fp8Linear, wrapper: object, order: int) -> _Handle:
-    """Register ``wrapper`` (``around(module, call, inner) -> result``) on ``module``'s GEMMs;
-    the returned handle's ``remove()`` takes it off."""
-    module.fp8_wrappers = sorted([*module.fp8_wrappers, (order, wrapper)], key=lambda e: e[0])
+def add_fp8_wrapper(module: nn.Module, wrapper: object, order: int) -> _Handle:
+    """Register ``wrapper`` (``around(module, call, inner) -> result``) on ``module``'s GEMMs
+    (an :class:`Fp8Linear`, or torchao's ``Float8Linear``: see :func:`_tap`); the returned
+    handle's ``remove()`` takes it off."""
+    if is_torchao_float8(module) and not module.__dict__.get("fp8_wrappers"):
+        _tap(module)
+    module.fp8_wrappers = sorted([*module.__dict__.get("fp8_wrappers", ()), (order, wrapper)], key=lambda e: e[0])
     return _Handle(module, wrapper)
+
+
+# -- torchao's Float8Linear: its torch._scaled_mm calls, told apart by the layer's hooks ----------
+_ACTIVE: list[tuple[nn.Module, list[str], dict]] = []  # (layer, its GEMMs still to come, call state)
+_TAPPED: dict[int, tuple] = {}  # id(layer) -> its hook handles
+_ORIGINAL: list = []
+_NODE = "matmul_with_hp_or_float8_args"  # torchao's autograd Function of Y, dX, dW
+
+
+def _scaled_mm_tap(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    """``torch._scaled_mm`` while a tapped layer runs: its call goes through the layer's wrappers
+    (tensorwise scales, no bias or result scale: torchao's default recipe); any other call as is."""
+    original = _ORIGINAL[0]
+    top = _ACTIVE[-1] if _ACTIVE else None
+    if top is None or not top[1] or bias is not None or scale_result is not None or scale_a.numel() != 1:
+        return original(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)
+    module, gemms, state = top
+    call = ScaledGemm(gemms.pop(0), a, b, scale_a, scale_b, state)
+
+    def gemm(c: ScaledGemm) -> torch.Tensor:
+        return original(c.a, c.b, c.scale_a, c.scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+    return run_wrappers(module, call, gemm)
+
+
+def _tap(module: nn.Module) -> None:
+    """Hooks that tell which GEMM each ``torch._scaled_mm`` call of a torchao ``Float8Linear`` is:
+    its forward (module hooks) makes Y; the backward of its ``matmul_with_hp_or_float8_args``
+    node makes dX, then dW (torchao's order). ``torch._scaled_mm`` is wrapped while a layer is tapped."""
+
+    def pre(mod, args):
+        _ACTIVE.append((mod, ["forward"], {}))
+
+    def post(mod, args, out):
+        _, _, state = _ACTIVE.pop()
+        node = _find_node(out.grad_fn if isinstance(out, torch.Tensor) else None)
+        if node is not None:
+
+            def enter(grads):
+                _ACTIVE.append((mod, ["grad_input", "grad_weight"], state))
+
+            def leave(grad_inputs, grads):
+                _ACTIVE.pop()
+
+            node.register_prehook(enter)
+            node.register_hook(leave)
+
+    if not _ORIGINAL:
+        _ORIGINAL.append(torch._scaled_mm)
+        torch._scaled_mm = _scaled_mm_tap
+    _TAPPED[id(module)] = (module.register_forward_pre_hook(pre), module.register_forward_hook(post))
+
+
+def _untap(module: nn.Module) -> None:
+    for handle in _TAPPED.pop(id(module), ()):
+        handle.remove()
+    if not _TAPPED and _ORIGINAL:
+        torch._scaled_mm = _ORIGINAL.pop()
+
+
+def _find_node(fn, depth: int = 4):
+    """The ``matmul_with_hp_or_float8_args`` node within ``depth`` steps of ``fn`` (the layer's
+    output: a reshape, a bias add), or None."""
+    frontier = [fn]
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            if node is None:
+                continue
+            if node.name().startswith(_NODE):
+                return node
+            nxt += [f for f, _ in node.next_functions]
+        frontier = nxt
+    return None
 
 
 def convert_to_fp8(model: nn.Module, names: str | tuple[str, ...] = "*", **formats) -> list[str]:

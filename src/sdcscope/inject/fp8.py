@@ -1,4 +1,5 @@
-"""GEMM faults of FP8 layers (:class:`~sdcscope.common.fp8.Fp8Linear`): a ``gemm.*`` spec on one
+"""GEMM faults of FP8 layers (:class:`~sdcscope.common.fp8.Fp8Linear`, torchao's ``Float8Linear``):
+a ``gemm.*`` spec on one
 is carried by a wrapper on the layer's GEMM site, next to ``torch._scaled_mm`` (inside any
 detector's wrapper), so the fault is in the computation as the unit runs it.
 
@@ -40,7 +41,8 @@ def refuse_operand(spec: FaultSpec, targets: list[Target]) -> None:
         if not is_fp8_linear(t.module):
             raise ValueError(
                 f"operand {spec.operand!r} selects an operand or a scale of an FP8 GEMM; {t.name!r} is a "
-                f"{type(t.module).__name__}, not an Fp8Linear (leave operand out to fault its result)"
+                f"{type(t.module).__name__}, not an FP8 layer (Fp8Linear, torchao's Float8Linear); leave operand out "
+                "to fault its result"
             )
 
 
