@@ -30,7 +30,6 @@ from torch import nn
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 """The fp8 formats a layer's operands take (:mod:`sdcscope.faults.formats` knows both)."""
 
-GEMMS = ("forward", "grad_input", "grad_weight")
 OPERANDS = {
     "forward": ("input", "weight"),
     "grad_input": ("grad_output", "weight"),
