@@ -50,27 +50,33 @@ class Fp8Sites:
     """The FP8 half of the injector's site hooks (uses ``_index``, ``_call``, ``_corrupt``)."""
 
     def _fp8_hook(self, i: int, spec: FaultSpec, t: Target):
-        gemm, what = GEMM_OF_SITE[spec.site], spec.operand or "output"
-        key = ("inject", id(self), i)
-        injector = self
+        return add_fp8_wrapper(t.module, _Fault(self, i, spec, t), order=0)
 
-        class Wrapper:
-            def around(self, module, call: ScaledGemm, inner) -> torch.Tensor:
-                if call.gemm == "forward":
-                    call.state[key] = injector._index(i, t)
-                if call.gemm != gemm:
-                    return inner(call)
-                index = call.state.get(key)
-                backward = gemm != "forward"
-                log = injector._call(i, spec, t, index, None if backward else call.a, backward=backward)
-                if log is None:
-                    return inner(call)
-                if what == "output":
-                    out = inner(call).clone()
-                    injector._corrupt(i, spec, t, out, call=index, log=log)
-                    return out
-                faulty = getattr(call, what).clone()
-                injector._corrupt(i, spec, t, faulty, suffix=f":{what}", call=index, log=log)
-                return inner(call.replace(**{what: faulty}))
 
-        return add_fp8_wrapper(t.module, Wrapper(), order=0)
+class _Fault:
+    """Spec ``i`` on FP8 layer ``t``: corrupts the result, an fp8 operand or a scale of the GEMM
+    its site names, on the calls where the injector says the fault acts."""
+
+    def __init__(self, injector, i: int, spec: FaultSpec, t: Target) -> None:
+        self.injector, self.i, self.spec, self.t = injector, i, spec, t
+        self.gemm, self.what = GEMM_OF_SITE[spec.site], spec.operand or "output"
+        self.key = ("inject", id(injector), i)
+
+    def around(self, module, call: ScaledGemm, inner) -> torch.Tensor:
+        inj, i, spec, t = self.injector, self.i, self.spec, self.t
+        if call.gemm == "forward":  # this forward call's number, carried to its dX and dW
+            call.state[self.key] = inj._index(i, t)
+        if call.gemm != self.gemm:
+            return inner(call)
+        index = call.state.get(self.key)
+        backward = self.gemm != "forward"
+        log = inj._call(i, spec, t, index, None if backward else call.a, backward=backward)
+        if log is None:
+            return inner(call)
+        if self.what == "output":
+            out = inner(call).clone()
+            inj._corrupt(i, spec, t, out, call=index, log=log)
+            return out
+        faulty = getattr(call, self.what).clone()
+        inj._corrupt(i, spec, t, faulty, suffix=f":{self.what}", call=index, log=log)
+        return inner(call.replace(**{self.what: faulty}))
