@@ -25,6 +25,7 @@ from sdcscope.cli.options import (
     GUARD_CONFIG_OPT,
     GUARD_OPT,
     LR_OPT,
+    PRECISION_OPT,
     PRESET_OPT,
     SEED_OPT,
     STEPS_OPT,
@@ -93,6 +94,7 @@ def inject(
     batch_size: Optional[int] = BATCH_SIZE_OPT,
     lr: Optional[float] = LR_OPT,
     grad_accum: int = GRAD_ACCUM_OPT,
+    precision: str = PRECISION_OPT,
     guard: bool = GUARD_OPT,
     guard_config_path: Optional[Path] = GUARD_CONFIG_OPT,
     as_json: bool = JSON_OPT,
@@ -108,7 +110,14 @@ def inject(
 
             specs = load_fault_file("--spec", spec)
             wcfg, tcfg = build_configs(
-                workload, preset, seed, corpus=corpus, batch_size=batch_size, lr=lr, grad_accum=grad_accum
+                workload,
+                preset,
+                seed,
+                corpus=corpus,
+                batch_size=batch_size,
+                lr=lr,
+                grad_accum=grad_accum,
+                precision=precision,
             )
             experiment = Experiment(out, wcfg, tcfg, specs, guard=guard_config(guard, guard_config_path), steps=steps)
             from sdcscope.study.trace import trace_experiment

@@ -24,6 +24,12 @@ COMPILE_OPT = typer.Option(
     "--compile",
     help="Train through torch.compile (inductor); the guard's ABFT checks every Linear inside the graph.",
 )
+PRECISION_OPT = typer.Option(
+    "fp32",
+    "--precision",
+    help="gpt: fp32, or fp8 (the blocks' Linears run Y, dX and dW as FP8 GEMMs with dynamic per-tensor "
+    "scales; the guard's ABFT checks them).",
+)
 EVAL_EVERY_OPT = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at the end).")
 
 GUARD_OPT = typer.Option(False, "--guard", help="Watch the run with the Guard (detect, localize, repair).")
@@ -61,6 +67,7 @@ def build_configs(
     eval_every: int = 0,
     resolve: bool = True,
     compile: bool = False,
+    precision: str = "fp32",
 ):
     """Validated (WorkloadConfig, TrainConfig) from CLI options (raises ValueError). ``resolve``:
     the corpus must exist and is recorded as an absolute path (a run resumable from anywhere);
@@ -73,7 +80,12 @@ def build_configs(
             raise FileNotFoundError(f"corpus path {str(corpus)!r} does not exist (give a text file or a folder)")
         corpus = corpus.resolve()
     wcfg = WorkloadConfig(
-        workload=workload, preset=preset, batch_size=batch_size, lr=lr, corpus=None if corpus is None else str(corpus)
+        workload=workload,
+        preset=preset,
+        batch_size=batch_size,
+        lr=lr,
+        corpus=None if corpus is None else str(corpus),
+        precision=precision,
     )
     return wcfg, TrainConfig(seed=seed, grad_accum=grad_accum, eval_every=eval_every, compile=compile)
 

@@ -23,6 +23,7 @@ KEPT_ON_RESUME = {  # option: (flag, section and key in config.json); a resumed 
     "seed": ("--seed", "train", "seed"),
     "grad_accum": ("--grad-accum", "train", "grad_accum"),
     "compile": ("--compile", "train", "compile"),
+    "precision": ("--precision", "workload", "precision"),
 }
 
 

@@ -33,6 +33,7 @@ from sdcscope.cli.options import (
     GUARD_OPT,
     INVARIANTS_OPT,
     LR_OPT,
+    PRECISION_OPT,
     PRESET_OPT,
     PROMETHEUS_OPT,
     SEED_OPT,
@@ -75,6 +76,7 @@ def train(
     lr: Optional[float] = LR_OPT,
     grad_accum: int = GRAD_ACCUM_OPT,
     compile: bool = COMPILE_OPT,
+    precision: str = PRECISION_OPT,
     eval_every: int = EVAL_EVERY_OPT,
     guard: bool = GUARD_OPT,
     guard_config_path: Optional[Path] = GUARD_CONFIG_OPT,
@@ -174,6 +176,7 @@ def train(
                     eval_every=eval_every,
                     resolve=False,
                     compile=compile,
+                    precision=precision,
                 )
                 job = make_job(
                     out,
@@ -237,6 +240,7 @@ def train(
                 grad_accum=grad_accum,
                 eval_every=eval_every,
                 compile=compile,
+                precision=precision,
             )
             run = Run(
                 out,

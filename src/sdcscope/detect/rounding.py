@@ -124,6 +124,25 @@ def rounding_model(
     return RoundingModel(compute_dtype, 0.0, UNIT_ROUNDOFF[torch.float32], u_out, u_cs, narrow=True)
 
 
+FP8_ACCUMULATOR_BITS = {"cpu": 24, "cuda": 14}
+"""Significand bits an FP8 GEMM's accumulator keeps, per device type: CPU's ``torch._scaled_mm``
+accumulates the fp8 products in fp32; NVIDIA Hopper's FP8 tensor cores keep about 14 bits
+(DeepSeek-V3 report, section 3.3.2), which the model takes as its unit roundoff 2⁻¹⁴. Other
+devices: fp32's."""
+
+
+def fp8_rounding_model(device: torch.device | str, checksum_dtype: torch.dtype) -> RoundingModel:
+    """The model of an FP8 GEMM C = (s_a·A)·(s_b·B) returned in fp32, checked against its
+    dequantized operands in fp32 (docs/guard.md, "FP8 GEMMs"): a product of two fp8 values (≤ 4
+    significand bits each) is exact in fp32; the products are accumulated with the device's
+    accumulator (:data:`FP8_ACCUMULATOR_BITS`, √k model); the GEMM's s_a·s_b and its product with
+    the sum round twice in fp32, and the reference's s_a·a and s_b·b once per operand: 4u of fp32
+    per product (``u_in``); the fp32 output rounds once (``u_out``); no output quantization."""
+    u = UNIT_ROUNDOFF[torch.float32]
+    bits = FP8_ACCUMULATOR_BITS.get(torch.device(device).type, 24)
+    return RoundingModel(torch.float32, 4 * u, 2.0**-bits, u, unit_roundoff(checksum_dtype), narrow=False)
+
+
 @functools.lru_cache(maxsize=4096)
 def line_coefs(model: RoundingModel, summed: int, k: int) -> tuple[float, float, float]:
     """``(a1, a2, beta)`` of a :class:`Line` whose checksums each sum ``summed`` results of

@@ -21,6 +21,7 @@ from .vocab import (
     ALL,
     COLLECTIVE_SITES,
     DIRECTIONS,
+    GEMM_OPERANDS,
     MAC_CELL_SINGLE_AXIS,
     PATTERN_KINDS,
     RANDOM,
@@ -416,6 +417,9 @@ class FaultSpec:
     direction: str | None = None
     """For ``comm.all_gather``: ``recv`` (default: what arrived on ``rank`` from ``source``) or
     ``send`` (what left ``source``: every receiver's copy; ``rank`` then is ``source`` or null)."""
+    operand: str | None = None
+    """For a GEMM site (``gemm.*``) of an FP8 layer: what the fault hits, one of
+    :data:`~.vocab.GEMM_OPERANDS` (``None``: the result, as on every GEMM)."""
 
     def __post_init__(self) -> None:
         choice("site", self.site, SITES)
@@ -471,6 +475,12 @@ class FaultSpec:
                 )
             choice("phase" if self.site == "comm" else f"{self.site} phase", self.phase, phases)
         self._check_link()
+        if self.operand is not None:
+            if not self.site.startswith("gemm."):
+                raise ValueError(
+                    f"operand {brief(self.operand)} is only used with the gemm.* sites, not {brief(self.site)}"
+                )
+            choice("operand", self.operand, GEMM_OPERANDS)
         if self.site in STEP_SITES and self.schedule.micro_batch is not None:
             raise ValueError(
                 f"site {brief(self.site)} runs once per step, so schedule micro_batch "

@@ -20,6 +20,7 @@ __all__ = [
     "ALL",
     "WARP_SIZE",
     "SWIZZLE_MODES",
+    "GEMM_OPERANDS",
     "MAC_CELL_SINGLE_AXIS",
     "check_site_pattern",
 ]
@@ -56,6 +57,12 @@ takes (``comm.all_gather``: the ``forward`` all-gather or the ``backward`` re-ga
 DIRECTIONS: tuple[str, ...] = ("recv", "send")
 """Which end of a link a collective fault lives at: ``recv`` (what arrived on ``rank`` from
 ``source``) or ``send`` (what left ``source``: every receiver's copy)."""
+
+GEMM_OPERANDS: tuple[str, ...] = ("output", "a", "b", "scale_a", "scale_b")
+"""What a fault on a GEMM site of an FP8 layer hits (the spec's ``operand``), as the GEMM unit
+reads or writes it: ``output`` (the result C, the default), ``a`` / ``b`` (the fp8 operands of
+C = (scale_a·A)·(scale_b·B): Y = X·Wᵀ, dX = dY·W, dW = dYᵀ·X, faulted in their fp8 format) or
+``scale_a`` / ``scale_b`` (their fp32 per-tensor scales)."""
 
 STEP_SITES: frozenset[str] = frozenset({"param_grad", "optimizer_state", "checkpoint", "comm", *COLLECTIVE_SITES})
 """Sites touched once per optimizer step, so a schedule's ``micro_batch`` means nothing."""

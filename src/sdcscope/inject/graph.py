@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from sdcscope.common.fp8 import is_fp8_linear
 from sdcscope.common.gemmsite import add_wrapper, remove_wrapper
 from sdcscope.common.world import is_dtensor
 from sdcscope.faults import FaultSpec, FaultSpecError
@@ -144,6 +145,11 @@ def refusal(spec: FaultSpec, t: Target) -> str | None:
         )
     if spec.site not in GRAPH_SITES:
         return None
+    if is_fp8_linear(m):
+        return (
+            f"site {spec.site!r} on {t.name!r}: graph mode does not reach the torch._scaled_mm calls of an FP8 "
+            "layer (Fp8Linear); use Injector(graph=False)"
+        )
     if not (isinstance(m, nn.Linear) or getattr(m, "is_matmul", False)):
         return (
             f"site {spec.site!r} on {t.name!r}: graph mode reaches the GEMM of nn.Linear and MatMul-contract "

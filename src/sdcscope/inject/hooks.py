@@ -61,6 +61,7 @@ from sdcscope.common.graph import operand_grad_edge, weight_grad_edge
 from sdcscope.common.modules import CHANNELS_FIRST
 from sdcscope.common.world import is_dtensor, local, rewrap, shard_coords
 from sdcscope.faults import FaultResult, FaultSpec
+from sdcscope.inject.fp8 import fp8_site
 from sdcscope.inject.optstate import element_state
 from sdcscope.inject.targets import Target, operand_channel_dims, primary_output
 
@@ -105,6 +106,8 @@ class SiteHooks:
         weight faults are applied in set_position, optimizer_state in the optimizer pre-hook,
         checkpoint faults by corrupt_checkpoint_file."""
         site = spec.site
+        if fp8_site(spec, t):  # next to the layer's torch._scaled_mm (inject/fp8.py)
+            return self._fp8_hook(i, spec, t)
         if site in ("activation", "dispatch") or (site == "gemm.forward" and spec.pattern.kind != "mac_cell"):
             return t.module.register_forward_hook(self._output_hook(i, spec, t), prepend=True)
         if site == "gemm.forward":

@@ -64,6 +64,7 @@ from sdcscope.common.graph import in_backward
 from sdcscope.common.io import JsonlWriter
 from sdcscope.common.world import local, shard_coords
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, FaultSpecError, apply_spec, fault_generator, fires
+from sdcscope.inject.fp8 import Fp8Sites
 from sdcscope.inject.graphsites import GraphSites, disarm_for_reexecution
 from sdcscope.inject.hooks import MEMORY_SITES, SiteHooks
 from sdcscope.inject.targets import MODULE_SITES, UNREACHED, Target
@@ -127,7 +128,7 @@ def _global_indices(shard: dict, index: list[int]) -> dict:
     }
 
 
-class Injector(SiteHooks, GraphSites):
+class Injector(SiteHooks, Fp8Sites, GraphSites):
     """Holds fault specs for one model (and optimizer) on one rank.
 
     Use as a context manager (``with Injector(model, specs, optimizer) as inj:``) or call

@@ -20,6 +20,7 @@ from torch import nn
 from sdcscope.common.modules import CHANNELS_FIRST, TRANSPOSED_TYPES, weight_in_out
 from sdcscope.faults import RANDOM, FaultSpec, FaultSpecError, check_spec
 from sdcscope.faults.patterns import ChannelDim
+from sdcscope.inject.fp8 import fp8_site, fp8_view, refuse_operand
 from sdcscope.inject.optstate import state_keys
 from sdcscope.inject.probe import EVAL_SITES, ModuleCall
 from sdcscope.inject.targets import (
@@ -48,6 +49,8 @@ def _views(spec: FaultSpec, t: Target, calls: list[ModuleCall] | None, dtype: to
     never reached the site."""
     if t.param is not None:
         return [(tuple(t.param.shape), t.param.dtype, None)]
+    if fp8_site(spec, t):  # an FP8 layer's GEMM: the operand's format; shapes are not probed
+        return [fp8_view(spec, t)]
     site, module = spec.site, t.module
     matmul = getattr(module, "is_matmul", False)
     if calls is not None and spec.schedule.kind != "permanent":
@@ -119,6 +122,7 @@ def validate_spec(
     its fault may never fire.
     """
     targets = resolve_targets(model, spec)
+    refuse_operand(spec, targets)
     if spec.rank is not None and spec.rank >= world_size:
         raise ValueError(f"rank {spec.rank} does not exist; allowed: 0..{world_size - 1}")
     check_schedule(spec, steps, grad_accum)

@@ -99,6 +99,7 @@ WORKLOAD_KEYS = (
     "eval_batches",
     "qk_norm",
     "z_loss",
+    "precision",
 )
 
 

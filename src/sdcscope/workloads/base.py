@@ -20,7 +20,7 @@ from torch import nn
 from sdcscope.common.validate import check_bool, check_choice, check_float, check_non_negative, check_positive
 from sdcscope.workloads.cnn import CNN_PRESETS, LeNet, cnn_preset
 from sdcscope.workloads.data import ByteCorpus, load_digits_tensors, step_generator
-from sdcscope.workloads.gpt import GPT, GPT_PRESETS, TP_PLAN, check_tensor_parallel, gpt_preset, lm_loss
+from sdcscope.workloads.gpt import GPT, GPT_PRESETS, PRECISIONS, TP_PLAN, check_tensor_parallel, gpt_preset, lm_loss
 from sdcscope.workloads.moe import MOE_PRESETS, MoEGPT, moe_preset
 
 WORKLOADS = {"gpt": GPT_PRESETS, "cnn": CNN_PRESETS, "moe": MOE_PRESETS}
@@ -52,6 +52,8 @@ class WorkloadConfig:
     eval_batches: int = 8
     qk_norm: bool = False
     z_loss: float = 0.0
+    precision: str = "fp32"
+    """gpt: ``'fp8'`` runs the blocks' Linears as FP8 GEMMs (:attr:`GPTConfig.precision`)."""
 
     def __post_init__(self) -> None:
         check_choice("workload", self.workload, WORKLOADS)
@@ -71,6 +73,9 @@ class WorkloadConfig:
         check_positive("max_corpus_bytes", self.max_corpus_bytes)
         check_bool("qk_norm", self.qk_norm)
         check_float("z_loss", self.z_loss, low=0)
+        check_choice("precision", self.precision, PRECISIONS)
+        if self.precision != "fp32" and self.workload != "gpt":
+            raise ValueError(f"precision {self.precision!r} applies to the gpt workload only, not {self.workload!r}")
         self.lr, self.weight_decay = float(self.lr), float(self.weight_decay)
         self.grad_clip, self.z_loss = float(self.grad_clip), float(self.z_loss)
         if isinstance(self.corpus, os.PathLike):
@@ -164,6 +169,7 @@ class GPTWorkload(Workload):
         self.model_config = self.model_preset(config.preset)
         self.model_config.qk_norm = config.qk_norm
         self.model_config.z_loss = config.z_loss
+        self.model_config.precision = config.precision
         self.corpus = ByteCorpus.load(config.corpus, max_bytes=config.max_corpus_bytes)
         bs = self.model_config.block_size
         if len(self.corpus.val) < bs + 2 or len(self.corpus.train) < bs + 2:
@@ -189,6 +195,11 @@ class GPTWorkload(Workload):
         return ParallelizePlan(blocks="blocks", tensor_parallel=TP_PLAN)
 
     def check_parallel(self, kind: str, tp_degree: int) -> None:
+        if self.config.precision == "fp8":
+            raise ValueError(
+                f"--parallel {kind}: FP8 Linears (precision fp8) are not split over ranks (torch._scaled_mm "
+                "takes no DTensor shards); train them in one process or with --parallel ddp"
+            )
         check_tensor_parallel(self.model_config, tp_degree, f"--parallel {kind}")
 
     def task(self) -> str:

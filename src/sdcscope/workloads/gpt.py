@@ -20,7 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sdcscope.common.fp8 import convert_to_fp8
 from sdcscope.common.validate import check_choice, check_positive
+
+PRECISIONS = ("fp32", "fp8")
+"""What the blocks' Linears compute in (:attr:`GPTConfig.precision`)."""
 
 
 @dataclass(kw_only=True)
@@ -38,6 +42,10 @@ class GPTConfig:
     qk_norm: bool = False
     z_loss: float = 0.0
     """Weight of the PaLM z-loss ``z · log²Σexp(logits)``; 0 disables it."""
+    precision: str = "fp32"
+    """``'fp8'``: the blocks' Linears run their Y, dX and dW as FP8 GEMMs
+    (:class:`~sdcscope.common.fp8.Fp8Linear`: e4m3 X and W, e5m2 dY, dynamic per-tensor scales);
+    embeddings, norms, attention products and the head stay fp32."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "d_model", "block_size", "vocab_size", "mlp_ratio"):
@@ -48,6 +56,7 @@ class GPTConfig:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         if self.z_loss < 0:
             raise ValueError(f"z_loss={self.z_loss} must be >= 0")
+        check_choice("precision", self.precision, PRECISIONS)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -185,6 +194,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("o_proj.weight", ".proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if cfg.precision == "fp8":  # after init: the same parameters as the fp32 model's
+            convert_to_fp8(self, "blocks.*")
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -6,7 +6,9 @@ weight's other uses); every MatMul-contract module (:func:`sdcscope.common.modul
 C = a·b, dA and dB; every ``nn.Conv1d/2d/3d`` and ``nn.ConvTranspose1d/2d/3d``: Y, dX and dW as
 the GEMMs of im2col, checked without forming it (:mod:`~sdcscope.detect.abft.convcheck`); and the
 ``F.linear`` calls a module makes on a weight of its own (an MoE's expert weights, a router,
-``nn.MultiheadAttention``'s projections: :mod:`~sdcscope.detect.abft.taps`). Each product is read
+``nn.MultiheadAttention``'s projections: :mod:`~sdcscope.detect.abft.taps`); every FP8 layer's
+(:class:`~sdcscope.common.fp8.Fp8Linear`) Y, dX and dW at their ``torch._scaled_mm`` calls, against
+the dequantized operands (:mod:`~sdcscope.detect.abft.fp8`). Each product is read
 where the values the rest of the model consumes are: ABFT's forward hook runs last in its
 module's order (after any injector), dX / dW at the call's own autograd nodes. Not covered: fused
 recurrent kernels (``nn.LSTM``...), products outside a module's forward other than ``F.linear``,

@@ -13,10 +13,12 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from sdcscope.common.fp8 import is_fp8_linear
 from sdcscope.common.modules import CONV_TYPES, TRANSPOSED_TYPES, is_matmul, match_modules, weight_in_out
 from sdcscope.detect.abft.config import ABFTConfig
 from sdcscope.detect.abft.conv import ConvChecks, self_padding
 from sdcscope.detect.abft.convcheck import checkable_conv
+from sdcscope.detect.abft.fp8 import Fp8Checks
 from sdcscope.detect.abft.graph import GraphChecks, graph_linear
 from sdcscope.detect.abft.hooks import ModuleHooks, backward_hooked, keep_last
 from sdcscope.detect.abft.linear import LinearChecks
@@ -32,7 +34,7 @@ from sdcscope.detect.protocol import CheckView, Registration, register
 log = logging.getLogger("sdcscope.detect.abft")
 
 
-class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, TensorParallelChecks, GraphChecks):
+class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, Fp8Checks, FunctionalTaps, TensorParallelChecks, GraphChecks):
     """Checksum detector for the GEMMs of ``model`` (see :mod:`sdcscope.detect.abft`)."""
 
     name = "abft"
@@ -59,13 +61,15 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
         whose weight is not a real floating-point tensor (complex, quantized: no rounding model)."""
         for name, mod in eligible.items():
             kind = (
-                "linear"
+                "fp8"
+                if is_fp8_linear(mod)
+                else "linear"
                 if isinstance(mod, nn.Linear) or weight_in_out(mod)
                 else "conv"
                 if isinstance(mod, CONV_TYPES + TRANSPOSED_TYPES)
                 else "matmul"
             )
-            if kind != "matmul" and (
+            if kind not in ("matmul", "fp8") and (
                 parametrize.is_parametrized(mod)
                 or not (
                     checkable_conv(mod)
@@ -214,7 +218,9 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
         for layer in self.layers:
             if layer.graph is not None:  # checked by its graph taps
                 continue
-            if layer.functional is not None:
+            if layer.kind == "fp8":  # a wrapper on its GEMM site, not module hooks
+                self._sync_fp8(layer, layer.name in want)
+            if layer.functional is not None or layer.kind == "fp8":
                 self._sync_probe(layer, layer.name in want)
                 continue
             if layer.name in want:
@@ -267,7 +273,7 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, FunctionalTaps, Tensor
             self._chosen = chosen
             self._sync_hooks()
         for layer in self._chosen:
-            if layer.functional is None and layer.graph is None:
+            if layer.functional is None and layer.graph is None and layer.kind != "fp8":
                 keep_last(layer)
                 self._sync_pre_hook(layer)
 

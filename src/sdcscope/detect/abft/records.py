@@ -51,11 +51,11 @@ class Layer:
 
     name: str
     module: nn.Module
-    kind: str  # 'linear' | 'matmul' | 'conv'
+    kind: str  # 'linear' | 'matmul' | 'conv' | 'fp8' (an Fp8Linear: detect/abft/fp8.py)
     names: tuple[str, ...]  # forward's parameter names of the operands (keywords)
     calls: int = 0  # forward calls (outside backward) in this micro-batch
     hits: int = 0  # forward calls the hook saw since the last check (any mode)
-    fwd: object = None  # handle of the forward hook
+    fwd: object = None  # handle of the forward hook (an FP8 layer: of its GEMM-site wrapper)
     pre: object = None  # handle of the forward pre-hook (slow path only)
     open_ctx: CallContext | None = None  # created by the pre-hook, completed by the forward hook
     fast: bool | None = None  # Linear: its call's GEMM node is reachable (None: not seen yet)
