@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from .formats import Format, check_bits, resolve_format
-from .spec import RANDOM, Pattern
-from .vocab import ALL
+from .shapes import Pattern
+from .vocab import ALL, RANDOM
 
 __all__ = ["resolve_indices", "sample_bit_errors", "swizzle_permutation", "SWIZZLE_ROLES"]
 

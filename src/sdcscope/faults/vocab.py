@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .spec import Pattern
+    from .shapes import Pattern
 
 __all__ = [
     "SITES",
