@@ -14,6 +14,8 @@ campaign leaves ``DIR/trials/baseline-STEP-SEED/events.jsonl``.
 from __future__ import annotations
 
 import math
+import os
+import socket
 import struct
 import time
 from pathlib import Path
@@ -90,12 +92,16 @@ class Worker:
         self.trainer = Trainer(self.workload, self.spec.train_config())
         self._cache: dict[str, Any] = {}
         self._predictor: Predictor | None = None
+        self.id = f"{socket.gethostname()}:{os.getpid()}"
+        """Names this worker in the results it returns (``worker``), for the run's timing."""
 
     def run(self, job: dict[str, Any]) -> dict[str, Any]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         kinds = {"golden": self.golden, "baseline": self.baseline, "twin": self.twin, "trial": self.trial}
         result = kinds[job["kind"]](job)
         result["wall_s"] = round(time.perf_counter() - t0, 4)
+        result["cpu_s"] = round(time.process_time() - c0, 4)
+        result["worker"] = self.id
         return result
 
     # -- files -------------------------------------------------------------------------------
@@ -130,7 +136,7 @@ class Worker:
         points = {s + o for s in spec.inject_steps for o in offsets}
         ends = {s + spec.horizon: s for s in spec.inject_steps}
         flats: dict[int, torch.Tensor] = {}
-        losses, refs = [], []
+        losses, refs, times, cpu = [], [], [], []
         for step in range(spec.golden_steps + 1):
             if step in spec.inject_steps:
                 save_checkpoint(trainer.snapshot(), self.dir / f"step-{step}")
@@ -150,7 +156,10 @@ class Worker:
                 )
             if step == spec.golden_steps:
                 break
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = trainer.train_step()["loss"]
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             if not math.isfinite(loss):
                 raise ValueError(
                     f"the golden run itself diverged at step {step} (loss {loss}); "
@@ -162,7 +171,8 @@ class Worker:
                 {"steps": [s + o for o in offsets], "params": torch.stack([flats[s + o] for o in offsets])},
                 self.dir / f"trajectory-{s}.pt",
             )
-        return {"kind": "golden", "losses": losses, "references": refs}
+        mean = lambda xs: sum(xs[1:] or xs) / len(xs[1:] or xs)  # noqa: E731 (the first step allocates: left out)
+        return {"kind": "golden", "losses": losses, "references": refs, "step_s": mean(times), "step_cpu_s": mean(cpu)}
 
     # -- a horizon of training ---------------------------------------------------------------
     def _train(self, job: dict[str, Any], stop=None) -> dict[str, Any]:
@@ -194,6 +204,7 @@ class Worker:
         except Exception as exc:  # a corrupted value can make an operation raise: the run crashed
             out.update(crash=True, error=f"{type(exc).__name__}: {exc}")
         out["losses"] = [by_step[k] for k in sorted(by_step)]
+        out["steps_run"] = rows  # optimizer steps run, a guard's replays included (the run's timing)
         out["drift"] = [drift[k] for k in traj["steps"] if k in drift]
         out["disagree"] = [disagree[k] for k in traj["steps"] if k in disagree]
         return out
@@ -308,7 +319,7 @@ class Worker:
         fault.close()
         records = fault.records
         t.callbacks = [c for c in t.callbacks if c is not callback]
-        row.update(self._measures(job, run))
+        row.update(self._measures(job, run), steps_run=run["steps_run"])
         traj = self._trajectory(s)
         if run["early"]:  # nothing changed and nothing can fire any more: the golden trajectory
             row.update(
