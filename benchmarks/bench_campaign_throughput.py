@@ -53,7 +53,9 @@ def campaign(trials: int, horizon: int, workers: int, ray: bool = False) -> dict
 
 def show(label: str, t: dict, trials: int) -> None:
     ph, tr = t["phases"], t["trials"]
-    each = ", ".join(f"{w['efficiency']:.3f}/{w['cpu_efficiency']:.3f} ({w['trials']} trials)" for w in t["workers"].values())
+    each = ", ".join(
+        f"{w['efficiency']:.3f}/{w['cpu_efficiency']:.3f} ({w['trials']} trials)" for w in t["workers"].values()
+    )
     print(
         f"{label}: efficiency wall {tr['efficiency']:.3f} cpu {tr['cpu_efficiency']:.3f}; per worker wall/cpu {each}; "
         f"busy {t['busy_share']:.0%} of the trial phase ({ph['trials']:.1f} s, {3600 * trials / ph['trials']:.0f} "
@@ -86,8 +88,9 @@ def main() -> None:
             show("ray 2 actors", campaign(args.trials, args.horizon, 2, ray=True), args.trials)
     med = lambda xs: statistics.median(xs)  # noqa: E731
     for n, ts in runs.items():
+        rate = med([3600 * args.trials / t["phases"]["trials"] for t in ts])
         print(
-            f"{n} worker{'s' * (n > 1)}: trials/hour {med([3600 * args.trials / t['phases']['trials'] for t in ts]):.0f} "
+            f"{n} worker{'s' * (n > 1)}: trials/hour {rate:.0f} "
             f"(trial phase), {med([3600 * args.trials / t['total_s'] for t in ts]):.0f} end to end; fixed costs "
             f"{med([t['total_s'] - t['phases']['trials'] for t in ts]):.1f} s"
         )

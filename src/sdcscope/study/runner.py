@@ -395,7 +395,8 @@ def _run_locked(
     times = timing.summary()
     if times["trials"]["efficiency"] is not None:
         log.info(
-            "%d trials on %d workers at %.2f of their compute floor (%.2f in CPU time; golden step %.2f ms x steps run)",
+            "%d trials on %d workers at %.2f of their compute floor (%.2f in CPU time; golden step %.2f ms "
+            "x steps run)",
             times["trials"]["trials"],
             times["size"],
             times["trials"]["efficiency"],
