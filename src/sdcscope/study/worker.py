@@ -4,8 +4,10 @@ A worker builds the workload and a trainer once, then restores a golden snapshot
 (never re-training from step 0). Every job result is a pure function of (campaign spec, job):
 workers run torch with one thread, so results do not depend on the worker count or on which
 worker runs a job. Files it writes (snapshots, trajectories, baseline end states) go to
-``DIR/golden/`` atomically; rows go back to the runner, which commits them. Each trial also leaves
-what the scoreboard reads (``sdcscope.study.scoreboard``): ``DIR/trials/trial-ID/injections.jsonl``
+``DIR/golden/`` atomically; rows go back to the runner, which commits them (each result also
+carries its wall and CPU time and the worker's name, and the golden job its mean step time: the
+run's timing, :mod:`.timing`). Each trial also leaves what the scoreboard reads
+(``sdcscope.study.scoreboard``): ``DIR/trials/trial-ID/injections.jsonl``
 (the fired faults' records, each with the corrupted tensor's ``shape`` as far as known) and, in a
 guarded campaign, its ``events.jsonl`` (the guard's events); a healthy baseline of a guarded
 campaign leaves ``DIR/trials/baseline-STEP-SEED/events.jsonl``.
@@ -75,6 +77,12 @@ def _unchanged(records: list[dict]) -> bool:
         and all(_bits(float(b)) == _bits(float(a)) for b, a in zip(r["before"], r["after"]))
         for r in records
     )
+
+
+def _steady(times: list[float]) -> float:
+    """The mean step time, the first (warm-up: it allocates) left out: the trials' compute floor."""
+    rest = times[1:] or times
+    return sum(rest) / len(rest)
 
 
 def _finite(x: Any) -> bool:
@@ -171,8 +179,13 @@ class Worker:
                 {"steps": [s + o for o in offsets], "params": torch.stack([flats[s + o] for o in offsets])},
                 self.dir / f"trajectory-{s}.pt",
             )
-        mean = lambda xs: sum(xs[1:] or xs) / len(xs[1:] or xs)  # noqa: E731 (the first step allocates: left out)
-        return {"kind": "golden", "losses": losses, "references": refs, "step_s": mean(times), "step_cpu_s": mean(cpu)}
+        return {
+            "kind": "golden",
+            "losses": losses,
+            "references": refs,
+            "step_s": _steady(times),
+            "step_cpu_s": _steady(cpu),
+        }
 
     # -- a horizon of training ---------------------------------------------------------------
     def _train(self, job: dict[str, Any], stop=None) -> dict[str, Any]:
