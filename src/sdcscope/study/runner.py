@@ -40,6 +40,7 @@ from sdcscope.study.plan import Trial, build_plan, pending_trials
 from sdcscope.study.spec import CampaignSpec, load_campaign, read_campaign_data
 from sdcscope.study.stats import RULE, THRESHOLD_MEASURES, prediction_bound
 from sdcscope.study.store import DB_FILE, ResultsDB
+from sdcscope.study.timing import RunTiming
 from sdcscope.study.twins import envelope_bound, spread_flags, twin_flags
 from sdcscope.study.worker import GOLDEN_DIR, Worker
 
@@ -137,7 +138,7 @@ def _run_job(job: dict) -> dict:
 
 class _InProcess:
     def __init__(self, directory: Path, spec: CampaignSpec) -> None:
-        self.threads = torch.get_num_threads()
+        self.threads, self.size = torch.get_num_threads(), 1
         self.worker = Worker(directory, spec.to_dict())
 
     def map(self, jobs: list[dict]) -> Iterator[dict]:
@@ -151,6 +152,7 @@ class _InProcess:
 
 class _Pool:
     def __init__(self, directory: Path, spec: CampaignSpec, workers: int) -> None:
+        self.size = workers
         self.pool = ProcessPoolExecutor(
             workers,
             mp_context=multiprocessing.get_context("spawn"),
@@ -200,6 +202,7 @@ class _Ray:
         n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
         actor = ray.remote(num_cpus=1)(Worker)
         self.actors = [actor.remote(str(directory.resolve()), spec.to_dict()) for _ in range(n)]
+        self.size = n
         self.pool = ActorPool(self.actors)
 
     def map(self, jobs: list[dict]) -> Iterator[dict]:
@@ -239,13 +242,17 @@ def _golden_ready(directory: Path, spec: CampaignSpec) -> bool:
     )
 
 
-def _each(backend, jobs: list[dict], phase: str, progress: Progress | None) -> Iterable[dict]:
+def _each(backend, jobs: list[dict], phase: str, progress: Progress | None, timing: RunTiming) -> Iterable[dict]:
+    t0 = time.perf_counter()
     if progress:
         progress(phase, 0, len(jobs))
     for k, result in enumerate(backend.map(jobs) if jobs else (), 1):
+        timing.job(result)
         yield result
         if progress:
             progress(phase, k, len(jobs))
+    if jobs:
+        timing.phase(phase, time.perf_counter() - t0)
 
 
 def _thresholds(spec: CampaignSpec, baselines: list[dict]) -> list[dict]:
@@ -367,6 +374,7 @@ def _run_lock(directory: Path) -> Iterator[None]:
 def _run_locked(
     directory: Path, spec_path: Path, workers: int | None, ray_address: str | None, progress: Progress | None
 ) -> dict[str, Any]:
+    timing = RunTiming()
     spec = load_campaign(spec_path)
     plan = plan_campaign(spec)
     with ResultsDB(directory / DB_FILE, spec, len(plan)) as db:
@@ -377,25 +385,45 @@ def _run_locked(
         backend = None if ready and not todo else _backend(directory, spec, workers, ray_address)
         try:
             if backend is not None:
-                _run_phases(directory, spec, db, backend, todo, progress)
+                timing.size = backend.size
+                timing.phase("startup", time.perf_counter() - timing.t0)
+                _run_phases(directory, spec, db, backend, todo, progress, timing)
         finally:
             if backend is not None:
                 backend.close()
         rows = db.trials()
+    times = timing.summary()
+    if times["trials"]["efficiency"] is not None:
+        log.info(
+            "%d trials on %d workers at %.2f of their compute floor (%.2f in CPU time; golden step %.2f ms "
+            "x steps run)",
+            times["trials"]["trials"],
+            times["size"],
+            times["trials"]["efficiency"],
+            times["trials"]["cpu_efficiency"] or 0.0,
+            1e3 * times["golden"]["step_s"],
+        )
     return {
         "trials": len(plan),
         "done": len(rows),
         "ran": len(todo),
         "outcomes": dict(Counter(r["outcome"] for r in rows)),
+        "timing": times,
     }
 
 
 def _run_phases(
-    directory: Path, spec: CampaignSpec, db: ResultsDB, backend, todo: list[Trial], progress: Progress | None
+    directory: Path,
+    spec: CampaignSpec,
+    db: ResultsDB,
+    backend,
+    todo: list[Trial],
+    progress: Progress | None,
+    timing: RunTiming,
 ) -> None:
     have_refs = bool(db.references())
     if not have_refs or not _golden_ready(directory, spec):
-        for result in _each(backend, [{"kind": "golden"}], "golden", progress):
+        for result in _each(backend, [{"kind": "golden"}], "golden", progress, timing):
             if not have_refs:
                 db.write_golden(result["losses"], result["references"])
     refs, losses = db.references(), db.golden_losses()
@@ -411,7 +439,7 @@ def _run_phases(
         for k in spec.baseline.seeds
         if (s, k) not in done or not (directory / GOLDEN_DIR / f"baseline-{s}-{k}.pt").is_file()
     ]
-    for result in _each(backend, jobs, "baseline", progress):
+    for result in _each(backend, jobs, "baseline", progress, timing):
         if (result["inject_step"], result["seed"]) not in done:
             db.write_baseline(result)
     if not db.thresholds():
@@ -423,7 +451,7 @@ def _run_phases(
         for k in range(spec.baseline.twins)
         if (s, k) not in have
     ]
-    for result in _each(backend, jobs, "twins", progress):
+    for result in _each(backend, jobs, "twins", progress, timing):
         db.write_twin(result)
     if jobs or any("dist_twin" not in th for th in db.thresholds().values()):
         _write_envelope(spec, db)
@@ -432,5 +460,5 @@ def _run_phases(
         {**base_job("trial", t.inject_step), "trial": dataclasses.asdict(t), "thresholds": thresholds[t.inject_step]}
         for t in todo
     ]
-    for result in _each(backend, jobs, "trials", progress):
+    for result in _each(backend, jobs, "trials", progress, timing):
         db.write_trial({**result, "spec_hash": spec.hash})

@@ -4,8 +4,10 @@ A worker builds the workload and a trainer once, then restores a golden snapshot
 (never re-training from step 0). Every job result is a pure function of (campaign spec, job):
 workers run torch with one thread, so results do not depend on the worker count or on which
 worker runs a job. Files it writes (snapshots, trajectories, baseline end states) go to
-``DIR/golden/`` atomically; rows go back to the runner, which commits them. Each trial also leaves
-what the scoreboard reads (``sdcscope.study.scoreboard``): ``DIR/trials/trial-ID/injections.jsonl``
+``DIR/golden/`` atomically; rows go back to the runner, which commits them (each result also
+carries its wall and CPU time and the worker's name, and the golden job its mean step time: the
+run's timing, :mod:`.timing`). Each trial also leaves what the scoreboard reads
+(``sdcscope.study.scoreboard``): ``DIR/trials/trial-ID/injections.jsonl``
 (the fired faults' records, each with the corrupted tensor's ``shape`` as far as known) and, in a
 guarded campaign, its ``events.jsonl`` (the guard's events); a healthy baseline of a guarded
 campaign leaves ``DIR/trials/baseline-STEP-SEED/events.jsonl``.
@@ -14,6 +16,8 @@ campaign leaves ``DIR/trials/baseline-STEP-SEED/events.jsonl``.
 from __future__ import annotations
 
 import math
+import os
+import socket
 import struct
 import time
 from pathlib import Path
@@ -75,6 +79,12 @@ def _unchanged(records: list[dict]) -> bool:
     )
 
 
+def _steady(times: list[float]) -> float:
+    """The mean step time, the first (warm-up: it allocates) left out: the trials' compute floor."""
+    rest = times[1:] or times
+    return sum(rest) / len(rest)
+
+
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
@@ -90,12 +100,16 @@ class Worker:
         self.trainer = Trainer(self.workload, self.spec.train_config())
         self._cache: dict[str, Any] = {}
         self._predictor: Predictor | None = None
+        self.id = f"{socket.gethostname()}:{os.getpid()}"
+        """Names this worker in the results it returns (``worker``), for the run's timing."""
 
     def run(self, job: dict[str, Any]) -> dict[str, Any]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         kinds = {"golden": self.golden, "baseline": self.baseline, "twin": self.twin, "trial": self.trial}
         result = kinds[job["kind"]](job)
         result["wall_s"] = round(time.perf_counter() - t0, 4)
+        result["cpu_s"] = round(time.process_time() - c0, 4)
+        result["worker"] = self.id
         return result
 
     # -- files -------------------------------------------------------------------------------
@@ -130,7 +144,7 @@ class Worker:
         points = {s + o for s in spec.inject_steps for o in offsets}
         ends = {s + spec.horizon: s for s in spec.inject_steps}
         flats: dict[int, torch.Tensor] = {}
-        losses, refs = [], []
+        losses, refs, times, cpu = [], [], [], []
         for step in range(spec.golden_steps + 1):
             if step in spec.inject_steps:
                 save_checkpoint(trainer.snapshot(), self.dir / f"step-{step}")
@@ -150,7 +164,10 @@ class Worker:
                 )
             if step == spec.golden_steps:
                 break
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = trainer.train_step()["loss"]
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             if not math.isfinite(loss):
                 raise ValueError(
                     f"the golden run itself diverged at step {step} (loss {loss}); "
@@ -162,7 +179,13 @@ class Worker:
                 {"steps": [s + o for o in offsets], "params": torch.stack([flats[s + o] for o in offsets])},
                 self.dir / f"trajectory-{s}.pt",
             )
-        return {"kind": "golden", "losses": losses, "references": refs}
+        return {
+            "kind": "golden",
+            "losses": losses,
+            "references": refs,
+            "step_s": _steady(times),
+            "step_cpu_s": _steady(cpu),
+        }
 
     # -- a horizon of training ---------------------------------------------------------------
     def _train(self, job: dict[str, Any], stop=None) -> dict[str, Any]:
@@ -194,6 +217,7 @@ class Worker:
         except Exception as exc:  # a corrupted value can make an operation raise: the run crashed
             out.update(crash=True, error=f"{type(exc).__name__}: {exc}")
         out["losses"] = [by_step[k] for k in sorted(by_step)]
+        out["steps_run"] = rows  # optimizer steps run, a guard's replays included (the run's timing)
         out["drift"] = [drift[k] for k in traj["steps"] if k in drift]
         out["disagree"] = [disagree[k] for k in traj["steps"] if k in disagree]
         return out
@@ -308,7 +332,7 @@ class Worker:
         fault.close()
         records = fault.records
         t.callbacks = [c for c in t.callbacks if c is not callback]
-        row.update(self._measures(job, run))
+        row.update(self._measures(job, run), steps_run=run["steps_run"])
         traj = self._trajectory(s)
         if run["early"]:  # nothing changed and nothing can fire any more: the golden trajectory
             row.update(
