@@ -161,3 +161,21 @@ def test_train_counts_checkpoint_faults_among_those_fired(tmp_path):
     assert result.exit_code == 0, result.output
     lines = (tmp_path / "run" / "injections.jsonl").read_text().splitlines()
     assert lines and f"faults: {len(lines)} fired" in " ".join(result.output.split())  # was: 0 fired
+
+
+def test_inject_on_the_moe_workload_drops_a_token_and_compares(tmp_path):
+    text = """
+- site: dispatch
+  target: blocks.1.moe.dispatch
+  model: drop
+  schedule: {kind: transient, step: 2}
+  seed: 1
+"""
+    result = _inject(tmp_path, text, "--workload", "moe")
+    assert result.exit_code == 0, result.output
+    exp = tmp_path / "exp"
+    (record,) = [json.loads(x) for x in (exp / "faulty" / "injections.jsonl").read_text().splitlines()]
+    assert (record["step"], record["site"], record["module"]) == (2, "dispatch", "blocks.1.moe.dispatch")
+    assert json.loads((exp / "golden" / "config.json").read_text())["workload"]["workload"] == "moe"
+    cmp = json.loads((exp / "comparison.json").read_text())
+    assert cmp["first_divergence_step"] == 2 and cmp["loss_diff"][:2] == [0.0, 0.0]
