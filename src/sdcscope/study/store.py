@@ -84,9 +84,7 @@ TRIAL_COLUMNS: dict[str, str] = {
     "wall_s": "REAL",
     "disagree": "TEXT",
 }
-BASELINE_COLUMNS: dict[str, str] = {
-    "inject_step": "INTEGER",
-    "seed": "INTEGER",
+_HEALTHY_COLUMNS: dict[str, str] = {
     "val_loss": "REAL",
     "val_acc": "REAL",
     "val_delta": "REAL",
@@ -100,23 +98,9 @@ BASELINE_COLUMNS: dict[str, str] = {
     "drift_twin": "INTEGER",
     "drift_spread": "INTEGER",
 }
-TWIN_COLUMNS: dict[str, str] = {
-    "inject_step": "INTEGER",
-    "twin": "INTEGER",
-    "changed": "INTEGER",
-    "val_loss": "REAL",
-    "val_acc": "REAL",
-    "val_delta": "REAL",
-    "loss_excess": "REAL",
-    "dist_golden": "REAL",
-    "guard_events": "INTEGER",
-    "losses": "TEXT",
-    "drift": "TEXT",
-    "disagree": "TEXT",
-    "drift_twin": "INTEGER",
-    "drift_spread": "INTEGER",
-    "wall_s": "REAL",
-}
+"""What every healthy run (a re-seeded baseline, a perturbation twin) records."""
+BASELINE_COLUMNS: dict[str, str] = {"inject_step": "INTEGER", "seed": "INTEGER", **_HEALTHY_COLUMNS}
+TWIN_COLUMNS: dict[str, str] = {"inject_step": "INTEGER", "twin": "INTEGER", "changed": "INTEGER", **_HEALTHY_COLUMNS}
 """A perturbation twin; ``drift_twin``: beyond the envelope of the other twins, ``drift_spread``:
 beyond the re-seed spread (each a false drift)."""
 _TABLES = {
