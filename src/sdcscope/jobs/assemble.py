@@ -98,25 +98,15 @@ def check_faults(
     position among all specs) and the others against the model (numbered among themselves)."""
     specs = list(specs)
     if distributed:
-        comm = [(i, s) for i, s in enumerate(specs) if s.site == "comm"]
-        check_comm_specs(
-            model,
-            [s for _, s in comm],
-            world_size=world_size,
-            steps=steps,
-            grad_accum=train.grad_accum,
-            spec_ids=[i for i, _ in comm],
-        )
-        coll = [(i, s) for i, s in enumerate(specs) if is_collective(s)]
-        check_collective_specs(
-            model,
-            [s for _, s in coll],
-            world_size=world_size,
-            steps=steps,
-            grad_accum=train.grad_accum,
-            spec_ids=[i for i, _ in coll],
-        )
-        specs = [s for s in specs if s.site != "comm" and not is_collective(s)]
+
+        def is_comm(spec: FaultSpec) -> bool:
+            return spec.site == "comm"
+
+        for applies, check in ((is_comm, check_comm_specs), (is_collective, check_collective_specs)):
+            mine = [(i, s) for i, s in enumerate(specs) if applies(s)]
+            ids, subset = [i for i, _ in mine], [s for _, s in mine]
+            check(model, subset, world_size=world_size, steps=steps, grad_accum=train.grad_accum, spec_ids=ids)
+        specs = [s for s in specs if not is_comm(s) and not is_collective(s)]
     batch = workload.batch(train.seed, 0, 0)
     return validate_specs(
         model,
