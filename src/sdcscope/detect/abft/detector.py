@@ -3,7 +3,6 @@ calls, and judges the step's recorded checks in one host sync (:meth:`ABFTDetect
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import warnings
@@ -11,16 +10,14 @@ import weakref
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
-from sdcscope.common.fp8 import is_fp8_linear
-from sdcscope.common.modules import CONV_TYPES, TRANSPOSED_TYPES, is_matmul, match_modules, weight_in_out
+from sdcscope.common.modules import CONV_TYPES, TRANSPOSED_TYPES, is_matmul
 from sdcscope.detect.abft.config import ABFTConfig
 from sdcscope.detect.abft.conv import ConvChecks, self_padding
-from sdcscope.detect.abft.convcheck import checkable_conv
 from sdcscope.detect.abft.fp8 import Fp8Checks
 from sdcscope.detect.abft.graph import GraphChecks, graph_linear
 from sdcscope.detect.abft.hooks import ModuleHooks, backward_hooked, keep_last
+from sdcscope.detect.abft.layers import find_layers, listed, unchecked_params
 from sdcscope.detect.abft.linear import LinearChecks
 from sdcscope.detect.abft.records import CheckRecord, Layer
 from sdcscope.detect.abft.sampling import Sampler
@@ -44,55 +41,10 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, Fp8Checks, FunctionalT
         self.model = model
         self._cs = torch.float32 if cfg.checksum_dtype == "auto" else getattr(torch, cfg.checksum_dtype)
         self.rank = rank
-        eligible = match_modules(
-            model,
-            cfg.targets,
-            option="ABFT targets",
-            where=lambda m: (
-                ("linear" in cfg.kinds and (isinstance(m, nn.Linear) or weight_in_out(m)))
-                or ("matmul" in cfg.kinds and is_matmul(m))
-                or ("conv" in cfg.kinds and isinstance(m, CONV_TYPES + TRANSPOSED_TYPES))
-            ),
-        )
-        self.layers: list[Layer] = []
-        self.skipped: list[str] = []
-        """``nn.Linear`` / ``nn.ConvNd`` subclasses overriding ``forward`` (their output is not
-        XWᵀ + b), parametrized ones (the W their forward used cannot be read again) and those
+        self.layers, self.skipped, eligible = find_layers(model, cfg)
+        """``skipped``: ``nn.Linear`` / ``nn.ConvNd`` subclasses overriding ``forward`` (their output
+        is not XWᵀ + b), parametrized ones (the W their forward used cannot be read again) and those
         whose weight is not a real floating-point tensor (complex, quantized: no rounding model)."""
-        for name, mod in eligible.items():
-            kind = (
-                "fp8"
-                if is_fp8_linear(mod)
-                else "linear"
-                if isinstance(mod, nn.Linear) or weight_in_out(mod)
-                else "conv"
-                if isinstance(mod, CONV_TYPES + TRANSPOSED_TYPES)
-                else "matmul"
-            )
-            if kind not in ("matmul", "fp8") and (
-                parametrize.is_parametrized(mod)
-                or not (
-                    checkable_conv(mod)
-                    if kind == "conv"
-                    else (
-                        weight_in_out(mod)
-                        or type(mod).forward is nn.Linear.forward
-                        or type(mod).__name__ in cfg.linear_subclasses
-                    )
-                    and mod.weight.is_floating_point()
-                )
-            ):
-                self.skipped.append(name)
-                continue
-            self.layers.append(
-                Layer(
-                    name,
-                    mod,
-                    kind,
-                    names=_operand_names(mod, 2 if kind == "matmul" else 1),
-                    w_in_out=weight_in_out(mod),
-                )
-            )
         self._by_name = {x.name: x for x in self.layers}
         self._tp_unchecked: dict[str, str] = {}  # tensor-parallel layers without a local GEMM, and why
         self.unreached: set[str] = set()
@@ -101,20 +53,7 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, Fp8Checks, FunctionalT
         the sampling rotation."""
         self._reached: set[str] = set()
         self._misses: dict[str, int] = {}
-        covered = {
-            id(p)
-            for x in self.layers + [eligible[n] for n in self.skipped]
-            for p in (x.module if isinstance(x, Layer) else x).parameters()
-        }
-        self.unchecked_params = [
-            n
-            for n, p in model.named_parameters()
-            if id(p) not in covered
-            and p.dim() >= 2
-            and p.requires_grad
-            and p.is_floating_point()
-            and not isinstance(owner_module(model, n), (nn.Embedding, nn.EmbeddingBag))
-        ]
+        self.unchecked_params = unchecked_params(model, self.layers, [eligible[n] for n in self.skipped])
         """Trainable weights (2-D and up) that no checked or skipped layer holds, embeddings aside:
         those of layers left out by ``targets`` or ``kinds``, and those a module applies in its own
         ``forward`` (an MoE's 3-D expert weights, a router's weight, ``nn.MultiheadAttention``'s
@@ -128,7 +67,7 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, Fp8Checks, FunctionalT
                     self._add_functional(name, model.get_parameter(name), owner)
         if self.layers and self.skipped:
             warnings.warn(
-                f"ABFT checks no GEMM of layers it cannot check: {_listed(self.skipped)} "
+                f"ABFT checks no GEMM of layers it cannot check: {listed(self.skipped)} "
                 "(ABFTDetector.skipped: a subclass overriding forward -- name one computing "
                 "x·Wᵀ + b in linear_subclasses --, a parametrization, a non-float weight)",
                 stacklevel=2,
@@ -397,7 +336,7 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, Fp8Checks, FunctionalT
                     "ABFT: the model runs inside a torch.compile graph: its Linears are checked there, "
                     "but %s (MatMul, convolution, functional layers) keep hooks, which the graph leaves "
                     "out: their GEMMs are not checked in compiled steps",
-                    _listed(hooked),
+                    listed(hooked),
                 )
             else:
                 warnings.warn(
@@ -428,7 +367,7 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, Fp8Checks, FunctionalT
         if self._sdpa_warned or not calls:
             return
         self._sdpa_warned = True
-        names = _listed(sorted(calls))
+        names = listed(sorted(calls))
         if not self.sdpa.rows:
             warnings.warn(
                 f"ABFT does not check the fused attention (F.scaled_dot_product_attention) of {names}: "
@@ -492,20 +431,6 @@ class ABFTDetector(ModuleHooks, LinearChecks, ConvChecks, Fp8Checks, FunctionalT
                 evidence=evidence,
             )
         ]
-
-
-def _listed(names: list[str], shown: int = 4) -> str:
-    more = len(names) - shown
-    return ", ".join(names[:shown]) + (f" (and {more} more)" if more > 0 else "")
-
-
-def _operand_names(module: nn.Module, n: int) -> tuple[str, ...]:
-    """Names of the first ``n`` parameters of ``module.forward`` (operands passed by keyword)."""
-    try:
-        params = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        params = []
-    return tuple(params[:n]) + tuple(f"_{i}" for i in range(len(params), n))
 
 
 register(
