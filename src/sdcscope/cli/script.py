@@ -59,3 +59,61 @@ def script_command(command: list[str], bootstrap: str, options: list[str], *, la
     if not rest:
         raise CLIError("give the script to run: -- python my_train.py ARGS")
     return [python, "-m", bootstrap, *options, "--", *rest]
+
+
+ATTACH = "sdcscope.integrations.script"
+"""The bootstrap of ``sdcscope guard|inject -- …`` (:mod:`sdcscope.integrations.script`)."""
+
+
+def run_attached(command: list[str], out: Path, *, guard_file: Path | None, guard: bool, spec: Path | None) -> None:
+    """``sdcscope guard|inject … -- COMMAND``: run the user's script (or torchrun job) unchanged in
+    a subprocess with the guard (``guard``, settings ``guard_file``) and/or the faults of ``spec``
+    attached; its output passes through, its exit code is ours. Bad options are refused first."""
+    import subprocess
+
+    from sdcscope.cli.common import check_file, load_fault_file, out_console, user_errors
+    from sdcscope.engine.rundir import check_new_run_dir, merge_injection_logs
+
+    with user_errors():
+        check_new_run_dir(out)
+        options = ["--out", str(out)]
+        if guard_file is not None:
+            from sdcscope.guard import GuardConfig
+
+            GuardConfig.load(check_file("--guard-config", guard_file))
+            options += ["--guard-config", str(guard_file)]
+        elif guard:
+            options += ["--guard"]
+        if spec is not None:
+            load_fault_file("--spec", spec)
+            options += ["--spec", str(spec)]
+        argv = script_command(command, ATTACH, options)
+    code = subprocess.call(argv)
+    ranks = sorted(out.glob("injections.rank*.jsonl"))
+    if ranks:  # a data-parallel job: every rank's log is complete now that the launcher ended
+        merge_injection_logs(out, len(ranks))
+    configs = sorted([*out.glob("config.json"), *out.glob("rank*/config.json")])
+    if not configs and code != 2:
+        with user_errors():
+            raise CLIError("the script built no optimizer over a module's parameters: nothing was attached")
+    for config in configs:
+        _print_run(config.parent, out_console)
+    if code:
+        import typer
+
+        raise typer.Exit(code=code)
+
+
+def _print_run(run_dir: Path, console) -> None:
+    """The run's findings and fired faults, in a few lines."""
+    from sdcscope.common.io import read_jsonl
+
+    events = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").is_file() else []
+    fired = read_jsonl(run_dir / "injections.jsonl") if (run_dir / "injections.jsonl").is_file() else []
+    console.print(f"{run_dir}: {len(fired)} fault(s) fired, [bold]{len(events)}[/] guard event(s)")
+    for e in events[:5]:
+        rank = "" if e.get("rank") is None else f" rank {e['rank']}"
+        console.print(
+            f"  step {e['step']}{rank}: {e['detector']} {e['verdict']} {e.get('module') or ''} "
+            f"{e.get('gemm') or ''} → {e['action']}"
+        )
