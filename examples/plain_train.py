@@ -3,7 +3,7 @@ accumulation, gradient clipping; DDP when a launcher starts it. Guard it or inje
 unchanged (docs/guard.md, "Attach to a script unchanged"):
 
     sdcscope guard --out runs/plain -- python examples/plain_train.py
-    sdcscope inject --spec examples/faults/plain_fc1_flip.yaml --guard --out runs/flip -- python examples/plain_train.py
+    sdcscope inject --spec examples/plain_train_flip.yaml --guard --out runs/flip -- python examples/plain_train.py
     sdcscope guard --out runs/plain2 -- torchrun --nproc_per_node 2 examples/plain_train.py
 """
 

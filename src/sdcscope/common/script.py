@@ -44,6 +44,26 @@ def find_model(optimizer: Any) -> nn.Module | None:
     return best
 
 
+def outermost(module: nn.Module) -> nn.Module:
+    """Called from within ``module``'s forward (a forward pre-hook): the wrapper whose forward is
+    calling it that holds exactly its parameters (a ``DistributedDataParallel`` built around the
+    model after its optimizer), climbing while there is one; else ``module``. Read from the
+    call stack, without a scan of every live object."""
+    own = {id(p) for p in module.parameters()}
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if (
+            issubclass(type(obj), nn.Module)
+            and obj is not module
+            and any(child is module for child in obj.children())
+            and {id(p) for p in obj.parameters()} == own
+        ):
+            module = obj
+        frame = frame.f_back
+    return module
+
+
 class InitWatch:
     """Constructors wrapped while installed: ``after(obj)`` runs right after ``cls.__init__(obj,
     …)``; :meth:`uninstall` puts every constructor back."""

@@ -11,8 +11,8 @@ The script runs as ``__main__`` (:func:`~sdcscope.common.script.run_main`, the b
 - **optimizer and model**: the first ``torch.optim.Optimizer`` the script builds (its constructor
   is watched); its model is :func:`~sdcscope.common.script.find_model`'s: the live module holding
   the most of its parameters. A forward pre-hook goes on that module at once; at its first
-  training forward the model is looked up again (a ``DistributedDataParallel`` wrapper built
-  since is found then) and the guard and the injector are built on it. A second optimizer (a
+  training forward a wrapper built around it since (``DistributedDataParallel``) is looked for
+  (:func:`~sdcscope.common.script.outermost`) and the guard and the injector are built on it. A second optimizer (a
   GAN's) is left alone;
 - **steps**: a step begins at the first training-mode forward (``module.training`` with
   gradients enabled) of the model after the previous ``optimizer.step()``; each further one is the
@@ -56,7 +56,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from sdcscope.common.exitcodes import ExitCode
 from sdcscope.common.io import write_json
-from sdcscope.common.script import InitWatch, check_argv, find_model, run_main
+from sdcscope.common.script import InitWatch, check_argv, find_model, outermost, run_main
 from sdcscope.common.world import world_of
 from sdcscope.engine.state import param_sha256
 from sdcscope.faults import FaultSpec, load_specs
@@ -106,8 +106,7 @@ class ScriptAttach:
             register_optimizer_step_pre_hook(self._pre_step),
             register_optimizer_step_post_hook(self._post_step),
         ]
-        if self.guard_config is not None:
-            apis.install(self)
+        apis.install(self)  # the losses backward starts from
         return self
 
     def uninstall(self, code: int | None = None) -> None:
@@ -116,8 +115,7 @@ class ScriptAttach:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self.guard_config is not None:
-            apis.uninstall(self)
+        apis.uninstall(self)
         if self.injector is not None:
             self.injector.close()
         if self.session is not None:
@@ -147,7 +145,7 @@ class ScriptAttach:
     def _build(self) -> None:
         """At the first training forward: the guard and the injector on the model as it is now."""
         self._built = True
-        model = find_model(self.optimizer) or self.model  # a DDP wrapper built since the optimizer
+        model = outermost(self.model)  # a DDP wrapper built since the optimizer
         world = world_of(model)
         inner = world.ddp.module if world.ddp is not None else model
         env_rank, env_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
