@@ -95,27 +95,42 @@ class ScriptAttach:
         self._losses: list[torch.Tensor] = []
         self._lrs: list[Any] | None = None
         self._watch = InitWatch()
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # the model's forward pre-hook
+        self._global: list[Any] = []  # the global optimizer step hooks
         self._lead, self._rank, self._suffix = True, 0, ""
         self._started = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def install(self) -> ScriptAttach:
+        """Watch the optimizers the script builds; :meth:`hook` the steps."""
         self._watch.watch(torch.optim.Optimizer, self._on_optimizer)
-        self._handles += [
-            register_optimizer_step_pre_hook(self._pre_step),
-            register_optimizer_step_post_hook(self._post_step),
-        ]
-        apis.install(self)  # the losses backward starts from
+        return self.hook()
+
+    def hook(self) -> ScriptAttach:
+        """The global hooks on: optimizer step pre/post hooks, the backward wrapper (the losses)."""
+        if not self._global:
+            self._global = [
+                register_optimizer_step_pre_hook(self._pre_step),
+                register_optimizer_step_post_hook(self._post_step),
+            ]
+            apis.install(self)
         return self
+
+    def unhook(self) -> None:
+        """The global hooks off (the model's forward hook stays: it acts on that model alone)."""
+        for h in self._global:
+            h.remove()
+        if self._global:
+            apis.uninstall(self)
+        self._global = []
 
     def uninstall(self, code: int | None = None) -> None:
         """Remove every hook, close the guard and the injector, write summary.json."""
         self._watch.uninstall()
+        self.unhook()
         for h in self._handles:
             h.remove()
         self._handles = []
-        apis.uninstall(self)
         if self.injector is not None:
             self.injector.close()
         if self.session is not None:
