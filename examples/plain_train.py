@@ -38,11 +38,8 @@ def batch(windows: torch.Tensor, gen: torch.Generator, size: int) -> tuple[torch
 
 def main(argv: list[str] | None = None) -> float:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    for flag, default in (("--steps", 20), ("--accum", 2), ("--batch-size", 8), ("--lr", 3e-3), ("--seed", 0)):
+        p.add_argument(flag, type=type(default), default=default)  # --accum: micro-batches per step
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -55,7 +52,7 @@ def main(argv: list[str] | None = None) -> float:
     model = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed + rank)
-    for step in range(args.steps):
+    for _ in range(args.steps):
         optimizer.zero_grad()
         for _ in range(args.accum):
             x, y = batch(windows, gen, args.batch_size)

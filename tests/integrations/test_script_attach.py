@@ -55,7 +55,9 @@ def test_a_forward_gemm_flip_in_a_micro_batch_is_caught_in_its_step_and_vetoed(t
     assert (fired["step"], fired["micro_batch"], fired["module"]) == (3, 1, "fc1")
     events = read_jsonl(tmp_path / "f" / "events.jsonl")
     abft = [e for e in events if e["detector"] == "abft"]
-    assert [(e["step"], e["module"], e["gemm"], e["evidence"]["micro_batch"]) for e in abft] == [(3, "fc1", "forward", 1)]
+    assert [(e["step"], e["module"], e["gemm"], e["evidence"]["micro_batch"]) for e in abft] == [
+        (3, "fc1", "forward", 1)
+    ]
     assert {e["step"] for e in events} == {3} and {e["action"] for e in events} == {"veto"}
     summary = read_json(tmp_path / "f" / "summary.json")
     assert (summary["steps"], summary["discarded_steps"], summary["injections"]) == (5, 1, 1)
@@ -66,8 +68,23 @@ def test_torchrun_rewrite_runs_the_bootstrap_in_every_worker():
     from sdcscope.cli.script import ATTACH, script_command
 
     argv = script_command(["torchrun", "--nproc_per_node", "2", "t.py", "--lr", "1"], ATTACH, ["--out", "o"])
-    assert argv[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", ATTACH, "--out", "o", "--", "t.py", "--lr", "1"]
-    argv = script_command(["python", "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "pkg.train"], ATTACH, [])
+    assert argv[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        ATTACH,
+        "--out",
+        "o",
+        "--",
+        "t.py",
+        "--lr",
+        "1",
+    ]
+    argv = script_command(
+        ["python", "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "pkg.train"], ATTACH, []
+    )
     assert argv[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "-m", ATTACH, "--", "-m", "pkg.train"]
 
 

@@ -26,7 +26,6 @@ from sdcscope.cli.common import (
     step_progress,
     user_errors,
 )
-from sdcscope.cli.script import script_command
 from sdcscope.cli.options import (
     BATCH_SIZE_OPT,
     EVAL_EVERY_OPT,
@@ -39,6 +38,7 @@ from sdcscope.cli.options import (
     build_configs,
     check_steps,
 )
+from sdcscope.cli.script import script_command
 from sdcscope.common.io import file_in_the_way
 
 invariants_app = typer.Typer(

@@ -277,7 +277,9 @@ class ScriptAttach:
             raise SystemExit(int(ExitCode.GUARD_STOPPED))
 
 
-def run_attached(argv: list[str], out: str | Path, guard: GuardConfig | None, specs: list[FaultSpec]) -> tuple[int, bool]:
+def run_attached(
+    argv: list[str], out: str | Path, guard: GuardConfig | None, specs: list[FaultSpec]
+) -> tuple[int, bool]:
     """Run ``argv`` (``script.py ARGS`` or ``-m module ARGS``) as ``__main__`` with a
     :class:`ScriptAttach` installed; ``(its exit code, whether it attached to an optimizer)``. An
     exception of the script propagates, after the guard and the injector are closed."""
