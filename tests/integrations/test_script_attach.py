@@ -106,3 +106,17 @@ def test_torchrun_two_ranks_the_flip_on_rank_1_is_named_and_every_rank_vetoes(tm
     for name in ("summary.json", "summary.rank1.json"):
         summary = read_json(out / name)
         assert (summary["steps"], summary["discarded_steps"]) == (5, 1)
+
+
+def test_the_commands_refuse_bad_input_before_the_script_runs(tmp_path):
+    from helpers import cli_fails
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("profile: fastest\n")
+    never = tmp_path / "never"  # the script would write it: it must not run
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(never)!r}, 'w').close()\n")
+    cli_fails(["guard", "--guard-config", bad, "--out", tmp_path / "a", "--", "python", script], "fastest")
+    cli_fails(["inject", "--spec", bad, "--out", tmp_path / "b", "--", "python", script], "unknown fault spec key 'profile'")
+    cli_fails(["guard", "--out", tmp_path / "c", "--", "torchrun", "--no-python", "true"], "--no-python")
+    assert not never.exists()

@@ -93,7 +93,7 @@ def run_attached(command: list[str], out: Path, *, guard_file: Path | None, guar
     if ranks:  # a data-parallel job: every rank's log is complete now that the launcher ended
         merge_injection_logs(out, len(ranks))
     configs = sorted([*out.glob("config.json"), *out.glob("rank*/config.json")])
-    if not configs and code != 2:
+    if not configs and code == 0:
         with user_errors():
             raise CLIError("the script built no optimizer over a module's parameters: nothing was attached")
     for config in configs:

@@ -91,7 +91,7 @@ class ScriptAttach:
         self.run_dir: Path | None = None
         self.step = 0  # optimizer steps taken (the number of the open step)
         self.loss: float | None = None  # the last step's
-        self._open, self._micro, self._built = False, 0, False
+        self._open, self._micro, self._built, self._unseen = False, 0, False, False
         self._losses: list[torch.Tensor] = []
         self._lrs: list[Any] | None = None
         self._watch = InitWatch()
@@ -245,7 +245,16 @@ class ScriptAttach:
         return self._losses[0] if len(self._losses) == 1 else torch.stack(self._losses).sum()
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if optimizer is not self.optimizer or not self._open or self.session is None:
+        if optimizer is not self.optimizer:
+            return
+        if not self._open and not self._unseen:  # the script trains a module other than the one found
+            self._unseen = True
+            log.warning(
+                "%s.step() ran with no training forward of %s before it: such steps are not guarded",
+                type(optimizer).__name__,
+                type(self.model).__name__,
+            )
+        if not self._open or self.session is None:
             return
         s = self.session
         s.check(self._step_loss(), rerun=None)
