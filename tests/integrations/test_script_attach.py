@@ -117,6 +117,8 @@ def test_the_commands_refuse_bad_input_before_the_script_runs(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(f"open({str(never)!r}, 'w').close()\n")
     cli_fails(["guard", "--guard-config", bad, "--out", tmp_path / "a", "--", "python", script], "fastest")
-    cli_fails(["inject", "--spec", bad, "--out", tmp_path / "b", "--", "python", script], "unknown fault spec key 'profile'")
+    cli_fails(
+        ["inject", "--spec", bad, "--out", tmp_path / "b", "--", "python", script], "unknown fault spec key 'profile'"
+    )
     cli_fails(["guard", "--out", tmp_path / "c", "--", "torchrun", "--no-python", "true"], "--no-python")
     assert not never.exists()

@@ -12,8 +12,8 @@ The script runs as ``__main__`` (:func:`~sdcscope.common.script.run_main`, the b
   is watched); its model is :func:`~sdcscope.common.script.find_model`'s: the live module holding
   the most of its parameters. A forward pre-hook goes on that module at once; at its first
   training forward a wrapper built around it since (``DistributedDataParallel``) is looked for
-  (:func:`~sdcscope.common.script.outermost`) and the guard and the injector are built on it. A second optimizer (a
-  GAN's) is left alone;
+  (:func:`~sdcscope.common.script.outermost`) and the guard and the injector are built on it.
+  A second optimizer (a GAN's) is left alone;
 - **steps**: a step begins at the first training-mode forward (``module.training`` with
   gradients enabled) of the model after the previous ``optimizer.step()``; each further one is the
   next micro-batch (gradient accumulation); a forward in eval mode or under ``no_grad`` is an
@@ -30,8 +30,9 @@ function are the script's), so there is **no replay**: a finding's verdict is ``
 the default policy vetoes the step (a rollback restores the guard's snapshot). A vetoed step's
 gradients are cleared before ``optimizer.step()`` runs, so torch's optimizers (which skip a
 parameter without a gradient) change nothing; an LR scheduler the script steps still advances.
-The script's own gradient clipping runs before the checks (they see clipped gradients). A
-``GradScaler``'s skipped steps never reach the hooks and join the next step. When the guard stops
+The script's own gradient clipping runs before the checks (they see clipped gradients). With a
+``GradScaler`` the loss is not judged (backward starts from the scaled loss), and the steps it
+skips never reach the hooks: each joins the next step. When the guard stops
 training (a stall, a persistent fault), the script is ended with exit code 4.
 
 Run directory: ``OUT`` gets config.json, events.jsonl, metrics.jsonl, injections.jsonl and
@@ -92,6 +93,7 @@ class ScriptAttach:
         self.step = 0  # optimizer steps taken (the number of the open step)
         self.loss: float | None = None  # the last step's
         self._open, self._micro, self._built, self._unseen = False, 0, False, False
+        self._scaled = False  # the script built a GradScaler
         self._losses: list[torch.Tensor] = []
         self._lrs: list[Any] | None = None
         self._watch = InitWatch()
@@ -104,6 +106,7 @@ class ScriptAttach:
     def install(self) -> ScriptAttach:
         """Watch the optimizers the script builds; :meth:`hook` the steps."""
         self._watch.watch(torch.optim.Optimizer, self._on_optimizer)
+        self._watch.watch(torch.amp.GradScaler, self._on_scaler)
         return self.hook()
 
     def hook(self) -> ScriptAttach:
@@ -156,6 +159,10 @@ class ScriptAttach:
         self.optimizer, self.model = optimizer, model
         self._handles.append(model.register_forward_pre_hook(self._pre_forward))
         log.info("attached to %s with %s", type(model).__name__, type(optimizer).__name__)
+
+    def _on_scaler(self, scaler: Any) -> None:
+        log.info("a GradScaler: the losses backward starts from are scaled, the guard does not judge them")
+        self._scaled = True
 
     def _build(self) -> None:
         """At the first training forward: the guard and the injector on the model as it is now."""
@@ -227,7 +234,7 @@ class ScriptAttach:
             self.session.begin(self.step)
 
     def on_backward_begin(self, root: torch.Tensor | None) -> None:
-        if self._open and root is not None and root.numel() == 1:
+        if self._open and not self._scaled and root is not None and root.numel() == 1:
             self._losses.append(root.detach().reshape(()))
 
     def on_backward_end(self) -> None:
@@ -292,7 +299,6 @@ def run_attached(
     """Run ``argv`` (``script.py ARGS`` or ``-m module ARGS``) as ``__main__`` with a
     :class:`ScriptAttach` installed; ``(its exit code, whether it attached to an optimizer)``. An
     exception of the script propagates, after the guard and the injector are closed."""
-    check_argv(argv)
     attach = ScriptAttach(out, guard, specs).install()
     code: int | None = None
     try:

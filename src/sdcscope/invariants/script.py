@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdcscope.common.script import InitWatch, check_argv, find_model, run_main
+from sdcscope.common.script import InitWatch, find_model, run_main
 from sdcscope.invariants import probe
 from sdcscope.invariants.recorder import TraceRecorder
 from sdcscope.invariants.traceconfig import TraceConfig
@@ -169,7 +169,6 @@ def run_script(argv: list[str], out: str | Path, config: TraceConfig | None = No
     """Run ``argv`` (``script.py ARGS`` or ``-m module ARGS``) as ``__main__`` with a tracer
     installed; return its exit code and whether it built an optimizer to trace.  An exception
     of the script propagates, after the trace is closed."""
-    check_argv(argv)
     tracer = ScriptTracer(out, config).install()
     try:
         code = run_main(argv)
