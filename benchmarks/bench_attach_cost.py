@@ -18,7 +18,9 @@ train side by side in one process:
 alternating (``_timing.interleaved_ratio``), the median of per-round ratios attach/explicit, in
 wall and in CPU time; ``--floor`` adds the explicit API against a second explicit twin (the
 machine's noise, which a ratio within it cannot be told from). Both guards have the same settings
-(``--profile``) and write their run directories to a temporary folder. The last line holds both
+(``--profile``) and write the same run directory files (events.jsonl, metrics.jsonl: the guards
+are built by ``sdcscope.integrations.open_guard``, as the attach mode builds its own) to a
+temporary folder. The last line holds both
 ratios (target: attach ≤ explicit + 2 %).
 """
 
@@ -39,6 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from _timing import interleaved_ratio  # noqa: E402
 from sdcscope.guard import Guard, GuardConfig  # noqa: E402
+from sdcscope.integrations import open_guard  # noqa: E402
 from sdcscope.integrations.script import ScriptAttach  # noqa: E402
 
 
@@ -103,7 +106,7 @@ def main() -> None:
     config = GuardConfig.from_dict({"profile": args.profile})
     with tempfile.TemporaryDirectory() as tmp:
         explicit = Twin(example, args)
-        guard = Guard(explicit.model, explicit.optimizer, config, run_dir=Path(tmp) / "explicit").attach()
+        guard = open_guard(explicit.model, explicit.optimizer, config, Path(tmp) / "explicit")
         attach = ScriptAttach(Path(tmp) / "attach", config).install()
         attached = Twin(example, args)  # its optimizer is seen when built, as in a script
         attach.unhook()
@@ -122,7 +125,7 @@ def main() -> None:
         pairs = {"attach": attach_block}
         if args.floor:  # the explicit API against a second explicit twin: the noise of this machine
             twin = Twin(example, args)
-            guard2 = Guard(twin.model, twin.optimizer, config, run_dir=Path(tmp) / "explicit2").attach()
+            guard2 = open_guard(twin.model, twin.optimizer, config, Path(tmp) / "explicit2")
             pairs["floor"] = lambda: [twin.explicit_step(guard2) for _ in range(args.inner)]
         results = {}
         for name, tool in pairs.items():

@@ -32,7 +32,8 @@ gradients are cleared before ``optimizer.step()`` runs, so torch's optimizers (w
 parameter without a gradient) change nothing; an LR scheduler the script steps still advances.
 The script's own gradient clipping runs before the checks (they see clipped gradients). With a
 ``GradScaler`` the loss is not judged (backward starts from the scaled loss), and the steps it
-skips never reach the hooks: each joins the next step. When the guard stops
+skips never reach the hooks: each joins the next step. The injector learns no accumulation count:
+a ``param_grad`` fault acts after the step's first micro-batch. When the guard stops
 training (a stall, a persistent fault), the script is ended with exit code 4.
 
 Run directory: ``OUT`` gets config.json, events.jsonl, metrics.jsonl, injections.jsonl and
@@ -99,7 +100,7 @@ class ScriptAttach:
         self._watch = InitWatch()
         self._handles: list[Any] = []  # the model's forward pre-hook
         self._global: list[Any] = []  # the global optimizer step hooks
-        self._lead, self._rank, self._suffix = True, 0, ""
+        self._lead, self._suffix = True, ""
         self._started = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -173,7 +174,7 @@ class ScriptAttach:
         env_rank, env_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         rank, size = (world.rank, world.size) if world.distributed else (env_rank, env_size)
         self.run_dir = self.out if world.distributed or size == 1 else self.out / f"rank{rank}"
-        self._lead, self._rank = rank == 0 or not world.distributed, rank
+        self._lead = rank == 0 or not world.distributed
         self._suffix = f".rank{rank}" if world.distributed and rank else ""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -186,7 +187,7 @@ class ScriptAttach:
             if self.guard_config is not None:
                 self.session = GuardSession(open_guard(model, self.optimizer, self.guard_config, self.run_dir))
         except (ValueError, TypeError) as exc:
-            raise AttachError(f"{exc}") from exc
+            raise AttachError(str(exc)) from exc
         if self._lead:
             config = {
                 "script": sys.argv,
