@@ -86,6 +86,9 @@ class ScriptAttach:
         if guard is not None and not isinstance(guard, GuardConfig):
             raise TypeError(f"guard must be a GuardConfig or None, got {type(guard).__name__}")
         self.out, self.guard_config, self.specs = Path(out), guard, list(specs)
+        for i, spec in enumerate(self.specs):
+            if not isinstance(spec, FaultSpec):
+                raise TypeError(f"fault spec #{i} must be a FaultSpec (sdcscope.faults.load_specs), got {spec!r}")
         self.optimizer: torch.optim.Optimizer | None = None
         self.model: torch.nn.Module | None = None
         self.session: GuardSession | None = None
