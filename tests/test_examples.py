@@ -83,3 +83,20 @@ def test_the_docs_name_only_examples_that_exist():
     placeholder = re.compile(r"(?<![\w/.-])(FAULTS\.yaml|my_train\.py|rank_faults\.yaml|guard\.yaml)\b")
     found = [(str(d), m.group(0)) for d in DOCS[:-1] for m in placeholder.finditer(d.read_text(encoding="utf-8"))]
     assert found == []
+
+
+def test_the_plain_script_runs_alone_and_its_fault_fits_its_model():
+    """examples/plain_train.py is a script that knows nothing of sdcscope (what ``sdcscope guard --
+    python`` attaches to, tests/integrations/test_script_attach.py); its fault file fits its model."""
+    from sdcscope.inject import validate_specs
+
+    path = EXAMPLES / "plain_train.py"
+    assert "sdcscope" not in "".join(
+        line for line in path.read_text(encoding="utf-8").splitlines() if line.startswith(("import", "from"))
+    )
+    spec = importlib.util.spec_from_file_location("plain_train", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    loss = script.main(["--steps", "2", "--batch-size", "2"])
+    assert 0 < loss < 10
+    validate_specs(script.TinyLM(), load_specs(EXAMPLES / "plain_train_flip.yaml"))

@@ -63,6 +63,7 @@ from sdcscope.cli import (  # noqa: E402,F401  (registers commands)
     checkpoint_cmd,
     demo_cmd,
     fleet_cmd,
+    guard_cmd,
     inject_cmd,
     invariants_cmd,
     report_cmd,

@@ -1,4 +1,5 @@
-"""``sdcscope inject``: golden run + faulty run from the same seed and data, and their comparison."""
+"""``sdcscope inject``: golden run + faulty run from the same seed and data, and their comparison;
+or faults in a user's own script, unchanged (``sdcscope inject --spec F --out DIR -- python train.py``)."""
 
 from __future__ import annotations
 
@@ -98,8 +99,21 @@ def inject(
     guard: bool = GUARD_OPT,
     guard_config_path: Optional[Path] = GUARD_CONFIG_OPT,
     as_json: bool = JSON_OPT,
+    command: Optional[list[str]] = typer.Argument(
+        None,
+        metavar="[-- python SCRIPT.py ARGS | -- torchrun OPTS SCRIPT.py ARGS]",
+        help="Inject into your own training script, unchanged, instead of a workload: one run into "
+        "--out (with --guard: the guard attached too); the workload options are ignored.",
+        show_default=False,
+    ),
 ) -> None:
-    """Run the golden and the faulty run and compare them."""
+    """Run the golden and the faulty run and compare them; or inject into your own script:
+    ``sdcscope inject --spec F --out DIR [--guard] -- python train.py ARGS``."""
+    if command:
+        from sdcscope.cli.script import run_attached
+
+        run_attached(command, out, guard_file=guard_config_path, guard=guard, spec=spec)
+        return
     json_output(ctx, as_json)
     from sdcscope.common.storage import new_outputs
 

@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import re
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -40,6 +38,7 @@ from sdcscope.cli.options import (
     build_configs,
     check_steps,
 )
+from sdcscope.cli.script import script_command
 from sdcscope.common.io import file_in_the_way
 
 invariants_app = typer.Typer(
@@ -107,24 +106,6 @@ def trace(
         )
 
 
-_PYTHON = re.compile(r"python(\d+(\.\d+)?)?(\.exe)?\Z")
-
-
-def script_command(command: list[str], out: Path) -> list[str]:
-    """The command line that runs ``command`` (``[python] script.py ARGS`` or ``python -m module
-    ARGS``) under the tracer: a bare ``python`` is the interpreter running sdcscope; a path to
-    another one is used as given (it needs sdcscope installed)."""
-    first = command[0]
-    if _PYTHON.match(Path(first).name):
-        python = sys.executable if Path(first).name == first else first
-        rest = command[1:]
-    else:
-        python, rest = sys.executable, command
-    if not rest:
-        raise CLIError("give the script to trace: -- python my_train.py ARGS")
-    return [python, "-m", "sdcscope.invariants.script", "--out", str(out), "--", *rest]
-
-
 def _trace_script(command: list[str], out: Path, invariants: Optional[Path]) -> None:
     """Run a user's training script in a subprocess with the tracer installed (see
     ``sdcscope.invariants.script``); its output passes through, its exit code is ours."""
@@ -139,7 +120,7 @@ def _trace_script(command: list[str], out: Path, invariants: Optional[Path]) -> 
                 "--invariants does not apply to a script: trace it, then "
                 "`sdcscope invariants check --invariants FILE RUN_DIR`"
             )
-        argv = script_command(command, out)
+        argv = script_command(command, "sdcscope.invariants.script", ["--out", str(out)], launchers=False)
         if (out / TRACE_FILE).exists():
             raise CLIError(f"{str(out / TRACE_FILE)!r} already exists; give a new run directory")
     code = subprocess.call(argv)

@@ -426,18 +426,27 @@ class StepSession:
     def update(self, apply: Callable[[], Any], loss: Any, logged: dict | None = None) -> tuple[Any, dict]:
         """``apply()`` (the optimizer's step) under the LR backoff, then the update's metrics row;
         ``(its result, row)``. The caller ends the step (:meth:`end`)."""
-        g = self.guard
+        base_lrs = self.begin_update()
+        try:
+            return apply(), self.update_metrics(loss)
+        finally:
+            self.restore_lrs(base_lrs)
+
+    def begin_update(self) -> list[Any]:
+        """Right before the optimizer's step (:meth:`update_imminent`), its learning rates scaled
+        by the LR backoff; returns the loop's own rates, which :meth:`restore_lrs` puts back after
+        the step and :meth:`update_metrics` (a loop whose step runs outside the guard: hooks)."""
         self.update_imminent()
-        groups = g.optimizer.param_groups
+        groups = self.guard.optimizer.param_groups
         base_lrs = [group["lr"] for group in groups]
         scale = self.lr_scale()
         for group, lr in zip(groups, base_lrs):
             group["lr"] = lr * scale
-        try:
-            return apply(), self.update_metrics(loss)
-        finally:
-            for group, lr in zip(groups, base_lrs):  # the very objects: no rounding drift
-                group["lr"] = lr
+        return base_lrs
+
+    def restore_lrs(self, base_lrs: list[Any]) -> None:
+        for group, lr in zip(self.guard.optimizer.param_groups, base_lrs):  # the very objects: no rounding drift
+            group["lr"] = lr
 
     def update_metrics(self, loss: Any) -> dict:
         """The metrics row of an applied update (call while the optimizer's learning rates are the

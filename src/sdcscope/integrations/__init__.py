@@ -5,6 +5,9 @@
 * :mod:`sdcscope.integrations.lightning` -- ``lightning.pytorch.Trainer(callbacks=[SDCGuardCallback(config)])``
   (``pip install 'sdcscope[lightning]'``).
 
+A user's own script, unchanged: :mod:`sdcscope.integrations.script` (``sdcscope guard|inject --
+python train.py``) attaches the guard and the injector through global optimizer step hooks.
+
 Importing this package imports neither library. It holds what both adapters share:
 :func:`load_config` (the config argument they take), :func:`open_guard` (the guard and its
 files in the run directory), :class:`GuardSession` (the guard's per-step protocol cut at the

@@ -30,9 +30,7 @@ optimizer is traced: a second one (a GAN's) is left alone.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
-import runpy
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sdcscope.common.script import InitWatch, find_model, run_main
 from sdcscope.invariants import probe
 from sdcscope.invariants.recorder import TraceRecorder
 from sdcscope.invariants.traceconfig import TraceConfig
@@ -120,23 +119,6 @@ class ScriptRecorder(TraceRecorder):
         return super().detach()
 
 
-def find_model(optimizer: torch.optim.Optimizer) -> nn.Module | None:
-    """The live module holding the most of the optimizer's parameters (see the module doc)."""
-    wanted = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    best, key = None, None
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), nn.Module):  # type(): no __class__ property runs
-            continue
-        ids = [id(p) for p in obj.parameters()]
-        covered = len(wanted.intersection(ids))
-        if not covered:
-            continue
-        k = (covered, -len(ids))
-        if key is None or k > key or k == key and any(m is best for m in obj.modules()):
-            best, key = obj, k
-    return best
-
-
 class ScriptTracer:
     """While installed, attaches a :class:`ScriptRecorder` to the first optimizer built."""
 
@@ -144,33 +126,21 @@ class ScriptTracer:
         self.out, self.config = Path(out), config
         self.recorder: ScriptRecorder | None = None
         self._scaler: Any = None
-        self._saved: list[tuple[type, Any]] = []
+        self._watch = InitWatch()
 
     def install(self) -> ScriptTracer:
         from torch.optim.lr_scheduler import LRScheduler
 
-        self._patch(torch.optim.Optimizer, self._on_optimizer)
-        self._patch(LRScheduler, self._on_scheduler)
-        self._patch(torch.amp.GradScaler, self._on_scaler)
+        self._watch.watch(torch.optim.Optimizer, self._on_optimizer)
+        self._watch.watch(LRScheduler, self._on_scheduler)
+        self._watch.watch(torch.amp.GradScaler, self._on_scaler)
         return self
 
     def uninstall(self) -> None:
         """Put the constructors back and detach the recorder (closing its last step)."""
-        for cls, init in reversed(self._saved):
-            cls.__init__ = init
-        self._saved = []
+        self._watch.uninstall()
         if self.recorder is not None:
             self.recorder.detach()
-
-    def _patch(self, cls: type, after: Any) -> None:
-        init = cls.__init__
-
-        def wrapped(obj, *args, **kwargs):
-            init(obj, *args, **kwargs)
-            after(obj)
-
-        self._saved.append((cls, init))
-        cls.__init__ = wrapped
 
     def _on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self.recorder is not None:
@@ -199,32 +169,11 @@ def run_script(argv: list[str], out: str | Path, config: TraceConfig | None = No
     """Run ``argv`` (``script.py ARGS`` or ``-m module ARGS``) as ``__main__`` with a tracer
     installed; return its exit code and whether it built an optimizer to trace.  An exception
     of the script propagates, after the trace is closed."""
-    if not argv or argv[0] == "-m" and len(argv) < 2:
-        raise ValueError("give the script to run: script.py ARGS or -m module ARGS")
     tracer = ScriptTracer(out, config).install()
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    code: Any = 0
     try:
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            path = Path(argv[0])
-            if not path.is_file():
-                raise ValueError(f"script {argv[0]!r} does not exist")
-            sys.argv = list(argv)
-            sys.path.insert(0, str(path.resolve().parent))
-            runpy.run_path(str(path), run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code
+        code = run_main(argv)
     finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
         tracer.uninstall()
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        log.error("%s", code)
-        code = 1
     return code, tracer.recorder is not None
 
 
