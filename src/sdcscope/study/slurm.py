@@ -57,7 +57,7 @@ class SlurmConfig:
 
     ``cluster``: ``slurm``, or ``local`` (submitit's local executor: the tasks are processes on
     this machine, which tests and a dry run use). ``folder``: submitit's folder (job pickles and
-    logs; ``%j`` is the job id), by default ``DIR/slurm/logs/%j``. ``parameters``: submitit
+    logs; ``%j`` in it is the job id), by default ``DIR/slurm/logs``. ``parameters``: submitit
     executor parameters, the ``AutoExecutor`` names (``timeout_min``, ``mem_gb``,
     ``cpus_per_task``, ``slurm_partition``, ``slurm_array_parallelism``, ``slurm_setup``,
     ``slurm_additional_parameters``, ...), over ``timeout_min: 60, cpus_per_task: 1``.
@@ -230,7 +230,7 @@ class SlurmBackend:
         self.dir = Path(directory).resolve()
         self.files, self.spec, self.config = _Files(self.dir), spec, config
         self.size = max(1, min(workers or DEFAULT_TASKS, jobs))
-        folder = config.folder or str(self.files.root / "logs" / "%j")
+        folder = config.folder or str(self.files.root / "logs")
         self.executor = submitit.AutoExecutor(folder=folder, cluster=config.cluster)
         try:
             self.executor.update_parameters(**{**DEFAULT_PARAMETERS, **config.parameters})
