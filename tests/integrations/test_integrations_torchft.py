@@ -17,7 +17,16 @@ from torch import nn
 
 pytest.importorskip("torchft")
 
-STEPS, FAULT_STEP, FAULTY = 8, 2, 1
+from torch.distributed import TCPStore  # noqa: E402 -- imported here, the forked groups inherit them
+from torchft import Manager, ProcessGroupGloo  # noqa: E402
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+from sdcscope.faults import FaultSpec  # noqa: E402
+from sdcscope.guard import Guard, GuardConfig  # noqa: E402
+from sdcscope.inject import Injector  # noqa: E402
+from sdcscope.integrations.torchft import FTGuard  # noqa: E402
+
+STEPS, FAULT_STEP, FAULTY = 6, 2, 1
 TIMEOUT_S = 60  # a hung collective or quorum fails the test instead of blocking it
 
 
@@ -25,16 +34,8 @@ def _sha(model: nn.Module) -> str:
     return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
 
 
-def _group(replica: int, lighthouse: str, run_dir: str, start, results) -> None:
+def _group(replica: int, address, run_dir: str, start, results) -> None:
     """One replica group: a tiny MLP, its guard (every GEMM checked), torchft's manager."""
-    from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
-
-    from sdcscope.faults import FaultSpec
-    from sdcscope.guard import Guard, GuardConfig
-    from sdcscope.inject import Injector
-    from sdcscope.integrations.torchft import FTGuard
-
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial weights in every group
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -64,7 +65,7 @@ def _group(replica: int, lighthouse: str, run_dir: str, start, results) -> None:
         store_port=store.port,
         rank=0,
         world_size=1,
-        lighthouse_addr=lighthouse,
+        lighthouse_addr=address.get(timeout=TIMEOUT_S),
         hostname="127.0.0.1",
         timeout=t,
         quorum_timeout=t,
@@ -111,20 +112,19 @@ def _results(queue, procs):
 
 @pytest.mark.distributed
 def test_a_vetoed_step_is_committed_by_no_replica_group_and_a_persistent_fault_leaves_the_quorum(tmp_path):
-    from torchft.coordination import LighthouseServer
-
-    lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=10, heartbeat_timeout_ms=500
-    )
-    ctx = multiprocessing.get_context("spawn")
-    start, results = ctx.Barrier(2), ctx.Queue()
+    ctx = multiprocessing.get_context("fork")  # forked before the lighthouse's threads start
+    start, address, results = ctx.Barrier(2), ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=_group, args=(r, lighthouse.address(), str(tmp_path / f"group{r}"), start, results))
-        for r in range(2)
+        ctx.Process(target=_group, args=(r, address, str(tmp_path / f"group{r}"), start, results)) for r in range(2)
     ]
+    for p in procs:
+        p.start()
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=10, heartbeat_timeout_ms=300
+    )
     try:
-        for p in procs:
-            p.start()
+        for _ in procs:
+            address.put(lighthouse.address())
         out = dict(_results(results, procs))
     finally:
         for p in procs:
@@ -138,4 +138,5 @@ def test_a_vetoed_step_is_committed_by_no_replica_group_and_a_persistent_fault_l
     assert h_hashes[: FAULT_STEP + 1] == f_hashes[: FAULT_STEP + 1]
     assert f_left and "leaves the quorum" in f_left and h_left is None
     assert (4, "persistent") in f_events and f_events[-1] == (4, "stopped") and not h_events
-    assert healthy[-1] == STEPS - 1 and h_parts[-1] == 1 and h_parts[0] == 2  # group 0 finishes alone
+    assert f_parts == [2] * len(f_parts) and h_parts[0] == 2  # both groups in every quorum until it left
+    assert healthy[-1] == STEPS - 1 and h_parts[-1] == 1  # group 0 finishes alone
