@@ -10,7 +10,7 @@ import time
 import pytest
 
 from sdcscope.study import init_campaign, run_campaign
-from sdcscope.study.slurm import SLURM_DIR, SlurmConfig
+from sdcscope.study.slurm import SLURM_DIR, SlurmConfig, TasksEndedError
 
 submitit = pytest.importorskip("submitit")
 
@@ -82,7 +82,7 @@ def test_slurm_campaign_gives_the_local_rows_and_a_killed_task_resumes_once(tmp_
             killed.append(_running_task(array))
             os.kill(killed[0], signal.SIGKILL)
 
-    with pytest.raises(RuntimeError, match=r"every array task ended with \d+ of 20 jobs .*run the campaign again"):
+    with pytest.raises(TasksEndedError, match=r"every array task ended with \d+ of 20 jobs .*run the campaign again"):
         run_campaign(array, workers=1, slurm=LOCAL, progress=kill_mid_trial)
     first = _trial_results(array)
     assert 3 <= len(first) < 20 and len(_tables(array)["trials"]) == len(first)

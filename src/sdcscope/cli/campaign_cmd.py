@@ -17,8 +17,18 @@ from typing import Optional
 import typer
 
 from sdcscope.cli.app import app
-from sdcscope.cli.common import CLIError, check_file, err_console, out_console, path_argument, path_option, user_errors
+from sdcscope.cli.common import (
+    CLIError,
+    check_file,
+    err_console,
+    fail,
+    out_console,
+    path_argument,
+    path_option,
+    user_errors,
+)
 from sdcscope.cli.output import JSON_OPT, json_output, note
+from sdcscope.common.exitcodes import ExitCode
 
 campaign_app = typer.Typer(help="Fault-injection campaigns: plan, run and resume, status.", no_args_is_help=True)
 app.add_typer(campaign_app, name="campaign")
@@ -101,6 +111,7 @@ def run(
     with user_errors(), campaign_progress() as progress:
         from sdcscope.study import run_campaign
         from sdcscope.study.runner import CampaignBusyError
+        from sdcscope.study.slurm import TasksEndedError
 
         try:
             backend = check_file("--slurm-config", slurm_config) if slurm_config is not None else {} if slurm else None
@@ -109,6 +120,8 @@ def run(
             )
         except CampaignBusyError as exc:  # a second runner on the directory: a user error, exit code 2
             raise CLIError(str(exc)) from None
+        except TasksEndedError as exc:  # Slurm tasks lost (killed, failed): run again to resume
+            raise fail(str(exc), ExitCode.INFRASTRUCTURE) from None
     _print_counts(summary)
     out_console.print(f"results: {directory / 'results.sqlite'}; report: sdcscope report {directory}")
 

@@ -38,7 +38,7 @@ from typing import Any
 from sdcscope.common.io import load_yaml, read_text, write_bytes_atomic
 from sdcscope.common.validate import brief, build_config, check_choice, check_float, check_mapping
 
-__all__ = ["SLURM_DIR", "DEFAULT_TASKS", "SlurmConfig", "SlurmBackend", "ArrayTask", "job_key"]
+__all__ = ["SLURM_DIR", "DEFAULT_TASKS", "SlurmConfig", "SlurmBackend", "ArrayTask", "TasksEndedError", "job_key"]
 
 log = logging.getLogger("sdcscope.study.slurm")
 
@@ -96,6 +96,10 @@ class SlurmConfig:
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"{where}: {exc}") from None
         return build_config(cls, value, "slurm config")
+
+
+class TasksEndedError(RuntimeError):
+    """Every array task ended with jobs of the phase left (killed, failed): run the campaign again."""
 
 
 def import_submitit():
@@ -261,7 +265,7 @@ class SlurmBackend:
             if not pending:
                 return
             if ended:
-                raise RuntimeError(self._missing(len(pending), len(jobs)))
+                raise TasksEndedError(self._missing(len(pending), len(jobs)))
             time.sleep(self.config.poll_s)
 
     def _submit(self) -> None:
