@@ -9,8 +9,9 @@ flipped at every step. That group's guard vetoes the step (ABFT: the checksum fa
 replay), no group commits it, and after the ledger's strikes (3 by default) the verdict is
 ``persistent``: the group shares its veto for that step, then leaves the quorum; the others train
 on without it to the last step. Prints each group's committed steps and quorum sizes; each
-group's ``events.jsonl`` is in ``OUT/group<r>/``. The test ``tests/integrations/test_integrations_torchft.py``
-runs it with 2 groups and 6 steps.
+group's ``events.jsonl`` and device ledger are in ``OUT/group<r>/`` (the ledger outlives the run:
+with the same ``--out`` again, the faulty group's first finding is already ``persistent``). The
+test ``tests/integrations/test_integrations_torchft.py`` runs it with 2 groups and 6 steps.
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{next((s for s in range(args.steps) if s not in c), None)}), quorum sizes "
             f"{sorted(set(r['quorum_sizes']))}, {r['seconds']} s; left: {r['left'] or 'no'}"
         )
+    finished = {r["param_sha"][-1] for r in out if not r["left"]}
+    print(f"the groups that finished hold {'the same' if len(finished) == 1 else 'DIFFERENT'} weights")
     (Path(args.out) / "groups.json").write_text(json.dumps(out, indent=1))
     return out
 
