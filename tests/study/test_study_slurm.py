@@ -67,6 +67,7 @@ def _trial_results(directory):
     }
 
 
+@pytest.mark.slow
 def test_slurm_campaign_gives_the_local_rows_and_a_killed_task_resumes_once(tmp_path):
     (tmp_path / "spec.yaml").write_text(SPEC)
     local, array = tmp_path / "local", tmp_path / "array"

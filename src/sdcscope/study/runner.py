@@ -10,7 +10,7 @@ run at a time per directory: a run holds an exclusive ``flock`` on ``run.lock`` 
 its process ends, ``kill -9`` included); a second one fails at once with :class:`CampaignBusyError`.
 
 Backends: in-process (``workers=0``), local worker processes (default: one per CPU core), Ray
-(``ray_address``) or Slurm job arrays through submitit (``slurm``, :mod:`.slurm`); for the last two
+(``ray_address``) or a Slurm job array through submitit (``slurm``, :mod:`.slurm`); for the last two
 the campaign directory must be on storage every node sees.
 """
 
@@ -320,8 +320,8 @@ def run_campaign(
     """Run (or resume) the campaign in ``directory``; returns counts of the trials' outcomes.
 
     ``slurm`` (a :class:`~sdcscope.study.slurm.SlurmConfig`, a mapping of its fields or a YAML file
-    of them) runs each phase as a job array of ``workers`` tasks (default
-    :data:`~sdcscope.study.slurm.DEFAULT_TASKS`)."""
+    of them) runs the workers as one Slurm job array of ``workers`` tasks (default
+    :data:`~sdcscope.study.slurm.DEFAULT_TASKS`) through submitit."""
     directory = Path(directory)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise ValueError(f"workers={workers!r} must be an int >= 0 (0: run in this process)")
