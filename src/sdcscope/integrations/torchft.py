@@ -10,7 +10,8 @@ one takes the group out of the quorum.
     ft = FTGuard(guard, manager)
     for step, batch in enumerate(data):
         ft.begin(step, batch)                 # the step's quorum, then the guard's begin
-        loss_fn(model, batch).backward()      # this group's own gradients
+        loss = loss_fn(model, batch)
+        loss.backward()                       # this group's own gradients
         ft.step(loss)                         # True: every group committed the step
         if ft.left:                           # a persistent fault: this group left the quorum
             break
@@ -29,7 +30,9 @@ its verdict for the step, then shuts its manager down, so the lighthouse drops i
 quorum (after its heartbeat timeout) and the other groups train on without it.
 
 Supported: one process per replica group (``rank 0`` of a group of one); a group of several ranks
-would need the rank guard inside it.
+would need the rank guard inside it. Not handled yet: a group that joins late and heals from a
+peer (torchft's recovery) gets weights its guard did not see applied, which its state checksums
+would take for corruption.
 """
 
 from __future__ import annotations
