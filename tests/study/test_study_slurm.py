@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from helpers import cli_fails
 from sdcscope.study import init_campaign, run_campaign
 from sdcscope.study.slurm import SLURM_DIR, SlurmConfig, TasksEndedError
 
@@ -122,7 +123,11 @@ def test_slurm_settings_are_refused_before_any_work(campaign, slurm, error, matc
     assert not (campaign / "golden").exists() and not (campaign / SLURM_DIR / "queue").exists()
 
 
-def test_slurm_excludes_other_backends(tmp_path):
+def test_slurm_excludes_other_backends(tmp_path, campaign):
+    cli_fails(["campaign", "run", campaign, "--slurm", "--ray-address", "auto"], "give one backend, not both")
+    cli_fails(
+        ["campaign", "run", campaign, "--slurm-config", tmp_path / "none.yaml"], "--slurm-config", "does not exist"
+    )
     with pytest.raises(ValueError, match="give one backend, not both"):
         run_campaign(tmp_path, ray_address="local", slurm={})
     with pytest.raises(ValueError, match="workers=0 runs in this process"):
