@@ -298,7 +298,7 @@ class SlurmBackend:
         """End the run: its tasks stop taking jobs; any still running are cancelled."""
         with contextlib.suppress(OSError):
             (self.files.runs / f"{self.run}.stop").touch()
-        deadline = time.monotonic() + 3 * self.config.poll_s + 5  # an idle task sees it within poll_s
+        deadline = time.monotonic() + 3 * self.config.poll_s + 30  # an idle task sees it within poll_s, then exits
         while time.monotonic() < deadline and not all(t.done() for t in self.tasks):
             time.sleep(self.config.poll_s / 4)
         for t in self.tasks:
