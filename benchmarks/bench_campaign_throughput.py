@@ -1,7 +1,7 @@
 """Campaign efficiency: trial time against the compute floor of the steps the trials ran.
 
     python benchmarks/bench_campaign_throughput.py [--trials 30] [--horizon 50] [--workers 1 2]
-        [--repeats 3] [--ray]
+        [--repeats 3] [--ray] [--slurm]
 
 Runs fresh campaigns (golden run, 3 healthy baselines, the perturbation twins, then ``--trials``
 single-bit flips in the GEMMs of every Linear of the tiny GPT, ``--horizon`` steps each) with
@@ -11,7 +11,10 @@ efficiency = sum of floors / worker time spent on trials, in wall and CPU time (
 blind to other jobs on the machine), per worker and over all (``sdcscope.study.timing``). The
 fixed costs (start-up, golden, baselines, twins) and the share of the trial phase the workers
 were busy are printed apart, with the load average beside each run. ``--ray`` adds a run on a
-private Ray cluster (skipped, saying why, when ``ray`` is not importable). The trials/hour line
+private Ray cluster (skipped, saying why, when ``ray`` is not importable); ``--slurm`` adds, in
+every round, a run with the largest worker count as a job array through submitit's local executor
+(``sdcscope.study.slurm``: task start-up, the queue and result files, the runner's polling), and
+the last line its median end-to-end time over the local pool's. The trials/hour line
 is informative; the last line is the median efficiency per worker count (target >= 0.9 on 2
 workers on a quiet machine).
 """
@@ -38,7 +41,7 @@ baseline: {{seeds: [101, 102, 103]}}
 """
 
 
-def campaign(trials: int, horizon: int, workers: int, ray: bool = False) -> dict:
+def campaign(trials: int, horizon: int, workers: int, ray: bool = False, slurm: bool = False) -> dict:
     """One fresh campaign; its run timing (``run_campaign``'s ``timing``) and the load averages."""
     from sdcscope.study import init_campaign, run_campaign
 
@@ -47,7 +50,12 @@ def campaign(trials: int, horizon: int, workers: int, ray: bool = False) -> dict
         spec.write_text(SPEC.format(horizon=horizon, trials=trials))
         load = os.getloadavg()[0]
         init_campaign(Path(tmp, "c"), spec)
-        summary = run_campaign(Path(tmp, "c"), workers=workers, ray_address="local" if ray else None)
+        summary = run_campaign(
+            Path(tmp, "c"),
+            workers=workers,
+            ray_address="local" if ray else None,
+            slurm={"cluster": "local", "poll_s": 0.5} if slurm else None,
+        )
     return {**summary["timing"], "load": (load, os.getloadavg()[0]), "outcomes": summary["outcomes"]}
 
 
@@ -73,12 +81,17 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ray", action="store_true", help="also run on a private Ray cluster (2 actors)")
+    parser.add_argument("--slurm", action="store_true", help="also run through submitit's local executor")
     args = parser.parse_args()
     runs: dict[int, list[dict]] = {n: [] for n in args.workers}
+    top, slurm = max(args.workers), []
     for r in range(args.repeats):
         for n in args.workers if r % 2 == 0 else args.workers[::-1]:  # interleaved against drifting load
             runs[n].append(campaign(args.trials, args.horizon, n))
             show(f"round {r} {n} worker{'s' * (n > 1)}", runs[n][-1], args.trials)
+            if args.slurm and n == top:
+                slurm.append(campaign(args.trials, args.horizon, n, slurm=True))
+                show(f"round {r} submitit local, {n} task{'s' * (n > 1)}", slurm[-1], args.trials)
     if args.ray:
         try:
             import ray  # noqa: F401
@@ -100,6 +113,12 @@ def main() -> None:
         for n, ts in runs.items()
     )
     loads = [x for ts in runs.values() for t in ts for x in t["load"]]
+    if slurm:
+        ratio = med([s["total_s"] / p["total_s"] for s, p in zip(slurm, runs[top])])
+        figures += (
+            f"; submitit local {top} tasks wall {med([t['trials']['efficiency'] for t in slurm]):.3f} cpu "
+            f"{med([t['trials']['cpu_efficiency'] for t in slurm]):.3f}, end to end {ratio:.2f}x the local pool's"
+        )
     print(
         f"campaign efficiency vs the compute floor (golden step x steps run, median of {args.repeats}, "
         f"horizon {args.horizon}): {figures}; load {min(loads):.1f}-{max(loads):.1f} (target >= 0.9 on 2 workers)"

@@ -2,6 +2,7 @@
 
 sdcscope campaign init runs/bits --spec examples/campaigns/gpt_bits.yaml
 sdcscope campaign run runs/bits --workers 2      # again after a kill: resumes
+sdcscope campaign run runs/bits --slurm --workers 32 --slurm-config slurm.yaml   # a Slurm job array
 sdcscope report runs/bits
 """
 
@@ -16,8 +17,18 @@ from typing import Optional
 import typer
 
 from sdcscope.cli.app import app
-from sdcscope.cli.common import CLIError, err_console, out_console, path_argument, path_option, user_errors
+from sdcscope.cli.common import (
+    CLIError,
+    check_file,
+    err_console,
+    fail,
+    out_console,
+    path_argument,
+    path_option,
+    user_errors,
+)
 from sdcscope.cli.output import JSON_OPT, json_output, note
+from sdcscope.common.exitcodes import ExitCode
 
 campaign_app = typer.Typer(help="Fault-injection campaigns: plan, run and resume, status.", no_args_is_help=True)
 app.add_typer(campaign_app, name="campaign")
@@ -77,21 +88,40 @@ def init(
 def run(
     directory: Path = DIR_ARG,
     workers: Optional[int] = typer.Option(
-        None, "--workers", "-j", help="Worker processes (default: one per CPU core; 0: in this process)."
+        None,
+        "--workers",
+        "-j",
+        help="Worker processes (default: one per CPU core; 0: in this process); with --slurm, array tasks "
+        "(default 16).",
     ),
     ray_address: Optional[str] = typer.Option(
         None, "--ray-address", help="Run the trials on a Ray cluster (e.g. auto or ray://host:10001)."
+    ),
+    slurm: bool = typer.Option(
+        False, "--slurm", help="Run the workers as a Slurm job array through submitit (pip install 'sdcscope[slurm]')."
+    ),
+    slurm_config: Optional[Path] = path_option(
+        None,
+        "--slurm-config",
+        help="YAML of the Slurm settings (cluster, folder, parameters: submitit's executor parameters, poll_s, "
+        "runner_timeout_s); implies --slurm.",
     ),
 ) -> None:
     """Run or resume a campaign: golden run, healthy baselines, then every trial not yet in results.sqlite."""
     with user_errors(), campaign_progress() as progress:
         from sdcscope.study import run_campaign
         from sdcscope.study.runner import CampaignBusyError
+        from sdcscope.study.slurm import TasksEndedError
 
         try:
-            summary = run_campaign(directory, workers=workers, ray_address=ray_address, progress=progress)
+            backend = check_file("--slurm-config", slurm_config) if slurm_config is not None else {} if slurm else None
+            summary = run_campaign(
+                directory, workers=workers, ray_address=ray_address, slurm=backend, progress=progress
+            )
         except CampaignBusyError as exc:  # a second runner on the directory: a user error, exit code 2
             raise CLIError(str(exc)) from None
+        except TasksEndedError as exc:  # Slurm tasks lost (killed, failed): run again to resume
+            raise fail(str(exc), ExitCode.INFRASTRUCTURE) from None
     _print_counts(summary)
     out_console.print(f"results: {directory / 'results.sqlite'}; report: sdcscope report {directory}")
 

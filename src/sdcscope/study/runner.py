@@ -9,8 +9,9 @@ resumes it; results are a pure function of (spec, trial id), whatever the worker
 run at a time per directory: a run holds an exclusive ``flock`` on ``run.lock`` (released when
 its process ends, ``kill -9`` included); a second one fails at once with :class:`CampaignBusyError`.
 
-Backends: in-process (``workers=0``), local worker processes (default: one per CPU core) or Ray
-(``ray_address``; the campaign directory must be on storage every Ray node sees).
+Backends: in-process (``workers=0``), local worker processes (default: one per CPU core), Ray
+(``ray_address``) or a Slurm job array through submitit (``slurm``, :mod:`.slurm`); for the last two
+the campaign directory must be on storage every node sees.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -37,6 +38,7 @@ import yaml
 
 from sdcscope.study.outcomes import TWIN_BOUND
 from sdcscope.study.plan import Trial, build_plan, pending_trials
+from sdcscope.study.slurm import SlurmBackend, SlurmConfig, import_submitit
 from sdcscope.study.spec import CampaignSpec, load_campaign, read_campaign_data
 from sdcscope.study.stats import RULE, THRESHOLD_MEASURES, prediction_bound
 from sdcscope.study.store import DB_FILE, ResultsDB
@@ -224,7 +226,19 @@ def _import_ray(address: str):
     return ray
 
 
-def _backend(directory: Path, spec: CampaignSpec, workers: int | None, ray_address: str | None):
+def _backend(
+    directory: Path,
+    spec: CampaignSpec,
+    workers: int | None,
+    ray_address: str | None,
+    slurm: SlurmConfig | None,
+    todo: list[Trial],
+):
+    if slurm is not None:  # no more tasks than the run has jobs: golden, baselines, twins, trials
+        b = spec.baseline
+        return SlurmBackend(
+            directory, spec, workers, slurm, 1 + len(spec.inject_steps) * (len(b.seeds) + b.twins) + len(todo)
+        )
     if ray_address:
         return _Ray(directory, spec, workers, ray_address)
     n = (os.cpu_count() or 1) if workers is None else workers
@@ -300,9 +314,14 @@ def run_campaign(
     *,
     workers: int | None = None,
     ray_address: str | None = None,
+    slurm: SlurmConfig | Mapping | str | os.PathLike | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Run (or resume) the campaign in ``directory``; returns counts of the trials' outcomes."""
+    """Run (or resume) the campaign in ``directory``; returns counts of the trials' outcomes.
+
+    ``slurm`` (a :class:`~sdcscope.study.slurm.SlurmConfig`, a mapping of its fields or a YAML file
+    of them) runs the workers as one Slurm job array of ``workers`` tasks (default
+    :data:`~sdcscope.study.slurm.DEFAULT_TASKS`) through submitit."""
     directory = Path(directory)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise ValueError(f"workers={workers!r} must be an int >= 0 (0: run in this process)")
@@ -311,6 +330,12 @@ def run_campaign(
             f"ray_address={ray_address!r} must be a non-empty str: 'local' (a private cluster on "
             "this machine), 'auto' (a running cluster) or 'ray://host:port'"
         )
+    if slurm is not None:
+        if ray_address is not None:
+            raise ValueError(f"ray_address={ray_address!r} and slurm: give one backend, not both")
+        if workers == 0:
+            raise ValueError("workers=0 runs in this process; with slurm give the array tasks per phase (>= 1)")
+        slurm = SlurmConfig.coerce(slurm)
     spec_path = directory / SPEC_FILE
     if not spec_path.is_file():
         raise FileNotFoundError(
@@ -318,8 +343,10 @@ def run_campaign(
         )
     if ray_address is not None:
         _import_ray(ray_address)  # before results.sqlite is created
+    if slurm is not None:
+        import_submitit()
     with _run_lock(directory):
-        return _run_locked(directory, spec_path, workers, ray_address, progress)
+        return _run_locked(directory, spec_path, workers, ray_address, slurm, progress)
 
 
 class CampaignBusyError(RuntimeError):
@@ -372,7 +399,12 @@ def _run_lock(directory: Path) -> Iterator[None]:
 
 
 def _run_locked(
-    directory: Path, spec_path: Path, workers: int | None, ray_address: str | None, progress: Progress | None
+    directory: Path,
+    spec_path: Path,
+    workers: int | None,
+    ray_address: str | None,
+    slurm: SlurmConfig | None,
+    progress: Progress | None,
 ) -> dict[str, Any]:
     timing = RunTiming()
     spec = load_campaign(spec_path)
@@ -382,7 +414,7 @@ def _run_locked(
         db.set_plan_size(len(db.trial_keys()) + len(todo))  # also after a `campaign status` bound the edit
         th = db.thresholds()
         ready = bool(th) and all("dist_twin" in v for v in th.values())  # baselines, twins, envelope
-        backend = None if ready and not todo else _backend(directory, spec, workers, ray_address)
+        backend = None if ready and not todo else _backend(directory, spec, workers, ray_address, slurm, todo)
         try:
             if backend is not None:
                 timing.size = backend.size
