@@ -3,12 +3,13 @@
 * :mod:`sdcscope.integrations.hf` -- ``transformers.Trainer``: ``guard_trainer(trainer, config)``
   (``pip install 'sdcscope[transformers]'``);
 * :mod:`sdcscope.integrations.lightning` -- ``lightning.pytorch.Trainer(callbacks=[SDCGuardCallback(config)])``
-  (``pip install 'sdcscope[lightning]'``).
+  (``pip install 'sdcscope[lightning]'``);
+* :mod:`sdcscope.integrations.titan` -- torchtitan's ``Trainer``: ``guard_titan(trainer, config)``.
 
 A user's own script, unchanged: :mod:`sdcscope.integrations.script` (``sdcscope guard|inject --
 python train.py``) attaches the guard and the injector through global optimizer step hooks.
 
-Importing this package imports neither library. It holds what both adapters share:
+Importing this package imports none of these libraries. It holds what the adapters share:
 :func:`load_config` (the config argument they take), :func:`open_guard` (the guard and its
 files in the run directory), :class:`GuardSession` (the guard's per-step protocol cut at the
 points such a trainer lets an adapter in) and :class:`Patches` (the trainer methods an adapter

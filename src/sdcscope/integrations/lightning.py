@@ -51,13 +51,21 @@ Rank 0 writes ``events.jsonl`` (the world's verdicts) and ``metrics.jsonl``, ran
 ``metrics.rank{r}.jsonl``. Under DDP the guard config's ``ranks`` section applies;
 ``invariants`` and ``qk_clip`` are refused.
 
-Refused when fitting starts, naming the setting: manual optimization (use the Guard itself in
-``training_step``), a strategy other than single-device or DDP (FSDP, DeepSpeed, model
-parallel: the parameters are sharded, and the callback guards whole replicas only), more than
-one optimizer, LBFGS (its step calls the closure many times), fp16 mixed precision (its
-GradScaler steps the optimizer), and ``accumulate_grad_batches > 1`` with replay on (the closure
-holds the last micro-batch only: set ``replay: false``, and findings are judged unverified --
-vetoed by the default policy). Works with ``lightning.pytorch`` and with ``pytorch_lightning``.
+**Sharded (FSDP2).** With ``ModelParallelStrategy`` (``fully_shard`` / ``parallelize_module``
+in the module's ``configure_model``; on GPUs or on CPUs with gloo) the parameters are DTensors and
+the Guard runs in the sharded world (:mod:`sdcscope.guard.sharded`): each rank checks what it
+holds and computes, the findings are shared, every rank replays a suspect step together through
+the step's closure (a collective), and a transient fault's clean re-execution is kept
+(``recompute``). What the sharded world cannot run (per-step metrics, ZClip, ...) is fitted by
+:data:`~sdcscope.common.world.SUPPORT`.
+
+Refused when fitting starts, naming the setting and the reason: manual optimization (use the
+Guard itself in ``training_step``), DeepSpeed, ``FSDPStrategy`` (FSDP1's flat parameters; use
+``ModelParallelStrategy``), a strategy the callback does not know, more than one optimizer,
+LBFGS (its step calls the closure many times), fp16 mixed precision (its GradScaler steps the
+optimizer), and ``accumulate_grad_batches > 1`` with replay on (the closure holds the last
+micro-batch only: set ``replay: false``, and findings are judged unverified -- vetoed by the
+default policy). Works with ``lightning.pytorch`` and with ``pytorch_lightning``.
 """
 
 from __future__ import annotations
