@@ -11,11 +11,15 @@ CUDA memory monitor) and ``ParallelDims.build_mesh`` asks for a CUDA mesh. The s
 builds the ``Trainer`` object from torchtitan's own parts, as ``Trainer.__init__`` does --
 ``llama3_debugmodel()`` config, ``ParallelDims`` (its mesh built on CPU: the one module global
 set), the model registry's model and ``parallelize_fn``, the config's optimizer, LR scheduler and
-loss builders -- and runs ``train_step``'s sequence (zero_grad, ``forward_backward_step``,
-``clip_grad_norm_``, ``optimizers.step``, the LR step) while ``should_continue_training()``,
-leaving out the metrics, checkpoint and dataloader components (the dataset ``c4_test`` and the
-tokenizer assets ship in torchtitan's repository, not its wheel). The data is real text: the bytes
-of a standard-library source file. The guard sees exactly the calls ``train_step`` makes.
+loss builders, its selective activation checkpointing -- and runs ``train_step``'s sequence
+(zero_grad, ``forward_backward_step``, ``clip_grad_norm_``, ``optimizers.step``, the LR step)
+while ``should_continue_training()``, leaving out the metrics, checkpoint and dataloader
+components (the dataset ``c4_test`` and the tokenizer assets ship in torchtitan's repository, not
+its wheel). Two more CPU-only changes: the attention is torchtitan's ``ScaledDotProductAttention``
+(FlexAttention has no backward on CPU, varlen needs CUDA flash attention; with one document a row
+the causal SDPA is the same attention), and FSDP2's reductions are a plain SUM (gloo has no
+``PREMUL_SUM``; torchtitan's divide factor is 1). The data is real text: the bytes of a
+standard-library source file. The guard sees exactly the calls ``train_step`` makes.
 
 torchtitan's model package imports ``triton`` (a 286 MB wheel) and its trainer ``tensorboard`` and
 ``datasets``: they are not in the test extra, so the test is skipped where they are not installed
@@ -36,7 +40,7 @@ from pathlib import Path
 import pytest
 
 STEPS, FAULT_STEP, FAULTY_RANK = 3, 1, 1
-TARGET = "layers.1.feed_forward.w1"
+TARGET = "layers.1._checkpoint_wrapped_module.feed_forward.w1"  # inside torchtitan's selective AC wrapper
 FLIP = {  # exponent bit 30 of one element of the target's forward GEMM output, rank 1, step 1
     "site": "gemm.forward",
     "target": TARGET,
@@ -71,9 +75,6 @@ def build_trainer(dump: Path, steps: int):
     config.training.disable_cuda_graphs = True
     config.parallelism.spmd_backend = "partial_dtensor"  # FSDP2 over the 'fsdp' mesh dim
     config.optimizer.implementation = "for-loop"  # 'fused' is CUDA-only
-    # torchtitan's selective activation checkpointing is left out: under it the guard's SDPA row check
-    # (on the SDPA that stands in for FlexAttention here) reports mismatches in clean steps
-    config.activation_checkpoint = None
     dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
     dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
     dims.build_mesh()
