@@ -25,6 +25,7 @@ STEPS, FAULT_STEP, FAULTY_RANK = 4, 2, 1
 HF_TARGET = "model.layers.1.mlp.up_proj"
 PL_TARGET = "net.2"
 RUNS = ("clean", "faulty", "permanent")
+FSDP2_RUNS = ("clean", "faulty")  # Lightning's ModelParallelStrategy (fully_shard), in the Lightning launch
 GUARD = {"profile": "full"}  # every GEMM checked every step: the flip is caught in its step
 LAUNCH_TIMEOUT_S = 240  # a hung collective fails the test instead of blocking it
 
@@ -57,9 +58,13 @@ def runs(target: str) -> list[tuple[str, list[dict]]]:
 def _result(out: Path, rank: int, sdc, injector, params, steps: int) -> None:
     import torch
 
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    from sdcscope.common.world import local
+
+    flat = torch.cat([local(p).detach().reshape(-1) for p in params])  # this rank's shards, when sharded
     record = {
         "rank": rank,
+        "world": sdc.guard.world.kind,
+        "kinds": sorted({type(p).__name__ for p in params}),
         "events": sdc.events,
         "discarded": sdc.guard.discarded_steps,
         "steps": steps,
@@ -113,19 +118,29 @@ def hf_main(out: Path) -> None:
             ddp_timeout=120,
             save_strategy="no",
             disable_tqdm=True,
+            # FSDP2 asked for (once): on CPU accelerate trains DDP instead, and the adapter guards it so
+            **(
+                dict(fsdp=True, fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+                if name == "faulty"
+                else {}
+            ),
         )
         trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=Tokens())
         sdc = guard_trainer(trainer, GUARD, run_dir=out / name / "sdc")
         injector = inject_trainer(trainer, specs, run_dir=out / name / "sdc") if specs else None
         trainer.train()
-        _result(out / name, args.process_index, sdc, injector, trainer.model.parameters(), trainer.state.global_step)
+        _result(
+            out / name, args.process_index, sdc, injector, list(trainer.model.parameters()), trainer.state.global_step
+        )
 
 
 def lightning_main(out: Path) -> None:
     import lightning.pytorch as pl
     import torch
     import torch.nn.functional as F
+    from lightning.pytorch.strategies import ModelParallelStrategy
     from torch import nn
+    from torch.distributed.fsdp import fully_shard
 
     from sdcscope.integrations.lightning import SDCGuardCallback
     from sdcscope.integrations.lightning_inject import SDCInjectorCallback
@@ -145,17 +160,26 @@ def lightning_main(out: Path) -> None:
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-2)
 
+    class Sharded(Classifier):
+        def configure_model(self) -> None:  # FSDP2 over the strategy's data-parallel mesh, as Lightning shows it
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net[::2]:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g))
-    for name, specs in runs(PL_TARGET):
+    sharded = [(f"fsdp2_{name}", specs) for name, specs in runs(PL_TARGET) if name in FSDP2_RUNS]
+    for name, specs in runs(PL_TARGET) + sharded:
         pl.seed_everything(0, verbose=False)
-        module = Classifier()
+        fsdp2 = name.startswith("fsdp2_")
+        module = Sharded() if fsdp2 else Classifier()
         sdc = SDCGuardCallback(GUARD, run_dir=out / name / "sdc")
         injector = SDCInjectorCallback(specs, run_dir=out / name / "sdc") if specs else None
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,
-            strategy="ddp",
+            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if fsdp2 else "ddp",
             max_steps=STEPS,
             logger=False,
             enable_checkpointing=False,
@@ -165,7 +189,7 @@ def lightning_main(out: Path) -> None:
             default_root_dir=str(out / name),
         )
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
-        _result(out / name, trainer.global_rank, sdc, injector, module.parameters(), trainer.global_step)
+        _result(out / name, trainer.global_rank, sdc, injector, list(module.parameters()), trainer.global_step)
 
 
 # -- the tests -------------------------------------------------------------------------------
@@ -177,7 +201,8 @@ def _launch(argv: list[str], out: Path) -> dict[str, list[dict]]:
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     done = subprocess.run(argv, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env, cwd=out)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
-    return {name: [json.loads((out / name / f"result.rank{r}.json").read_text()) for r in range(2)] for name in RUNS}
+    done = [d.name for d in out.iterdir() if (d / "result.rank0.json").exists()]
+    return {name: [json.loads((out / name / f"result.rank{r}.json").read_text()) for r in range(2)] for name in done}
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
@@ -204,7 +229,7 @@ def read_events(out: Path, name: str) -> list[dict]:
 
 def check_runs(out: Path, runs: dict[str, list[dict]], target: str) -> None:
     clean, faulty = runs["clean"], runs["faulty"]
-    for ranks in runs.values():  # both ranks finish every step with identical, finite replicas
+    for ranks in (runs[name] for name in RUNS):  # both ranks finish every step with identical, finite replicas
         assert [r["steps"] for r in ranks] == [STEPS, STEPS]
         assert ranks[0]["sha"] == ranks[1]["sha"] and all(r["finite"] for r in ranks)
     assert all(r["events"] == [] and r["discarded"] == 0 for r in clean)
@@ -248,7 +273,9 @@ def check_quarantine(out: Path, runs: dict[str, list[dict]], target: str) -> Non
 
 def test_hf_trainer_ddp_catches_a_rank1_gemm_flip_and_names_the_rank(hf_runs):
     check_runs(*hf_runs, HF_TARGET)
-    out, _ = hf_runs
+    out, runs = hf_runs
+    # the faulty run asked for FSDP2: on CPU accelerate trains DDP (plain parameters), guarded as DDP
+    assert [(r["world"], r["kinds"]) for r in runs["faulty"]] == [("ddp", ["Parameter"])] * 2
     assert (out / "faulty" / "sdc" / "metrics.rank1.jsonl").exists()  # each rank its own metrics
 
 
@@ -265,6 +292,27 @@ def test_lightning_ddp_quarantines_a_rank_with_a_permanent_fault(lightning_runs)
     replay of the other disagrees; rank 1's own ABFT finding decides (its replay of rank 0 does
     not count), so only rank 1 is quarantined."""
     check_quarantine(*lightning_runs, PL_TARGET)
+
+
+def test_lightning_model_parallel_fsdp2_catches_a_rank1_flip_and_recomputes_it(lightning_runs):
+    """``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model`` is a sharded world:
+    rank 1's ABFT check of the gathered weight's GEMM catches the flip in its step, every rank
+    replays the step together, the fault is gone (transient) and the re-execution is kept, so
+    each rank's shards end bit for bit as the clean fit's."""
+    out, runs = lightning_runs
+    clean, faulty = runs["fsdp2_clean"], runs["fsdp2_faulty"]
+    for ranks in (clean, faulty):
+        assert [(r["world"], r["kinds"], r["steps"]) for r in ranks] == [("sharded", ["DTensor"], STEPS)] * 2
+    assert all(r["events"] == [] for r in clean)
+    fired = [(i["step"], i["rank"], i["module"]) for i in faulty[1]["injections"]]
+    assert fired == [(FAULT_STEP, FAULTY_RANK, PL_TARGET)] and faulty[0]["injections"] == []
+    assert faulty[0]["events"] == faulty[1]["events"]  # every rank holds the world's findings
+    events = read_events(out, "fsdp2_faulty")
+    assert events == faulty[0]["events"] and {e["step"] for e in events} == {FAULT_STEP}
+    abft = [(e["rank"], e["module"], e["gemm"], e["verdict"]) for e in events if e["detector"] == "abft"]
+    assert abft == [(FAULTY_RANK, PL_TARGET, "forward", "transient")]
+    assert {e["action"] for e in events} == {"recompute"} and [r["discarded"] for r in faulty] == [0, 0]
+    assert [r["sha"] for r in faulty] == [r["sha"] for r in clean]
 
 
 def _exchange(rank: int, world: int, out: Path) -> None:
@@ -308,8 +356,8 @@ def test_a_peer_replays_the_suspect_ranks_own_micro_batches(tmp_path):
 
 
 def test_hf_fsdp_is_refused_naming_what_is_supported(tmp_path):
-    """Accelerate runs FSDP on GPUs only (on CPUs it trains DDP instead), so the refusal is pinned
-    on the Trainer's own flag."""
+    """Accelerate runs FSDP on GPUs only (on CPUs it trains DDP instead: the HF launch's faulty run
+    measures it), so the refusal is pinned on the Trainer's own flag."""
     pytest.importorskip("transformers")
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -321,12 +369,13 @@ def test_hf_fsdp_is_refused_naming_what_is_supported(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no")
     trainer = Trainer(model=model, args=args)
     trainer.is_fsdp_enabled = True
-    with pytest.raises(ValueError, match=r"FSDP .*guards whole replicas only.*supported: one process, or DDP"):
+    with pytest.raises(ValueError, match=r"FSDP .*GPUs only \(on CPU it trains DDP.*ModelParallelStrategy.*or DDP"):
         guard_trainer(trainer)
 
 
-def test_lightning_sharded_strategies_are_refused_naming_what_is_supported(monkeypatch):
-    """Lightning's FSDP strategy needs GPUs: the refusal is pinned on the strategy the trainer holds."""
+def test_lightning_fsdp1_strategy_is_refused_naming_the_reason(monkeypatch):
+    """Lightning's FSDPStrategy needs GPUs (it refuses ``accelerator='cpu'`` itself): the refusal is
+    pinned on the strategy the trainer holds."""
     L = pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.strategies import FSDPStrategy
     from torch import nn
@@ -340,7 +389,7 @@ def test_lightning_sharded_strategies_are_refused_naming_what_is_supported(monke
 
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     monkeypatch.setattr(type(trainer), "strategy", property(lambda self: FSDPStrategy()))
-    with pytest.raises(ValueError, match=r"strategy FSDPStrategy: the parameters are sharded .* or DDP"):
+    with pytest.raises(ValueError, match=r"strategy FSDPStrategy: FSDP1 .*FlatParameters.*ModelParallelStrategy"):
         SDCGuardCallback().setup(trainer, Module(), "fit")
 
 

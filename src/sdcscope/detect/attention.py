@@ -28,6 +28,7 @@ import random
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from sdcscope.common.tensors import no_autocast
 from sdcscope.detect.events import Event
@@ -80,7 +81,9 @@ class SDPACheck:
             self.unchecked_dropout += 1
             return
         try:
-            with torch.no_grad(), no_autocast(q.device):
+            # outside any dispatch mode: selective activation checkpointing's would count the check's
+            # matmuls as the model's and hand them (or the model's recompute) saved outputs
+            with torch.no_grad(), no_autocast(q.device), _disable_current_modes():
                 self._check(name, q.detach(), k.detach(), v.detach(), out.detach(), call)
         except Exception as exc:  # a monitor must not break the model's forward
             log.warning("SDPA check of %r skipped: %r", name, exc)

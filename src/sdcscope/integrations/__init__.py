@@ -3,12 +3,13 @@
 * :mod:`sdcscope.integrations.hf` -- ``transformers.Trainer``: ``guard_trainer(trainer, config)``
   (``pip install 'sdcscope[transformers]'``);
 * :mod:`sdcscope.integrations.lightning` -- ``lightning.pytorch.Trainer(callbacks=[SDCGuardCallback(config)])``
-  (``pip install 'sdcscope[lightning]'``).
+  (``pip install 'sdcscope[lightning]'``);
+* :mod:`sdcscope.integrations.titan` -- torchtitan's ``Trainer``: ``guard_titan(trainer, config)``.
 
 A user's own script, unchanged: :mod:`sdcscope.integrations.script` (``sdcscope guard|inject --
 python train.py``) attaches the guard and the injector through global optimizer step hooks.
 
-Importing this package imports neither library. It holds what both adapters share:
+Importing this package imports none of these libraries. It holds what the adapters share:
 :func:`load_config` (the config argument they take), :func:`open_guard` (the guard and its
 files in the run directory), :class:`GuardSession` (the guard's per-step protocol cut at the
 points such a trainer lets an adapter in) and :class:`Patches` (the trainer methods an adapter
@@ -29,6 +30,7 @@ from typing import Any
 from sdcscope.common.world import world_of
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.actions import Applied
+from sdcscope.guard.world import fit_config
 
 __all__ = ["GuardSession", "Patches", "load_config", "open_guard"]
 
@@ -63,11 +65,14 @@ def open_guard(
     """An attached Guard writing ``run_dir/events.jsonl`` and, unless the config names another
     file, ``run_dir/metrics.jsonl`` (the user's config object is left as it is). ``ddp``: the
     trainer's ``DistributedDataParallel`` wrapper of ``model`` (a data-parallel run: rank 0
-    writes the world's events, rank r > 0 its metrics to ``metrics.rank{r}.jsonl``)."""
+    writes the world's events, rank r > 0 its metrics to ``metrics.rank{r}.jsonl``); a sharded
+    model (DTensor parameters: FSDP2, tensor parallel) is guarded in the sharded world."""
     run_dir = Path(run_dir)
+    world = world_of(model, ddp)
+    config = fit_config(config, world.kind)  # a default section the world cannot run is off before it is set
     m = config.metrics
     if m is not None and m.path is None and m.sink == "jsonl":
-        rank = world_of(model, ddp).rank
+        rank = world.rank
         path = run_dir / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl")
         config = dataclasses.replace(config, metrics=dataclasses.replace(m, path=str(path)))
     return Guard(model, optimizer, config, run_dir=run_dir, on_event=on_event, ddp=ddp).attach()

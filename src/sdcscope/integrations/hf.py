@@ -54,8 +54,10 @@ and ``metrics.jsonl``, rank r > 0 ``metrics.rank{r}.jsonl``. Under DDP the guard
 ``ranks`` section applies; ``invariants`` and ``qk_clip`` are refused.
 
 Not supported, refused when the adapter is built (and again when training begins), naming the
-setting: DeepSpeed, FSDP (``TrainingArguments.fsdp``: parameters and gradients are sharded, and
-the adapter guards whole replicas only), tensor/context parallelism (``parallelism_config``),
+setting: DeepSpeed, FSDP (``TrainingArguments.fsdp``: accelerate shards the model on GPUs only --
+on CPU with gloo it trains DDP instead, which the adapter guards as DDP -- so the sharded step
+cannot be run and checked here; Lightning's ``ModelParallelStrategy`` and torchtitan are the
+guarded FSDP2 trainers), tensor/context parallelism (``parallelism_config``),
 DataParallel over several GPUs in one process, fp16 mixed precision (its GradScaler),
 ``torch_compile`` and the LOMO optimizers (their update happens inside backward). Supported:
 one process, or DDP with one process per device.
@@ -252,6 +254,15 @@ class SDCGuardCallback(TrainerCallback):
         return torch.stack([step(module, *args, **kwargs) for args, kwargs in batches]).sum()
 
 
+FSDP_REFUSED = (
+    "FSDP (TrainingArguments.fsdp): accelerate shards the model on GPUs only (on CPU it trains DDP, which "
+    "this adapter guards), so its sharded step under this adapter cannot be run and checked on CPU with gloo; "
+    "for a guarded FSDP2 run use Lightning's ModelParallelStrategy (sdcscope.integrations.lightning), "
+    "torchtitan (sdcscope.integrations.titan) or the Guard in your own loop over a fully_shard model"
+)
+"""The HF adapter's refusal of the Trainer's FSDP, with the reason."""
+
+
 def _check_supported(trainer: Trainer) -> None:
     """Refuse, naming the setting, what the adapter cannot guard correctly."""
     args = trainer.args
@@ -259,10 +270,7 @@ def _check_supported(trainer: Trainer) -> None:
     if getattr(trainer, "is_deepspeed_enabled", False):
         problems.append("DeepSpeed (TrainingArguments.deepspeed): its engine owns the gradients and the optimizer step")
     if getattr(trainer, "is_fsdp_enabled", False):
-        problems.append(
-            "FSDP (TrainingArguments.fsdp): parameters and gradients are sharded across ranks, and this "
-            "adapter guards whole replicas only"
-        )
+        problems.append(FSDP_REFUSED)
     pc = getattr(trainer.accelerator, "parallelism_config", None) or getattr(args, "parallelism_config", None)
     sharded = [
         name

@@ -51,13 +51,21 @@ Rank 0 writes ``events.jsonl`` (the world's verdicts) and ``metrics.jsonl``, ran
 ``metrics.rank{r}.jsonl``. Under DDP the guard config's ``ranks`` section applies;
 ``invariants`` and ``qk_clip`` are refused.
 
-Refused when fitting starts, naming the setting: manual optimization (use the Guard itself in
-``training_step``), a strategy other than single-device or DDP (FSDP, DeepSpeed, model
-parallel: the parameters are sharded, and the callback guards whole replicas only), more than
-one optimizer, LBFGS (its step calls the closure many times), fp16 mixed precision (its
-GradScaler steps the optimizer), and ``accumulate_grad_batches > 1`` with replay on (the closure
-holds the last micro-batch only: set ``replay: false``, and findings are judged unverified --
-vetoed by the default policy). Works with ``lightning.pytorch`` and with ``pytorch_lightning``.
+**Sharded (FSDP2).** With ``ModelParallelStrategy`` (``fully_shard`` / ``parallelize_module``
+in the module's ``configure_model``; on GPUs or on CPUs with gloo) the parameters are DTensors and
+the Guard runs in the sharded world (:mod:`sdcscope.guard.sharded`): each rank checks what it
+holds and computes, the findings are shared, every rank replays a suspect step together through
+the step's closure (a collective), and a transient fault's clean re-execution is kept
+(``recompute``). What the sharded world cannot run (per-step metrics, ZClip, ...) is fitted by
+:data:`~sdcscope.common.world.SUPPORT`.
+
+Refused when fitting starts, naming the setting and the reason: manual optimization (use the
+Guard itself in ``training_step``), DeepSpeed, ``FSDPStrategy`` (FSDP1's flat parameters; use
+``ModelParallelStrategy``), a strategy the callback does not know, more than one optimizer,
+LBFGS (its step calls the closure many times), fp16 mixed precision (its GradScaler steps the
+optimizer), and ``accumulate_grad_batches > 1`` with replay on (the closure holds the last
+micro-batch only: set ``replay: false``, and findings are judged unverified -- vetoed by the
+default policy). Works with ``lightning.pytorch`` and with ``pytorch_lightning``.
 """
 
 from __future__ import annotations
@@ -81,7 +89,7 @@ except ImportError:
             "'pytorch_lightning'): pip install 'sdcscope[lightning]'"
         ) from exc
 
-from sdcscope.common.world import is_ddp
+from sdcscope.common.world import is_ddp, world_of
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.world import fit_config
 from sdcscope.integrations import GuardSession, Patches, load_config, open_guard
@@ -143,6 +151,7 @@ class SDCGuardCallback(pl.Callback):
         (optimizer,) = optimizers  # (one the Guard cannot drive, LBFGS, the Guard refuses)
         run_dir = self.run_dir if self.run_dir is not None else Path(trainer.default_root_dir) / "sdcscope"
         ddp = _ddp(trainer, pl_module)
+        _check_sharded(trainer, pl_module)
         self.counts, self._latest = EventCounts(), LatestRow()
         self.guard = open_guard(pl_module, optimizer, self.config, run_dir, self._count, ddp=ddp)
         if self.guard.metrics is not None:
@@ -277,16 +286,11 @@ class SDCGuardCallback(pl.Callback):
         name = type(trainer.strategy).__name__
         if "DDPStrategy" in kinds and "DeepSpeedStrategy" not in kinds:
             fit_config(self.config, "ddp")
+        elif "ModelParallelStrategy" in kinds:
+            fit_config(self.config, "sharded")
         elif "SingleDeviceStrategy" not in kinds:
-            why = (
-                "the parameters are sharded across ranks, and this callback guards whole replicas only"
-                if kinds & {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"}
-                else "not a strategy this callback knows"
-            )
-            problems.append(
-                f"strategy {name}: {why} (supported: single-device, or DDP -- strategy='ddp', "
-                f"'ddp_spawn', 'ddp_fork', ...)"
-            )
+            why = next((why for kind, why in REFUSED.items() if kind in kinds), "not a strategy this callback knows")
+            problems.append(f"strategy {name}: {why} (supported: {SUPPORTED})")
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             problems.append(f"precision={trainer.precision!r}: its GradScaler steps the optimizer; use bf16 or fp32")
         if self.config.replay and trainer.accumulate_grad_batches > 1:
@@ -297,6 +301,19 @@ class SDCGuardCallback(pl.Callback):
             )
         if problems:
             raise ValueError("SDCGuardCallback cannot guard this fit: " + "; ".join(problems))
+
+
+SUPPORTED = (
+    "single-device; DDP -- strategy='ddp', 'ddp_spawn', 'ddp_fork', ...; or ModelParallelStrategy with "
+    "fully_shard / parallelize_module in configure_model"
+)
+REFUSED = {
+    "DeepSpeedStrategy": "DeepSpeed's engine owns the gradients and the optimizer step, out of the guard's reach",
+    "FSDPStrategy": "FSDP1 (FullyShardedDataParallel) flattens the parameters into FlatParameters, which the "
+    "guard's per-tensor checks cannot address (and Lightning runs it on GPUs only); shard with FSDP2 instead: "
+    "ModelParallelStrategy with fully_shard in configure_model",
+}
+"""Strategies refused by name, with the reason (the first of a strategy's classes found here)."""
 
 
 def _muted(*args, **kwargs) -> None:
@@ -314,3 +331,14 @@ def _ddp(trainer, pl_module) -> nn.Module | None:
             f"module in {type(wrapped).__name__}, not a DistributedDataParallel of the LightningModule"
         )
     return wrapped
+
+
+def _check_sharded(trainer, pl_module) -> None:
+    """Under ``ModelParallelStrategy`` the module's parameters must be DTensors once
+    ``configure_model`` ran: plain ones would be a replica per rank with no gradient average."""
+    if "ModelParallelStrategy" in {c.__name__ for c in type(trainer.strategy).__mro__}:
+        if not world_of(pl_module).sharded:
+            raise ValueError(
+                "SDCGuardCallback cannot guard this fit: strategy ModelParallelStrategy but no parameter of the "
+                "LightningModule is a DTensor; apply fully_shard or parallelize_module in configure_model"
+            )

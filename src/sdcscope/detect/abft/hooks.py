@@ -150,7 +150,8 @@ def keep_last(layer: Layer) -> None:
     """Move ABFT's forward hook back to the end of the module's hook order, so that a hook
     registered after ``attach()`` (an injector editing the output) still runs before the check --
     but before a tensor-parallel plan's output hook (which reduces a rowwise layer's partial
-    sums), and ABFT's pre-hook after the plan's input hook (:mod:`~sdcscope.detect.abft.tensorparallel`).
+    sums) or FSDP2's (which shards the weight again), and ABFT's pre-hook after the plan's input
+    hook (:mod:`~sdcscope.detect.abft.tensorparallel`).
     Uses the module's ordered hook dicts (no public API reorders hooks)."""
     module = layer.module
     hooks = getattr(module, "_forward_hooks", None)
@@ -170,9 +171,11 @@ def keep_last(layer: Layer) -> None:
 
 
 def _plan_hook(fn) -> bool:
-    """Whether a module hook is a tensor-parallel plan's (``distribute_module``, ``ParallelStyle``)."""
+    """Whether a module hook is a sharding engine's: a tensor-parallel plan's (``distribute_module``,
+    ``ParallelStyle``), or FSDP2's on a module ``fully_shard`` split itself (its pre-hook gathers
+    the weight, its forward hook shards it again: ABFT's check reads the gathered one)."""
     fn = getattr(fn, "func", fn)  # a functools.partial
-    return str(getattr(fn, "__module__", "") or "").startswith("torch.distributed.tensor")
+    return str(getattr(fn, "__module__", "") or "").startswith(("torch.distributed.tensor", "torch.distributed.fsdp"))
 
 
 def backward_hooked(module: nn.Module) -> bool:
