@@ -44,6 +44,9 @@ class Exchange:
         self.rank = rank
         """This process's global rank."""
         self.taps: dict[str, list[Tap]] = {t: [] for t in TAPS}
+        self.training = False
+        """Whether the current call is part of a training step (autograd records it; its backward
+        too), not an evaluation under ``torch.no_grad()``."""
 
     @property
     def size(self) -> int:
@@ -59,6 +62,7 @@ class Exchange:
         [sum(recv), d], chunk ``i`` from group rank ``i``. Backward moves the gradient back
         (the ``*_grad`` call of ``call``)."""
         assert call in ("dispatch", "combine"), call
+        self.training = torch.is_grad_enabled()  # (a Function's forward runs with grad off)
         return _AllToAll.apply(x, self, send, recv, call)
 
     def run(self, x: torch.Tensor, send: list[int], recv: list[int], call: str) -> torch.Tensor:

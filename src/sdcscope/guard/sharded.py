@@ -284,8 +284,8 @@ class ShardedRanks(WorldSide):
 
 
 def _link(e: Event) -> bool:
-    """An exact link finding: an all-gather delivered other bits than its sender sent."""
-    return e.detector == "collectives" and e.evidence.get("collective") == "all_gather"
+    """An exact link finding: an all-gather or all-to-all delivered other bits than its sender sent."""
+    return e.detector == "collectives" and e.evidence.get("collective") in ("all_gather", "all_to_all")
 
 
 def world_replay(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -84,7 +84,7 @@ class AllToAllInjector:
         once = spec.schedule.kind != "permanent"
         return (
             self.armed
-            and (torch.is_grad_enabled() or call.endswith("_grad"))  # training, not evaluation
+            and ex.training  # not an evaluation
             and (spec.phase or "dispatch") == call
             and spec.matches(ex.name)
             and spec.schedule.covers(self.step)
