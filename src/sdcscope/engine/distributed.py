@@ -178,29 +178,31 @@ class DistTrainer(Trainer):
         sharded world runs the split model (FSDP2 and TP reduce inside)."""
         if not self.world.data_parallel:
             yield self.model
-            if self.topology.kind == "ep" and micro_batch + 1 == accum:
-                self._average_replicas()
+            if self.world.expert_parallel and micro_batch + 1 == accum:
+                self._average_experts()
             return
         with self.world.ddp.no_sync() if micro_batch + 1 < accum else contextlib.nullcontext():
             yield self.world.ddp
 
     @torch.no_grad()
-    def _average_replicas(self) -> None:
-        """Expert parallel without FSDP2 (``--parallel ep``), after the last micro-batch's
-        backward: the parameters every rank holds whole (attention, router, embeddings) get the
-        world mean of their gradients (one all-reduce of a flat buffer), and each expert's
-        gradient -- the sum over every rank's tokens of the ranks' mean losses -- is divided by
-        the world size: the gradient of the world-mean loss, as DDP's."""
-        size = self.world.size
-        whole = [p.grad for p in self.model.parameters() if p.grad is not None and not is_expert(p)]
-        if whole:
+    def _average_experts(self) -> None:
+        """Expert parallel, after the last micro-batch's backward: each expert's gradient -- the
+        sum over the tokens of every expert-parallel rank of their ranks' mean losses -- becomes
+        the gradient of the world-mean loss, as DDP's. Under ``ep`` the parameters every rank
+        holds whole (attention, router, embeddings) get the world mean of their gradients (one
+        all-reduce of a flat buffer) and the experts' are divided by the world size; under
+        ``fsdp+ep`` FSDP2 has averaged both over its mesh, and the experts' are divided by the
+        expert-parallel degree."""
+        grads = [(is_expert(p), local(p.grad)) for p in self.model.parameters() if p.grad is not None]
+        whole = [g for e, g in grads if not e]
+        if self.topology.kind == "ep" and whole:
             flat = torch.cat([g.reshape(-1) for g in whole])
             dist.all_reduce(flat)
-            flat.div_(size)
+            flat.div_(self.world.size)
             torch._foreach_copy_(whole, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in whole]), whole)])
-        experts = [p.grad for p in self.model.parameters() if p.grad is not None and is_expert(p)]
+        experts = [g for e, g in grads if e]
         if experts:
-            torch._foreach_div_(experts, size)
+            torch._foreach_div_(experts, self.world.size if self.topology.kind == "ep" else self.world.degrees["ep"])
 
     def local_gradients(self, rank: int, step: int, data_pos: int) -> torch.Tensor:
         """Recompute rank ``rank``'s local (pre-reduction) gradient of ``step`` into ``.grad`` and

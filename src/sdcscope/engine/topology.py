@@ -149,16 +149,17 @@ class Topology:
         blocks = model.get_submodule(plan.blocks)
         names = mesh.mesh_dim_names
         if "ep" in names:
+            from sdcscope.common.alltoall import EXPERT
             from sdcscope.workloads.moe import shard_experts
 
             shard_experts(model, mesh["ep"].get_group())
             if names == ("ep",):
-                return model  # the rest stays whole: the trainer averages its gradients
+                return model  # the rest stays whole: the trainer averages its gradients (and the experts')
             for layer in model.modules():  # each rank's experts: FSDP2 over the ranks that hold them
                 for expert in layer.experts.values() if getattr(layer, "exchange", None) is not None else ():
                     fully_shard(expert, mesh=mesh["dp"])
-                    # an expert's gradient sums the tokens of every ep rank: averaged over the world
-                    expert.set_gradient_divide_factor(float(mesh.size()))
+                    for p in expert.parameters():  # FSDP2's own parameters now: marked again
+                        setattr(p, EXPERT, mesh.size(names.index("ep")))
         if "tp" in names:
             styles = {"col": ColwiseParallel, "row": RowwiseParallel}
             for block in blocks:
