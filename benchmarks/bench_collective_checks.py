@@ -261,7 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block", type=int, default=50, help="steps per timed block")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--localize", action="store_true", help="the 4-rank localization cases instead")
-    ap.add_argument("--parallel", choices=("fsdp", "ep"), default="fsdp", help="FSDP2's collectives or the MoE's all-to-alls")
+    ap.add_argument(
+        "--parallel", choices=("fsdp", "ep"), default="fsdp", help="FSDP2's collectives or the MoE's all-to-alls"
+    )
     args = ap.parse_args(argv)
     if args.localize:
         localize()
@@ -283,7 +285,11 @@ def main(argv: list[str] | None = None) -> None:
     links = records[0]["links"]
     margin = max(rec["margin"] for rec in records)
     wall, cpu = ratios[0]
-    what = f"links compared, reduce-scatter margin {margin:.2e}" if args.parallel == "fsdp" else "all-to-all links compared"
+    what = (
+        f"links compared, reduce-scatter margin {margin:.2e}"
+        if args.parallel == "fsdp"
+        else "all-to-all links compared"
+    )
     print(
         f"collective checks {args.parallel}/2: wall ratio {wall:.3f}, cpu ratio {cpu:.3f}; {len(events)} events over "
         f"{steps} clean steps ({links} {what})"

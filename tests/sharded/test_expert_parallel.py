@@ -105,7 +105,12 @@ def test_expert_gemm_and_all_to_all_faults_are_caught_named_and_repaired(tmp_pat
     [
         ("ep", WorkloadConfig(workload="gpt", preset="tiny"), [], "shards experts: the gpt workload has none"),
         ("fsdp", WORKLOAD, [], "the moe workload splits its experts only"),
-        ("fsdp", WorkloadConfig(workload="gpt", preset="tiny"), [LINK], "FSDP2 and tensor parallelism run no all-to-all"),
+        (
+            "fsdp",
+            WorkloadConfig(workload="gpt", preset="tiny"),
+            [LINK],
+            "FSDP2 and tensor parallelism run no all-to-all",
+        ),
     ],
 )
 def test_expert_parallel_requests_that_cannot_run_are_refused_before_any_rank_starts(

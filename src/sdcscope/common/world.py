@@ -300,8 +300,9 @@ class World:
 
 def world_of(model: torch.nn.Module, ddp: Any = None, *, rank: int | None = None) -> World:
     """The world ``model`` trains in: expert parallel when its MoE layers exchange tokens by
-    all-to-all (:func:`~sdcscope.common.alltoall.exchanges`), sharded when its parameters are DTensors, data parallel when
-    ``ddp`` (or ``model`` itself) is a ``DistributedDataParallel`` wrapper, else one process.
+    all-to-all (:func:`~sdcscope.common.alltoall.exchanges`), sharded when its parameters are
+    DTensors, data parallel when ``ddp`` (or ``model`` itself) is a ``DistributedDataParallel``
+    wrapper, else one process.
     ``rank``, when given, must be this process's rank (ValueError otherwise)."""
     if ddp is None and is_ddp(model):
         ddp, model = model, model.module
