@@ -69,12 +69,14 @@ class AllToAllCheck:
 
     @torch.no_grad()
     def _sent(self, ex: Exchange, call: str, buf: torch.Tensor, splits: list[int]) -> None:
-        self._digest(0, ex, call, buf, splits)
+        if ex.training:  # an evaluation's moves are no step's
+            self._digest(0, ex, call, buf, splits)
 
     @torch.no_grad()
     def _arrived(self, ex: Exchange, call: str, buf: torch.Tensor, splits: list[int]) -> None:
-        self.rows.setdefault((self.index[id(ex)], CALLS.index(call)), list(splits))
-        self._digest(1, ex, call, buf, splits)
+        if ex.training:
+            self.rows.setdefault((self.index[id(ex)], CALLS.index(call)), list(splits))
+            self._digest(1, ex, call, buf, splits)
 
     def _digest(self, side: int, ex: Exchange, call: str, buf: torch.Tensor, splits: list[int]) -> None:
         chunks = [c.reshape(1, -1) for c in buf.split(splits)]
