@@ -140,7 +140,7 @@ def train(
             from sdcscope.jobs import launch
 
             if prometheus_port is not None and not distributed_resume:  # a resume serves as recorded
-                _check_rank_ports(prometheus_port, nproc, "sharded" if pcfg.sharded else "ddp")
+                _check_rank_ports(prometheus_port, nproc, pcfg.world_kind)
             if distributed_resume:
                 job = distributed_resume_job(ctx, resume, out, steps, DistConfig(timeout_s=timeout))
                 if job is None:  # the run is complete: nothing to launch

@@ -82,7 +82,7 @@ class Topology:
         """The collectives a training step of this topology runs (the fault sites and checks of
         :data:`~sdcscope.faults.vocab.COLLECTIVE_SITES` need theirs): DDP's gradient all-reduce,
         FSDP2's parameter all-gather and gradient reduce-scatter, tensor parallelism's reductions."""
-        out = ("all_reduce",) if self.kind in ("ddp", "tp", "fsdp+tp", "hsdp", "ep") else ()
+        out = ("all_reduce",) if self.kind in ("ddp", "tp", "fsdp+tp", "hsdp", "ep", "fsdp+ep") else ()
         out += ("all_to_all",) if self.expert_parallel else ()
         return out + (("all_gather", "reduce_scatter") if self.kind in ("fsdp", "fsdp+tp", "hsdp", "fsdp+ep") else ())
 
