@@ -336,8 +336,8 @@ def world_of(model: torch.nn.Module, ddp: Any = None, *, rank: int | None = None
         degrees = {n: mesh.size(i) for i, n in enumerate(names)}
         from sdcscope.common.fsdp import fsdp_units
 
-        # TP, HSDP's replicas; an expert world's whole replicated parameters (averaged by the trainer)
-        replicas = "tp" in degrees or "replicate" in degrees or (moved and not sharded)
+        # TP, HSDP's replicas; an expert world's replicated parameters (the trainer's average, HSDP's)
+        replicas = "tp" in degrees or "replicate" in degrees or bool(moved)
         collectives = ("all_reduce",) if replicas else ()
         if moved:  # expert parallel: the ep degree is the exchanges' group; FSDP2 (fsdp+ep) over the rest
             degrees = {**{k: v for k, v in degrees.items() if k != "ep"}, "ep": moved[0].size}
