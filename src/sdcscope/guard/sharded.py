@@ -1,5 +1,7 @@
 """The Guard over sharded training: FSDP2 (``fully_shard``), tensor parallel (``parallelize_module``),
-FSDP×TP and HSDP -- every model whose parameters are DTensors.
+FSDP×TP and HSDP -- every model whose parameters are DTensors -- and over expert parallelism
+(an MoE's experts sharded over ranks, tokens moved by all-to-all: each rank owns experts no
+other rank holds, so the same side decides there).
 
 Each rank's detectors work on what that rank holds and computes: ABFT checks the GEMMs the rank
 runs (under FSDP2 the unsharded weights its forward and backward use; under tensor parallel the
@@ -14,8 +16,8 @@ side supplies, per step and on every rank:
 
 1. the ranks' findings are shared (one all-reduce of a count; an object gather only when there
    is something to share) -- so every rank holds the same list and takes the same actions; a
-   step on corrupted state is decided by the state checksums alone, and one whose all-gather
-   delivered other bits than were sent by that link alone (the rest are its consequences);
+   step on corrupted state is decided by the state checksums alone, and one whose all-gather or
+   all-to-all delivered other bits than were sent by that link alone (the rest are its consequences);
 2. any finding but a state checksum's makes every rank replay the step together (the replay is a
    collective: FSDP2 gathers, TP reduces); a finding the replay does not reproduce anywhere is
    ``transient`` and the clean re-execution is kept (``recompute``), one that comes back is
