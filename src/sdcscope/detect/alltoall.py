@@ -89,28 +89,25 @@ class AllToAllCheck:
 
     def events(self, step: int, rank: int, table: torch.Tensor) -> list[Event]:
         """Compare every link of every rank's words (``table``: each rank's :meth:`row`, in rank
-        order); the events of the corrupted chunks that arrived on ``rank``."""
+        order), in one comparison; the events of the corrupted chunks that arrived on ``rank``."""
         if self.groups is None:
-            import torch.distributed as dist
-
-            self.groups = [None] * dist.get_world_size()
-            dist.all_gather_object(self.groups, [ex.ranks for ex in self.exchanges])
+            self._learn_groups()
         words = table.view(len(self.groups), *self.words.shape)
+        arrived = words[:, 1].permute(0, 1, 3, 2, 4)  # [dst, L, j (source slot), calls, 2]
+        sent = words[:, 0].permute(0, 1, 3, 2, 4)[self.source]  # the sender's words for each slot
+        bad = self.valid & (arrived != sent).any(-1).any(-1)  # [dst, L, j]
+        self.links_compared += int(self.valid.sum()) * len(CALLS)
         links, want, got, receivers = [], [], [], {}
-        for dst, groups in enumerate(self.groups):
-            for li, ranks in enumerate(groups):
-                for ci, call in enumerate(CALLS):
-                    for j, src in enumerate(ranks):
-                        i = self.groups[src][li].index(dst)
-                        sent, arrived = words[src, 0, li, ci, i], words[dst, 1, li, ci, j]
-                        self.links_compared += 1
-                        if torch.equal(sent, arrived):
-                            continue
-                        name = self.exchanges[li].name if li < len(self.exchanges) else str(li)
-                        links.append(self._link(name, call, src, dst, li, ci, j if dst == rank else None))
-                        want.append(sent)
-                        got.append(arrived)
-                        receivers[("all_to_all", call, name, src)] = list(ranks)
+        for dst, li, j in bad.nonzero().tolist():
+            src = self.groups[dst][li][j]
+            for ci, call in enumerate(CALLS):
+                if torch.equal(sent[dst, li, j, ci], arrived[dst, li, j, ci]):
+                    continue
+                name = self.exchanges[li].name
+                links.append(self._link(name, call, src, dst, li, ci, j if dst == rank else None))
+                want.append(sent[dst, li, j, ci])
+                got.append(arrived[dst, li, j, ci])
+                receivers[("all_to_all", call, name, src)] = list(self.groups[dst][li])
         if not links:
             return []
         found = localize(compare(links, torch.stack(want), torch.stack(got)), receivers)
@@ -123,6 +120,23 @@ class AllToAllCheck:
             log.warning("all-to-all link %s corrupted: %s (%s, suspect %s)", link, link.tensor, link.phase, m.suspect)
             events.append(Event(step, self.name, "mismatch", module=link.tensor, rank=suspect, evidence=m.evidence()))
         return events
+
+    def _learn_groups(self) -> None:
+        """Every rank's exchange groups (once: a collective), and for each slot ``j`` that arrived
+        on ``dst`` in layer ``l`` where its sender keeps the words it sent: ``(src, l, i)``."""
+        import torch.distributed as dist
+
+        self.groups = [None] * dist.get_world_size()
+        dist.all_gather_object(self.groups, [ex.ranks for ex in self.exchanges])
+        R, L, W = len(self.groups), len(self.exchanges), self.words.shape[3]
+        src, layer, slot = (torch.zeros(R, L, W, dtype=torch.int64) for _ in range(3))
+        self.valid = torch.zeros(R, L, W, dtype=torch.bool)
+        for dst, groups in enumerate(self.groups):
+            for li, ranks in enumerate(groups):
+                for j, s in enumerate(ranks):
+                    src[dst, li, j], layer[dst, li, j], slot[dst, li, j] = s, li, self.groups[s][li].index(dst)
+                    self.valid[dst, li, j] = True
+        self.source = (src, layer, slot)
 
     def _link(self, name: str, call: str, src: int, dst: int, li: int, ci: int, j: int | None) -> Link:
         """The link; on the receiving rank with the rows the chunk took in its buffer."""
