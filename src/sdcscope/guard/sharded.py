@@ -61,7 +61,11 @@ log = logging.getLogger("sdcscope.guard.sharded")
 WORLD_DETECTORS = ("spike",)
 """Detectors fed with world values (the global loss and gradient norm): every rank finds the same,
 so the world keeps one copy, about no rank until a replay names one."""
-STOP = "no rank can be excluded: each owns a shard no other rank holds"
+STOP = {
+    "sharded": "no rank can be excluded: each owns a shard no other rank holds",
+    "expert": "no rank can be excluded: each owns experts no other rank holds",
+}
+"""Why a sharded or expert-parallel world stops where another would leave a rank out."""
 
 
 def tensor_parallel_layers(model: nn.Module) -> list[str]:
@@ -229,7 +233,7 @@ class ShardedRanks(WorldSide):
         for e in events:
             note = self._note(e)
             if note is not None and note.persistent and not self.stop:
-                self.halt(f"persistent fault at {note.site} on rank {e.rank} ({note.strikes} strikes): {STOP}")
+                self.halt(f"persistent fault at {note.site} on rank {e.rank} ({note.strikes} strikes): {STOP[self.world.kind]}")
                 self.persistent.add(id(e))
 
     def translate(self, session: StepSession, e: Event, chosen: list[str]) -> list[str]:
@@ -239,7 +243,7 @@ class ShardedRanks(WorldSide):
         out: list[str] = []
         for a in chosen:
             if a == "quarantine":
-                self.halt(f"policy: {e.detector}: {e.verdict} on rank {e.rank}: {STOP}")
+                self.halt(f"policy: {e.detector}: {e.verdict} on rank {e.rank}: {STOP[self.world.kind]}")
                 a = "veto"
             out += [a] if a not in out else []
         return out
