@@ -233,9 +233,8 @@ class ShardedRanks(WorldSide):
         for e in events:
             note = self._note(e)
             if note is not None and note.persistent and not self.stop:
-                self.halt(
-                    f"persistent fault at {note.site} on rank {e.rank} ({note.strikes} strikes): {STOP[self.world.kind]}"
-                )
+                why = STOP[self.world.kind]
+                self.halt(f"persistent fault at {note.site} on rank {e.rank} ({note.strikes} strikes): {why}")
                 self.persistent.add(id(e))
 
     def translate(self, session: StepSession, e: Event, chosen: list[str]) -> list[str]:
