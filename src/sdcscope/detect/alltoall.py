@@ -36,7 +36,7 @@ class AllToAllCheck:
         self.name = name
         """The detector's name on the events."""
         self.exchanges: list[Exchange] = exchanges(model)
-        self.device = next(model.parameters()).device
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.index = {id(ex): i for i, ex in enumerate(self.exchanges)}
         self._removers: list = []
         self.groups: list | None = None  # every rank's exchanges' ranks (learnt at the first check)
