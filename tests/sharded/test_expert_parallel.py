@@ -18,7 +18,7 @@ from sdcscope.faults import FaultSpec
 from sdcscope.guard import GuardConfig
 from sdcscope.workloads import WorkloadConfig
 
-WORKLOAD = WorkloadConfig(workload="moe", preset="tiny", batch_size=2, max_corpus_bytes=100_000)
+WORKLOAD = WorkloadConfig(workload="moe", preset="tiny", batch_size=2, max_corpus_bytes=100_000, eval_batches=1)
 GEMM = {  # expert 3 lives on rank 1 (4 experts over 2 ranks): its fc's Y = XWᵀ, step 1
     "site": "gemm.forward",
     "target": "blocks.1.moe.experts.3.fc",
@@ -50,7 +50,7 @@ def _job(out, specs=(), kind="ep", workload=WORKLOAD):
         train=TrainConfig(seed=0),
         dist_config=DistConfig(backend="gloo", timeout_s=60),
         specs=[FaultSpec.from_dict(s) for s in specs],
-        guard=GuardConfig(profile="full"),  # ABFT on every GEMM: the expert's is checked
+        guard=GuardConfig(profile="minimal", abft={"targets": ["*.experts.*"]}),  # ABFT on every expert GEMM
         parallel=Topology(kind=kind),
     )
 
