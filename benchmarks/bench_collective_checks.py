@@ -1,7 +1,9 @@
-"""The price and the false-alarm record of the exact collective checks on FSDP2 (fsdp/2, gloo, CPU).
+"""The price and the false-alarm record of the exact collective checks on FSDP2 (fsdp/2) and on
+expert parallelism's all-to-alls (ep/2), gloo, CPU.
 
     python benchmarks/bench_collective_checks.py                       # 2,000 checked + 2,000 unchecked steps
     python benchmarks/bench_collective_checks.py --steps 200 --block 20  # a quick look
+    python benchmarks/bench_collective_checks.py --parallel ep --steps 1000 --block 25   # the MoE's all-to-alls
 
     python benchmarks/bench_collective_checks.py --localize            # who is suspected, on 4 ranks
 
@@ -14,11 +16,18 @@ model, so both sides see the same machine load. Per pair of blocks the checked /
 ratio of the wall time and of the process CPU time (rank 0's; the other rank's is printed too);
 the median over the pairs.
 
+``--parallel ep``: two ranks train the MoE workload (tiny: 4 experts, top-2) with its experts
+sharded two per rank (the ``--parallel ep`` layout, through the distributed trainer's own step:
+the all-to-alls, the average of the whole parameters' gradients), and the checked blocks attach
+the same check, which then digests every all-to-all chunk sent and arrived (dispatch, combine
+and both gradient moves of each MoE layer) and compares every link exactly.
+
 The checked steps are clean steps: every finding would be a false event. The script prints the
 events, the all-gather links compared (the exact check cannot false-alarm: a clean link carries
 the sender's bits, so its digest is the sender's), and the largest reduce-scatter residual as a
 fraction of its bound. Last line: ``collective checks fsdp/2: wall ratio W, cpu ratio C; N
-events over S clean steps (L links compared, reduce-scatter margin M)``.
+events over S clean steps (L links compared, reduce-scatter margin M)`` (``ep/2``: ``(L all-to-all
+links compared)``).
 
 ``--localize`` instead runs guarded 4-rank jobs through the torchrun job's own code, each with one
 all-gather fault on shard rank 2's part of a weight: ``send`` on fsdp/4 (every receiver's copy:
@@ -51,9 +60,68 @@ from sdcscope.workloads import WorkloadConfig, make_workload
 WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=8, max_corpus_bytes=200_000)
 
 
-def _rank(rank: int, size: int, steps: int, block: int, threads: int, out: str) -> None:
+MOE = WorkloadConfig(workload="moe", preset="tiny", batch_size=8, max_corpus_bytes=200_000)
+
+
+class _Checking:
+    """A trainer callback running the check around each step (what the guard does with it)."""
+
+    def __init__(self, check: CollectiveCheck, events: list) -> None:
+        self.check, self.events = check, events
+
+    def before_step(self, ctx) -> None:
+        self.check.begin_step(ctx.step)
+
+    def before_optimizer_step(self, ctx) -> None:
+        self.events.extend(self.check.check(CheckView(ctx.step, ctx.step_loss, ctx.trainer.model)))
+
+
+def _rank_ep(rank: int, block: int, steps: int, out: str) -> None:
+    """``--parallel ep``: the distributed trainer's own steps, checked blocks interleaved."""
+    from sdcscope.engine import TrainConfig
+    from sdcscope.engine.distributed import DistTrainer
+
+    trainer = DistTrainer(make_workload(MOE), TrainConfig(seed=0), topology=Topology(kind="ep"))
+    check = CollectiveCheck(trainer.model, CollectivesConfig())
+    events, rows = [], []
+    checking = _Checking(check, events)
+
+    def run(checked: bool) -> tuple[float, float]:
+        dist.barrier()
+        if checked:
+            trainer.callbacks.append(checking)
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(block):
+            trainer.train_step()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        if checked:
+            trainer.callbacks.remove(checking)
+        return wall, cpu
+
+    run(False)  # warm-up
+    for _ in range(max(1, steps // block)):
+        base = run(False)
+        check.attach()
+        checked = run(True)
+        check.detach()
+        rows.append({"base": base, "checked": checked})
+    record = {
+        "rank": rank,
+        "rows": rows,
+        "events": [e.to_dict() for e in events],
+        "links": check.moves.links_compared,
+        "margin": 0.0,
+        "checked_steps": len(rows) * block,
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def _rank(rank: int, size: int, steps: int, block: int, threads: int, out: str, parallel: str = "fsdp") -> None:
     torch.set_num_threads(threads)
     init_distributed(DistConfig(backend="gloo", timeout_s=300))
+    if parallel == "ep":
+        _rank_ep(rank, block, steps, out)
+        return
     wl = make_workload(WORKLOAD)
     torch.manual_seed(0)
     model = wl.build_model()
@@ -193,12 +261,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block", type=int, default=50, help="steps per timed block")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--localize", action="store_true", help="the 4-rank localization cases instead")
+    ap.add_argument(
+        "--parallel", choices=("fsdp", "ep"), default="fsdp", help="FSDP2's collectives or the MoE's all-to-alls"
+    )
     args = ap.parse_args(argv)
     if args.localize:
         localize()
         return
     with tempfile.TemporaryDirectory() as out:
-        spawn(_rank, 2, (args.steps, args.block, args.threads, out), timeout_s=7200)
+        spawn(_rank, 2, (args.steps, args.block, args.threads, out, args.parallel), timeout_s=7200)
         records = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
     ratios = {}
     for rec in records:
@@ -214,9 +285,14 @@ def main(argv: list[str] | None = None) -> None:
     links = records[0]["links"]
     margin = max(rec["margin"] for rec in records)
     wall, cpu = ratios[0]
+    what = (
+        f"links compared, reduce-scatter margin {margin:.2e}"
+        if args.parallel == "fsdp"
+        else "all-to-all links compared"
+    )
     print(
-        f"collective checks fsdp/2: wall ratio {wall:.3f}, cpu ratio {cpu:.3f}; {len(events)} events over "
-        f"{steps} clean steps ({links} links compared, reduce-scatter margin {margin:.2e})"
+        f"collective checks {args.parallel}/2: wall ratio {wall:.3f}, cpu ratio {cpu:.3f}; {len(events)} events over "
+        f"{steps} clean steps ({links} {what})"
     )
 
 

@@ -1,15 +1,18 @@
 """The guard over sharded training: topology × fault → detected / step / named / repaired / final-equal,
 and the guard's cost ratio per topology (gloo on CPU).
 
-    python benchmarks/bench_sharded_matrix.py                      # 2-rank FSDP2 and TP, 12 steps
-    python benchmarks/bench_sharded_matrix.py --full               # + FSDP2 on 4, FSDP×TP 2×2, HSDP 2×2
+    python benchmarks/bench_sharded_matrix.py                      # 2-rank FSDP2, TP and EP, 12 steps
+    python benchmarks/bench_sharded_matrix.py --full               # + FSDP2 on 4, FSDP×TP, HSDP, FSDP×EP 2×2
+    python benchmarks/bench_sharded_matrix.py --only ep/2 fsdp+ep/4 --steps 300   # expert parallel, 300 steps
     python benchmarks/bench_sharded_matrix.py --steps 300 --full   # the issue's 300-step rows
 
 Each row runs the GPT (tiny preset) sharded with ``--parallel`` semantics through the torchrun
 job's own code (``run_job`` on spawned gloo ranks), guarded, with one fault on a chosen rank, and
 compares the final full parameters with the clean guarded run's (``--profile``, default ``full``:
 every GEMM every step). ``named``: an event names the fault's rank and layer (a GEMM fault:
-ABFT's check of that GEMM; under tensor parallelism the rank's local shard GEMM). The cost ratio
+ABFT's check of that GEMM; under tensor parallelism the rank's local shard GEMM; an all-to-all
+fault: the link into the rank, in the MoE layer). The expert-parallel topologies (``ep/2``,
+``fsdp+ep/4``) train the MoE workload (tiny) with their own rows (:func:`ep_faults`). The cost ratio
 is the guarded clean run's training-loop time (summary.json) over the unguarded one's (each run
 once per repeat, interleaved; median), measured on a shared, loaded machine: the ratios are
 pessimistic. The figure on the last line is the median guard-cost ratio over topologies.
@@ -33,8 +36,11 @@ from sdcscope.guard.config import PROFILES
 from sdcscope.workloads import WorkloadConfig
 
 WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=200_000)
-TOPOLOGIES = {"fsdp/2": ("fsdp", 2), "tp/2": ("tp", 2)}
-FULL = {"fsdp/4": ("fsdp", 4), "fsdp+tp/4": ("fsdp+tp", 4), "hsdp/4": ("hsdp", 4)}
+MOE = WorkloadConfig(workload="moe", preset="tiny", batch_size=2, max_corpus_bytes=200_000)
+TOPOLOGIES = {"fsdp/2": ("fsdp", 2), "tp/2": ("tp", 2), "ep/2": ("ep", 2)}
+FULL = {"fsdp/4": ("fsdp", 4), "fsdp+tp/4": ("fsdp+tp", 4), "hsdp/4": ("hsdp", 4), "fsdp+ep/4": ("fsdp+ep", 4)}
+EXPERT_PARALLEL = ("ep", "fsdp+ep")
+"""Topologies of the MoE workload (tiny: 4 experts, top-2), with their own fault rows (:func:`ep_faults`)."""
 
 
 def faults(kind: str, step: int, rank: int) -> dict[str, dict]:
@@ -69,6 +75,29 @@ def faults(kind: str, step: int, rank: int) -> dict[str, dict]:
     }
 
 
+def ep_faults(kind: str, nproc: int, step: int, rank: int) -> dict[str, dict]:
+    """The expert-parallel rows, on ``rank`` at ``step``: a forward-GEMM flip in one of the
+    experts the rank owns (ABFT names the expert), a flip in that expert's weight shard (the
+    state checksums), a flip in the token rows that arrived on the rank from its expert-parallel
+    peer (the exact all-to-all check names the link), the same link's gradient move in backward,
+    and a link that stays broken (the ledger's suspect pair stops the run)."""
+    ep = nproc if kind == "ep" else 2  # the mesh is (dp, ep) with ep = inner = 2: rank = dp·ep + coordinate
+    coord, per = rank % ep, 4 // ep
+    expert = f"blocks.0.moe.experts.{coord * per + per - 1}.fc"
+    peer = rank - coord if coord else rank + 1
+    flip = {"model": "bitflip", "rank": rank, "pattern": {"kind": "element", "index": 5}, "seed": 1}
+    when = {"kind": "transient", "step": step}
+    link = {**flip, "site": "comm.all_to_all", "target": "blocks.0.moe", "source": peer, "bits": [30]}
+    link["pattern"] = {"kind": "element", "index": "random"}  # the chunk's rows vary with the routing
+    return {
+        "expert gemm.fwd": {**flip, "site": "gemm.forward", "target": expert, "bits": [30], "schedule": when},
+        "expert weight": {**flip, "site": "weight", "target": expert, "bits": [30], "schedule": when},
+        "a2a dispatch": {**link, "schedule": when},
+        "a2a combine_grad": {**link, "phase": "combine_grad", "schedule": when},
+        "a2a permanent": {**link, "schedule": {"kind": "permanent", "start": step}},
+    }
+
+
 def _rank(rank: int, world: int, job: dict) -> None:
     from sdcscope.jobs.torchrun import Job, run_job
 
@@ -86,7 +115,7 @@ def run(
         out,
         nproc,
         steps=steps,
-        workload=WORKLOAD,
+        workload=MOE if kind in EXPERT_PARALLEL else WORKLOAD,
         train=TrainConfig(seed=0),
         dist_config=DistConfig(backend="gloo", timeout_s=120),
         specs=[FaultSpec.from_dict(s) for s in specs],
@@ -111,6 +140,11 @@ def judge(events: list[dict], spec: dict, step: int, clean: dict, summary: dict)
         e.get("rank") == spec["rank"]
         and (e.get("module") or "").startswith(layer)
         and (gemm is None or (e["detector"] == "abft" and e.get("gemm") == gemm))
+        and (  # a link fault: the link source -> rank, in its call
+            "source" not in spec
+            or (e["evidence"].get("src"), e["evidence"].get("dst"), e["evidence"].get("phase"))
+            == (spec["source"], spec["rank"], spec.get("phase", "dispatch"))
+        )
         for e in found
     )
     memory = spec["site"] in ("weight", "optimizer_state")
@@ -177,7 +211,8 @@ def main() -> int:
                             f"{label:10} {'(clean)':16} {'events=' + str(len(events)):8} {'':>4} {'':6} {'':8} {'':6}"
                         )
             ratios[label] = statistics.median(walls[True]) / statistics.median(walls[False])
-            for site, spec in faults(kind, a.fault_step, a.rank).items():
+            rows = ep_faults(kind, nproc, a.fault_step, a.rank) if kind in EXPERT_PARALLEL else None
+            for site, spec in (rows or faults(kind, a.fault_step, a.rank)).items():
                 summary, events, _ = run(root / f"{tag}-{site}", kind, nproc, a.steps, [spec], True, a.profile)
                 j = judge(events, spec, a.fault_step, clean, summary)
                 print(

@@ -64,10 +64,11 @@ def test_each_fault_file_fits_its_model(path, tmp_path):
     if any(
         s.rank not in (0, None) or s.site.startswith("comm") for s in specs
     ):  # a distributed run's: as a launch checks
-        fsdp = path.name.startswith("fsdp_")  # FSDP2's collectives: the two-rank run its first line names
-        world = {"parallel": Topology(kind="fsdp")} if fsdp else {}
+        # FSDP2's collectives, expert parallelism: the two-rank run its first line names
+        kind = "fsdp" if path.name.startswith("fsdp_") else "ep" if path.name.startswith("moe_ep_") else None
+        world = {"parallel": Topology(kind=kind)} if kind else {}
         job = make_job(
-            tmp_path / "run", 2 if fsdp else 3, workload=workload, specs=specs, dist_config=DistConfig(), **world
+            tmp_path / "run", 2 if kind else 3, workload=workload, specs=specs, dist_config=DistConfig(), **world
         )
         check_job(job)
         return

@@ -28,7 +28,7 @@ BASE = {
         ({"direction": "sideways"}, "unknown direction 'sideways'.*'recv', 'send'"),
         ({"direction": "send", "rank": 1}, "direction 'send'.*rank 1 must be the source or null"),
         ({"phase": "after"}, "unknown comm.all_gather phase 'after'.*'forward', 'backward'"),
-        ({"site": "comm.reduce_scatter"}, "source 0 is only used with site 'comm.all_gather'"),
+        ({"site": "comm.reduce_scatter"}, r"source 0 is only used with sites \['comm.all_gather', 'comm.all_to_all'\]"),
         ({"site": "weight", "source": None, "direction": "recv"}, "direction 'recv' is only used with"),
         ({"site": "comm.reduce_scatter", "source": None, "phase": "forward"}, "phase 'forward' is only used"),
     ],

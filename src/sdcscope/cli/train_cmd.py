@@ -92,7 +92,9 @@ def train(
         "--parallel",
         help="With --nproc N, how the model is laid over the ranks: ddp (a replica per rank), or split by the "
         "workload's plan (gpt): fsdp (FSDP2), tp (tensor parallel), fsdp+tp (2-D, TP degree 2) or hsdp (2-D: "
-        "replicas of 2-rank FSDP2 groups). A topology the model does not fit is refused before any rank starts.",
+        "replicas of 2-rank FSDP2 groups); (moe): ep (experts sharded over the ranks, tokens moved by "
+        "all-to-all) or fsdp+ep (2-D, EP degree 2, FSDP2 for the rest). A topology the model does not fit is "
+        "refused before any rank starts.",
     ),
     faults: Optional[Path] = path_option(
         None, "--faults", help="Fault specs (YAML/JSON) injected into the run; with --nproc N bound to ranks."
@@ -138,7 +140,7 @@ def train(
             from sdcscope.jobs import launch
 
             if prometheus_port is not None and not distributed_resume:  # a resume serves as recorded
-                _check_rank_ports(prometheus_port, nproc, "sharded" if pcfg.sharded else "ddp")
+                _check_rank_ports(prometheus_port, nproc, pcfg.world_kind)
             if distributed_resume:
                 job = distributed_resume_job(ctx, resume, out, steps, DistConfig(timeout_s=timeout))
                 if job is None:  # the run is complete: nothing to launch

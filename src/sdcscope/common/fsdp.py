@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from sdcscope.common.alltoall import EXPERT
+
 PASSES = ("forward", "backward")
 """The all-gathers of a step: the forward one, and the backward re-gather of a resharded unit."""
 
@@ -120,9 +122,13 @@ class FSDPUnit:
         return post is not None and post is self.group.mesh_info
 
     def divide_factor(self) -> float:
-        """What FSDP2 divides a reduced gradient by (the data-parallel size unless set)."""
+        """What a reduced gradient is divided by: FSDP2's factor (the data-parallel size unless
+        set), times an expert's expert-parallel degree (an expert-parallel trainer divides its
+        experts' reduced gradients by it: they sum the tokens of every expert-parallel rank)."""
         factor = self.group.gradient_divide_factor
-        return float(len(self.dp_ranks) if factor is None else factor)
+        factor = float(len(self.dp_ranks) if factor is None else factor)
+        experts = {getattr(gp.fp.sharded_param, EXPERT, None) for gp in self.params} - {None}
+        return factor * (max(experts) if experts else 1)
 
 
 def fsdp_units(model: nn.Module) -> list[FSDPUnit]:

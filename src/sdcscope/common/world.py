@@ -1,5 +1,6 @@
-"""The world a run lives in -- one process, data parallel (DDP) or sharded (FSDP2, tensor parallel,
-FSDP×TP, HSDP) -- described once and built by one factory, :func:`world_of`.
+"""The world a run lives in -- one process, data parallel (DDP), sharded (FSDP2, tensor parallel,
+FSDP×TP, HSDP) or expert parallel (an MoE's experts sharded over ranks, alone or with FSDP2) --
+described once and built by one factory, :func:`world_of`.
 
 This module is the only code that inspects DDP wrappers or DTensor types. The engine and the guard
 are composed with a :class:`World`: its degrees and capability properties (``sharded``,
@@ -19,8 +20,11 @@ from typing import Any
 
 import torch
 
-KINDS = ("single", "ddp", "sharded")
-"""The worlds a run can live in (pipeline and expert parallel worlds will join them)."""
+from sdcscope.common.alltoall import exchanges, is_expert
+
+KINDS = ("single", "ddp", "sharded", "expert")
+"""The worlds a run can live in (a pipeline world will join them). ``expert``: an MoE whose
+experts are sharded over ranks and reached by all-to-all, with or without FSDP2 for the rest."""
 
 
 # -- sharded values ----------------------------------------------------------------------------
@@ -84,36 +88,54 @@ SUPPORT: dict[str, dict[str, str]] = {
     "guard.metrics": {
         "sharded": "per-step metrics read whole parameters and gradients; over shards they would be each "
         "rank's partial values",
+        "expert": "per-step metrics read whole parameters and gradients; each rank holds only its own experts",
     },
     "guard.zclip": {
         "sharded": "ZClip clips by a gradient norm it computes itself, which over shards is each rank's own "
         "norm (ranks would clip differently); clip in before_step with a DTensor-aware clip_grad_norm_",
+        "expert": "ZClip clips by a gradient norm it computes itself, which is each rank's own (its experts "
+        "differ): ranks would clip differently",
     },
     "guard.qk_clip": {
         "ddp": "each rank sees only its own attention logits, and rescaling on some ranks would split the replicas",
         "sharded": "each rank sees only its own heads' attention logits, and rescaling on some ranks would "
         "split the shards",
+        "expert": "each rank sees only its own tokens' attention logits, and rescaling on some ranks would "
+        "split the replicas",
     },
     "guard.invariants": {
         "ddp": "the invariant checker traces one process's loop",
         "sharded": "the invariant checker traces whole tensors in one process",
+        "expert": "the invariant checker traces whole tensors in one process",
     },
     "guard.scaler": {
         "ddp": "the rank guard compares gradients before the scaler unscales them",
         "sharded": "train in bf16 (FSDP2's MixedPrecisionPolicy) instead of fp16 with a GradScaler",
+        "expert": "the gradients are averaged by the trainer before any scaler could unscale them; train in fp32 "
+        "or bf16",
     },
     "guard.ranks_null": {
         "ddp": "every rank must take the same decision, which the ranks section provides; give ranks: {}",
         "sharded": "every rank must take the same decision, which the ranks section provides; give ranks: {}",
+        "expert": "every rank must take the same decision, which the ranks section provides; give ranks: {}",
     },
     "fault.comm": {
         "single": "site 'comm' corrupts a DDP gradient bucket: it needs --nproc 2 or more with --parallel ddp",
         "sharded": "site 'comm' is the DDP bucket hook's: it needs --parallel ddp",
+        "expert": "site 'comm' is the DDP bucket hook's: it needs --parallel ddp",
+    },
+    "fault.all_to_all": {
+        "single": "site 'comm.all_to_all' corrupts an MoE's expert-parallel all-to-all: it needs --nproc 2 or "
+        "more with --parallel ep or fsdp+ep",
+        "ddp": "DDP runs no all-to-all (each rank holds every expert); use --parallel ep",
+        "sharded": "FSDP2 and tensor parallelism run no all-to-all; use --parallel ep or fsdp+ep",
     },
     "fault.collectives": {
         "single": "sites 'comm.all_gather' and 'comm.reduce_scatter' corrupt FSDP2's collectives: they need "
         "--nproc 2 or more with --parallel fsdp, hsdp or fsdp+tp",
         "ddp": "DDP runs no all-gather or reduce-scatter (its all-reduce is site 'comm'); use --parallel fsdp",
+        "expert": "sites 'comm.all_gather' and 'comm.reduce_scatter' corrupt FSDP2's collectives: they need "
+        "--parallel fsdp+ep (--parallel ep runs none)",
     },
     "guard.collectives": {
         "single": "one process runs no collective: nothing to check",
@@ -121,6 +143,7 @@ SUPPORT: dict[str, dict[str, str]] = {
     },
     "train.eval_every": {
         "sharded": "evaluation of a sharded model is a collective and runs once, at the end",
+        "expert": "evaluation of an expert-parallel model is a collective (all-to-all) and runs once, at the end",
     },
     "action.recompute": {
         "ddp": "the clean re-execution is a local replay of one rank's shard, not a world step: a veto",
@@ -128,6 +151,7 @@ SUPPORT: dict[str, dict[str, str]] = {
     "action.quarantine": {
         "single": "no other rank can carry on: the step is vetoed and training stops",
         "sharded": "no rank can be excluded: each owns a shard no other rank holds; the run stops",
+        "expert": "no rank can be excluded: each owns experts no other rank holds; the run stops",
     },
 }
 """``feature -> {world kind: why it is not supported there}``; a kind not named supports it. The
@@ -169,8 +193,9 @@ class World:
     ddp: Any = None
     """The DDP wrapper of a data-parallel world's model."""
     collectives: tuple[str, ...] = ()
-    """The collectives a training step runs: ``all_reduce`` (DDP, tensor parallel), ``all_gather``
-    and ``reduce_scatter`` (FSDP2); what the collective checks and fault sites need."""
+    """The collectives a training step runs: ``all_reduce`` (DDP, tensor parallel, an expert
+    world's replicated parameters), ``all_gather`` and ``reduce_scatter`` (FSDP2), ``all_to_all``
+    (an expert world's token dispatch and combine); what the collective checks and fault sites need."""
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, self.kind
@@ -181,7 +206,12 @@ class World:
 
     @property
     def sharded(self) -> bool:
-        return self.kind == "sharded"
+        """The model is split over ranks (a step is a collective every rank runs): sharded or expert."""
+        return self.kind in ("sharded", "expert")
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.kind == "expert"
 
     @property
     def data_parallel(self) -> bool:
@@ -214,15 +244,17 @@ class World:
     def replicas(self, p: torch.Tensor) -> int:
         """How many ranks hold the same values as this rank's part of ``p``: a DTensor's size of the
         mesh dims it is replicated over (the dims it is sharded over split it); a plain tensor is
-        alike on every rank of a distributed world."""
+        alike on every rank of a distributed world, except an expert's, held by the ranks of its
+        expert-parallel coordinate only."""
+        expert = is_expert(p)
         if not is_dtensor(p):
-            return self.size
+            return self.size // self.degrees.get("ep", 1) if expert else self.size
         mesh = p.device_mesh
         n = 1
         for dim, placement in enumerate(p.placements):
             if placement.is_replicate():
                 n *= mesh.size(dim)
-        return n * (self.size // mesh.size())  # ranks outside the mesh hold their own copy
+        return n if expert else n * (self.size // mesh.size())  # ranks outside the mesh hold their own copy
 
     def replica_weights(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """``1 / replicas(p)`` per parameter, in fp64: summed over every rank, each value counts once."""
@@ -267,8 +299,10 @@ class World:
 
 
 def world_of(model: torch.nn.Module, ddp: Any = None, *, rank: int | None = None) -> World:
-    """The world ``model`` trains in: sharded when its parameters are DTensors, data parallel when
-    ``ddp`` (or ``model`` itself) is a ``DistributedDataParallel`` wrapper, else one process.
+    """The world ``model`` trains in: expert parallel when its MoE layers exchange tokens by
+    all-to-all (:func:`~sdcscope.common.alltoall.exchanges`), sharded when its parameters are
+    DTensors, data parallel when ``ddp`` (or ``model`` itself) is a ``DistributedDataParallel``
+    wrapper, else one process.
     ``rank``, when given, must be this process's rank (ValueError otherwise)."""
     if ddp is None and is_ddp(model):
         ddp, model = model, model.module
@@ -289,21 +323,30 @@ def world_of(model: torch.nn.Module, ddp: Any = None, *, rank: int | None = None
         own, size = dist.get_rank(ddp.process_group), dist.get_world_size(ddp.process_group)
         _check_rank(rank, own, "the DDP process group")
         return World("ddp", own, size, degrees={"dp": size}, ddp=ddp, collectives=("all_reduce",))
-    if sharded:
+    moved = exchanges(model)
+    if sharded or moved:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("a model with DTensor parameters needs an initialized torch.distributed process group")
         own, size = dist.get_rank(), dist.get_world_size()
         _check_rank(rank, own, "the world")
-        mesh = max((p.device_mesh for p in sharded), key=lambda m: m.ndim)
-        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        mesh = max((p.device_mesh for p in sharded), key=lambda m: m.ndim) if sharded else None
+        names = () if mesh is None else mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
         degrees = {n: mesh.size(i) for i, n in enumerate(names)}
         from sdcscope.common.fsdp import fsdp_units
 
-        collectives = ("all_reduce",) if "tp" in degrees or "replicate" in degrees else ()  # TP, HSDP's replicas
+        # TP, HSDP's replicas; an expert world's replicated parameters (the trainer's average, HSDP's)
+        replicas = "tp" in degrees or "replicate" in degrees or bool(moved)
+        collectives = ("all_reduce",) if replicas else ()
+        if moved:  # expert parallel: the ep degree is the exchanges' group; FSDP2 (fsdp+ep) over the rest
+            degrees = {**{k: v for k, v in degrees.items() if k != "ep"}, "ep": moved[0].size}
+            if "dp" not in degrees and size > moved[0].size:
+                degrees = {"dp": size // moved[0].size, **degrees}
+            collectives += ("all_to_all",)
         collectives += ("all_gather", "reduce_scatter") if fsdp_units(model) else ()
-        return World("sharded", own, size, mesh=mesh, degrees=degrees, collectives=collectives)
+        kind = "expert" if moved else "sharded"
+        return World(kind, own, size, mesh=mesh, degrees=degrees, collectives=collectives)
     return World("single", 0 if rank is None else rank, 1)
 
 

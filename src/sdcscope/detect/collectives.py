@@ -1,5 +1,6 @@
-"""Online checks of FSDP2's collectives: the parameter all-gathers exactly, the gradient
-reduce-scatters against a rounding bound.
+"""Online checks of the collectives of a step: FSDP2's parameter all-gathers exactly, its gradient
+reduce-scatters against a rounding bound, and an expert-parallel MoE's all-to-alls exactly
+(:mod:`sdcscope.detect.alltoall`, in the same one gather a step).
 
 **All-gather (exact).** Right after each FSDP2 unit's forward all-gather, and after its backward
 re-gather, every rank digests each row of what arrived (:mod:`sdcscope.detect.links`: integer
@@ -33,6 +34,7 @@ import torch
 from sdcscope.common.fsdp import PASSES, FSDPUnit, fsdp_units, on_gathered
 from sdcscope.common.validate import check_bool
 from sdcscope.common.world import World, local
+from sdcscope.detect.alltoall import AllToAllCheck
 from sdcscope.detect.events import Event
 from sdcscope.detect.links import WORDS, Link, compare, digest_parts, localize
 from sdcscope.detect.protocol import CheckView, Registration, register
@@ -51,10 +53,14 @@ class CollectivesConfig:
     """The parameter all-gathers (forward, and the backward re-gather), exactly."""
     reduce_scatter: bool = True
     """The gradient reduce-scatters, against their rounding bound."""
+    all_to_all: bool = True
+    """An expert-parallel MoE layer's all-to-alls (token dispatch, combine and their gradients),
+    exactly (:mod:`sdcscope.detect.alltoall`)."""
 
     def __post_init__(self) -> None:
         check_bool("collectives all_gather", self.all_gather)
         check_bool("collectives reduce_scatter", self.reduce_scatter)
+        check_bool("collectives all_to_all", self.all_to_all)
 
 
 class CollectiveCheck:
@@ -71,6 +77,8 @@ class CollectiveCheck:
         """All-gather links compared exactly so far (every rank's, as every rank compares them)."""
         self.scatter_margin = 0.0
         """The largest |reduced sum - expected| / bound of a reduce-scatter this rank judged clean."""
+        self.moves = AllToAllCheck(model, NAME)
+        """The all-to-alls of an expert-parallel model (none elsewhere)."""
 
     # -- hooks -------------------------------------------------------------------------------
     def attach(self) -> CollectiveCheck:
@@ -79,6 +87,10 @@ class CollectiveCheck:
         import torch.distributed as dist
 
         self.units = fsdp_units(self.model)
+        if self.moves.active and self.config.all_to_all:
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+            self.moves.attach()
+            self.handles.append(self.moves)
         if not self.units:
             return self
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
@@ -94,7 +106,10 @@ class CollectiveCheck:
 
     def detach(self) -> None:
         for h in self.handles:
-            h.remove()
+            if h is self.moves:
+                h.detach()
+            else:
+                h.remove()
         self.handles = []
         for _, gp in getattr(self, "params", ()):
             handle = getattr(gp, "grad_hook", None)
@@ -105,12 +120,18 @@ class CollectiveCheck:
 
     @property
     def active(self) -> bool:
-        return bool(self.units)
+        return bool(self.units) or bool(self.handles)
+
+    @property
+    def moving(self) -> bool:
+        return self.moves in self.handles
 
     def begin_step(self, step: int) -> None:
         self.step = step
-        if self.active:
+        if self.units:
             self._reset()
+        if self.moving:
+            self.moves.reset()
 
     def _reset(self) -> None:
         P, S, dev = len(self.params), self.S, self.device
@@ -172,21 +193,27 @@ class CollectiveCheck:
     def check(self, view: CheckView) -> list[Event]:
         if not self.active:
             return []
-        if self.topology is None:
-            self._learn_topology()
-        row = torch.cat(
-            [
+        parts = [self.moves.row()] if self.moving else []
+        if self.units:
+            if self.topology is None:
+                self._learn_topology()
+            parts += [
                 self.sent.flatten(),
                 self.arrived.flatten(),
                 self.seen.flatten(),
                 self.unreduced.flatten().view(torch.int64),
             ]
-        )
+        row = torch.cat([p.to(parts[0].device) for p in parts])
         table = torch.stack(World("sharded", self.rank, self.size).gather(row)).cpu()  # the step's one host read
+        events = []
+        if self.moving:
+            moves, table = table.split([self.moves.numel, table.shape[1] - self.moves.numel], 1)
+            events += self.moves.events(view.step, self.rank, moves)
+        if not self.units:
+            return events
         W, P, S = self.size, len(self.params), self.S
         sizes = [P * WORDS, len(PASSES) * P * S * WORDS, len(PASSES) * P, P * S * 2]
         sent, arrived, seen, unreduced = table.split(sizes, 1)
-        events = []
         if self.config.all_gather:
             shapes = (W, len(PASSES), P, S, WORDS)
             events += self._all_gather_events(

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from sdcscope.common.alltoall import is_expert
 from sdcscope.common.world import local, world_of
 from sdcscope.engine.buckets import BucketHook, bucket_hook
 from sdcscope.engine.dist import DistConfig, device_for, shard
@@ -39,6 +40,7 @@ from sdcscope.engine.topology import Topology
 from sdcscope.engine.trainer import StepContext, TrainConfig, Trainer
 from sdcscope.faults import FaultSpec
 from sdcscope.inject import Injector, reexecution
+from sdcscope.inject.alltoall import AllToAllInjector
 from sdcscope.inject.collectives import CollectiveInjector, is_collective
 from sdcscope.inject.comm import CommInjector
 from sdcscope.workloads import Workload
@@ -95,6 +97,7 @@ class DistTrainer(Trainer):
         self.injector: Injector | None = None
         self.comm_injector: CommInjector | None = None
         self.collective_injector: CollectiveInjector | None = None
+        self.all_to_all_injector: AllToAllInjector | None = None
         self._attach_faults(list(specs), injection_log)
 
     @property
@@ -113,10 +116,20 @@ class DistTrainer(Trainer):
 
     def _attach_faults(self, specs: list[FaultSpec], log: Callable[[dict], None] | None) -> None:
         comm = [(i, s) for i, s in enumerate(specs) if s.site == "comm"]
-        coll = [(i, s) for i, s in enumerate(specs) if is_collective(s)]
+        a2a = [(i, s) for i, s in enumerate(specs) if s.site == "comm.all_to_all"]
+        coll = [(i, s) for i, s in enumerate(specs) if is_collective(s) and s.site != "comm.all_to_all"]
         other = [(i, s) for i, s in enumerate(specs) if s.site != "comm" and not is_collective(s)]
+        if self.world.expert_parallel:  # a fault on an expert another rank owns is not armed here
+            other = [(i, s) for i, s in other if _may_land(s, self.model, self.rank)]
         if comm and (why := self.world.unsupported("fault.comm")):
             raise ValueError(f"faults of site 'comm' under --parallel {self.topology.kind}: {why}")
+        if a2a and (why := self.world.unsupported("fault.all_to_all")):
+            raise ValueError(f"faults of site 'comm.all_to_all' under --parallel {self.topology.kind}: {why}")
+        if a2a:
+            self.all_to_all_injector = AllToAllInjector(
+                self.model, [s for _, s in a2a], rank=self.rank, log=log, spec_ids=[i for i, _ in a2a]
+            )
+            self.callbacks.insert(0, self.all_to_all_injector.callback())
         for _, spec in coll:
             why = self.world.unsupported("fault.collectives")
             if why is None and spec.site.split(".")[1] not in self.world.collectives:
@@ -165,9 +178,31 @@ class DistTrainer(Trainer):
         sharded world runs the split model (FSDP2 and TP reduce inside)."""
         if not self.world.data_parallel:
             yield self.model
+            if self.world.expert_parallel and micro_batch + 1 == accum:
+                self._average_experts()
             return
         with self.world.ddp.no_sync() if micro_batch + 1 < accum else contextlib.nullcontext():
             yield self.world.ddp
+
+    @torch.no_grad()
+    def _average_experts(self) -> None:
+        """Expert parallel, after the last micro-batch's backward: each expert's gradient -- the
+        sum over the tokens of every expert-parallel rank of their ranks' mean losses -- becomes
+        the gradient of the world-mean loss, as DDP's. Under ``ep`` the parameters every rank
+        holds whole (attention, router, embeddings) get the world mean of their gradients (one
+        all-reduce of a flat buffer) and the experts' are divided by the world size; under
+        ``fsdp+ep`` FSDP2 has averaged both over its mesh, and the experts' are divided by the
+        expert-parallel degree."""
+        grads = [(is_expert(p), local(p.grad)) for p in self.model.parameters() if p.grad is not None]
+        whole = [g for e, g in grads if not e]
+        if self.topology.kind == "ep" and whole:
+            flat = torch.cat([g.reshape(-1) for g in whole])
+            dist.all_reduce(flat)
+            flat.div_(self.world.size)
+            torch._foreach_copy_(whole, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in whole]), whole)])
+        experts = [g for e, g in grads if e]
+        if experts:
+            torch._foreach_div_(experts, self.world.size if self.topology.kind == "ep" else self.world.degrees["ep"])
 
     def local_gradients(self, rank: int, step: int, data_pos: int) -> torch.Tensor:
         """Recompute rank ``rank``'s local (pre-reduction) gradient of ``step`` into ``.grad`` and
@@ -221,9 +256,18 @@ class DistTrainer(Trainer):
             self.model = model
 
     def close(self) -> None:
-        for inj in (self.injector, self.comm_injector, self.collective_injector):
+        for inj in (self.injector, self.comm_injector, self.collective_injector, self.all_to_all_injector):
             if inj is not None:
                 inj.close()
+
+
+def _may_land(spec: FaultSpec, model: nn.Module, rank: int) -> bool:
+    """Whether ``spec`` may fire on ``rank`` of an expert-parallel world: bound to it (or to no
+    rank) and matching a module or parameter this rank holds (an expert lives on one rank)."""
+    if spec.rank is not None and spec.rank != rank:
+        return False
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    return any(spec.matches(n) for n in names)
 
 
 __all__ = ["NO_BUFFER_SYNC", "DistTrainer"]

@@ -54,7 +54,7 @@ def layout_of(kind: str, inner: int, world: int) -> dict[str, Any]:
 
 
 def _describe(layout: dict[str, Any]) -> str:
-    inner = f" (inner {layout.get('inner')})" if layout.get("parallel") in ("fsdp+tp", "hsdp") else ""
+    inner = f" (inner {layout.get('inner')})" if layout.get("parallel") in ("fsdp+tp", "hsdp", "fsdp+ep") else ""
     return f"--parallel {layout.get('parallel')}{inner} --nproc {layout.get('world_size')}"
 
 

@@ -7,7 +7,13 @@ plan applied with PyTorch's own engines.
 - ``fsdp``: one mesh dim of N ranks (``dp``): FSDP2 shards every block, then the root;
 - ``tp``: one dim of N ranks (``tp``): the workload's tensor-parallel plan in every block;
 - ``fsdp+tp`` and ``hsdp``: a 2-D mesh of ``(N / inner, inner)`` ranks, ``dp``×``tp`` (TP first,
-  then FSDP2 over ``dp``) or ``replicate``×``shard`` (FSDP2 over the whole mesh).
+  then FSDP2 over ``dp``) or ``replicate``×``shard`` (FSDP2 over the whole mesh);
+- ``ep``: one dim of N ranks (``ep``): the MoE workload's experts sharded ``E / N`` per rank,
+  tokens moved by all-to-all (:func:`~sdcscope.workloads.moe.shard_experts`), the rest a whole
+  replica per rank whose gradients the trainer averages;
+- ``fsdp+ep``: a 2-D mesh ``dp``×``ep`` of ``(N / inner, inner)`` ranks: the experts sharded
+  over ``ep``, then FSDP2 over the whole mesh for the rest (attention, router, embeddings) and
+  over ``dp`` for each rank's experts.
 
 Ranks of one tensor-parallel group train the same micro-batch, each data-parallel coordinate its
 own (:meth:`Topology.dp_coordinate`), so one data-parallel rank reproduces the single-process
@@ -25,9 +31,17 @@ from torch import nn
 from sdcscope.common.validate import check_choice, check_positive
 from sdcscope.workloads import Workload
 
-PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", "hsdp")
+PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", "hsdp", "ep", "fsdp+ep")
 """``--parallel`` choices: ``ddp`` keeps the model whole on every rank; the others shard it."""
-MESH_DIMS = {"ddp": ("dp",), "fsdp": ("dp",), "tp": ("tp",), "fsdp+tp": ("dp", "tp"), "hsdp": ("replicate", "shard")}
+MESH_DIMS = {
+    "ddp": ("dp",),
+    "fsdp": ("dp",),
+    "tp": ("tp",),
+    "fsdp+tp": ("dp", "tp"),
+    "hsdp": ("replicate", "shard"),
+    "ep": ("ep",),
+    "fsdp+ep": ("dp", "ep"),
+}
 """The mesh dim names of each kind: one dim of every rank, or ``(N / inner, inner)``."""
 
 
@@ -36,9 +50,10 @@ class Topology:
     """How a run is laid over its ranks (``--parallel``); validated before any rank starts."""
 
     kind: str = "ddp"
-    """``ddp``, ``fsdp``, ``tp``, ``fsdp+tp`` or ``hsdp``."""
+    """``ddp``, ``fsdp``, ``tp``, ``fsdp+tp``, ``hsdp``, ``ep`` or ``fsdp+ep``."""
     inner: int = 2
-    """``fsdp+tp``: the tensor-parallel degree; ``hsdp``: the ranks that shard one replica."""
+    """``fsdp+tp``: the tensor-parallel degree; ``hsdp``: the ranks that shard one replica;
+    ``fsdp+ep``: the expert-parallel degree."""
 
     def __post_init__(self) -> None:
         check_choice("parallel", self.kind, PARALLEL)
@@ -55,21 +70,28 @@ class Topology:
     @property
     def world_kind(self) -> str:
         """The :data:`~sdcscope.common.world.KINDS` entry of the world this topology builds."""
-        return "sharded" if self.sharded else "ddp"
+        return "expert" if self.expert_parallel else "sharded" if self.sharded else "ddp"
+
+    @property
+    def expert_parallel(self) -> bool:
+        """The experts are sharded over an ``ep`` mesh dim."""
+        return "ep" in MESH_DIMS[self.kind]
 
     @property
     def collectives(self) -> tuple[str, ...]:
         """The collectives a training step of this topology runs (the fault sites and checks of
         :data:`~sdcscope.faults.vocab.COLLECTIVE_SITES` need theirs): DDP's gradient all-reduce,
         FSDP2's parameter all-gather and gradient reduce-scatter, tensor parallelism's reductions."""
-        out = ("all_reduce",) if self.kind in ("ddp", "tp", "fsdp+tp", "hsdp") else ()
-        return out + (("all_gather", "reduce_scatter") if self.kind in ("fsdp", "fsdp+tp", "hsdp") else ())
+        out = ("all_reduce",) if self.kind in ("ddp", "tp", "fsdp+tp", "hsdp", "ep", "fsdp+ep") else ()
+        out += ("all_to_all",) if self.expert_parallel else ()
+        return out + (("all_gather", "reduce_scatter") if self.kind in ("fsdp", "fsdp+tp", "hsdp", "fsdp+ep") else ())
 
     @property
     def mixes_plain_parameters(self) -> bool:
         """Tensor parallelism alone leaves some parameters plain (embeddings, norms) beside DTensor
-        ones: the optimizer cannot step them in one fused (``foreach``) call."""
-        return self.kind == "tp"
+        ones, and ``fsdp+ep`` shards experts and the rest on different meshes: the optimizer
+        cannot step them in one fused (``foreach``) call."""
+        return self.kind in ("tp", "fsdp+ep")
 
     def degrees(self, size: int) -> dict[str, int]:
         """Mesh dim name -> size over ``size`` ranks."""
@@ -81,6 +103,9 @@ class Topology:
     def tp_degree(self, size: int) -> int:
         return self.degrees(size).get("tp", 1)
 
+    def ep_degree(self, size: int) -> int:
+        return self.degrees(size).get("ep", 1)
+
     def check(self, size: int, workload: Workload | None = None) -> None:
         """Refuse (ValueError, naming the values and the allowed ones) a topology that does not fit
         ``size`` ranks or, when given, the ``workload``'s model (its plan, its shapes)."""
@@ -91,7 +116,7 @@ class Topology:
                 f"got --nproc {size}"
             )
         if workload is not None and self.sharded:
-            workload.check_parallel(self.kind, self.tp_degree(size))
+            workload.check_parallel(self.kind, self.tp_degree(size), self.ep_degree(size))
 
     def build_mesh(self, size: int, device_type: str) -> Any:
         """The device mesh over ``size`` ranks (None for ``ddp``: a DDP wrapper needs none)."""
@@ -123,6 +148,18 @@ class Topology:
         assert plan is not None and self.sharded, (plan, self.kind)
         blocks = model.get_submodule(plan.blocks)
         names = mesh.mesh_dim_names
+        if "ep" in names:
+            from sdcscope.common.alltoall import EXPERT
+            from sdcscope.workloads.moe import shard_experts
+
+            shard_experts(model, mesh["ep"].get_group())
+            if names == ("ep",):
+                return model  # the rest stays whole: the trainer averages its gradients (and the experts')
+            for layer in model.modules():  # each rank's experts: FSDP2 over the ranks that hold them
+                for expert in layer.experts.values() if getattr(layer, "exchange", None) is not None else ():
+                    fully_shard(expert, mesh=mesh["dp"])
+                    for p in expert.parameters():  # FSDP2's own parameters now: marked again
+                        setattr(p, EXPERT, mesh.size(names.index("ep")))
         if "tp" in names:
             styles = {"col": ColwiseParallel, "row": RowwiseParallel}
             for block in blocks:

@@ -22,6 +22,7 @@ from .vocab import (
     COLLECTIVE_SITES,
     DIRECTIONS,
     GEMM_OPERANDS,
+    LINK_SITES,
     PATTERN_KINDS,
     SITES,
     STEP_SITES,
@@ -69,11 +70,13 @@ class FaultSpec:
     state_key: str | None = None
     phase: str | None = None
     """For site ``comm``: corrupt the gradient bucket ``before`` or ``after`` the all-reduce; for
-    ``comm.all_gather``: the ``forward`` all-gather (the default) or the ``backward`` re-gather."""
+    ``comm.all_gather``: the ``forward`` all-gather (the default) or the ``backward`` re-gather;
+    for ``comm.all_to_all``: which of the MoE layer's all-to-alls (``dispatch``, the default)."""
     source: int | None = None
-    """For ``comm.all_gather``: the rank whose part of the gathered parameter is corrupted."""
+    """For ``comm.all_gather``: the rank whose part of the gathered parameter is corrupted; for
+    ``comm.all_to_all``: the rank whose token rows (or outputs, gradients) are corrupted."""
     direction: str | None = None
-    """For ``comm.all_gather``: ``recv`` (default: what arrived on ``rank`` from ``source``) or
+    """For ``comm.all_gather`` and ``comm.all_to_all``: ``recv`` (default: what arrived on ``rank`` from ``source``) or
     ``send`` (what left ``source``: every receiver's copy; ``rank`` then is ``source`` or null)."""
     operand: str | None = None
     """For a GEMM site (``gemm.*``) of an FP8 layer: what the fault hits, one of
@@ -128,7 +131,8 @@ class FaultSpec:
             phases = {"comm": ("before", "after"), **COLLECTIVE_SITES}.get(self.site) or ()
             if not phases:
                 raise ValueError(
-                    f"phase {brief(self.phase)} is only used with sites 'comm' and 'comm.all_gather', "
+                    f"phase {brief(self.phase)} is only used with sites 'comm', 'comm.all_gather' and "
+                    "'comm.all_to_all', "
                     f"not {brief(self.site)}"
                 )
             choice("phase" if self.site == "comm" else f"{self.site} phase", self.phase, phases)
@@ -147,17 +151,18 @@ class FaultSpec:
             )
 
     def _check_link(self) -> None:
-        """``source`` and ``direction``: a collective fault's link (``comm.all_gather`` only)."""
+        """``source`` and ``direction``: a collective fault's link (:data:`~.vocab.LINK_SITES` only)."""
         for name in ("source", "direction"):
-            if getattr(self, name) is not None and self.site != "comm.all_gather":
+            if getattr(self, name) is not None and self.site not in LINK_SITES:
                 raise ValueError(
-                    f"{name} {brief(getattr(self, name))} is only used with site 'comm.all_gather', "
+                    f"{name} {brief(getattr(self, name))} is only used with sites {list(LINK_SITES)}, "
                     f"not {brief(self.site)}"
                 )
-        if self.site != "comm.all_gather":
+        if self.site not in LINK_SITES:
             return
         if self.source is None:
-            raise ValueError("site 'comm.all_gather' needs source: the rank whose part of the parameter is corrupted")
+            what = "parameter" if self.site == "comm.all_gather" else "token rows"
+            raise ValueError(f"site {self.site!r} needs source: the rank whose part of the {what} is corrupted")
         check_int("source", self.source)
         if self.direction is not None:
             choice("direction", self.direction, DIRECTIONS)

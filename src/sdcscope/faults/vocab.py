@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SITES",
     "COLLECTIVE_SITES",
+    "LINK_SITES",
     "DIRECTIONS",
     "STEP_SITES",
     "TOKEN_MODELS",
@@ -38,6 +39,7 @@ SITES: tuple[str, ...] = (
     "dispatch",
     "comm.all_gather",
     "comm.reduce_scatter",
+    "comm.all_to_all",
 )
 """Where a fault can land (see docs/architecture.md, vocabulary). ``dispatch``: the token rows a
 mixture-of-experts layer's dispatch hands its experts (the permutation's output, what an
@@ -51,9 +53,14 @@ token never arrived: zeros) and ``duplicate`` (the next slot's token arrived in 
 COLLECTIVE_SITES: dict[str, tuple[str, ...]] = {
     "comm.all_gather": ("forward", "backward"),
     "comm.reduce_scatter": (),
+    "comm.all_to_all": ("dispatch", "combine", "combine_grad", "dispatch_grad"),
 }
-"""FSDP2's collectives a fault can corrupt, on the rank the data arrived on, and the phases each
-takes (``comm.all_gather``: the ``forward`` all-gather or the ``backward`` re-gather)."""
+"""The collectives a fault can corrupt, on the rank the data arrived on, and the phases each
+takes: FSDP2's (``comm.all_gather``: the ``forward`` all-gather or the ``backward`` re-gather)
+and an expert-parallel MoE layer's all-to-all (``comm.all_to_all``: the token rows' ``dispatch``
+(the default), the expert outputs' ``combine``, and their gradients' moves back in backward)."""
+LINK_SITES: tuple[str, ...] = ("comm.all_gather", "comm.all_to_all")
+"""Collective sites whose fault names a link: ``source`` (and ``direction``)."""
 DIRECTIONS: tuple[str, ...] = ("recv", "send")
 """Which end of a link a collective fault lives at: ``recv`` (what arrived on ``rank`` from
 ``source``) or ``send`` (what left ``source``: every receiver's copy)."""

@@ -1,5 +1,7 @@
 """The Guard over sharded training: FSDP2 (``fully_shard``), tensor parallel (``parallelize_module``),
-FSDP×TP and HSDP -- every model whose parameters are DTensors.
+FSDP×TP and HSDP -- every model whose parameters are DTensors -- and over expert parallelism
+(an MoE's experts sharded over ranks, tokens moved by all-to-all: each rank owns experts no
+other rank holds, so the same side decides there).
 
 Each rank's detectors work on what that rank holds and computes: ABFT checks the GEMMs the rank
 runs (under FSDP2 the unsharded weights its forward and backward use; under tensor parallel the
@@ -14,8 +16,8 @@ side supplies, per step and on every rank:
 
 1. the ranks' findings are shared (one all-reduce of a count; an object gather only when there
    is something to share) -- so every rank holds the same list and takes the same actions; a
-   step on corrupted state is decided by the state checksums alone, and one whose all-gather
-   delivered other bits than were sent by that link alone (the rest are its consequences);
+   step on corrupted state is decided by the state checksums alone, and one whose all-gather or
+   all-to-all delivered other bits than were sent by that link alone (the rest are its consequences);
 2. any finding but a state checksum's makes every rank replay the step together (the replay is a
    collective: FSDP2 gathers, TP reduces); a finding the replay does not reproduce anywhere is
    ``transient`` and the clean re-execution is kept (``recompute``), one that comes back is
@@ -59,7 +61,11 @@ log = logging.getLogger("sdcscope.guard.sharded")
 WORLD_DETECTORS = ("spike",)
 """Detectors fed with world values (the global loss and gradient norm): every rank finds the same,
 so the world keeps one copy, about no rank until a replay names one."""
-STOP = "no rank can be excluded: each owns a shard no other rank holds"
+STOP = {
+    "sharded": "no rank can be excluded: each owns a shard no other rank holds",
+    "expert": "no rank can be excluded: each owns experts no other rank holds",
+}
+"""Why a sharded or expert-parallel world stops where another would leave a rank out."""
 
 
 def tensor_parallel_layers(model: nn.Module) -> list[str]:
@@ -227,7 +233,8 @@ class ShardedRanks(WorldSide):
         for e in events:
             note = self._note(e)
             if note is not None and note.persistent and not self.stop:
-                self.halt(f"persistent fault at {note.site} on rank {e.rank} ({note.strikes} strikes): {STOP}")
+                why = STOP[self.world.kind]
+                self.halt(f"persistent fault at {note.site} on rank {e.rank} ({note.strikes} strikes): {why}")
                 self.persistent.add(id(e))
 
     def translate(self, session: StepSession, e: Event, chosen: list[str]) -> list[str]:
@@ -237,7 +244,7 @@ class ShardedRanks(WorldSide):
         out: list[str] = []
         for a in chosen:
             if a == "quarantine":
-                self.halt(f"policy: {e.detector}: {e.verdict} on rank {e.rank}: {STOP}")
+                self.halt(f"policy: {e.detector}: {e.verdict} on rank {e.rank}: {STOP[self.world.kind]}")
                 a = "veto"
             out += [a] if a not in out else []
         return out
@@ -284,8 +291,8 @@ class ShardedRanks(WorldSide):
 
 
 def _link(e: Event) -> bool:
-    """An exact link finding: an all-gather delivered other bits than its sender sent."""
-    return e.detector == "collectives" and e.evidence.get("collective") == "all_gather"
+    """An exact link finding: an all-gather or all-to-all delivered other bits than its sender sent."""
+    return e.detector == "collectives" and e.evidence.get("collective") in ("all_gather", "all_to_all")
 
 
 def world_replay(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -39,6 +39,8 @@ from sdcscope.inject.validate import check_schedule
 
 
 def is_collective(spec: FaultSpec) -> bool:
+    """A fault on a collective: FSDP2's (:class:`CollectiveInjector`) or an MoE all-to-all's
+    (:class:`~sdcscope.inject.alltoall.AllToAllInjector`)."""
     return spec.site in COLLECTIVE_SITES
 
 
@@ -65,6 +67,9 @@ def check_collective_specs(
                 if r is not None and r >= world_size:
                     raise ValueError(f"{what} {r} does not exist; allowed: 0..{world_size - 1}")
             check_schedule(spec, steps, grad_accum)
+            if spec.site == "comm.all_to_all":
+                _check_all_to_all(model, spec)
+                continue
             matched = [n for n in params if spec.matches(n)]
             if not matched:
                 close = [c for t in spec.target for c in close_matches(t, list(params), n=5, cutoff=0.5)]
@@ -80,6 +85,19 @@ def check_collective_specs(
                     raise FaultSpecError(f"{name!r} (a shard of shape {list(shape)}): {exc}") from None
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"fault spec #{i} ({spec.site} on {', '.join(spec.target)}): {exc}") from None
+
+
+def _check_all_to_all(model: nn.Module, spec: FaultSpec) -> None:
+    """A ``comm.all_to_all`` spec's targets are MoE layers; its bits fit the rows they move."""
+    from sdcscope.inject.alltoall import moe_layers
+
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("site 'comm.all_to_all' needs a mixture-of-experts model (--workload moe): this one has none")
+    if not any(spec.matches(n) for n in layers):
+        raise ValueError(f"comm.all_to_all target {list(spec.target)} matches no MoE layer; MoE layers: {layers}")
+    dtype = next(model.get_submodule(layers[0]).parameters()).dtype
+    check_spec(spec, dtype)
 
 
 class CollectiveInjector:

@@ -20,6 +20,7 @@ from torch import nn
 
 from sdcscope.common.modules import CHANNELS_FIRST, is_dispatch, is_gemm
 from sdcscope.common.validate import close_matches
+from sdcscope.common.world import unsupported
 from sdcscope.faults import FaultSpec
 from sdcscope.faults.patterns import ChannelDim
 
@@ -85,6 +86,8 @@ def resolve_targets(model: nn.Module, spec: FaultSpec) -> list[Target]:
             "site 'comm' corrupts a DDP gradient bucket: attach it to a "
             "DistributedDataParallel model with sdcscope.inject.comm"
         )
+    if spec.site == "comm.all_to_all":
+        raise ValueError(unsupported("fault.all_to_all", "single"))
     if spec.site.startswith("comm."):
         raise ValueError(
             f"site {spec.site!r} corrupts one of FSDP2's collectives: it needs --nproc 2 or more with "

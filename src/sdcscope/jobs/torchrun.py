@@ -189,10 +189,11 @@ def make_job(
         raise ValueError(f"faults of site 'comm' under --parallel {topology.kind}: {why}")
     for s in specs:
         if s.site in COLLECTIVE_SITES and s.site.split(".")[1] not in topology.collectives:
-            why = unsupported("fault.collectives", kind) or "a tensor-parallel model has no FSDP2 unit"
+            feature = "fault.all_to_all" if s.site == "comm.all_to_all" else "fault.collectives"
+            why = unsupported(feature, kind) or f"--parallel {topology.kind} runs no {s.site.split('.')[1]}"
             raise ValueError(f"faults of site {s.site!r} under --parallel {topology.kind}: {why}")
     if guard is not None and sharded:
-        guard = fit_config(guard, "sharded")
+        guard = fit_config(guard, kind)
     elif guard is not None:
         if not crossrank:
             raise ValueError(

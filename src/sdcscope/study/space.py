@@ -32,6 +32,9 @@ UNSUPPORTED_SITES = {
     "`sdcscope train --nproc N --parallel fsdp --faults FILE` (benchmarks/bench_collective_checks.py, tests/sharded)",
     "comm.reduce_scatter": "a trial trains in one process, without FSDP2's reduce-scatters; inject them with "
     "`sdcscope train --nproc N --parallel fsdp --faults FILE`",
+    "comm.all_to_all": "a trial trains in one process, whose MoE layers hold every expert and run no all-to-all; "
+    "inject it with `sdcscope train --workload moe --nproc N --parallel ep --faults FILE` "
+    "(benchmarks/bench_sharded_matrix.py, tests/sharded)",
 }
 """Fault sites a campaign cannot inject, and why."""
 CAMPAIGN_SITES = tuple(s for s in SITES if s not in UNSUPPORTED_SITES)

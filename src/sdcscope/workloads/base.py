@@ -104,6 +104,9 @@ class ParallelizePlan:
     """The ``nn.ModuleList`` of repeated blocks: FSDP2 shards each block, then the root."""
     tensor_parallel: Mapping[str, str]
     """Module name inside a block -> ``"col"`` (``ColwiseParallel``) or ``"row"`` (``RowwiseParallel``)."""
+    experts: bool = False
+    """The model's MoE layers shard their experts over an ``ep`` mesh dim
+    (:func:`~sdcscope.workloads.moe.shard_experts`): ``--parallel ep`` and ``fsdp+ep``."""
 
 
 class Workload:
@@ -150,13 +153,19 @@ class Workload:
         trains whole only (one process, or a replica per rank with ``--parallel ddp``)."""
         return None
 
-    def check_parallel(self, kind: str, tp_degree: int) -> None:
-        """Refuse (ValueError) ``--parallel kind`` at tensor-parallel degree ``tp_degree`` when the
-        model cannot be split so: here, when it has no plan. A workload with a plan checks its shapes."""
-        if self.parallelize_plan() is None:
+    def check_parallel(self, kind: str, tp_degree: int, ep_degree: int = 1) -> None:
+        """Refuse (ValueError) ``--parallel kind`` at tensor-parallel degree ``tp_degree`` (expert
+        parallel degree ``ep_degree``) when the model cannot be split so: here, when it has no
+        plan or no experts for an expert-parallel kind. A workload with a plan checks its shapes."""
+        plan = self.parallelize_plan()
+        if plan is None:
             raise ValueError(
                 f"--parallel {kind}: the {self.config.workload} workload has no parallelize plan (its model "
                 "trains whole); use --parallel ddp (a replica per rank) or a workload with a plan (gpt)"
+            )
+        if ep_degree > 1 and not plan.experts:
+            raise ValueError(
+                f"--parallel {kind} shards experts: the {self.config.workload} workload has none; use --workload moe"
             )
 
 
@@ -194,7 +203,8 @@ class GPTWorkload(Workload):
     def parallelize_plan(self) -> ParallelizePlan:
         return ParallelizePlan(blocks="blocks", tensor_parallel=TP_PLAN)
 
-    def check_parallel(self, kind: str, tp_degree: int) -> None:
+    def check_parallel(self, kind: str, tp_degree: int, ep_degree: int = 1) -> None:
+        super().check_parallel(kind, tp_degree, ep_degree)
         if self.config.precision == "fp8":
             raise ValueError(
                 f"--parallel {kind}: FP8 Linears (precision fp8) are not split over ranks (torch._scaled_mm "
@@ -228,7 +238,9 @@ class GPTWorkload(Workload):
 class MoEWorkload(GPTWorkload):
     """The GPT's data and loss with a mixture-of-experts model (:mod:`sdcscope.workloads.moe`);
     the load-balancing loss trains through the model's backward pass, so ``loss`` is the
-    language-model loss. No parallelize plan: the model trains whole (``--parallel ddp``)."""
+    language-model loss. Its plan is expert parallelism (``--parallel ep``, ``fsdp+ep``: the
+    experts sharded over ranks, tokens moved by all-to-all), or a whole replica per rank
+    (``--parallel ddp``)."""
 
     model_preset = staticmethod(moe_preset)
     model_words = "a byte-level mixture-of-experts GPT"
@@ -236,11 +248,21 @@ class MoEWorkload(GPTWorkload):
     def build_model(self) -> nn.Module:
         return MoEGPT(self.model_config)
 
-    def parallelize_plan(self) -> None:
-        return None
+    def parallelize_plan(self) -> ParallelizePlan:
+        return ParallelizePlan(blocks="blocks", tensor_parallel={}, experts=True)
 
-    def check_parallel(self, kind: str, tp_degree: int) -> None:
-        Workload.check_parallel(self, kind, tp_degree)
+    def check_parallel(self, kind: str, tp_degree: int, ep_degree: int = 1) -> None:
+        if ep_degree == 1:
+            raise ValueError(
+                f"--parallel {kind}: the moe workload splits its experts only: use --parallel ep or fsdp+ep "
+                "(or ddp: a whole replica per rank)"
+            )
+        n = self.model_config.n_expert
+        if n % ep_degree:
+            raise ValueError(
+                f"--parallel {kind} shards {n} experts over {ep_degree} ranks: n_expert must be a multiple "
+                f"of the expert-parallel degree {ep_degree}"
+            )
 
     def _shape(self) -> str:
         m = self.model_config

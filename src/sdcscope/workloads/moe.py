@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sdcscope.common.alltoall import EXPERT, Exchange
 from sdcscope.common.validate import check_choice, check_float, check_positive
 from sdcscope.workloads.gpt import GPT, CausalSelfAttention, GPTConfig
 
@@ -155,6 +156,8 @@ class MoELayer(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.aux: torch.Tensor | None = None
         """The last forward's load-balancing loss (unweighted, detached)."""
+        self.exchange: Exchange | None = None
+        """Expert parallel (:func:`shard_experts`): the all-to-all to the ranks owning the experts."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -163,14 +166,69 @@ class MoELayer(nn.Module):
         rows, order, counts = self.dispatch(x, experts)
         # every expert runs, one without tokens on an empty slice: its gradient is zero, not
         # missing (DDP reduces every parameter's gradient each step)
-        chunks = rows.split(counts.tolist())
-        out = combine(torch.cat([expert(c) for expert, c in zip(self.experts, chunks)]), order, weights)
+        if self.exchange is None:
+            chunks = rows.split(counts.tolist())
+            y = torch.cat([expert(c) for expert, c in zip(self.experts, chunks)])
+        else:
+            y = self._remote_experts(rows, counts)
+        out = combine(y, order, weights)
         share = counts.to(probs.dtype) / order.numel()
         aux = self.n_expert * (share * probs.mean(0)).sum()
         self.aux = aux.detach()
         if self.aux_weight and torch.is_grad_enabled() and aux.requires_grad:
             out = _AuxLoss.apply(out, aux, self.aux_weight)
         return self.dropout(out).view(shape)
+
+    def _remote_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs of ``rows`` (in expert order, ``counts`` per expert) when the
+        experts live on the ranks of the exchange: rank ``r`` owns experts ``r·E/W ..``; the
+        slot counts are exchanged first (the split sizes), then the rows go out (``dispatch``),
+        each local expert runs on what every rank sent it, and the outputs come back
+        (``combine``) in the order the rows left."""
+        import torch.distributed as dist
+
+        ex = self.exchange
+        W, per = ex.size, self.n_expert // ex.size
+        arrived = torch.empty_like(counts)  # [W·per]: rank s's slots for each of this rank's experts
+        dist.all_to_all_single(arrived, counts, group=ex.group)
+        both = torch.cat([counts, arrived]).tolist()  # the step's split sizes: one host read
+        send = [sum(both[r * per : (r + 1) * per]) for r in range(W)]
+        got = torch.tensor(both[self.n_expert :]).view(W, per)
+        recv = got.sum(1).tolist()
+        here = ex.move(rows, send, recv, "dispatch")  # [Σ recv, d]: by source rank, then expert
+        start = torch.cat([got.new_zeros(1), got.flatten().cumsum(0)[:-1]]).view(W, per)
+        by_expert = [torch.arange(int(start[s, j]), int(start[s, j] + got[s, j])) for j in range(per) for s in range(W)]
+        perm = torch.cat(by_expert).to(rows.device)  # source-major -> expert-major
+        sizes = got.sum(0).tolist()
+        y = torch.cat([e(c) for e, c in zip(self.experts.values(), here[perm].split(sizes))])
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(perm.numel(), device=perm.device)
+        return ex.move(y[back], recv, send, "combine")
+
+
+def shard_experts(model: nn.Module, group: object) -> list[str]:
+    """Expert parallelism in place: every :class:`MoELayer` of ``model`` keeps only the experts
+    its rank of ``group`` owns (``E / W`` consecutive ones, still named by their global index:
+    ``experts.{e}``) and exchanges tokens with the other ranks through an all-to-all
+    (:class:`~sdcscope.common.alltoall.Exchange`). Every rank must call it on the same model
+    (same initialisation); rebuild the optimizer after. Returns the layers' names."""
+    import torch.distributed as dist
+
+    ranks = list(dist.get_process_group_ranks(group))
+    W, me = len(ranks), dist.get_rank(group)
+    done = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, MoELayer) or layer.exchange is not None:
+            continue
+        if layer.n_expert % W:
+            raise ValueError(f"n_expert={layer.n_expert} must be a multiple of the expert-parallel degree {W}")
+        per = layer.n_expert // W
+        layer.experts = nn.ModuleDict({str(e): layer.experts[e] for e in range(me * per, (me + 1) * per)})
+        for p in layer.experts.parameters():
+            setattr(p, EXPERT, W)
+        layer.exchange = Exchange(name, group, ranks, dist.get_rank())
+        done.append(name)
+    return done
 
 
 class MoEBlock(nn.Module):
