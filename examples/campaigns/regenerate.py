@@ -41,7 +41,7 @@ from results_blocks import (  # noqa: E402
     nvdla_facts_text,
 )
 
-__all__ = ["CAMPAIGNS", "HERE", "MARK", "SHRINK", "main", "regenerate", "run"]
+__all__ = ["CAMPAIGNS", "HERE", "MARK", "SHRINK", "TRAIN_SEEDS", "check", "main", "regenerate", "replicas", "run"]
 
 HERE = Path(__file__).resolve().parent
 GAP_POINTS = 6
@@ -67,6 +67,17 @@ SHRINK = {
     "nvdla_gpt": _NVDLA_GPT,
     "nvdla_gpt_swizzled": _NVDLA_GPT,
 }
+
+
+# the training seeds each campaign runs with (one campaign folder per seed; the spec's own seed first):
+# the GPT MAC-cell effect is measured over seeds x cells, the shrunken specs keep the spec's seed only
+TRAIN_SEEDS = {"nvdla_gpt": (7, 8), "nvdla_gpt_swizzled": (7, 8)}
+
+
+def replicas(name: str, shrink: bool) -> list[str]:
+    """The campaign folders of campaign ``name``: ``name`` (the spec's seed), then ``name-seedS`` for
+    each further training seed S of TRAIN_SEEDS (none with ``shrink``)."""
+    return [name] + ([] if shrink else [f"{name}-seed{s}" for s in TRAIN_SEEDS.get(name, ())])
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -100,14 +111,19 @@ def run(runs: Path, shrink: bool, workers: int, parallel: int = 1, names: tuple[
     from sdcscope.study import init_campaign, run_campaign
 
     runs.mkdir(parents=True, exist_ok=True)
+    folders = []
     for name in names:
-        directory, spec = runs / name, HERE / f"{name}.yaml"
-        if shrink:
-            data = _merge(yaml.safe_load(spec.read_text()), SHRINK[name])
-            spec = runs / f"{name}.shrunk.yaml"
-            spec.write_text(yaml.safe_dump(data, sort_keys=False))
-        if not (directory / "campaign.yaml").is_file():
-            init_campaign(directory, spec)
+        for folder in replicas(name, shrink):
+            directory, spec = runs / folder, HERE / f"{name}.yaml"
+            if shrink or folder != name:
+                data = _merge(yaml.safe_load(spec.read_text()), SHRINK[name] if shrink else {})
+                data["seed"] = int(folder.rpartition("-seed")[2]) if folder != name else data["seed"]
+                spec = runs / f"{folder}.{'shrunk' if shrink else 'seed'}.yaml"
+                spec.write_text(yaml.safe_dump(data, sort_keys=False))
+            if not (directory / "campaign.yaml").is_file():
+                init_campaign(directory, spec)
+            folders.append(folder)
+    names = tuple(folders)
     cost = {n: yaml.safe_load((runs / n / "campaign.yaml").read_text())["horizon"] for n in names}
     groups: list[list[str]] = [[] for _ in range(max(1, parallel))]
     for name in sorted(names, key=lambda n: -cost[n]):
