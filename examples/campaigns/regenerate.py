@@ -33,17 +33,33 @@ from results_blocks import (  # noqa: E402
     CAMPAIGNS,
     MARK,
     bits_block,
+    blocks_only,
+    check,
     drift_block,
     fill,
-    findings,
     gap_block,
     nvdla_block,
     nvdla_facts_text,
 )
+from results_findings import findings, seed_replicas  # noqa: E402
 
-__all__ = ["CAMPAIGNS", "HERE", "MARK", "SHRINK", "TRAIN_SEEDS", "check", "main", "regenerate", "replicas", "run"]
+__all__ = [
+    "CAMPAIGNS",
+    "HERE",
+    "MARK",
+    "SHRINK",
+    "SHRUNK_BLOCKS",
+    "TRAIN_SEEDS",
+    "check",
+    "main",
+    "regenerate",
+    "replicas",
+    "run",
+]
 
 HERE = Path(__file__).resolve().parent
+SHRUNK_BLOCKS = HERE / "shrunk_blocks.md"
+"""The generated blocks of the shrunken specs, committed: CI regenerates them and compares (``check``)."""
 GAP_POINTS = 6
 # what --shrink changes in each spec (merged into it): the same fault models, fewer trials and steps
 _NVDLA_CNN = {"horizon": 60, "faults": {"repeats": 2}, "baseline": {"seeds": [1, 2], "twins": 3}}
@@ -257,7 +273,6 @@ NEEDS = {
     "bits-table": ("gpt_bits",),
     "bits-facts": ("gpt_bits",),
 }
-FINDING_NEEDS = {"a": NEEDS["cnn-table"], "b": NEEDS["gpt-table"], "c": NEEDS["bits-table"]}
 
 
 def regenerate(
@@ -268,27 +283,36 @@ def regenerate(
     out: Path,
     parallel: int = 1,
     only: tuple[str, ...] = CAMPAIGNS,
-) -> list[tuple[str, str, bool | None]]:
+) -> list[tuple[str, str, str | None, str]]:
     """Run (or resume) the campaigns ``only`` (default all), write ``out`` from ``template`` with every
-    finished campaign in ``runs`` and return the findings (holds: None for a finding whose
-    campaigns are not finished; their blocks say so)."""
+    finished campaign in ``runs`` and return the findings (id, claim, verdict, evidence; verdict
+    None for a finding whose campaigns are not finished, in every training seed; their blocks say so)."""
     walls = run(runs, shrink, workers, parallel, only)
-    cs = {n: c for n in CAMPAIGNS if (runs / n / "results.sqlite").is_file() and _finished(c := load(runs / n))}
+    folders = {n: replicas(n, shrink) for n in CAMPAIGNS}
+    loaded = {
+        f: c
+        for fs in folders.values()
+        for f in fs
+        if (runs / f / "results.sqlite").is_file() and _finished(c := load(runs / f))
+    }
+    cs = {f: loaded[f] for n, fs in folders.items() if all(f in loaded for f in fs) for f in fs}
     blocks: dict[str, str] = {}
     curve = None
     for kind, metric in (("cnn", "acc"), ("gpt", "loss")):
         if f"nvdla_{kind}" not in cs:
             continue
-        plain, swz = cs[f"nvdla_{kind}"], cs.get(f"nvdla_{kind}_swizzled")
-        cells = mac_cells(plain)
-        if swz is not None:
-            table, facts = nvdla_block(plain, swz, cells, metric)
+        plains = seed_replicas(cs, f"nvdla_{kind}")
+        swzs = seed_replicas(cs, f"nvdla_{kind}_swizzled")
+        cells = mac_cells(plains[0])  # the cells depend on the fault seed only, not on the training seed
+        if swzs:
+            table, facts = nvdla_block(plains, swzs, cells, metric)
             blocks[f"{kind}-table"] = table
-            blocks[f"{kind}-facts"] = nvdla_facts_text(kind, plain, swz, facts)
+            blocks[f"{kind}-facts"] = nvdla_facts_text(kind, plains, swzs, facts)
         if kind == "gpt":
-            curve = gap(plain, runs / "gap.json")
-            row = next(r for r in plain["rows"] if r["trial_id"] == curve["trial_id"])
-            blocks["gap-table"] = gap_block(curve, row, cells)
+            worst = max(plains, key=lambda c: max(r["val_delta"] for r in c["rows"]))
+            curve = gap(worst, runs / "gap.json")
+            row = next(r for r in worst["rows"] if r["trial_id"] == curve["trial_id"])
+            blocks["gap-table"] = gap_block(curve, row, cells, worst["spec"].seed)
     if "gpt_bits" in cs:
         blocks["bits-table"], blocks["bits-facts"], _ = bits_block(cs["gpt_bits"])
     for name, needs in NEEDS.items():
@@ -298,11 +322,12 @@ def regenerate(
                 f"_Not regenerated: campaign {missing} has not finished in `{runs}` (see the provenance line)._"
             )
     blocks["drift-table"] = drift_block(cs)
-    found = [
-        (i, claim, ok if all(n in cs for n in FINDING_NEEDS[i[0]]) else None) for i, claim, ok in findings(cs, curve)
-    ]
-    word = {True: "holds", False: "**does not hold**", None: "not measured in this run"}
-    blocks["findings"] = "\n".join(f"- {word[ok]} ({i}): {claim}" for i, claim, ok in found)
+    found = findings(cs, curve)
+    word = {"holds": "holds", "within noise": "**within noise**", "does not hold": "**does not hold**"}
+    blocks["findings"] = "\n".join(
+        f"- {word[v]} ({i}): {claim} — {ev}." if v else f"- not measured in this run ({i}): {claim}"
+        for i, claim, v, ev in found
+    )
     load_avg = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     blocks["provenance"] = (
         f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python examples/campaigns/regenerate.py"
@@ -310,7 +335,11 @@ def regenerate(
         f"({'shrunken' if shrink else 'full'}): {walls:.0f} s of campaign wall time in this call (a campaign "
         f"already finished is only read); load average at the end {load_avg} on {os.cpu_count()} cores."
         + ("" if only == CAMPAIGNS else f" Campaigns run by this call: {', '.join(only)}.")
-        + ("" if len(cs) == len(CAMPAIGNS) else f" Not finished: {', '.join(n for n in CAMPAIGNS if n not in cs)}.")
+        + (
+            ""
+            if all(n in cs for n in CAMPAIGNS)
+            else f" Not finished: {', '.join(n for n in CAMPAIGNS if n not in cs)}."
+        )
     )
     out.write_text(fill(template.read_text(encoding="utf-8"), blocks), encoding="utf-8")
     return found
@@ -326,17 +355,38 @@ def main(argv: list[str] | None = None) -> int:
         "--only", nargs="+", choices=CAMPAIGNS, help="run only these (others are read when finished, else left out)"
     )
     ap.add_argument(
-        "--out", type=Path, help="the document to write (default RESULTS.md; with --shrink: RUNS/RESULTS.md)"
+        "--out",
+        type=Path,
+        help="the document to write (default RESULTS.md; with --shrink or --check: RUNS/RESULTS.md)",
     )
+    ap.add_argument(
+        "--check",
+        type=Path,
+        metavar="FILE",
+        help="compare every generated block of FILE (RESULTS.md, or SHRUNK_BLOCKS with --shrink) with the "
+        "regenerated one; exit status 1 on any difference",
+    )
+    ap.add_argument("--save-blocks", type=Path, metavar="FILE", help="also write the generated blocks alone to FILE")
     args = ap.parse_args(argv)
     runs = args.runs or Path("runs") / ("results-shrink" if args.shrink else "results")
-    out = args.out or (runs / "RESULTS.md" if args.shrink else HERE / "RESULTS.md")
+    out = args.out or (runs / "RESULTS.md" if args.shrink or args.check else HERE / "RESULTS.md")
     only = tuple(n for n in CAMPAIGNS if n in (args.only or CAMPAIGNS))
     found = regenerate(runs, args.shrink, args.workers, HERE / "RESULTS.md", out, args.parallel, only)
-    for i, claim, ok in found:
-        print(f"{ {True: 'holds', False: 'FAILS', None: 'not measured'}[ok] } {i}: {claim}")
-    print(f"wrote {out}; {sum(ok is True for *_, ok in found)}/{len(found)} findings hold")
-    return 1 if any(ok is False for *_, ok in found) else 0
+    for i, claim, verdict, evidence in found:
+        print(f"{verdict or 'not measured'} {i}: {claim} — {evidence}")
+    print(f"wrote {out}; {sum(v == 'holds' for _, _, v, _ in found)}/{len(found)} findings hold")
+    text = out.read_text(encoding="utf-8")
+    if args.save_blocks:
+        args.save_blocks.write_text(blocks_only(text), encoding="utf-8")
+    status = 1 if any(v == "does not hold" for _, _, v, _ in found) else 0
+    if args.check:
+        mismatches = check(args.check.read_text(encoding="utf-8"), text)
+        for line in mismatches:
+            print(f"MISMATCH {line}")
+        verdict = f"{len(mismatches)} block(s) differ" if mismatches else "every committed number regenerates"
+        print(f"checked {args.check}: {verdict}")
+        status = status or (2 if mismatches else 0)
+    return status
 
 
 if __name__ == "__main__":
