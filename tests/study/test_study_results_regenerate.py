@@ -24,8 +24,10 @@ def test_shrunken_campaigns_regenerate_every_committed_number(tmp_path):
     template, runs, out = m.HERE / "RESULTS.md", tmp_path / "runs", tmp_path / "RESULTS.md"
     found = m.regenerate(runs, True, 0, template, out, parallel=2)
     prose = template.read_text(encoding="utf-8").split("## Findings")[0]
-    for i, claim, verdict, evidence in found:  # measured, with its evidence, and referred to by the text
-        assert verdict in VERDICTS and "trials" in evidence or "n = " in evidence, (i, verdict, evidence)
+    for i, _, verdict, evidence in found:  # measured, with its evidence, and referred to by the text
+        assert verdict in VERDICTS and ("trial" in evidence or "n = " in evidence), (i, verdict, evidence)
+        if evidence.startswith("effect"):  # an effect: its interval, units and the healthy spread
+            assert "95 % t interval" in evidence and "training seed" in evidence and "healthy spread" in evidence
         assert f"({i}" in prose or f"{i})" in prose or f" {i}" in prose, i
     text = out.read_text(encoding="utf-8")
     blocks = {b.group("name"): b.group(0) for b in m.MARK.finditer(text)}
