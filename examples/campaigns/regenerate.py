@@ -41,7 +41,7 @@ from results_blocks import (  # noqa: E402
     nvdla_block,
     nvdla_facts_text,
 )
-from results_findings import findings, seed_replicas  # noqa: E402
+from results_findings import findings, seed_replicas, swizzle_view  # noqa: E402
 
 __all__ = [
     "CAMPAIGNS",
@@ -79,15 +79,13 @@ SHRINK = {
         "baseline": {"seeds": [101, 102], "twins": 3},
     },
     "nvdla_cnn": _NVDLA_CNN,
-    "nvdla_cnn_swizzled": _NVDLA_CNN,
     "nvdla_gpt": _NVDLA_GPT,
-    "nvdla_gpt_swizzled": _NVDLA_GPT,
 }
 
 
 # the training seeds each campaign runs with (one campaign folder per seed; the spec's own seed first):
 # the GPT MAC-cell effect is measured over seeds x cells, the shrunken specs keep the spec's seed only
-TRAIN_SEEDS = {"nvdla_gpt": (7, 8), "nvdla_gpt_swizzled": (7, 8)}
+TRAIN_SEEDS = {"nvdla_gpt": (7, 8)}
 
 
 def replicas(name: str, shrink: bool) -> list[str]:
@@ -199,7 +197,8 @@ def _trial(c: dict, trial_id: int):
 
 def mac_cells(c: dict) -> dict[int, tuple[int, int]]:
     """The MAC cell (input row a, output column b) of each trial, by fault seed: one forward pass
-    with the trial's fault, read from its first injection record (the weight element it hit)."""
+    with the trial's fault, unswizzled, read from its first injection record (the weight element it
+    hit); a swizzled trial of the same fault seed has the same cell."""
     from sdcscope.inject import Injector
     from sdcscope.workloads import make_workload
 
@@ -209,7 +208,7 @@ def mac_cells(c: dict) -> dict[int, tuple[int, int]]:
         model = workload.build_model()
     x = workload.batch(spec.seed, 0)[0]
     out = {}
-    for t in _plan(c):
+    for t in (t for t in _plan(c) if not t.swizzle):
         fault = t.fault_spec(spec.faults.format)
         with Injector(model, [fault], warn_unfired=False) as inj:
             inj.set_position(0, 0)
@@ -265,10 +264,10 @@ def gap(c: dict, cache: Path) -> dict:
 
 
 NEEDS = {
-    "cnn-table": ("nvdla_cnn", "nvdla_cnn_swizzled"),
-    "cnn-facts": ("nvdla_cnn", "nvdla_cnn_swizzled"),
-    "gpt-table": ("nvdla_gpt", "nvdla_gpt_swizzled"),
-    "gpt-facts": ("nvdla_gpt", "nvdla_gpt_swizzled"),
+    "cnn-table": ("nvdla_cnn",),
+    "cnn-facts": ("nvdla_cnn",),
+    "gpt-table": ("nvdla_gpt",),
+    "gpt-facts": ("nvdla_gpt",),
     "gap-table": ("nvdla_gpt",),
     "bits-table": ("gpt_bits",),
     "bits-facts": ("gpt_bits",),
@@ -301,13 +300,12 @@ def regenerate(
     for kind, metric in (("cnn", "acc"), ("gpt", "loss")):
         if f"nvdla_{kind}" not in cs:
             continue
-        plains = seed_replicas(cs, f"nvdla_{kind}")
-        swzs = seed_replicas(cs, f"nvdla_{kind}_swizzled")
-        cells = mac_cells(plains[0])  # the cells depend on the fault seed only, not on the training seed
-        if swzs:
-            table, facts = nvdla_block(plains, swzs, cells, metric)
-            blocks[f"{kind}-table"] = table
-            blocks[f"{kind}-facts"] = nvdla_facts_text(kind, plains, swzs, facts)
+        seeds = seed_replicas(cs, f"nvdla_{kind}")
+        plains, swzs = [swizzle_view(c, False) for c in seeds], [swizzle_view(c, True) for c in seeds]
+        cells = mac_cells(seeds[0])  # the cells depend on the fault seed only, not on the training seed
+        table, facts = nvdla_block(plains, swzs, cells, metric)
+        blocks[f"{kind}-table"] = table
+        blocks[f"{kind}-facts"] = nvdla_facts_text(kind, plains, swzs, facts)
         if kind == "gpt":
             worst = max(plains, key=lambda c: max(r["val_delta"] for r in c["rows"]))
             curve = gap(worst, runs / "gap.json")

@@ -15,7 +15,7 @@ import statistics
 from itertools import zip_longest
 from pathlib import Path
 
-CAMPAIGNS = ("gpt_bits", "nvdla_cnn", "nvdla_cnn_swizzled", "nvdla_gpt", "nvdla_gpt_swizzled")
+CAMPAIGNS = ("gpt_bits", "nvdla_cnn", "nvdla_gpt")
 
 SITE_NAMES = {"gemm.forward": "forward", "gemm.grad_input": "dX", "gemm.grad_weight": "dW"}
 FIELDS = (("0–22 (mantissa)", range(0, 23)), ("23–30 (exponent)", range(23, 31)), ("31 (sign)", range(31, 32)))
