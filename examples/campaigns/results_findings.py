@@ -58,7 +58,7 @@ def healthy_spread(cs: list[dict], key: str) -> float:
 
 def _units(cs: list[dict]) -> str:
     cells = len({r["fault_seed"] for c in cs for r in c["rows"]})
-    return f"{len(cs)} training seed{'s' if len(cs) > 1 else ''} x {cells} MAC cells"
+    return f"{len(cs)} training seed{'s' if len(cs) > 1 else ''} × {cells} MAC cells"
 
 
 def _effect(values: list[float], spread: float, direction: str, unit: str, units: str) -> tuple[str, str]:
