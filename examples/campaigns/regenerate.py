@@ -1,15 +1,17 @@
 """Regenerate every table of examples/campaigns/RESULTS.md from the campaign specs beside it.
 
     python examples/campaigns/regenerate.py                    # full specs: runs/results/, then RESULTS.md
-    python examples/campaigns/regenerate.py --shrink --out /tmp/R.md   # shrunken specs (CI)
+    python examples/campaigns/regenerate.py --check examples/campaigns/RESULTS.md   # compare, write nothing there
+    python examples/campaigns/regenerate.py --shrink --check examples/campaigns/shrunk_blocks.md   # as CI
 
-Runs (or resumes: a finished campaign is only read) each campaign of CAMPAIGNS in ``--runs``, re-runs
-the worst plain GPT MAC-cell trial with evaluations along the way (the gap table), then writes each
-generated block of RESULTS.md (between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``)
-and checks each finding the prose states (FINDINGS: which outcome classes appear, the sign and
-order of magnitude of each effect). ``--shrink`` runs shrunken variants (fewer trials and steps,
-SHRINK) into their own folder and writes to ``--out``; the CI test runs it and asserts every
-finding's shape. Exit status 1 when a finding does not hold.
+Runs (or resumes: a finished campaign is only read) each campaign of CAMPAIGNS in ``--runs`` (the
+GPT MAC-cell campaign once per training seed of TRAIN_SEEDS), re-runs the worst plain GPT MAC-cell
+trial with evaluations along the way (the gap table), then writes each generated block of
+RESULTS.md (between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``) and measures each
+finding the prose states with its interval or test (results_findings.py). ``--check FILE``
+compares FILE's blocks with the regenerated ones, exactly (runs are bit-reproducible). ``--shrink``
+runs shrunken variants (fewer trials and steps, SHRINK, one training seed) into their own folder.
+Exit status 1 when a finding does not hold, 2 when a committed block differs from its regeneration.
 """
 
 from __future__ import annotations
@@ -382,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"MISMATCH {line}")
         verdict = f"{len(mismatches)} block(s) differ" if mismatches else "every committed number regenerates"
         print(f"checked {args.check}: {verdict}")
-        status = status or (2 if mismatches else 0)
+        status = 2 if mismatches else status
     return status
 
 
