@@ -1,15 +1,17 @@
 """Regenerate every table of examples/campaigns/RESULTS.md from the campaign specs beside it.
 
     python examples/campaigns/regenerate.py                    # full specs: runs/results/, then RESULTS.md
-    python examples/campaigns/regenerate.py --shrink --out /tmp/R.md   # shrunken specs (CI)
+    python examples/campaigns/regenerate.py --check examples/campaigns/RESULTS.md   # compare, write nothing there
+    python examples/campaigns/regenerate.py --shrink --check examples/campaigns/shrunk_blocks.md   # as CI
 
-Runs (or resumes: a finished campaign is only read) each campaign of CAMPAIGNS in ``--runs``, re-runs
-the worst plain GPT MAC-cell trial with evaluations along the way (the gap table), then writes each
-generated block of RESULTS.md (between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``)
-and checks each finding the prose states (FINDINGS: which outcome classes appear, the sign and
-order of magnitude of each effect). ``--shrink`` runs shrunken variants (fewer trials and steps,
-SHRINK) into their own folder and writes to ``--out``; the CI test runs it and asserts every
-finding's shape. Exit status 1 when a finding does not hold.
+Runs (or resumes: a finished campaign is only read) each campaign of CAMPAIGNS in ``--runs`` (the
+GPT MAC-cell campaign once per training seed of TRAIN_SEEDS), re-runs the worst plain GPT MAC-cell
+trial with evaluations along the way (the gap table), then writes each generated block of
+RESULTS.md (between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``) and measures each
+finding the prose states with its interval or test (results_findings.py). ``--check FILE``
+compares FILE's blocks with the regenerated ones, exactly (runs are bit-reproducible). ``--shrink``
+runs shrunken variants (fewer trials and steps, SHRINK, one training seed) into their own folder.
+Exit status 1 when a finding does not hold, 2 when a committed block differs from its regeneration.
 """
 
 from __future__ import annotations
@@ -33,17 +35,33 @@ from results_blocks import (  # noqa: E402
     CAMPAIGNS,
     MARK,
     bits_block,
+    blocks_only,
+    check,
     drift_block,
     fill,
-    findings,
     gap_block,
     nvdla_block,
     nvdla_facts_text,
 )
+from results_findings import findings, seed_replicas, swizzle_view  # noqa: E402
 
-__all__ = ["CAMPAIGNS", "HERE", "MARK", "SHRINK", "main", "regenerate", "run"]
+__all__ = [
+    "CAMPAIGNS",
+    "HERE",
+    "MARK",
+    "SHRINK",
+    "SHRUNK_BLOCKS",
+    "TRAIN_SEEDS",
+    "check",
+    "main",
+    "regenerate",
+    "replicas",
+    "run",
+]
 
 HERE = Path(__file__).resolve().parent
+SHRUNK_BLOCKS = HERE / "shrunk_blocks.md"
+"""The generated blocks of the shrunken specs, committed: CI regenerates them and compares (``check``)."""
 GAP_POINTS = 6
 # what --shrink changes in each spec (merged into it): the same fault models, fewer trials and steps
 _NVDLA_CNN = {"horizon": 60, "faults": {"repeats": 2}, "baseline": {"seeds": [1, 2], "twins": 3}}
@@ -63,10 +81,19 @@ SHRINK = {
         "baseline": {"seeds": [101, 102], "twins": 3},
     },
     "nvdla_cnn": _NVDLA_CNN,
-    "nvdla_cnn_swizzled": _NVDLA_CNN,
     "nvdla_gpt": _NVDLA_GPT,
-    "nvdla_gpt_swizzled": _NVDLA_GPT,
 }
+
+
+# the training seeds each campaign runs with (one campaign folder per seed; the spec's own seed first):
+# the GPT MAC-cell effect is measured over seeds x cells, the shrunken specs keep the spec's seed only
+TRAIN_SEEDS = {"nvdla_gpt": (7, 8)}
+
+
+def replicas(name: str, shrink: bool) -> list[str]:
+    """The campaign folders of campaign ``name``: ``name`` (the spec's seed), then ``name-seedS`` for
+    each further training seed S of TRAIN_SEEDS (none with ``shrink``)."""
+    return [name] + ([] if shrink else [f"{name}-seed{s}" for s in TRAIN_SEEDS.get(name, ())])
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -100,14 +127,19 @@ def run(runs: Path, shrink: bool, workers: int, parallel: int = 1, names: tuple[
     from sdcscope.study import init_campaign, run_campaign
 
     runs.mkdir(parents=True, exist_ok=True)
+    folders = []
     for name in names:
-        directory, spec = runs / name, HERE / f"{name}.yaml"
-        if shrink:
-            data = _merge(yaml.safe_load(spec.read_text()), SHRINK[name])
-            spec = runs / f"{name}.shrunk.yaml"
-            spec.write_text(yaml.safe_dump(data, sort_keys=False))
-        if not (directory / "campaign.yaml").is_file():
-            init_campaign(directory, spec)
+        for folder in replicas(name, shrink):
+            directory, spec = runs / folder, HERE / f"{name}.yaml"
+            if shrink or folder != name:
+                data = _merge(yaml.safe_load(spec.read_text()), SHRINK[name] if shrink else {})
+                data["seed"] = int(folder.rpartition("-seed")[2]) if folder != name else data["seed"]
+                spec = runs / f"{folder}.{'shrunk' if shrink else 'seed'}.yaml"
+                spec.write_text(yaml.safe_dump(data, sort_keys=False))
+            if not (directory / "campaign.yaml").is_file():
+                init_campaign(directory, spec)
+            folders.append(folder)
+    names = tuple(folders)
     cost = {n: yaml.safe_load((runs / n / "campaign.yaml").read_text())["horizon"] for n in names}
     groups: list[list[str]] = [[] for _ in range(max(1, parallel))]
     for name in sorted(names, key=lambda n: -cost[n]):
@@ -167,7 +199,8 @@ def _trial(c: dict, trial_id: int):
 
 def mac_cells(c: dict) -> dict[int, tuple[int, int]]:
     """The MAC cell (input row a, output column b) of each trial, by fault seed: one forward pass
-    with the trial's fault, read from its first injection record (the weight element it hit)."""
+    with the trial's fault, unswizzled, read from its first injection record (the weight element it
+    hit); a swizzled trial of the same fault seed has the same cell."""
     from sdcscope.inject import Injector
     from sdcscope.workloads import make_workload
 
@@ -177,7 +210,7 @@ def mac_cells(c: dict) -> dict[int, tuple[int, int]]:
         model = workload.build_model()
     x = workload.batch(spec.seed, 0)[0]
     out = {}
-    for t in _plan(c):
+    for t in (t for t in _plan(c) if not t.swizzle):
         fault = t.fault_spec(spec.faults.format)
         with Injector(model, [fault], warn_unfired=False) as inj:
             inj.set_position(0, 0)
@@ -233,15 +266,14 @@ def gap(c: dict, cache: Path) -> dict:
 
 
 NEEDS = {
-    "cnn-table": ("nvdla_cnn", "nvdla_cnn_swizzled"),
-    "cnn-facts": ("nvdla_cnn", "nvdla_cnn_swizzled"),
-    "gpt-table": ("nvdla_gpt", "nvdla_gpt_swizzled"),
-    "gpt-facts": ("nvdla_gpt", "nvdla_gpt_swizzled"),
+    "cnn-table": ("nvdla_cnn",),
+    "cnn-facts": ("nvdla_cnn",),
+    "gpt-table": ("nvdla_gpt",),
+    "gpt-facts": ("nvdla_gpt",),
     "gap-table": ("nvdla_gpt",),
     "bits-table": ("gpt_bits",),
     "bits-facts": ("gpt_bits",),
 }
-FINDING_NEEDS = {"a": NEEDS["cnn-table"], "b": NEEDS["gpt-table"], "c": NEEDS["bits-table"]}
 
 
 def regenerate(
@@ -252,27 +284,37 @@ def regenerate(
     out: Path,
     parallel: int = 1,
     only: tuple[str, ...] = CAMPAIGNS,
-) -> list[tuple[str, str, bool | None]]:
+) -> list[tuple[str, str, str | None, str]]:
     """Run (or resume) the campaigns ``only`` (default all), write ``out`` from ``template`` with every
-    finished campaign in ``runs`` and return the findings (holds: None for a finding whose
-    campaigns are not finished; their blocks say so)."""
+    finished campaign in ``runs`` and return the findings (id, claim, verdict, evidence; verdict
+    None for a finding whose campaign is not finished; their blocks say so)."""
     walls = run(runs, shrink, workers, parallel, only)
-    cs = {n: c for n in CAMPAIGNS if (runs / n / "results.sqlite").is_file() and _finished(c := load(runs / n))}
+    folders = {n: replicas(n, shrink) for n in CAMPAIGNS}
+    loaded = {
+        f: c
+        for fs in folders.values()
+        for f in fs
+        if (runs / f / "results.sqlite").is_file() and _finished(c := load(runs / f))
+    }
+    # a campaign counts once its spec's own seed has finished; a further training seed not finished
+    # yet is left out of every block and finding, and the provenance line names it
+    cs = {f: loaded[f] for n, fs in folders.items() if n in loaded for f in fs if f in loaded}
     blocks: dict[str, str] = {}
     curve = None
     for kind, metric in (("cnn", "acc"), ("gpt", "loss")):
         if f"nvdla_{kind}" not in cs:
             continue
-        plain, swz = cs[f"nvdla_{kind}"], cs.get(f"nvdla_{kind}_swizzled")
-        cells = mac_cells(plain)
-        if swz is not None:
-            table, facts = nvdla_block(plain, swz, cells, metric)
-            blocks[f"{kind}-table"] = table
-            blocks[f"{kind}-facts"] = nvdla_facts_text(kind, plain, swz, facts)
+        seeds = seed_replicas(cs, f"nvdla_{kind}")
+        plains, swzs = [swizzle_view(c, False) for c in seeds], [swizzle_view(c, True) for c in seeds]
+        cells = mac_cells(seeds[0])  # the cells depend on the fault seed only, not on the training seed
+        table, facts = nvdla_block(plains, swzs, cells, metric)
+        blocks[f"{kind}-table"] = table
+        blocks[f"{kind}-facts"] = nvdla_facts_text(kind, plains, swzs, facts)
         if kind == "gpt":
-            curve = gap(plain, runs / "gap.json")
-            row = next(r for r in plain["rows"] if r["trial_id"] == curve["trial_id"])
-            blocks["gap-table"] = gap_block(curve, row, cells)
+            worst = max(plains, key=lambda c: max(r["val_delta"] for r in c["rows"]))
+            curve = gap(worst, runs / "gap.json")
+            row = next(r for r in worst["rows"] if r["trial_id"] == curve["trial_id"])
+            blocks["gap-table"] = gap_block(curve, row, cells, worst["spec"].seed)
     if "gpt_bits" in cs:
         blocks["bits-table"], blocks["bits-facts"], _ = bits_block(cs["gpt_bits"])
     for name, needs in NEEDS.items():
@@ -282,19 +324,21 @@ def regenerate(
                 f"_Not regenerated: campaign {missing} has not finished in `{runs}` (see the provenance line)._"
             )
     blocks["drift-table"] = drift_block(cs)
-    found = [
-        (i, claim, ok if all(n in cs for n in FINDING_NEEDS[i[0]]) else None) for i, claim, ok in findings(cs, curve)
-    ]
-    word = {True: "holds", False: "**does not hold**", None: "not measured in this run"}
-    blocks["findings"] = "\n".join(f"- {word[ok]} ({i}): {claim}" for i, claim, ok in found)
+    found = findings(cs, curve)
+    word = {"holds": "holds", "within noise": "**within noise**", "does not hold": "**does not hold**"}
+    blocks["findings"] = "\n".join(
+        f"- {word[v]} ({i}): {claim} — {ev}." if v else f"- not measured in this run ({i}): {claim}"
+        for i, claim, v, ev in found
+    )
     load_avg = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    missing = [f for fs in folders.values() for f in fs if f not in cs]
     blocks["provenance"] = (
         f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python examples/campaigns/regenerate.py"
         f"{' --shrink' if shrink else ''} --workers {workers} --parallel {parallel}` from the specs in this folder "
         f"({'shrunken' if shrink else 'full'}): {walls:.0f} s of campaign wall time in this call (a campaign "
         f"already finished is only read); load average at the end {load_avg} on {os.cpu_count()} cores."
         + ("" if only == CAMPAIGNS else f" Campaigns run by this call: {', '.join(only)}.")
-        + ("" if len(cs) == len(CAMPAIGNS) else f" Not finished: {', '.join(n for n in CAMPAIGNS if n not in cs)}.")
+        + (f" Not finished: {', '.join(missing)}." if missing else "")
     )
     out.write_text(fill(template.read_text(encoding="utf-8"), blocks), encoding="utf-8")
     return found
@@ -310,17 +354,38 @@ def main(argv: list[str] | None = None) -> int:
         "--only", nargs="+", choices=CAMPAIGNS, help="run only these (others are read when finished, else left out)"
     )
     ap.add_argument(
-        "--out", type=Path, help="the document to write (default RESULTS.md; with --shrink: RUNS/RESULTS.md)"
+        "--out",
+        type=Path,
+        help="the document to write (default RESULTS.md; with --shrink or --check: RUNS/RESULTS.md)",
     )
+    ap.add_argument(
+        "--check",
+        type=Path,
+        metavar="FILE",
+        help="compare every generated block of FILE (RESULTS.md, or SHRUNK_BLOCKS with --shrink) with the "
+        "regenerated one; exit status 1 on any difference",
+    )
+    ap.add_argument("--save-blocks", type=Path, metavar="FILE", help="also write the generated blocks alone to FILE")
     args = ap.parse_args(argv)
     runs = args.runs or Path("runs") / ("results-shrink" if args.shrink else "results")
-    out = args.out or (runs / "RESULTS.md" if args.shrink else HERE / "RESULTS.md")
+    out = args.out or (runs / "RESULTS.md" if args.shrink or args.check else HERE / "RESULTS.md")
     only = tuple(n for n in CAMPAIGNS if n in (args.only or CAMPAIGNS))
     found = regenerate(runs, args.shrink, args.workers, HERE / "RESULTS.md", out, args.parallel, only)
-    for i, claim, ok in found:
-        print(f"{ {True: 'holds', False: 'FAILS', None: 'not measured'}[ok] } {i}: {claim}")
-    print(f"wrote {out}; {sum(ok is True for *_, ok in found)}/{len(found)} findings hold")
-    return 1 if any(ok is False for *_, ok in found) else 0
+    for i, claim, verdict, evidence in found:
+        print(f"{verdict or 'not measured'} {i}: {claim} — {evidence}")
+    print(f"wrote {out}; {sum(v == 'holds' for _, _, v, _ in found)}/{len(found)} findings hold")
+    text = out.read_text(encoding="utf-8")
+    if args.save_blocks:
+        args.save_blocks.write_text(blocks_only(text), encoding="utf-8")
+    status = 1 if any(v == "does not hold" for _, _, v, _ in found) else 0
+    if args.check:
+        mismatches = check(args.check.read_text(encoding="utf-8"), text)
+        for line in mismatches:
+            print(f"MISMATCH {line}")
+        verdict = f"{len(mismatches)} block(s) differ" if mismatches else "every committed number regenerates"
+        print(f"checked {args.check}: {verdict}")
+        status = 2 if mismatches else status
+    return status
 
 
 if __name__ == "__main__":

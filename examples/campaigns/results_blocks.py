@@ -2,8 +2,9 @@
 finished campaigns (``load`` of regenerate.py: rows, baselines, references, thresholds).
 
 Each block is a Markdown table or a list of measured facts; ``fill`` writes them between the
-``<!-- generated: NAME -->`` / ``<!-- end: NAME -->`` markers of the document. ``findings`` measures
-each finding (which outcome classes appear, the sign and order of magnitude of each effect).
+``<!-- generated: NAME -->`` / ``<!-- end: NAME -->`` markers of the document; ``check`` compares the
+blocks of two documents (a committed one and a regenerated one). The findings are measured in
+results_findings.py.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from itertools import zip_longest
 from pathlib import Path
 
-CAMPAIGNS = ("gpt_bits", "nvdla_cnn", "nvdla_cnn_swizzled", "nvdla_gpt", "nvdla_gpt_swizzled")
+CAMPAIGNS = ("gpt_bits", "nvdla_cnn", "nvdla_gpt")
 
 SITE_NAMES = {"gemm.forward": "forward", "gemm.grad_input": "dX", "gemm.grad_weight": "dW"}
 FIELDS = (("0–22 (mantissa)", range(0, 23)), ("23–30 (exponent)", range(23, 31)), ("31 (sign)", range(31, 32)))
@@ -63,12 +65,11 @@ def _by_seed(c: dict) -> dict[int, dict]:
     return {r["fault_seed"]: r for r in c["rows"]}
 
 
-def nvdla_block(plain: dict, swz: dict, cells: dict, metric: str) -> tuple[str, dict]:
-    """The per-cell table of a pair of NVDLA campaigns (``metric``: acc or loss) and its facts."""
-    ref = plain["refs"][plain["spec"].inject_steps[0]]
-    ps, ss = _by_seed(plain), _by_seed(swz)
-    seeds = [r["fault_seed"] for r in plain["rows"]]
-    lines = []
+def nvdla_block(plains: list[dict], swzs: list[dict], cells: dict, metric: str) -> tuple[str, dict]:
+    """The per-cell table of a pair of NVDLA campaigns (``metric``: acc or loss), one pair of folders
+    per training seed (a seed column when there are several), and its facts."""
+    seeded = len(plains) > 1
+    lines, rows_p, rows_s = [], [], []
 
     def cell(r, present: bool) -> str:
         if metric == "acc":
@@ -77,16 +78,17 @@ def nvdla_block(plain: dict, swz: dict, cells: dict, metric: str) -> tuple[str, 
         loss = r["val_loss_fault"] if present else r["val_loss"]
         return _f(loss) if present else f"{_f(loss)} ({r['val_delta']:+.3f})"
 
-    for k in seeds:
-        p, w = ps[k], ss.get(k)
-        row = [f"({cells[k][0]}, {cells[k][1]})", cell(p, True), cell(p, False)]
-        if metric == "loss":
-            row.append(_label(p))
-        row += [cell(w, True), cell(w, False)] if w else ["–", "–"]
-        if metric == "loss":
-            row.append(_label(w) if w else "–")
-        lines.append(row)
-    rows_p, rows_s = plain["rows"], [ss[k] for k in seeds if k in ss]
+    for plain, swz in zip(plains, swzs):
+        ss = _by_seed(swz)
+        for p in plain["rows"]:
+            k, w = p["fault_seed"], ss.get(p["fault_seed"])
+            row = ([plain["spec"].seed] if seeded else []) + [f"({cells[k][0]}, {cells[k][1]})"]
+            row += [cell(p, True), cell(p, False)] + ([_label(p)] if metric == "loss" else [])
+            row += [cell(w, True), cell(w, False)] if w else ["–", "–"]
+            row += [_label(w) if w else "–"] if metric == "loss" else []
+            lines.append(row)
+            rows_p.append(p)
+            rows_s += [w] if w else []
 
     def mean_cell(rs, present: bool) -> str:
         if metric == "acc":
@@ -97,71 +99,62 @@ def nvdla_block(plain: dict, swz: dict, cells: dict, metric: str) -> tuple[str, 
         return f"**{_f(_mean(r['val_loss'] for r in rs))} ({_mean(r['val_delta'] for r in rs):+.3f})**"
 
     n_sdc = lambda rs: sum(r["outcome"] == "sdc" for r in rs)  # noqa: E731
-    mean = [f"**mean of {len(seeds)}**", mean_cell(rows_p, True), mean_cell(rows_p, False)]
-    if metric == "loss":
-        mean.append(f"{n_sdc(rows_p)} sdc")
+    mean = ([""] if seeded else []) + [f"**mean of {len(rows_p)}**", mean_cell(rows_p, True), mean_cell(rows_p, False)]
+    mean += [f"{n_sdc(rows_p)} sdc"] if metric == "loss" else []
     mean += [mean_cell(rows_s, True), mean_cell(rows_s, False)]
-    if metric == "loss":
-        mean.append(f"{n_sdc(rows_s)} sdc")
+    mean += [f"{n_sdc(rows_s)} sdc"] if metric == "loss" else []
     lines.append(mean)
+    headers = ["training seed"] if seeded else []
     if metric == "acc":
-        headers = [
-            "cell (a, b)",
-            "plain: fault present",
-            "plain: fault removed",
-            "swizzled: present",
-            "swizzled: removed",
-        ]
+        headers += ["cell (a, b)", "plain: fault present", "plain: fault removed", "swizzled: present"]
+        headers += ["swizzled: removed"]
     else:
-        headers = ["cell (a, b)", "plain: fault present", "plain: fault removed (Δ)", "outcome"]
+        headers += ["cell (a, b)", "plain: fault present", "plain: fault removed (Δ)", "outcome"]
         headers += ["swizzled: present", "swizzled: removed (Δ)", "outcome"]
-    base = plain["baselines"]
-    th = plain["thresholds"][plain["spec"].inject_steps[0]]
     facts = {
-        "golden_acc": ref["val_acc"],
-        "golden_loss": ref["val_loss"],
-        "healthy": [(b["seed"], b["val_acc"], b["val_loss"], b["val_delta"]) for b in base],
-        "bound_val_delta": th["val_delta"],
-        "bound_dist": th["dist_golden"],
+        "golden": [(c["spec"].seed, c["refs"][c["spec"].inject_steps[0]]) for c in plains],
+        "healthy": [
+            (c["spec"].seed, [(b["val_acc"], b["val_loss"], b["val_delta"]) for b in c["baselines"]]) for c in plains
+        ],
+        "bounds": [(c["spec"].seed, c["thresholds"][c["spec"].inject_steps[0]]) for c in plains],
         "dist_faulty": [r["dist_golden"] for r in rows_p + rows_s if r["dist_golden"] is not None],
-        "dist_healthy": [b["dist_golden"] for b in base],
+        "dist_healthy": [b["dist_golden"] for c in plains for b in c["baselines"]],
         "outcomes_plain": _counts(rows_p),
         "outcomes_swizzled": _counts(rows_s),
-        "delta_plain": [r["val_delta"] for r in rows_p],
-        "delta_swizzled": [r["val_delta"] for r in rows_s],
-        "present_minus_golden_plain": [r["val_loss_fault"] - ref["val_loss"] for r in rows_p],
-        "present_minus_golden_swizzled": [r["val_loss_fault"] - ref["val_loss"] for r in rows_s],
-        "acc_present": [r["val_acc_fault"] for r in rows_p + rows_s],
-        "acc_removed": [r["val_acc"] for r in rows_p + rows_s],
     }
     return _table(headers, lines), facts
 
 
-def nvdla_facts_text(name: str, plain: dict, swz: dict, facts: dict) -> str:
-    h = ", ".join(
-        f"{_f(a)} (loss {_f(lo)})" if a is not None else f"{_f(lo)} (Δ {d:+.3f})" for _, a, lo, d in facts["healthy"]
-    )
-    golden = (
-        f"{_f(facts['golden_acc'])} (loss {_f(facts['golden_loss'])})"
-        if facts["golden_acc"]
-        else _f(facts["golden_loss"])
-    )
+def nvdla_facts_text(name: str, plains: list[dict], swzs: list[dict], facts: dict) -> str:
+    seeded = len(plains) > 1
+    golden, healthy, bounds = [], [], []
+    for (seed, ref), (_, hs), (_, th) in zip(facts["golden"], facts["healthy"], facts["bounds"]):
+        at = f"seed {seed}: " if seeded else ""
+        golden.append(
+            at + (f"{_f(ref['val_acc'])} (loss {_f(ref['val_loss'])})" if name == "cnn" else _f(ref["val_loss"]))
+        )
+        healthy.append(
+            at + ", ".join(f"{_f(a)} (loss {_f(lo)})" if name == "cnn" else f"{_f(lo)} (Δ {d:+.3f})" for a, lo, d in hs)
+        )
+        bounds.append(
+            at + f"Δ validation loss {_f(th['val_delta'])}, parameter distance to golden {_f(th['dist_golden'])}"
+        )
+    k = len(facts["healthy"][0][1])
     lines = [
-        f"- Golden (fault-free) run: {golden}; the {len(facts['healthy'])} healthy runs re-seeded from the "
-        f"injection snapshot: {h}.",
+        f"- Golden (fault-free) run: {'; '.join(golden)}. The {k} healthy runs re-seeded from the injection "
+        f"snapshot: {'; '.join(healthy)}.",
         f"- Outcomes: plain {facts['outcomes_plain']}; swizzled {facts['outcomes_swizzled']}.",
-        f"- Healthy-spread bounds: Δ validation loss {_f(facts['bound_val_delta'])}, parameter distance to golden "
-        f"{_f(facts['bound_dist'])}. Faulty runs' distance to golden: {_f(min(facts['dist_faulty']))}–"
-        f"{_f(max(facts['dist_faulty']))}; healthy re-seeded runs: {_f(min(facts['dist_healthy']))}–"
-        f"{_f(max(facts['dist_healthy']))}.",
+        f"- Healthy-spread bounds: {'; '.join(bounds)}. Faulty runs' distance to golden: "
+        f"{_f(min(facts['dist_faulty']))}–{_f(max(facts['dist_faulty']))}; healthy re-seeded runs: "
+        f"{_f(min(facts['dist_healthy']))}–{_f(max(facts['dist_healthy']))}.",
     ]
-    g = load_golden_losses(plain["dir"])
     span = lambda xs: f"{_f(min(xs))}–{_f(max(xs))}"  # noqa: E731
-    tail = lambda c: [_tail_loss(r["losses"]) for r in c["rows"]]  # noqa: E731
-    hl = [_tail_loss(b["losses"]) for b in plain["baselines"]]
+    tail = lambda cs: [_tail_loss(r["losses"]) for c in cs for r in c["rows"]]  # noqa: E731
+    g = [_tail_loss(load_golden_losses(c["dir"])) for c in plains]
+    hl = [_tail_loss(b["losses"]) for c in plains for b in c["baselines"]]
     lines.append(
-        f"- Mean training loss over the last 100 steps: golden {_f(_tail_loss(g))}, healthy {span(hl)}, "
-        f"plain faulty {span(tail(plain))}, swizzled faulty {span(tail(swz))}."
+        f"- Mean training loss over the last 100 steps: golden {span(g) if seeded else _f(g[0])}, healthy "
+        f"{span(hl)}, plain faulty {span(tail(plains))}, swizzled faulty {span(tail(swzs))}."
     )
     return "\n".join(lines)
 
@@ -174,7 +167,7 @@ def load_golden_losses(directory: Path) -> list[float]:
         return db.golden_losses()
 
 
-def gap_block(curve: dict, row: dict, cells: dict) -> str:
+def gap_block(curve: dict, row: dict, cells: dict, seed: int) -> str:
     cell = cells[row["fault_seed"]]
     same = (curve["present"][-1], curve["removed"][-1]) == (row["val_loss_fault"], row["val_loss"])
     table = _table(
@@ -186,7 +179,8 @@ def gap_block(curve: dict, row: dict, cells: dict) -> str:
         ],
     )
     return (
-        f"Trial {row['trial_id']}, cell ({cell[0]}, {cell[1]}), the plain trial with the largest Δ. "
+        f"Training seed {seed}, trial {row['trial_id']}, cell ({cell[0]}, {cell[1]}), the plain trial with the "
+        "largest Δ. "
         f"The re-run {'reproduces' if same else 'does NOT reproduce'} the campaign row "
         f"({_f(row['val_loss_fault'], 4)} / {_f(row['val_loss'], 4)}) at the end.\n\n{table}"
     )
@@ -245,96 +239,6 @@ def drift_block(cs: dict[str, dict]) -> str:
     return _table(headers, lines)
 
 
-# ------------------------------------------------------------------------------------- findings
-
-
-def findings(cs: dict[str, dict], gap_curve_: dict | None) -> list[tuple[str, str, bool]]:
-    """(id, claim, holds) of every finding RESULTS.md states, measured on these results."""
-    empty = {"rows": [], "refs": {0: {"val_acc": 0.0, "val_loss": 0.0}}, "thresholds": {0: {"val_delta": 0.0}}}
-    cs = {n: cs.get(n, empty) for n in CAMPAIGNS}
-    cnn = [r for n in ("nvdla_cnn", "nvdla_cnn_swizzled") for r in cs[n]["rows"]]
-    cnn_ref = cs["nvdla_cnn"]["refs"][0]
-    gp, gs = cs["nvdla_gpt"]["rows"], cs["nvdla_gpt_swizzled"]["rows"]
-    g_ref, g_th = cs["nvdla_gpt"]["refs"][0], cs["nvdla_gpt"]["thresholds"][0]
-    removed_p, removed_s = _mean(r["val_loss"] for r in gp) or 0, _mean(r["val_loss"] for r in gs) or 0
-    present_p, present_s = _mean(r["val_loss_fault"] for r in gp) or 0, _mean(r["val_loss_fault"] for r in gs) or 0
-    gaps = [r - p for p, r in zip(gap_curve_["present"], gap_curve_["removed"])] if gap_curve_ else [0.0]
-    bits = cs["gpt_bits"]["rows"]
-    mant = [r for r in bits if r["bit"] <= 22 and r["dist_golden"] is not None]
-    expo = [r for r in bits if 23 <= r["bit"] <= 30 and r["dist_golden"] is not None]
-    med = lambda rs: statistics.median(r["dist_golden"] for r in rs) if rs else 0.0  # noqa: E731
-    return [
-        (
-            "a1",
-            "CNN: no trial crashes or is masked (a stuck cell in every layer always changes the run)",
-            all(r["effect"] in ("benign", "sdc") for r in cnn),
-        ),
-        (
-            "a2",
-            "CNN: with the fault present, mean accuracy is within 0.05 of golden's",
-            abs((_mean(r["val_acc_fault"] for r in cnn) or 0) - cnn_ref["val_acc"]) < 0.05,
-        ),
-        (
-            "a3",
-            "CNN: with the fault removed, mean accuracy is within 0.05 of golden's (no collapse)",
-            abs((_mean(r["val_acc"] for r in cnn) or 0) - cnn_ref["val_acc"]) < 0.05,
-        ),
-        (
-            "a4",
-            "CNN: every trial's weights end beyond the chaos envelope (perturbation twins), none beyond the "
-            "re-seed spread",
-            all(r["drift_twin"] == 1 and r["drift_spread"] == 0 for r in cnn),
-        ),
-        (
-            "b1",
-            "GPT plain: the model comes to depend on the fault: with it removed the validation loss is worse "
-            "than with it present (mean gap > 0), by 10^-3 to 10^0 nats",
-            0.001 <= removed_p - present_p < 1,
-        ),
-        (
-            "b2",
-            "GPT plain: with the fault present the loss is within the healthy bound of golden's",
-            abs(present_p - g_ref["val_loss"]) <= g_th["val_delta"],
-        ),
-        (
-            "b3",
-            "GPT: swizzling removes that dependence (mean gap, removed − present: swizzled < plain)",
-            removed_s - present_s < removed_p - present_p,
-        ),
-        (
-            "b4",
-            "GPT: swizzled training costs while the fault is present (mean loss, fault present: swizzled > plain)",
-            present_s > present_p,
-        ),
-        (
-            "b5",
-            "GPT plain, worst cell: the gap (removed − present) is positive at the end and grows over the run",
-            gaps[-1] > 0 and gaps[-1] > gaps[0],
-        ),
-        (
-            "c1",
-            "bits: no crash; masked trials only among mantissa bits",
-            all(r["effect"] != "crash" for r in bits) and all(r["bit"] <= 22 for r in bits if r["effect"] == "masked"),
-        ),
-        (
-            "c2",
-            "bits: exponent flips move the parameters at least 10x more than mantissa flips (median)",
-            med(expo) >= 10 * med(mant) > 0,
-        ),
-        (
-            "c3",
-            "bits: no single flip takes the weights beyond the re-seed spread",
-            all(not r["drift_spread"] for r in bits),
-        ),
-        (
-            "c4",
-            "bits: some exponent flips move the weights beyond the chaos envelope (perturbation twins); no "
-            "one-ulp flip (bit 0) does",
-            any(r["drift_twin"] for r in expo) and not any(r["drift_twin"] for r in mant if r["bit"] == 0),
-        ),
-    ]
-
-
 # ---------------------------------------------------------------------------------------- main
 
 MARK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?:.*?\n)?(<!-- end: (?P=name) -->)", re.S)
@@ -346,3 +250,37 @@ def fill(template: str, blocks: dict[str, str]) -> str:
     if names != set(blocks):
         raise ValueError(f"RESULTS.md blocks {sorted(names)} differ from the generated {sorted(blocks)}")
     return MARK.sub(lambda m: m.group(1) + blocks[m.group("name")] + "\n" + m.group(3), template)
+
+
+UNCHECKED = ("provenance",)
+"""Blocks that differ between runs of the same specs (wall times, date, load): never compared."""
+
+
+def blocks(text: str) -> dict[str, str]:
+    """Each generated block of a document, by name (its text between the markers)."""
+    return {m.group("name"): m.group(0)[len(m.group(1)) : -len(m.group(3))] for m in MARK.finditer(text)}
+
+
+def blocks_only(text: str) -> str:
+    """The compared blocks of ``text`` with their markers and without the prose: what a committed
+    reference of the shrunken specs holds."""
+    return "\n".join(
+        f"<!-- generated: {n} -->\n{b}<!-- end: {n} -->\n" for n, b in blocks(text).items() if n not in UNCHECKED
+    )
+
+
+def check(committed: str, regenerated: str) -> list[str]:
+    """One line per generated block whose committed text is not what the regeneration wrote (runs are
+    bit-reproducible, so every number must match exactly; UNCHECKED blocks left out): [] when every
+    committed number regenerates."""
+    a, b = blocks(committed), blocks(regenerated)
+    out = []
+    for name in sorted((set(a) | set(b)) - set(UNCHECKED)):
+        if name not in a or name not in b:
+            out.append(f"{name}: only in the {'regenerated' if name in b else 'committed'} document")
+            continue
+        pairs = list(zip_longest(a[name].splitlines(), b[name].splitlines(), fillvalue="(none)"))
+        diff = next(((x, y) for x, y in pairs if x != y), None)
+        if diff:
+            out.append(f"{name}: committed {diff[0]!r} but regenerated {diff[1]!r}")
+    return out

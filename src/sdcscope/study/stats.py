@@ -14,17 +14,38 @@ the larger of the worst healthy value and the one-sided ``1 - alpha`` Student-t 
 for one more healthy run (``alpha`` = ``baseline.alpha``, default 0.01). Measures: ``val_delta``
 (final val loss minus golden's), ``loss_excess`` (largest per-step training loss above golden's
 over the horizon) and ``dist_golden`` (relative L2 distance of the final parameters to golden's).
+
+**Effects of a finding** (a study's claim, e.g. "removing the fault raises the loss"): the mean of
+per-unit paired differences (one per seed x cell) with a two-sided Student-t interval
+(:func:`mean_interval`), or a seeded percentile bootstrap for other statistics
+(:func:`bootstrap_interval`), judged against the healthy spread of the same measure
+(:func:`effect_verdict`): an effect *holds* only when its interval excludes zero in the stated
+direction and its size exceeds the spread; otherwise it is *within noise*.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from sdcscope.study.outcomes import NOT_FIRED
 
-__all__ = ["Z95", "wilson_interval", "prediction_bound", "THRESHOLD_MEASURES", "RULE", "pvf_table", "INCORRECT"]
+__all__ = [
+    "Z95",
+    "wilson_interval",
+    "prediction_bound",
+    "THRESHOLD_MEASURES",
+    "RULE",
+    "pvf_table",
+    "INCORRECT",
+    "mean_interval",
+    "bootstrap_interval",
+    "effect_verdict",
+    "VERDICTS",
+    "DIRECTIONS",
+]
 
 Z95 = 1.959963984540054
 """The 0.975 quantile of the standard normal (two-sided 95%)."""
@@ -32,6 +53,9 @@ THRESHOLD_MEASURES = ("val_delta", "loss_excess", "dist_golden")
 RULE = "max(max(h), mean(h) + t[1-alpha, K-1] * sd(h) * sqrt(1 + 1/K))"
 INCORRECT = ("crash", "sdc")
 """Effects that count as incorrect for PVF."""
+VERDICTS = ("holds", "within noise", "does not hold")
+DIRECTIONS = ("+", "-", "0")
+"""A finding's stated direction: an increase, a decrease, or no effect beyond the healthy spread."""
 
 
 def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -135,3 +159,72 @@ def pvf_table(rows: Iterable[dict], by: Sequence[str]) -> list[dict]:
         lo, hi = wilson_interval(d, n)
         out.append({**dict(zip(by, key)), "incorrect": d, "trials": n, "pvf": d / n, "lo": lo, "hi": hi})
     return out
+
+
+def _level(level: float) -> float:
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < level < 1.0:
+        raise ValueError(f"level={level!r} must be a number in (0, 1), e.g. 0.95")
+    return float(level)
+
+
+def _finite(name: str, values: Sequence[float], least: int) -> list[float]:
+    xs = [float(v) for v in values]
+    if len(xs) < least or not all(math.isfinite(v) for v in xs):
+        raise ValueError(f"{name} must be >= {least} finite numbers, got {xs!r}")
+    return xs
+
+
+def mean_interval(values: Sequence[float], level: float = 0.95) -> dict[str, float]:
+    """The mean of ``values`` (>= 2 paired differences, one per independent unit) with its two-sided
+    Student-t interval at ``level``: ``mean ± t[(1+level)/2, n-1] * sd / sqrt(n)``."""
+    xs, level = _finite("values", values, 2), _level(level)
+    n, mean, sd = len(xs), statistics.fmean(xs), statistics.stdev(xs)
+    half = _t_quantile((1 + level) / 2, n - 1) * sd / math.sqrt(n)
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n, "sd": sd, "level": level}
+
+
+def bootstrap_interval(
+    samples: Sequence[Sequence[float]],
+    statistic: Callable[..., float],
+    level: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> dict[str, float]:
+    """``statistic(*samples)`` with a percentile bootstrap interval at ``level``: each sample is
+    resampled with replacement, independently, ``resamples`` times (a seeded generator: the same
+    inputs give the same interval)."""
+    groups, level = [_finite("each sample", s, 1) for s in samples], _level(level)
+    if not groups:
+        raise ValueError("samples must hold at least one sample")
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 100:
+        raise ValueError(f"resamples={resamples!r} must be an int >= 100")
+    rng = random.Random(seed)
+    draws = sorted(statistic(*(rng.choices(g, k=len(g)) for g in groups)) for _ in range(resamples))
+    k = round((1 - level) / 2 * (resamples - 1))
+    return {"mean": statistic(*groups), "lo": draws[k], "hi": draws[-1 - k], "n": min(map(len, groups)), "level": level}
+
+
+def effect_verdict(interval: Mapping[str, float], spread: float, direction: str, null: float = 0.0) -> str:
+    """The verdict (one of VERDICTS) on a finding's effect ``interval`` (``mean``, ``lo``, ``hi``)
+    against the healthy ``spread`` of its measure, for the stated ``direction`` (DIRECTIONS):
+
+    - ``+`` / ``-``: *holds* when the interval lies above (below) ``null`` and the effect's distance
+      from it exceeds ``spread``; *does not hold* when the interval lies wholly on the other side;
+      else *within noise*.
+    - ``0`` (no effect beyond the spread): *holds* when the interval lies within ``null ± spread``;
+      *does not hold* when it lies wholly outside; else *within noise* (not resolved either way).
+    """
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction={direction!r} must be one of {DIRECTIONS}")
+    if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not spread >= 0:
+        raise ValueError(f"spread={spread!r} must be a number >= 0")
+    lo, hi, mean = interval["lo"] - null, interval["hi"] - null, interval["mean"] - null
+    if direction == "0":
+        if -spread <= lo and hi <= spread:
+            return "holds"
+        return "does not hold" if lo > spread or hi < -spread else "within noise"
+    sign = 1.0 if direction == "+" else -1.0
+    lo, hi, mean = (lo, hi, mean) if sign > 0 else (-hi, -lo, -mean)
+    if lo > 0 and mean > spread:
+        return "holds"
+    return "does not hold" if hi < 0 else "within noise"
