@@ -1,5 +1,6 @@
-"""The world a run lives in -- one process, data parallel (DDP) or sharded (FSDP2, tensor parallel,
-FSDP×TP, HSDP) -- described once and built by one factory, :func:`world_of`.
+"""The world a run lives in -- one process, data parallel (DDP), sharded (FSDP2, tensor parallel,
+FSDP×TP, HSDP) or a pipeline of stages (optionally each sharded by FSDP2) -- described once and
+built by one factory, :func:`world_of`.
 
 This module is the only code that inspects DDP wrappers or DTensor types. The engine and the guard
 are composed with a :class:`World`: its degrees and capability properties (``sharded``,
@@ -19,8 +20,8 @@ from typing import Any
 
 import torch
 
-KINDS = ("single", "ddp", "sharded")
-"""The worlds a run can live in (pipeline and expert parallel worlds will join them)."""
+KINDS = ("single", "ddp", "sharded", "pipeline")
+"""The worlds a run can live in (expert parallel worlds will join them)."""
 
 
 # -- sharded values ----------------------------------------------------------------------------
@@ -84,36 +85,50 @@ SUPPORT: dict[str, dict[str, str]] = {
     "guard.metrics": {
         "sharded": "per-step metrics read whole parameters and gradients; over shards they would be each "
         "rank's partial values",
+        "pipeline": "per-step metrics read whole parameters and gradients; a stage holds only its own layers",
     },
     "guard.zclip": {
         "sharded": "ZClip clips by a gradient norm it computes itself, which over shards is each rank's own "
         "norm (ranks would clip differently); clip in before_step with a DTensor-aware clip_grad_norm_",
+        "pipeline": "ZClip clips by a gradient norm it computes itself, which in a pipeline is each stage's own norm",
     },
     "guard.qk_clip": {
         "ddp": "each rank sees only its own attention logits, and rescaling on some ranks would split the replicas",
         "sharded": "each rank sees only its own heads' attention logits, and rescaling on some ranks would "
         "split the shards",
+        "pipeline": "each stage sees only its own layers' attention logits, and rescaling on some stages would "
+        "split the model",
     },
     "guard.invariants": {
         "ddp": "the invariant checker traces one process's loop",
         "sharded": "the invariant checker traces whole tensors in one process",
+        "pipeline": "the invariant checker traces whole models in one process",
     },
     "guard.scaler": {
         "ddp": "the rank guard compares gradients before the scaler unscales them",
         "sharded": "train in bf16 (FSDP2's MixedPrecisionPolicy) instead of fp16 with a GradScaler",
+        "pipeline": "a GradScaler's overflow check would see one stage's gradients; train in fp32 or bf16",
     },
     "guard.ranks_null": {
         "ddp": "every rank must take the same decision, which the ranks section provides; give ranks: {}",
         "sharded": "every rank must take the same decision, which the ranks section provides; give ranks: {}",
+        "pipeline": "every rank must take the same decision, which the ranks section provides; give ranks: {}",
     },
     "fault.comm": {
         "single": "site 'comm' corrupts a DDP gradient bucket: it needs --nproc 2 or more with --parallel ddp",
         "sharded": "site 'comm' is the DDP bucket hook's: it needs --parallel ddp",
+        "pipeline": "site 'comm' is the DDP bucket hook's: it needs --parallel ddp",
     },
     "fault.collectives": {
         "single": "sites 'comm.all_gather' and 'comm.reduce_scatter' corrupt FSDP2's collectives: they need "
         "--nproc 2 or more with --parallel fsdp, hsdp or fsdp+tp",
         "ddp": "DDP runs no all-gather or reduce-scatter (its all-reduce is site 'comm'); use --parallel fsdp",
+    },
+    "fault.p2p": {
+        "single": "site 'comm.p2p' corrupts a pipeline's send/recv: it needs --nproc 2 or more with --parallel pp "
+        "or fsdp+pp",
+        "ddp": "DDP runs no pipeline send/recv; use --parallel pp",
+        "sharded": "FSDP2 and tensor parallelism run no pipeline send/recv; use --parallel pp or fsdp+pp",
     },
     "guard.collectives": {
         "single": "one process runs no collective: nothing to check",
@@ -121,6 +136,7 @@ SUPPORT: dict[str, dict[str, str]] = {
     },
     "train.eval_every": {
         "sharded": "evaluation of a sharded model is a collective and runs once, at the end",
+        "pipeline": "evaluation of a pipeline runs through every stage and runs once, at the end",
     },
     "action.recompute": {
         "ddp": "the clean re-execution is a local replay of one rank's shard, not a world step: a veto",
@@ -128,6 +144,7 @@ SUPPORT: dict[str, dict[str, str]] = {
     "action.quarantine": {
         "single": "no other rank can carry on: the step is vetoed and training stops",
         "sharded": "no rank can be excluded: each owns a shard no other rank holds; the run stops",
+        "pipeline": "no rank can be excluded: each holds a stage no other rank holds; the run stops",
     },
 }
 """``feature -> {world kind: why it is not supported there}``; a kind not named supports it. The
@@ -170,7 +187,10 @@ class World:
     """The DDP wrapper of a data-parallel world's model."""
     collectives: tuple[str, ...] = ()
     """The collectives a training step runs: ``all_reduce`` (DDP, tensor parallel), ``all_gather``
-    and ``reduce_scatter`` (FSDP2); what the collective checks and fault sites need."""
+    and ``reduce_scatter`` (FSDP2), ``p2p`` (a pipeline's send/recv); what the collective checks
+    and fault sites need."""
+    stage: Any = None
+    """A pipeline world's :class:`~sdcscope.common.pipeline.StageInfo` of this rank (None otherwise)."""
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, self.kind
@@ -182,6 +202,16 @@ class World:
     @property
     def sharded(self) -> bool:
         return self.kind == "sharded"
+
+    @property
+    def pipeline(self) -> bool:
+        return self.kind == "pipeline"
+
+    @property
+    def split(self) -> bool:
+        """No rank holds the whole model (shards or stages): a global value sums every rank's part,
+        a step is one collective of every rank, and no rank can be left out."""
+        return self.kind in ("sharded", "pipeline")
 
     @property
     def data_parallel(self) -> bool:
@@ -197,7 +227,17 @@ class World:
         """Ranks that train on different data."""
         if self.kind == "single":
             return 1
+        if self.pipeline:
+            return self.stage.dp
         return self.size // self.degrees.get("tp", 1)
+
+    @property
+    def loss_ranks(self) -> list[int]:
+        """The ranks whose loss is the model's: the last stage's in a pipeline, else every rank."""
+        if self.pipeline:
+            info = self.stage
+            return [info.rank_of(info.stages - 1, d) for d in range(info.dp)]
+        return list(range(self.size))
 
     def unsupported(self, feature: str) -> str | None:
         return unsupported(feature, self.kind)
@@ -214,7 +254,15 @@ class World:
     def replicas(self, p: torch.Tensor) -> int:
         """How many ranks hold the same values as this rank's part of ``p``: a DTensor's size of the
         mesh dims it is replicated over (the dims it is sharded over split it); a plain tensor is
-        alike on every rank of a distributed world."""
+        alike on every rank of a distributed world. In a pipeline only the ranks of its stage hold
+        it (its data-parallel replicas, unless FSDP2 shards it), and a tied parameter's copies on
+        other stages count too."""
+        if self.pipeline:
+            tied = 2 if id(p) in self.stage.tied else 1
+            if not is_dtensor(p):
+                return self.stage.dp * tied
+            mesh = p.device_mesh
+            return tied * math.prod(mesh.size(d) for d, pl in enumerate(p.placements) if pl.is_replicate())
         if not is_dtensor(p):
             return self.size
         mesh = p.device_mesh
@@ -226,7 +274,7 @@ class World:
 
     def replica_weights(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """``1 / replicas(p)`` per parameter, in fp64: summed over every rank, each value counts once."""
-        if not self.sharded:  # every rank holds the whole of every parameter: one rank speaks for all
+        if not self.split:  # every rank holds the whole of every parameter: one rank speaks for all
             return torch.ones(len(params), dtype=torch.float64)
         return torch.tensor([1.0 / self.replicas(p) for p in params], dtype=torch.float64)
 
@@ -258,8 +306,8 @@ class World:
         total = torch.zeros((), dtype=torch.float64)
         if sq is not None and len(idx):
             w = self.replica_weights(params)[list(idx)].to(sq.device)
-            total = (sq.double() * w).sum() if self.sharded else sq.double().sum()
-        if not self.sharded:
+            total = (sq.double() * w).sum() if self.split else sq.double().sum()
+        if not self.split:
             return float(total)
         sums = [float(r) for r in self.gather(total.reshape(1))]
         out = math.fsum(sums)
@@ -272,6 +320,10 @@ def world_of(model: torch.nn.Module, ddp: Any = None, *, rank: int | None = None
     ``rank``, when given, must be this process's rank (ValueError otherwise)."""
     if ddp is None and is_ddp(model):
         ddp, model = model, model.module
+    from sdcscope.common.pipeline import stage_of
+
+    if (info := stage_of(model)) is not None:
+        return _pipeline_world(model, info, rank)
     params = list(model.parameters())
     sharded = [p for p in params if is_dtensor(p)]
     if ddp is not None:
@@ -305,6 +357,21 @@ def world_of(model: torch.nn.Module, ddp: Any = None, *, rank: int | None = None
         collectives += ("all_gather", "reduce_scatter") if fsdp_units(model) else ()
         return World("sharded", own, size, mesh=mesh, degrees=degrees, collectives=collectives)
     return World("single", 0 if rank is None else rank, 1)
+
+
+def _pipeline_world(model: torch.nn.Module, info: Any, rank: int | None) -> World:
+    """A pipeline stage's world: every rank of the pipeline, the stage's FSDP2 shards (if any)."""
+    import torch.distributed as dist
+
+    own, size = dist.get_rank(), dist.get_world_size()
+    _check_rank(rank, own, "the pipeline")
+    sharded = [p for p in model.parameters() if is_dtensor(p)]
+    mesh = sharded[0].device_mesh if sharded else None
+    from sdcscope.common.fsdp import fsdp_units
+
+    collectives = ("p2p",) + (("all_reduce",) if info.tied else ())  # the tied head's gradient sum
+    collectives += ("all_gather", "reduce_scatter") if fsdp_units(model) else ()
+    return World("pipeline", own, size, mesh=mesh, degrees=info.degrees, collectives=collectives, stage=info)
 
 
 def _check_rank(rank: int | None, own: int, where: str) -> None:

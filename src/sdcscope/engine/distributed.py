@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from sdcscope.common.world import local, world_of
 from sdcscope.engine.buckets import BucketHook, bucket_hook
 from sdcscope.engine.dist import DistConfig, device_for, shard
+from sdcscope.engine.pipeline import Pipeline
 from sdcscope.engine.topology import Topology
 from sdcscope.engine.trainer import StepContext, TrainConfig, Trainer
 from sdcscope.faults import FaultSpec
@@ -80,7 +81,12 @@ class DistTrainer(Trainer):
         self.model.to(self.device)
         self.mesh = self.topology.build_mesh(size, self.device.type)
         ddp = None
-        if self.topology.sharded:
+        self.pipeline: Pipeline | None = None
+        """A pipeline world's stage and schedule (:mod:`sdcscope.engine.pipeline`)."""
+        if self.topology.pipeline:
+            self.pipeline = Pipeline(self, self.topology, self.mesh)
+            self.optimizer = workload.build_optimizer(self.model)  # over this stage's parameters
+        elif self.topology.sharded:
             self.topology.apply(self.model, self.mesh, workload)
             self.optimizer = workload.build_optimizer(self.model)  # over the split parameters
             if self.topology.mixes_plain_parameters:
@@ -115,6 +121,9 @@ class DistTrainer(Trainer):
         comm = [(i, s) for i, s in enumerate(specs) if s.site == "comm"]
         coll = [(i, s) for i, s in enumerate(specs) if is_collective(s)]
         other = [(i, s) for i, s in enumerate(specs) if s.site != "comm" and not is_collective(s)]
+        if self.pipeline is not None:  # a stage arms the specs of its own rank that land on its layers
+            names = [n for n, _ in self.model.named_modules()] + [n for n, _ in self.model.named_parameters()]
+            other = [(i, s) for i, s in other if s.rank in (None, self.rank) and any(map(s.matches, names))]
         if comm and (why := self.world.unsupported("fault.comm")):
             raise ValueError(f"faults of site 'comm' under --parallel {self.topology.kind}: {why}")
         for _, spec in coll:
@@ -151,6 +160,8 @@ class DistTrainer(Trainer):
                 self.model, [s for _, s in other], self.optimizer, rank=self.rank, world_size=self.world.size, log=sink
             ).attach()
             self.callbacks.insert(0, self.injector.callback())
+            if self.pipeline is not None:  # the schedule interleaves micro-batches: follow the stage's
+                self.pipeline.boundary.on_micro_batch.append(self.injector.at_micro_batch)
 
     def batch_for(self, data_pos: int, micro_batch: int, rank: int | None = None):
         """Micro-batch ``micro_batch`` of data-parallel coordinate ``rank``'s shard (default: this
@@ -158,6 +169,12 @@ class DistTrainer(Trainer):
         dp = self.dp_rank if rank is None else rank
         batch = self.workload.batch(self.config.seed, data_pos, shard(dp, self.config.grad_accum, micro_batch))
         return tuple(t.to(self.device) for t in batch)
+
+    def forward_backward(self, ctx: StepContext) -> torch.Tensor:
+        """A pipeline world runs the step's micro-batches through its schedule; others, one by one."""
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(ctx)
+        return super().forward_backward(ctx)
 
     @contextlib.contextmanager
     def micro_step(self, micro_batch: int, accum: int) -> Iterator[nn.Module]:
@@ -196,7 +213,7 @@ class DistTrainer(Trainer):
         reduced gradient, as one process does; in a sharded world by the norm over every shard
         (:meth:`~sdcscope.common.world.World.global_sq_norm`: the same bits on every rank), each
         rank scaling its local shards alike."""
-        if not self.world.sharded:
+        if not self.world.split:
             return super().clip_gradients(params, clip, ctx)
         grads = [local(p.grad) for p in params]
         sq = torch.stack([n.double().cpu() for n in torch._foreach_norm(grads)]).square() if grads else None
@@ -212,6 +229,11 @@ class DistTrainer(Trainer):
         """As :meth:`Trainer.evaluate`. In a sharded world a collective (every rank evaluates:
         FSDP2 gathers the weights, TP reduces the outputs); elsewhere rank 0 alone calls it, and a
         GPU model is evaluated as a CPU copy (the workloads keep their evaluation data there)."""
+        if self.pipeline is not None:
+            self._emit("before_evaluate", self)
+            result = {**self.pipeline.evaluate(), "step": self.step}
+            self._emit("on_evaluate", result)
+            return result
         if self.world.sharded or self.device.type == "cpu":
             return super().evaluate()
         model, self.model = self.model, copy.deepcopy(self.model).cpu()

@@ -239,7 +239,8 @@ class DistRun:
             dist.all_gather_object(reasons, m.get("stop"))
             self.stop_reason = m["stop"] = next(r for r in reasons if r)
         rank_loss = rows[:, 0].tolist()
-        live = [v for r, v in enumerate(rank_loss) if r not in self.trainer.excluded]
+        owners = self.trainer.world.loss_ranks  # a pipeline's loss is its last stage's
+        live = [v for r, v in enumerate(rank_loss) if r in owners and r not in self.trainer.excluded]
         m.update(loss=math.fsum(live) / len(live), rank_loss=rank_loss)
         self._crashed |= not math.isfinite(m["loss"]) and not m["skipped"]  # a discarded step is no crash
         every = self.trainer.config.eval_every
@@ -267,7 +268,7 @@ class DistRun:
         return "interrupted" if interrupted else "crash" if self._crashed else "completed"
 
     def _finish(self, last: dict[str, Any], wall: float, *, interrupted: bool) -> None:
-        sharded = self.trainer.world.sharded
+        sharded = self.trainer.world.split
         self.save_checkpoint(self.out / CHECKPOINT_DIR)  # a session resumes from it, also when interrupted
         hashes: list[str | None] = [None] * self.size
         dist.all_gather_object(hashes, param_sha256(self.trainer.model))  # a collective when sharded

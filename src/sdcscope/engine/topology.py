@@ -7,7 +7,10 @@ plan applied with PyTorch's own engines.
 - ``fsdp``: one mesh dim of N ranks (``dp``): FSDP2 shards every block, then the root;
 - ``tp``: one dim of N ranks (``tp``): the workload's tensor-parallel plan in every block;
 - ``fsdp+tp`` and ``hsdp``: a 2-D mesh of ``(N / inner, inner)`` ranks, ``dp``×``tp`` (TP first,
-  then FSDP2 over ``dp``) or ``replicate``×``shard`` (FSDP2 over the whole mesh).
+  then FSDP2 over ``dp``) or ``replicate``×``shard`` (FSDP2 over the whole mesh);
+- ``pp``: N pipeline stages (``pp``), each rank one stage of the workload's blocks, run by
+  ``torch.distributed.pipelining`` (:mod:`sdcscope.engine.pipeline`); ``fsdp+pp``: ``pp``×``dp``,
+  ``(N / inner, inner)`` ranks, each stage sharded by FSDP2 over its ``dp`` ranks.
 
 Ranks of one tensor-parallel group train the same micro-batch, each data-parallel coordinate its
 own (:meth:`Topology.dp_coordinate`), so one data-parallel rank reproduces the single-process
@@ -25,10 +28,20 @@ from torch import nn
 from sdcscope.common.validate import check_choice, check_positive
 from sdcscope.workloads import Workload
 
-PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", "hsdp")
-"""``--parallel`` choices: ``ddp`` keeps the model whole on every rank; the others shard it."""
-MESH_DIMS = {"ddp": ("dp",), "fsdp": ("dp",), "tp": ("tp",), "fsdp+tp": ("dp", "tp"), "hsdp": ("replicate", "shard")}
+PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", "hsdp", "pp", "fsdp+pp")
+"""``--parallel`` choices: ``ddp`` keeps the model whole on every rank; the others split it."""
+MESH_DIMS = {
+    "ddp": ("dp",),
+    "fsdp": ("dp",),
+    "tp": ("tp",),
+    "fsdp+tp": ("dp", "tp"),
+    "hsdp": ("replicate", "shard"),
+    "pp": ("pp",),
+    "fsdp+pp": ("pp", "dp"),
+}
 """The mesh dim names of each kind: one dim of every rank, or ``(N / inner, inner)``."""
+SCHEDULES = ("gpipe", "1f1b")
+"""Pipeline schedules (``torch.distributed.pipelining``'s ``ScheduleGPipe``, ``Schedule1F1B``)."""
 
 
 @dataclass(kw_only=True)
@@ -38,11 +51,16 @@ class Topology:
     kind: str = "ddp"
     """``ddp``, ``fsdp``, ``tp``, ``fsdp+tp`` or ``hsdp``."""
     inner: int = 2
-    """``fsdp+tp``: the tensor-parallel degree; ``hsdp``: the ranks that shard one replica."""
+    """``fsdp+tp``: the tensor-parallel degree; ``hsdp``: the ranks that shard one replica;
+    ``fsdp+pp``: the ranks that shard one pipeline stage."""
+    schedule: str = "1f1b"
+    """``pp``, ``fsdp+pp``: the pipeline schedule, ``gpipe`` or ``1f1b`` (micro-batches:
+    the training's ``grad_accum``)."""
 
     def __post_init__(self) -> None:
         check_choice("parallel", self.kind, PARALLEL)
         check_positive("parallel inner", self.inner)
+        check_choice("pipeline schedule", self.schedule, SCHEDULES)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,17 +71,23 @@ class Topology:
         return self.kind != "ddp"
 
     @property
+    def pipeline(self) -> bool:
+        """The model is split into stages (``pp``, ``fsdp+pp``)."""
+        return "pp" in MESH_DIMS[self.kind]
+
+    @property
     def world_kind(self) -> str:
         """The :data:`~sdcscope.common.world.KINDS` entry of the world this topology builds."""
-        return "sharded" if self.sharded else "ddp"
+        return "pipeline" if self.pipeline else "sharded" if self.sharded else "ddp"
 
     @property
     def collectives(self) -> tuple[str, ...]:
         """The collectives a training step of this topology runs (the fault sites and checks of
         :data:`~sdcscope.faults.vocab.COLLECTIVE_SITES` need theirs): DDP's gradient all-reduce,
         FSDP2's parameter all-gather and gradient reduce-scatter, tensor parallelism's reductions."""
-        out = ("all_reduce",) if self.kind in ("ddp", "tp", "fsdp+tp", "hsdp") else ()
-        return out + (("all_gather", "reduce_scatter") if self.kind in ("fsdp", "fsdp+tp", "hsdp") else ())
+        out = ("p2p", "all_reduce") if self.pipeline else ()  # a tied head's gradients are summed over stages
+        out += ("all_reduce",) if self.kind in ("ddp", "tp", "fsdp+tp", "hsdp") else ()
+        return out + (("all_gather", "reduce_scatter") if self.kind in ("fsdp", "fsdp+tp", "hsdp", "fsdp+pp") else ())
 
     @property
     def mixes_plain_parameters(self) -> bool:
@@ -84,6 +108,8 @@ class Topology:
     def check(self, size: int, workload: Workload | None = None) -> None:
         """Refuse (ValueError, naming the values and the allowed ones) a topology that does not fit
         ``size`` ranks or, when given, the ``workload``'s model (its plan, its shapes)."""
+        if self.kind == "pp" and size < 2:
+            raise ValueError(f"--parallel pp needs --nproc 2 or more (one pipeline stage per rank), got --nproc {size}")
         if len(MESH_DIMS[self.kind]) == 2 and (size % self.inner or size // self.inner < 2):
             raise ValueError(
                 f"--parallel {self.kind} needs --nproc a multiple of {self.inner} with at least 2 groups "
@@ -92,6 +118,8 @@ class Topology:
             )
         if workload is not None and self.sharded:
             workload.check_parallel(self.kind, self.tp_degree(size))
+        if workload is not None and self.pipeline:
+            workload.check_pipeline(self.kind, self.degrees(size)["pp"])
 
     def build_mesh(self, size: int, device_type: str) -> Any:
         """The device mesh over ``size`` ranks (None for ``ddp``: a DDP wrapper needs none)."""
@@ -106,7 +134,7 @@ class Topology:
         """``(this rank's data-parallel index, the data-parallel size)``: the ranks of one
         tensor-parallel group share their data."""
         degrees = self.degrees(size)
-        if "tp" not in degrees:
+        if "tp" not in degrees and "pp" not in degrees:
             return rank, size
         if "dp" not in degrees:
             return 0, 1
@@ -120,7 +148,7 @@ class Topology:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         plan = workload.parallelize_plan()
-        assert plan is not None and self.sharded, (plan, self.kind)
+        assert plan is not None and self.sharded and not self.pipeline, (plan, self.kind)
         blocks = model.get_submodule(plan.blocks)
         names = mesh.mesh_dim_names
         if "tp" in names:
@@ -135,4 +163,4 @@ class Topology:
         return model
 
 
-__all__ = ["MESH_DIMS", "PARALLEL", "Topology"]
+__all__ = ["MESH_DIMS", "PARALLEL", "SCHEDULES", "Topology"]

@@ -161,7 +161,8 @@ class ShardedRanks(WorldSide):
             sq = (grads.sq * w).sum()
         dev = self.world.comm_device()
         rows = self.world.gather(torch.stack([loss.detach().to(dev, torch.float64).reshape(()), sq.to(dev)]))
-        losses, sqs = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
+        losses = [float(rows[r][0]) for r in self.world.loss_ranks]  # a pipeline's: its last stage's
+        sqs = [float(r[1]) for r in rows]
         total = math.fsum(sqs) if all(map(math.isfinite, sqs)) else math.inf
         return finite_mean(losses), (None if grads is None or grads.sq is None else total)
 

@@ -192,7 +192,7 @@ def make_job(
             why = unsupported("fault.collectives", kind) or "a tensor-parallel model has no FSDP2 unit"
             raise ValueError(f"faults of site {s.site!r} under --parallel {topology.kind}: {why}")
     if guard is not None and sharded:
-        guard = fit_config(guard, "sharded")
+        guard = fit_config(guard, kind)
     elif guard is not None:
         if not crossrank:
             raise ValueError(
