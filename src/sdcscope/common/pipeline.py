@@ -35,6 +35,8 @@ class StageInfo:
     dp_rank: int = 0
     schedule: str = "1f1b"
     micro_batches: int = 1
+    rows: int = 1
+    """Rows (samples) of one micro-batch: what the p2p check digests one by one."""
     boundaries: tuple[str, ...] = ()
     """The name of the activation stage ``s`` sends to stage ``s + 1`` (``stages - 1`` names)."""
     tied: tuple[int, ...] = field(default=(), compare=False)

@@ -18,8 +18,11 @@ divided as FSDP2 divides, within ``(n + 3 + m)·u·Σ|g|`` (n summands, the pre/
 the cast, m accumulated micro-batches, u the unit roundoff of the coarser of the reduce and
 gradient dtypes): a worst-case bound, so no clean step exceeds it.
 
+**Send/recv (exact).** A pipeline stage's transfers to and from its neighbours, digested at the
+stage boundary (:mod:`sdcscope.detect.p2p`).
+
 The words travel in the same one gather, once per step: one host read, no other sync. A model
-without FSDP2 units has nothing to check (:data:`~sdcscope.common.world.SUPPORT`
+without FSDP2 units or a pipeline stage has nothing to check (:data:`~sdcscope.common.world.SUPPORT`
 ``guard.collectives``).
 """
 
@@ -31,10 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from sdcscope.common.fsdp import PASSES, FSDPUnit, fsdp_units, on_gathered
+from sdcscope.common.pipeline import boundary_of
 from sdcscope.common.validate import check_bool
 from sdcscope.common.world import World, local
 from sdcscope.detect.events import Event
 from sdcscope.detect.links import WORDS, Link, compare, digest_parts, localize
+from sdcscope.detect.p2p import P2PCheck
 from sdcscope.detect.protocol import CheckView, Registration, register
 from sdcscope.detect.rounding import unit_roundoff
 
@@ -51,10 +56,23 @@ class CollectivesConfig:
     """The parameter all-gathers (forward, and the backward re-gather), exactly."""
     reduce_scatter: bool = True
     """The gradient reduce-scatters, against their rounding bound."""
+    p2p: bool = True
+    """A pipeline's send/recv of activations and their gradients, exactly."""
 
     def __post_init__(self) -> None:
         check_bool("collectives all_gather", self.all_gather)
         check_bool("collectives reduce_scatter", self.reduce_scatter)
+        check_bool("collectives p2p", self.p2p)
+
+
+class _Detach:
+    """A removable handle of a tap."""
+
+    def __init__(self, tap: P2PCheck) -> None:
+        self.tap = tap
+
+    def remove(self) -> None:
+        self.tap.detach()
 
 
 class CollectiveCheck:
@@ -71,6 +89,7 @@ class CollectiveCheck:
         """All-gather links compared exactly so far (every rank's, as every rank compares them)."""
         self.scatter_margin = 0.0
         """The largest |reduced sum - expected| / bound of a reduce-scatter this rank judged clean."""
+        self.p2p: P2PCheck | None = None
 
     # -- hooks -------------------------------------------------------------------------------
     def attach(self) -> CollectiveCheck:
@@ -79,6 +98,13 @@ class CollectiveCheck:
         import torch.distributed as dist
 
         self.units = fsdp_units(self.model)
+        boundary = boundary_of(self.model)
+        if boundary is not None and self.config.p2p and self.p2p is None:
+            rows = boundary.info.rows
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+            self.p2p = P2PCheck(boundary, self.rank, rows).attach()
+            self.device = next(self.model.parameters()).device
+            self.handles.append(_Detach(self.p2p))
         if not self.units:
             return self
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
@@ -95,7 +121,7 @@ class CollectiveCheck:
     def detach(self) -> None:
         for h in self.handles:
             h.remove()
-        self.handles = []
+        self.handles, self.p2p = [], None
         for _, gp in getattr(self, "params", ()):
             handle = getattr(gp, "grad_hook", None)
             if handle is not None:
@@ -105,12 +131,14 @@ class CollectiveCheck:
 
     @property
     def active(self) -> bool:
-        return bool(self.units)
+        return bool(self.units) or self.p2p is not None
 
     def begin_step(self, step: int) -> None:
         self.step = step
-        if self.active:
+        if self.units:
             self._reset()
+        if self.p2p is not None:
+            self.p2p.reset()
 
     def _reset(self) -> None:
         P, S, dev = len(self.params), self.S, self.device
@@ -172,21 +200,26 @@ class CollectiveCheck:
     def check(self, view: CheckView) -> list[Event]:
         if not self.active:
             return []
-        if self.topology is None:
-            self._learn_topology()
-        row = torch.cat(
-            [
+        parts = [] if self.p2p is None else [self.p2p.row().to(self.device)]
+        if self.units:
+            if self.topology is None:
+                self._learn_topology()
+            parts += [
                 self.sent.flatten(),
                 self.arrived.flatten(),
                 self.seen.flatten(),
                 self.unreduced.flatten().view(torch.int64),
             ]
-        )
-        table = torch.stack(World("sharded", self.rank, self.size).gather(row)).cpu()  # the step's one host read
+        table = torch.stack(World("sharded", self.rank, self.size).gather(torch.cat(parts))).cpu()  # one host read
+        events = []
+        if self.p2p is not None:
+            words, table = table.split([self.p2p.size(), table.shape[1] - self.p2p.size()], 1)
+            events += self.p2p.events(view.step, words)
+        if not self.units:
+            return events
         W, P, S = self.size, len(self.params), self.S
         sizes = [P * WORDS, len(PASSES) * P * S * WORDS, len(PASSES) * P, P * S * 2]
         sent, arrived, seen, unreduced = table.split(sizes, 1)
-        events = []
         if self.config.all_gather:
             shapes = (W, len(PASSES), P, S, WORDS)
             events += self._all_gather_events(

@@ -42,6 +42,8 @@ from sdcscope.faults import FaultSpec
 from sdcscope.inject import Injector, reexecution
 from sdcscope.inject.collectives import CollectiveInjector, is_collective
 from sdcscope.inject.comm import CommInjector
+from sdcscope.inject.p2p import SITE as P2P_SITE
+from sdcscope.inject.p2p import P2PInjector, check_p2p_spec
 from sdcscope.workloads import Workload
 
 NO_BUFFER_SYNC = (
@@ -101,6 +103,7 @@ class DistTrainer(Trainer):
         self.injector: Injector | None = None
         self.comm_injector: CommInjector | None = None
         self.collective_injector: CollectiveInjector | None = None
+        self.p2p_injector: P2PInjector | None = None
         self._attach_faults(list(specs), injection_log)
 
     @property
@@ -119,7 +122,8 @@ class DistTrainer(Trainer):
 
     def _attach_faults(self, specs: list[FaultSpec], log: Callable[[dict], None] | None) -> None:
         comm = [(i, s) for i, s in enumerate(specs) if s.site == "comm"]
-        coll = [(i, s) for i, s in enumerate(specs) if is_collective(s)]
+        p2p = [(i, s) for i, s in enumerate(specs) if s.site == P2P_SITE]
+        coll = [(i, s) for i, s in enumerate(specs) if is_collective(s) and s.site != P2P_SITE]
         other = [(i, s) for i, s in enumerate(specs) if s.site != "comm" and not is_collective(s)]
         if self.pipeline is not None:  # a stage arms the specs of its own rank that land on its layers
             names = [n for n, _ in self.model.named_modules()] + [n for n, _ in self.model.named_parameters()]
@@ -132,6 +136,19 @@ class DistTrainer(Trainer):
                 why = f"this world runs {', '.join(self.world.collectives) or 'no collective'}, no FSDP2 unit"
             if why:
                 raise ValueError(f"faults of site {spec.site!r} under --parallel {self.topology.kind}: {why}")
+        if p2p and (why := self.world.unsupported("fault.p2p")):
+            raise ValueError(f"faults of site {P2P_SITE!r} under --parallel {self.topology.kind}: {why}")
+        if p2p:
+            boundary, info = self.pipeline.boundary, self.pipeline.info
+            for i, spec in p2p:
+                try:
+                    check_p2p_spec(spec, info.boundaries, info.stages, info.dp)
+                except ValueError as exc:
+                    raise ValueError(f"fault spec #{i} ({spec.site}): {exc}") from None
+            self.p2p_injector = P2PInjector(
+                boundary, [s for _, s in p2p], rank=self.rank, log=log, spec_ids=[i for i, _ in p2p]
+            )
+            self.callbacks.insert(0, self.p2p_injector.callback())
         if coll:
             self.collective_injector = CollectiveInjector(
                 self.model,
@@ -243,7 +260,7 @@ class DistTrainer(Trainer):
             self.model = model
 
     def close(self) -> None:
-        for inj in (self.injector, self.comm_injector, self.collective_injector):
+        for inj in (self.injector, self.comm_injector, self.collective_injector, self.p2p_injector):
             if inj is not None:
                 inj.close()
 

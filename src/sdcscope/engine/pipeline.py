@@ -46,6 +46,8 @@ class Pipeline:
         degrees = topology.degrees(size)
         stages, dp = degrees["pp"], degrees.get("dp", 1)
         stage, dp_rank = divmod(rank, dp)
+        example = trainer.workload.batch(trainer.config.seed, 0, 0)[0]
+        shapes = stage_shapes(workload, model, stages, example)  # before the split: every stage's
         boundaries, tied = workload.split_stage(model, stage, stages)
         fsdp = "dp" in degrees
         if fsdp:
@@ -63,13 +65,17 @@ class Pipeline:
             dp_rank,
             topology.schedule,
             accum,
+            workload.config.batch_size,
             boundaries,
             tied=tuple(id(p) for p in model.parameters() if any(p is t for t in tied)),
             fsdp=fsdp,
         )
         self.boundary = StageBoundary(model, self.info)
         group = mesh["pp"].get_group() if fsdp else mesh.get_group()
-        self.stage = PipelineStage(self.boundary, stage, stages, trainer.device, group=group)
+        args, out = shapes[stage]
+        self.stage = PipelineStage(
+            self.boundary, stage, stages, trainer.device, input_args=args, output_args=out, group=group
+        )
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[topology.schedule]
         self.schedule = schedule(self.stage, accum, loss_fn=lambda out, y: workload.output_loss(out, y) / accum)
         self.tied_group = None
@@ -135,4 +141,22 @@ class Pipeline:
         return {"val_loss": math.fsum(values) / len(values)}
 
 
-__all__ = ["Pipeline"]
+def stage_shapes(workload: Any, model: torch.nn.Module, stages: int, example: torch.Tensor) -> list[tuple]:
+    """Each stage's example input and output (meta tensors) for one micro-batch shaped like
+    ``example``: the whole ``model`` copied to the meta device, split and run stage by stage.
+    Given to ``PipelineStage``, they spare it the run-time shape inference (an extra forward pass
+    the injector and the checks would meet)."""
+    import copy
+
+    x = example.to("meta")
+    out = []
+    for s in range(stages):
+        part = copy.deepcopy(model).to("meta")
+        workload.split_stage(part, s, stages)
+        y = part(x)  # with autograd: the stage learns which outputs carry gradients back
+        out.append((x, y.detach().requires_grad_(y.requires_grad)))
+        x = out[-1][1]
+    return out
+
+
+__all__ = ["Pipeline", "stage_shapes"]

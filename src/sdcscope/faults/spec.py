@@ -22,6 +22,7 @@ from .vocab import (
     COLLECTIVE_SITES,
     DIRECTIONS,
     GEMM_OPERANDS,
+    LINK_SITES,
     PATTERN_KINDS,
     SITES,
     STEP_SITES,
@@ -69,9 +70,11 @@ class FaultSpec:
     state_key: str | None = None
     phase: str | None = None
     """For site ``comm``: corrupt the gradient bucket ``before`` or ``after`` the all-reduce; for
-    ``comm.all_gather``: the ``forward`` all-gather (the default) or the ``backward`` re-gather."""
+    ``comm.all_gather``: the ``forward`` all-gather (the default) or the ``backward`` re-gather;
+    for ``comm.p2p``: the ``forward`` activation (the default) or the ``backward`` gradient."""
     source: int | None = None
-    """For ``comm.all_gather``: the rank whose part of the gathered parameter is corrupted."""
+    """For ``comm.all_gather``: the rank whose part of the gathered parameter is corrupted; for
+    ``comm.p2p``: the neighbouring stage's rank the transfer came from (``rank``: where it arrived)."""
     direction: str | None = None
     """For ``comm.all_gather``: ``recv`` (default: what arrived on ``rank`` from ``source``) or
     ``send`` (what left ``source``: every receiver's copy; ``rank`` then is ``source`` or null)."""
@@ -128,7 +131,7 @@ class FaultSpec:
             phases = {"comm": ("before", "after"), **COLLECTIVE_SITES}.get(self.site) or ()
             if not phases:
                 raise ValueError(
-                    f"phase {brief(self.phase)} is only used with sites 'comm' and 'comm.all_gather', "
+                    f"phase {brief(self.phase)} is only used with sites 'comm', 'comm.all_gather' and 'comm.p2p', "
                     f"not {brief(self.site)}"
                 )
             choice("phase" if self.site == "comm" else f"{self.site} phase", self.phase, phases)
@@ -147,18 +150,27 @@ class FaultSpec:
             )
 
     def _check_link(self) -> None:
-        """``source`` and ``direction``: a collective fault's link (``comm.all_gather`` only)."""
+        """``source`` and ``direction``: a collective fault's link (``comm.all_gather``, ``comm.p2p``)."""
         for name in ("source", "direction"):
-            if getattr(self, name) is not None and self.site != "comm.all_gather":
+            if getattr(self, name) is not None and self.site not in LINK_SITES:
                 raise ValueError(
-                    f"{name} {brief(getattr(self, name))} is only used with site 'comm.all_gather', "
+                    f"{name} {brief(getattr(self, name))} is only used with sites {list(LINK_SITES)}, "
                     f"not {brief(self.site)}"
                 )
-        if self.site != "comm.all_gather":
+        if self.site not in LINK_SITES:
             return
         if self.source is None:
-            raise ValueError("site 'comm.all_gather' needs source: the rank whose part of the parameter is corrupted")
+            what = "part of the parameter" if self.site == "comm.all_gather" else "transfer (the sending stage's rank)"
+            raise ValueError(f"site {self.site!r} needs source: the rank whose {what} is corrupted")
         check_int("source", self.source)
+        if self.site == "comm.p2p":
+            if self.rank is None:
+                raise ValueError("site 'comm.p2p' needs rank: the destination rank the transfer arrived on")
+            if self.direction not in (None, "recv"):
+                raise ValueError(
+                    f"direction {brief(self.direction)}: site 'comm.p2p' corrupts what arrived on rank (recv)"
+                )
+            return
         if self.direction is not None:
             choice("direction", self.direction, DIRECTIONS)
         if self.direction == "send" and self.rank not in (None, self.source):

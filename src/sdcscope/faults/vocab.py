@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SITES",
     "COLLECTIVE_SITES",
+    "LINK_SITES",
     "DIRECTIONS",
     "STEP_SITES",
     "TOKEN_MODELS",
@@ -38,6 +39,7 @@ SITES: tuple[str, ...] = (
     "dispatch",
     "comm.all_gather",
     "comm.reduce_scatter",
+    "comm.p2p",
 )
 """Where a fault can land (see docs/architecture.md, vocabulary). ``dispatch``: the token rows a
 mixture-of-experts layer's dispatch hands its experts (the permutation's output, what an
@@ -51,9 +53,13 @@ token never arrived: zeros) and ``duplicate`` (the next slot's token arrived in 
 COLLECTIVE_SITES: dict[str, tuple[str, ...]] = {
     "comm.all_gather": ("forward", "backward"),
     "comm.reduce_scatter": (),
+    "comm.p2p": ("forward", "backward"),
 }
-"""FSDP2's collectives a fault can corrupt, on the rank the data arrived on, and the phases each
-takes (``comm.all_gather``: the ``forward`` all-gather or the ``backward`` re-gather)."""
+"""The collectives a fault can corrupt, on the rank the data arrived on, and the phases each
+takes: FSDP2's (``comm.all_gather``: the ``forward`` all-gather or the ``backward`` re-gather)
+and a pipeline's send/recv (``comm.p2p``: an activation ``forward``, a gradient ``backward``)."""
+LINK_SITES: tuple[str, ...] = ("comm.all_gather", "comm.p2p")
+"""Collective sites whose fault names its link's ``source`` rank."""
 DIRECTIONS: tuple[str, ...] = ("recv", "send")
 """Which end of a link a collective fault lives at: ``recv`` (what arrived on ``rank`` from
 ``source``) or ``send`` (what left ``source``: every receiver's copy)."""
@@ -64,7 +70,9 @@ reads or writes it: ``output`` (the result C, the default), ``a`` / ``b`` (the f
 C = (scale_a·A)·(scale_b·B): Y = X·Wᵀ, dX = dY·W, dW = dYᵀ·X, faulted in their fp8 format) or
 ``scale_a`` / ``scale_b`` (their fp32 per-tensor scales)."""
 
-STEP_SITES: frozenset[str] = frozenset({"param_grad", "optimizer_state", "checkpoint", "comm", *COLLECTIVE_SITES})
+STEP_SITES: frozenset[str] = frozenset(
+    {"param_grad", "optimizer_state", "checkpoint", "comm", "comm.all_gather", "comm.reduce_scatter"}
+)
 """Sites touched once per optimizer step, so a schedule's ``micro_batch`` means nothing."""
 
 RANDOM = "random"

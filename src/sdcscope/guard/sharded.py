@@ -14,8 +14,9 @@ side supplies, per step and on every rank:
 
 1. the ranks' findings are shared (one all-reduce of a count; an object gather only when there
    is something to share) -- so every rank holds the same list and takes the same actions; a
-   step on corrupted state is decided by the state checksums alone, and one whose all-gather
-   delivered other bits than were sent by that link alone (the rest are its consequences);
+   step on corrupted state is decided by the state checksums alone, and one whose all-gather or
+   pipeline send/recv delivered other bits than were sent by that link alone (the rest are its
+   consequences);
 2. any finding but a state checksum's makes every rank replay the step together (the replay is a
    collective: FSDP2 gathers, TP reduces); a finding the replay does not reproduce anywhere is
    ``transient`` and the clean re-execution is kept (``recompute``), one that comes back is
@@ -60,6 +61,7 @@ WORLD_DETECTORS = ("spike",)
 """Detectors fed with world values (the global loss and gradient norm): every rank finds the same,
 so the world keeps one copy, about no rank until a replay names one."""
 STOP = "no rank can be excluded: each owns a shard no other rank holds"
+PIPELINE_STOP = "no rank can be excluded: each holds a pipeline stage no other rank holds"
 
 
 def tensor_parallel_layers(model: nn.Module) -> list[str]:
@@ -201,6 +203,8 @@ class ShardedRanks(WorldSide):
                     e.rank = None
                 elif e.rank is None:
                     e.rank = r
+                if self.world.pipeline and e.rank is not None:  # a pipeline's events name the stage
+                    e.evidence = {**e.evidence, "stage": self.world.stage.stage_of_rank(e.rank)}
                 events.append(e)
         if any(e.detector == "state_checksum" for e in events):
             events = [e for e in events if e.detector == "state_checksum"]
@@ -228,7 +232,7 @@ class ShardedRanks(WorldSide):
         for e in events:
             note = self._note(e)
             if note is not None and note.persistent and not self.stop:
-                self.halt(f"persistent fault at {note.site} on rank {e.rank} ({note.strikes} strikes): {STOP}")
+                self.halt(f"persistent fault at {note.site} on {self._where(e.rank)} ({note.strikes} strikes): {self._stop}")
                 self.persistent.add(id(e))
 
     def translate(self, session: StepSession, e: Event, chosen: list[str]) -> list[str]:
@@ -238,13 +242,22 @@ class ShardedRanks(WorldSide):
         out: list[str] = []
         for a in chosen:
             if a == "quarantine":
-                self.halt(f"policy: {e.detector}: {e.verdict} on rank {e.rank}: {STOP}")
+                self.halt(f"policy: {e.detector}: {e.verdict} on {self._where(e.rank)}: {self._stop}")
                 a = "veto"
             out += [a] if a not in out else []
         return out
 
     def stop_evidence(self) -> dict[str, Any]:
         return {"ledger": None if self.ledger.path is None else str(self.ledger.path)}
+
+    def _where(self, rank: int | None) -> str:
+        if self.world.pipeline and rank is not None:
+            return f"rank {rank} (pipeline stage {self.world.stage.stage_of_rank(rank)})"
+        return f"rank {rank}"
+
+    @property
+    def _stop(self) -> str:
+        return PIPELINE_STOP if self.world.pipeline else STOP
 
     def _note(self, e: Event):
         if e.rank is None or not 0 <= e.rank < self.size:
@@ -285,8 +298,9 @@ class ShardedRanks(WorldSide):
 
 
 def _link(e: Event) -> bool:
-    """An exact link finding: an all-gather delivered other bits than its sender sent."""
-    return e.detector == "collectives" and e.evidence.get("collective") == "all_gather"
+    """An exact link finding: an all-gather or a pipeline send/recv delivered other bits than its
+    sender sent."""
+    return e.detector == "collectives" and e.evidence.get("collective") in ("all_gather", "send_recv")
 
 
 def world_replay(results: list[dict[str, Any]]) -> dict[str, Any]:
