@@ -29,6 +29,7 @@ without FSDP2 units or a pipeline stage has nothing to check (:data:`~sdcscope.c
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,8 @@ class CollectiveCheck:
         self.scatter_margin = 0.0
         """The largest |reduced sum - expected| / bound of a reduce-scatter this rank judged clean."""
         self.p2p: P2PCheck | None = None
+        self.stage = None  # a pipeline stage's StageInfo
+        self.width: int | None = None
 
     # -- hooks -------------------------------------------------------------------------------
     def attach(self) -> CollectiveCheck:
@@ -99,6 +102,7 @@ class CollectiveCheck:
 
         self.units = fsdp_units(self.model)
         boundary = boundary_of(self.model)
+        self.stage = None if boundary is None else boundary.info
         if boundary is not None and self.config.p2p and self.p2p is None:
             rows = boundary.info.rows
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
@@ -147,6 +151,7 @@ class CollectiveCheck:
         self.seen = torch.zeros(len(PASSES), P, dtype=torch.int64, device=dev)
         self.unreduced = torch.zeros(P, S, 2, dtype=torch.float64, device=dev)  # chunk sums, Σ|g|
         self.micro = [0] * P  # micro-batches accumulated
+        self.pending: dict[int, tuple] = {}  # an unsharded gradient still accumulating: (ref, its sums)
         self.sent_done = False
 
     @torch.no_grad()
@@ -192,6 +197,10 @@ class CollectiveCheck:
             sums = torch.stack(
                 [torch.stack([c.sum(dtype=torch.float64), c.abs().sum(dtype=torch.float64)]) for c in chunks]
             )
+        held = self.pending.get(i)
+        if held is not None and held[0]() is g:  # accumulated in place, not reduced in between (a
+            self.unreduced[i, :S, :2] -= held[1]  # pipeline schedule reduces at the last micro-batch)
+        self.pending[i] = (weakref.ref(g), sums)
         self.unreduced[i, :S, :2] += sums
         self.micro[i] += 1
 
@@ -210,7 +219,11 @@ class CollectiveCheck:
                 self.seen.flatten(),
                 self.unreduced.flatten().view(torch.int64),
             ]
-        table = torch.stack(World("sharded", self.rank, self.size).gather(torch.cat(parts))).cpu()  # one host read
+        row = torch.cat(parts)
+        if self.stage is not None:  # pipeline stages hold different units: rows padded to the longest
+            width = self._width(row.numel())
+            row = torch.cat([row, row.new_zeros(width - row.numel())])
+        table = torch.stack(World("sharded", self.rank, self.size).gather(row)).cpu()  # one host read
         events = []
         if self.p2p is not None:
             words, table = table.split([self.p2p.size(), table.shape[1] - self.p2p.size()], 1)
@@ -219,6 +232,8 @@ class CollectiveCheck:
             return events
         W, P, S = self.size, len(self.params), self.S
         sizes = [P * WORDS, len(PASSES) * P * S * WORDS, len(PASSES) * P, P * S * 2]
+        table = table[:, : sum(sizes)].clone()
+        table[[r for r in range(W) if r not in self.peers]] = 0  # another stage's units: not compared
         sent, arrived, seen, unreduced = table.split(sizes, 1)
         if self.config.all_gather:
             shapes = (W, len(PASSES), P, S, WORDS)
@@ -231,16 +246,31 @@ class CollectiveCheck:
             )
         return events
 
+    def _width(self, n: int) -> int:
+        """The longest row of any rank (once: a collective)."""
+        if self.width is None:
+            import torch.distributed as dist
+
+            longest = torch.tensor([n], dtype=torch.int64, device=self.device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+            self.width = int(longest)
+        return self.width
+
     def _learn_topology(self) -> None:
-        """Every rank's shard group and reduction group of each parameter (once: a collective)."""
+        """Every rank's shard group and reduction group of each parameter (once: a collective).
+        In a pipeline only the ranks of this rank's stage hold the same units (``peers``)."""
         import torch.distributed as dist
 
         mine = [(u.shard_ranks, u.dp_ranks, u.shard_rank) for u, _ in self.params]
         self.topology = [None] * self.size
         dist.all_gather_object(self.topology, mine)
+        info = self.stage
+        self.peers = (
+            list(range(self.size)) if info is None else [info.rank_of(info.stage, d) for d in range(info.dp)]
+        )
         W, P, S = self.size, len(self.params), self.S
         self.src = torch.full((W, P, S), -1, dtype=torch.int64)  # the sender of each slot of what arrived
-        for r in range(W):
+        for r in self.peers:
             for i, (shard_ranks, _, _) in enumerate(self.topology[r]):
                 self.src[r, i, : len(shard_ranks)] = torch.tensor(shard_ranks)
         self.valid = self.src >= 0

@@ -77,7 +77,10 @@ class Pipeline:
             self.boundary, stage, stages, trainer.device, input_args=args, output_args=out, group=group
         )
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[topology.schedule]
-        self.schedule = schedule(self.stage, accum, loss_fn=lambda out, y: workload.output_loss(out, y) / accum)
+        # each micro-batch's loss divided by their number, as one process accumulates them (the
+        # schedule's own scaling of the summed gradients is off: FSDP2 reduces them unscaled)
+        loss_fn = lambda out, y: workload.output_loss(out, y) / accum  # noqa: E731
+        self.schedule = schedule(self.stage, accum, loss_fn=loss_fn, scale_grads=False)
         self.tied_group = None
         if stages > 1 and workload.model_config.tied_head:
             for d in range(dp):  # every rank creates every group
