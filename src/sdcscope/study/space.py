@@ -32,6 +32,8 @@ UNSUPPORTED_SITES = {
     "`sdcscope train --nproc N --parallel fsdp --faults FILE` (benchmarks/bench_collective_checks.py, tests/sharded)",
     "comm.reduce_scatter": "a trial trains in one process, without FSDP2's reduce-scatters; inject them with "
     "`sdcscope train --nproc N --parallel fsdp --faults FILE`",
+    "comm.p2p": "a trial trains in one process, without a pipeline's send/recv; inject them with "
+    "`sdcscope train --nproc N --parallel pp --faults FILE` (benchmarks/bench_sharded_matrix.py, tests/sharded)",
 }
 """Fault sites a campaign cannot inject, and why."""
 CAMPAIGN_SITES = tuple(s for s in SITES if s not in UNSUPPORTED_SITES)
