@@ -36,9 +36,17 @@ def link_of(boundary: StageBoundary, phase: str) -> tuple[int | None, str | None
 
 
 def check_p2p_spec(spec: FaultSpec, boundary_names: Sequence[str], stages: int, dp: int) -> None:
-    """Refuse (ValueError) a ``comm.p2p`` spec whose link is no link of the pipeline: ``source``
-    must be the destination's neighbouring stage (the previous one for ``forward``, the next for
-    ``backward``), its target a boundary activation (the spec itself checked rank and direction)."""
+    """Refuse (ValueError) a ``comm.p2p`` spec whose link is no link of the pipeline
+    (:func:`check_p2p_link`) or whose target is no boundary activation."""
+    check_p2p_link(spec, stages, dp)
+    if not any(map(spec.matches, boundary_names)):
+        raise ValueError(f"comm.p2p target {list(spec.target)} matches no boundary activation; allowed: {list(boundary_names)}")
+
+
+def check_p2p_link(spec: FaultSpec, stages: int, dp: int) -> None:
+    """Refuse (ValueError) a ``comm.p2p`` spec whose ``source`` is not the destination's
+    neighbouring stage (the previous one for ``forward``, the next for ``backward``) in a pipeline
+    of ``stages`` stages of ``dp`` ranks each (the spec itself checked rank and direction)."""
     phase = spec.phase or "forward"
     stage, d = divmod(spec.rank, dp)
     neighbour = stage - 1 if phase == "forward" else stage + 1
@@ -52,8 +60,6 @@ def check_p2p_spec(spec: FaultSpec, boundary_names: Sequence[str], stages: int, 
             f"source {spec.source} does not send to rank {spec.rank} in the {phase} phase; its neighbour is rank "
             f"{neighbour * dp + d} (pipeline stage {neighbour})"
         )
-    if not any(map(spec.matches, boundary_names)):
-        raise ValueError(f"comm.p2p target {list(spec.target)} matches no boundary activation; allowed: {list(boundary_names)}")
 
 
 class P2PInjector:

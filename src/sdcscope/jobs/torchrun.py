@@ -41,6 +41,7 @@ from sdcscope.engine.rundir import CheckpointPolicy, read_json, write_json
 from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
 from sdcscope.faults.vocab import COLLECTIVE_SITES
+from sdcscope.inject.p2p import check_p2p_link
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.world import fit_config
 from sdcscope.jobs.assemble import check_faults, guard_trainer
@@ -189,8 +190,16 @@ def make_job(
         raise ValueError(f"faults of site 'comm' under --parallel {topology.kind}: {why}")
     for s in specs:
         if s.site in COLLECTIVE_SITES and s.site.split(".")[1] not in topology.collectives:
-            why = unsupported("fault.collectives", kind) or "a tensor-parallel model has no FSDP2 unit"
+            feature, fallback = (
+                ("fault.p2p", "no pipeline")
+                if s.site == "comm.p2p"
+                else ("fault.collectives", "a tensor-parallel or pipeline model without FSDP2 has no FSDP2 unit")
+            )
+            why = unsupported(feature, kind) or fallback
             raise ValueError(f"faults of site {s.site!r} under --parallel {topology.kind}: {why}")
+        if s.site == "comm.p2p":
+            degrees = topology.degrees(nproc)
+            check_p2p_link(s, degrees["pp"], degrees.get("dp", 1))
     if guard is not None and sharded:
         guard = fit_config(guard, kind)
     elif guard is not None:
