@@ -94,7 +94,7 @@ def test_a_p2p_fault_takes_a_micro_batch_and_round_trips():
     [
         ("ddp", 2, {}, "DDP runs no pipeline send/recv"),
         ("fsdp", 2, {}, "FSDP2 and tensor parallelism run no pipeline send/recv"),
-        ("pp", 3, {"phase": "backward"}, "source 0 does not send to rank 1 in the backward phase; its neighbour is rank 2"),
+        ("pp", 3, {"phase": "backward"}, "source 0 does not send to rank 1 in the backward.*neighbour is rank 2"),
         ("pp", 2, {"phase": "backward"}, "rank 1 is pipeline stage 1 of 2: nothing arrives there in the backward"),
         ("pp", 3, {"rank": 2}, "source 0 does not send to rank 2.*neighbour is rank 1"),
         ("pp", 2, {"rank": 0, "source": 1}, "rank 0 is pipeline stage 0 of 2: nothing arrives there"),

@@ -265,9 +265,7 @@ class CollectiveCheck:
         self.topology = [None] * self.size
         dist.all_gather_object(self.topology, mine)
         info = self.stage
-        self.peers = (
-            list(range(self.size)) if info is None else [info.rank_of(info.stage, d) for d in range(info.dp)]
-        )
+        self.peers = list(range(self.size)) if info is None else [info.rank_of(info.stage, d) for d in range(info.dp)]
         W, P, S = self.size, len(self.params), self.S
         self.src = torch.full((W, P, S), -1, dtype=torch.int64)  # the sender of each slot of what arrived
         for r in self.peers:

@@ -72,6 +72,7 @@ class DistTrainer(Trainer):
         self.topology = topology or Topology()
         size = dist.get_world_size()
         self.topology.check(size, workload)
+        self.topology.check_micro_batches(size, (config or TrainConfig()).grad_accum)
         if config is not None and config.compile:
             raise ValueError(
                 "compile=True (--compile) runs in one process; a distributed topology trains eagerly "

@@ -121,6 +121,15 @@ class Topology:
         if workload is not None and self.pipeline:
             workload.check_pipeline(self.kind, self.degrees(size)["pp"])
 
+    def check_micro_batches(self, size: int, grad_accum: int) -> None:
+        """Refuse (ValueError) a 1F1B pipeline with fewer micro-batches (``--grad-accum``) than
+        stages: its steady state needs one in flight per stage."""
+        if self.pipeline and self.schedule == "1f1b" and grad_accum < (stages := self.degrees(size)["pp"]):
+            raise ValueError(
+                f"--schedule 1f1b over {stages} pipeline stages needs --grad-accum {stages} or more "
+                f"(micro-batches in flight), got --grad-accum {grad_accum}; raise it or use --schedule gpipe"
+            )
+
     def build_mesh(self, size: int, device_type: str) -> Any:
         """The device mesh over ``size`` ranks (None for ``ddp``: a DDP wrapper needs none)."""
         if not self.sharded:

@@ -232,7 +232,9 @@ class ShardedRanks(WorldSide):
         for e in events:
             note = self._note(e)
             if note is not None and note.persistent and not self.stop:
-                self.halt(f"persistent fault at {note.site} on {self._where(e.rank)} ({note.strikes} strikes): {self._stop}")
+                self.halt(
+                    f"persistent fault at {note.site} on {self._where(e.rank)} ({note.strikes} strikes): {self._stop}"
+                )
                 self.persistent.add(id(e))
 
     def translate(self, session: StepSession, e: Event, chosen: list[str]) -> list[str]:

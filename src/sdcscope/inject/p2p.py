@@ -40,7 +40,9 @@ def check_p2p_spec(spec: FaultSpec, boundary_names: Sequence[str], stages: int, 
     (:func:`check_p2p_link`) or whose target is no boundary activation."""
     check_p2p_link(spec, stages, dp)
     if not any(map(spec.matches, boundary_names)):
-        raise ValueError(f"comm.p2p target {list(spec.target)} matches no boundary activation; allowed: {list(boundary_names)}")
+        raise ValueError(
+            f"comm.p2p target {list(spec.target)} matches no boundary activation; allowed: {list(boundary_names)}"
+        )
 
 
 def check_p2p_link(spec: FaultSpec, stages: int, dp: int) -> None:

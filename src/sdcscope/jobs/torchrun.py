@@ -41,9 +41,9 @@ from sdcscope.engine.rundir import CheckpointPolicy, read_json, write_json
 from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
 from sdcscope.faults.vocab import COLLECTIVE_SITES
-from sdcscope.inject.p2p import check_p2p_link
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.world import fit_config
+from sdcscope.inject.p2p import check_p2p_link
 from sdcscope.jobs.assemble import check_faults, guard_trainer
 from sdcscope.workloads import WorkloadConfig, make_workload
 
@@ -182,6 +182,7 @@ def make_job(
         raise ValueError(f"hash_every={hash_every} must be >= 0")
     topology = parallel or Topology()
     topology.check(nproc)
+    topology.check_micro_batches(nproc, (train or TrainConfig()).grad_accum)
     sharded = topology.sharded
     kind = topology.world_kind
     if train is not None and train.eval_every and (why := unsupported("train.eval_every", kind)):
