@@ -102,7 +102,41 @@ def test_a_p2p_fault_takes_a_micro_batch_and_round_trips():
     ],
 )
 def test_the_job_refuses_a_p2p_link_the_pipeline_does_not_have(tmp_path, kind, nproc, change, message):
+    from sdcscope.engine import TrainConfig
     from sdcscope.jobs.torchrun import make_job
 
+    spec = FaultSpec.from_dict({**P2P, **change})
     with pytest.raises(ValueError, match=message):
-        make_job(tmp_path / "run", nproc, specs=[FaultSpec.from_dict({**P2P, **change})], parallel=Topology(kind=kind))
+        make_job(tmp_path / "run", nproc, train=TrainConfig(grad_accum=4), specs=[spec], parallel=Topology(kind=kind))
+
+
+def test_1f1b_needs_a_micro_batch_per_stage(tmp_path):
+    from sdcscope.engine import TrainConfig
+    from sdcscope.jobs.torchrun import make_job
+
+    with pytest.raises(ValueError, match="--schedule 1f1b over 2 pipeline stages needs --grad-accum 2 or more"):
+        make_job(tmp_path / "run", 2, train=TrainConfig(grad_accum=1), parallel=Topology(kind="pp"))
+    make_job(tmp_path / "run", 2, train=TrainConfig(grad_accum=1), parallel=Topology(kind="pp", schedule="gpipe"))
+
+
+def test_check_job_takes_a_boundary_activation_and_refuses_another_target(tmp_path):
+    from sdcscope.engine import TrainConfig
+    from sdcscope.jobs.torchrun import check_job, make_job
+    from sdcscope.workloads import WorkloadConfig
+
+    def job(target):
+        spec = FaultSpec.from_dict({**P2P, "target": target})
+        workload = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=100_000)
+        return make_job(
+            tmp_path / target,
+            2,
+            steps=3,
+            workload=workload,
+            train=TrainConfig(grad_accum=2),
+            specs=[spec],
+            parallel=Topology(kind="pp"),
+        )
+
+    check_job(job("blocks.0"))
+    with pytest.raises(ValueError, match=r"fault spec #0 \(comm.p2p\).*matches no boundary.*allowed: \['blocks.0'\]"):
+        check_job(job("blocks.1"))

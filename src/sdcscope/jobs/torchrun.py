@@ -43,7 +43,7 @@ from sdcscope.faults import FaultSpec
 from sdcscope.faults.vocab import COLLECTIVE_SITES
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.world import fit_config
-from sdcscope.inject.p2p import check_p2p_link
+from sdcscope.inject.p2p import check_p2p_link, check_p2p_spec
 from sdcscope.jobs.assemble import check_faults, guard_trainer
 from sdcscope.workloads import WorkloadConfig, make_workload
 
@@ -329,6 +329,15 @@ def check_job(job: Job) -> None:
     check_faults(
         workload, model, optimizer, job.specs, train=job.train, steps=job.steps, world_size=job.nproc, distributed=True
     )
+    p2p = [(i, s) for i, s in enumerate(job.specs) if s.site == "comm.p2p"]
+    if p2p:  # make_job refused them outside a pipeline
+        degrees = job.parallel.degrees(job.nproc)
+        boundaries, _ = workload.split_stage(copy.deepcopy(model).to("meta"), 0, degrees["pp"])
+        for i, spec in p2p:
+            try:
+                check_p2p_spec(spec, boundaries, degrees["pp"], degrees.get("dp", 1))
+            except ValueError as exc:
+                raise ValueError(f"fault spec #{i} ({spec.site}): {exc}") from None
     from sdcscope.engine.resources import check_memory
 
     check_memory(workload, processes=job.nproc, model=model)
