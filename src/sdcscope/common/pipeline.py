@@ -42,6 +42,8 @@ class StageInfo:
     tied: tuple[int, ...] = field(default=(), compare=False)
     """``id()`` of this stage's parameters another stage holds a tied copy of (the GPT's head and
     embedding): their gradients are summed over the stages that hold them."""
+    ties: bool = False
+    """Some stages hold tied copies (every rank knows, whether its own stage does or not)."""
     fsdp: bool = False
 
     @property

@@ -369,7 +369,7 @@ def _pipeline_world(model: torch.nn.Module, info: Any, rank: int | None) -> Worl
     mesh = sharded[0].device_mesh if sharded else None
     from sdcscope.common.fsdp import fsdp_units
 
-    collectives = ("p2p",) + (("all_reduce",) if info.tied else ())  # the tied head's gradient sum
+    collectives = ("p2p",) + (("all_reduce",) if info.ties else ())  # the tied head's gradient sum
     collectives += ("all_gather", "reduce_scatter") if fsdp_units(model) else ()
     return World("pipeline", own, size, mesh=mesh, degrees=info.degrees, collectives=collectives, stage=info)
 

@@ -106,8 +106,8 @@ class CollectiveCheck:
         if boundary is not None and self.config.p2p and self.p2p is None:
             rows = boundary.info.rows
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
-            self.p2p = P2PCheck(boundary, self.rank, rows).attach()
             self.device = next(self.model.parameters()).device
+            self.p2p = P2PCheck(boundary, self.rank, rows, self.device).attach()
             self.handles.append(_Detach(self.p2p))
         if not self.units:
             return self
@@ -209,7 +209,7 @@ class CollectiveCheck:
     def check(self, view: CheckView) -> list[Event]:
         if not self.active:
             return []
-        parts = [] if self.p2p is None else [self.p2p.row().to(self.device)]
+        parts = [] if self.p2p is None else [self.p2p.row()]
         if self.units:
             if self.topology is None:
                 self._learn_topology()

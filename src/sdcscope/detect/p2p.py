@@ -35,9 +35,9 @@ the gradient it sends back and the one that arrived."""
 class P2PCheck:
     """One rank's digests of its stage boundary's transfers (a tap: see the module docstring)."""
 
-    def __init__(self, boundary: StageBoundary, rank: int, rows: int) -> None:
+    def __init__(self, boundary: StageBoundary, rank: int, rows: int, device: torch.device) -> None:
         self.boundary, self.info, self.rank = boundary, boundary.info, rank
-        self.rows = rows
+        self.rows, self.device = rows, device
         self.links_compared = 0
         """Links (one micro-batch's transfer) compared exactly so far, every rank's."""
         self.reset()
@@ -51,8 +51,8 @@ class P2PCheck:
 
     def reset(self) -> None:
         M, R = self.info.micro_batches, self.rows
-        self.words = torch.zeros(len(SLOTS), M, R, WORDS, dtype=torch.int64)
-        self.seen = torch.zeros(len(SLOTS), M, dtype=torch.int64)
+        self.words = torch.zeros(len(SLOTS), M, R, WORDS, dtype=torch.int64, device=self.device)
+        self.seen = torch.zeros(len(SLOTS), M, dtype=torch.int64, device=self.device)
         self.shape: dict[int, list[int]] = {}
 
     # -- the tap -----------------------------------------------------------------------------
@@ -60,7 +60,7 @@ class P2PCheck:
     def _record(self, slot: str, m: int, t: torch.Tensor) -> None:
         k = SLOTS.index(slot)
         rows = t.reshape(t.shape[0], -1)[: self.rows] if t.dim() else t.reshape(1, 1)
-        self.words[k, m, : rows.shape[0]] = digest_rows(rows.contiguous()).cpu()
+        self.words[k, m, : rows.shape[0]] = digest_rows(rows.contiguous())  # on the device: no sync
         self.seen[k, m] = 1
         self.shape[m] = list(t.shape)
 

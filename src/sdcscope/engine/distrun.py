@@ -282,7 +282,7 @@ class DistRun:
                 **{f"final_{k}": v for k, v in final.items() if k not in ("val_loss", "step")},
                 "param_sha256": hashes[0],
                 "replica_sha256": hashes,
-                "replicas_identical": len(set(hashes)) == 1,
+                "replicas_identical": _replicas_identical(self.trainer.world, hashes),
                 "steps": self.trainer.step,
                 "world_size": self.size,
                 "parallel": self.topology.kind,
@@ -292,6 +292,15 @@ class DistRun:
         if self.rank == 0:
             merge_injection_logs(self.out, self.size)
             write_json(self.out / "summary.json", self.summary)
+
+
+def _replicas_identical(world: Any, hashes: list[str | None]) -> bool:
+    """Every rank holding the same model part ends with the same bits: all ranks, or in a pipeline
+    the ranks of each stage (the stages hold different layers)."""
+    if not world.pipeline:
+        return len(set(hashes)) == 1
+    info = world.stage
+    return all(len({hashes[info.rank_of(s, d)] for d in range(info.dp)}) == 1 for s in range(info.stages))
 
 
 def _doing(exc: BaseException) -> str:

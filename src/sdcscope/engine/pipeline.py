@@ -47,7 +47,7 @@ class Pipeline:
         stages, dp = degrees["pp"], degrees.get("dp", 1)
         stage, dp_rank = divmod(rank, dp)
         example = trainer.workload.batch(trainer.config.seed, 0, 0)[0]
-        shapes = stage_shapes(workload, model, stages, example)  # before the split: every stage's
+        shapes, ties = stage_shapes(workload, model, stages, example)  # before the split: every stage's
         boundaries, tied = workload.split_stage(model, stage, stages)
         fsdp = "dp" in degrees
         if fsdp:
@@ -68,6 +68,7 @@ class Pipeline:
             workload.config.batch_size,
             boundaries,
             tied=tuple(id(p) for p in model.parameters() if any(p is t for t in tied)),
+            ties=ties,
             fsdp=fsdp,
         )
         self.boundary = StageBoundary(model, self.info)
@@ -82,7 +83,7 @@ class Pipeline:
         loss_fn = lambda out, y: workload.output_loss(out, y) / accum  # noqa: E731
         self.schedule = schedule(self.stage, accum, loss_fn=loss_fn, scale_grads=False)
         self.tied_group = None
-        if stages > 1 and workload.model_config.tied_head:
+        if ties:
             for d in range(dp):  # every rank creates every group
                 g = dist.new_group([self.info.rank_of(0, d), self.info.rank_of(stages - 1, d)])
                 if d == dp_rank and (self.info.first or self.info.last):
@@ -144,22 +145,23 @@ class Pipeline:
         return {"val_loss": math.fsum(values) / len(values)}
 
 
-def stage_shapes(workload: Any, model: torch.nn.Module, stages: int, example: torch.Tensor) -> list[tuple]:
+def stage_shapes(workload: Any, model: torch.nn.Module, stages: int, example: torch.Tensor) -> tuple[list[tuple], bool]:
     """Each stage's example input and output (meta tensors) for one micro-batch shaped like
-    ``example``: the whole ``model`` copied to the meta device, split and run stage by stage.
-    Given to ``PipelineStage``, they spare it the run-time shape inference (an extra forward pass
-    the injector and the checks would meet)."""
+    ``example`` -- the whole ``model`` copied to the meta device, split and run stage by stage --
+    and whether some stages hold tied parameters. Given to ``PipelineStage``, the shapes spare it
+    the run-time shape inference (an extra forward pass the injector and the checks would meet)."""
     import copy
 
     x = example.to("meta")
-    out = []
+    out, ties = [], False
     for s in range(stages):
         part = copy.deepcopy(model).to("meta")
-        workload.split_stage(part, s, stages)
+        _, tied = workload.split_stage(part, s, stages)
+        ties |= bool(tied)
         y = part(x)  # with autograd: the stage learns which outputs carry gradients back
         out.append((x, y.detach().requires_grad_(y.requires_grad)))
         x = out[-1][1]
-    return out
+    return out, ties
 
 
 __all__ = ["Pipeline", "stage_shapes"]

@@ -1,5 +1,6 @@
-"""The Guard over sharded training: FSDP2 (``fully_shard``), tensor parallel (``parallelize_module``),
-FSDP×TP and HSDP -- every model whose parameters are DTensors.
+"""The Guard over split training: FSDP2 (``fully_shard``), tensor parallel (``parallelize_module``),
+FSDP×TP and HSDP -- every model whose parameters are DTensors -- and pipeline stages (``pp``,
+``fsdp+pp``: each rank holds a stage no other rank holds; a replay runs the whole schedule).
 
 Each rank's detectors work on what that rank holds and computes: ABFT checks the GEMMs the rank
 runs (under FSDP2 the unsharded weights its forward and backward use; under tensor parallel the
