@@ -146,7 +146,11 @@ class ShardedRanks(WorldSide):
         # this rank's place among their holders: ranks with the same key must hold the same bits
         self.replicated = [p for p in params if world.replicas(p) > 1]
         self.keys: list[Any] = [None] * self.size
-        dist.all_gather_object(self.keys, world.replica_key(self.replicated))
+        dist.all_gather_object(self.keys, (world.replica_key(self.replicated), len(self.replicated)))
+        # a pipeline's stages hold different parameters (a middle stage may hold no copy): every rank
+        # takes part in the check when any rank has copies, its row padded to the longest
+        self.width = max(n for _, n in self.keys)
+        self.keys = [key if n else None for key, n in self.keys]
         self.carry: list[Event] = []
         self.persistent: set[int] = set()  # ids of this step's findings the ledger found persistent
         self.devices = [None] * self.size
@@ -273,15 +277,19 @@ class ShardedRanks(WorldSide):
         step's decision as a state finding (a rollback on every rank), naming the rank the
         majority outvotes when there are 3 or more replicas (with 2 no copy can be preferred)."""
         every = self.config.hash_every
-        if not self.replicated or not every or (step + 1) % every and not verify:
+        if not self.width or not every or (step + 1) % every and not verify:
             return
-        mine = torch.stack(
-            [local(p).detach().reshape(-1).view(_INT[p.element_size()]).sum(dtype=torch.int64) for p in self.replicated]
-        )
+        dev = self.world.comm_device()
+        words = [local(p).detach().reshape(-1).view(_INT[p.element_size()]) for p in self.replicated]
+        sums = [w.sum(dtype=torch.int64) for w in words]
+        mine = torch.zeros(self.width, dtype=torch.int64, device=dev)
+        if sums:
+            mine[: len(sums)] = torch.stack(sums).to(dev)
         rows = self.world.gather(mine)
         groups: dict[tuple, list[int]] = {}
         for r, key in enumerate(self.keys):
-            groups.setdefault(key, []).append(r)
+            if key is not None:  # a rank without copies compares nothing
+                groups.setdefault(key, []).append(r)
         for ranks in groups.values():
             digests = {r: tuple(rows[r].tolist()) for r in ranks}
             counts = {d: sum(1 for x in digests.values() if x == d) for d in set(digests.values())}
