@@ -121,7 +121,7 @@ SUPPORT: dict[str, dict[str, str]] = {
     },
     "fault.collectives": {
         "single": "sites 'comm.all_gather' and 'comm.reduce_scatter' corrupt FSDP2's collectives: they need "
-        "--nproc 2 or more with --parallel fsdp, hsdp or fsdp+tp",
+        "--nproc 2 or more with --parallel fsdp, hsdp, fsdp+tp or fsdp+pp",
         "ddp": "DDP runs no all-gather or reduce-scatter (its all-reduce is site 'comm'); use --parallel fsdp",
     },
     "fault.p2p": {
