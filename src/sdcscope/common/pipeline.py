@@ -20,9 +20,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-PHASES = ("forward", "backward")
-"""What crosses a stage boundary: an activation (``forward``) or its gradient (``backward``)."""
-
 
 @dataclass(frozen=True)
 class StageInfo:
@@ -153,4 +150,4 @@ class StageBoundary(nn.Module):
         return out
 
 
-__all__ = ["PHASES", "StageBoundary", "StageInfo", "Tap", "boundary_of", "stage_of"]
+__all__ = ["StageBoundary", "StageInfo", "Tap", "boundary_of", "stage_of"]

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from sdcscope.common.pipeline import PHASES, StageBoundary
+from sdcscope.common.pipeline import StageBoundary
 from sdcscope.detect.events import Event
 from sdcscope.detect.links import WORDS, Link, compare, digest_rows, localize
 
@@ -129,4 +129,4 @@ def _runs(idx: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-__all__ = ["COLLECTIVE", "P2PCheck", "PHASES"]
+__all__ = ["COLLECTIVE", "P2PCheck"]
