@@ -183,6 +183,7 @@ def main() -> int:
     p.add_argument("--fault-step", type=int, default=5)
     p.add_argument("--rank", type=int, default=1, help="the rank the faults live on")
     p.add_argument("--only", nargs="*", default=None, help="topologies to run (e.g. hsdp/4 fsdp+tp/4)")
+    p.add_argument("--sites", nargs="*", default=None, help="fault rows to run (e.g. gemm.forward comm.p2p permanent)")
     p.add_argument(
         "--profile",
         default="full",
@@ -218,6 +219,8 @@ def main() -> int:
             ratios[label] = statistics.median(walls[True]) / statistics.median(walls[False])
             where = _stage(kind, nproc, a.rank)
             for site, spec in faults(kind, a.fault_step, a.rank, nproc).items():
+                if a.sites is not None and site not in a.sites:
+                    continue
                 summary, events, _ = run(root / f"{tag}-{site}", kind, nproc, a.steps, [spec], True, a.profile)
                 j = judge(events, spec, a.fault_step, clean, summary, None if where is None else where[0])
                 print(
