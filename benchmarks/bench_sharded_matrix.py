@@ -1,9 +1,10 @@
-"""The guard over sharded training: topology × fault → detected / step / named / repaired / final-equal,
-and the guard's cost ratio per topology (gloo on CPU).
+"""The guard over split training (shards and pipeline stages): topology × fault → detected / step /
+named / repaired / final-equal, and the guard's cost ratio per topology (gloo on CPU).
 
-    python benchmarks/bench_sharded_matrix.py                      # 2-rank FSDP2, TP and EP, 12 steps
-    python benchmarks/bench_sharded_matrix.py --full               # + FSDP2 on 4, FSDP×TP, HSDP, FSDP×EP 2×2
+    python benchmarks/bench_sharded_matrix.py                      # 2-rank FSDP2, TP, EP and pp, 12 steps
+    python benchmarks/bench_sharded_matrix.py --full               # + FSDP2 on 4, FSDP×TP, HSDP, FSDP×EP, fsdp+pp 2×2
     python benchmarks/bench_sharded_matrix.py --only ep/2 fsdp+ep/4 --steps 300   # expert parallel, 300 steps
+    python benchmarks/bench_sharded_matrix.py --steps 300 --only pp/2 fsdp+pp/4   # the pipeline's 300-step rows
     python benchmarks/bench_sharded_matrix.py --steps 300 --full   # the issue's 300-step rows
 
 Each row runs the GPT (tiny preset) sharded with ``--parallel`` semantics through the torchrun
@@ -11,8 +12,10 @@ job's own code (``run_job`` on spawned gloo ranks), guarded, with one fault on a
 compares the final full parameters with the clean guarded run's (``--profile``, default ``full``:
 every GEMM every step). ``named``: an event names the fault's rank and layer (a GEMM fault:
 ABFT's check of that GEMM; under tensor parallelism the rank's local shard GEMM; an all-to-all
-fault: the link into the rank, in the MoE layer). The expert-parallel topologies (``ep/2``,
-``fsdp+ep/4``) train the MoE workload (tiny) with their own rows (:func:`ep_faults`). The cost ratio
+fault: the link into the rank, in the MoE layer); in a pipeline also the rank's stage, and for
+``comm.p2p`` (a corrupted send/recv into the rank from its neighbouring stage) the link. The
+expert-parallel topologies (``ep/2``, ``fsdp+ep/4``) train the MoE workload (tiny) with their own
+rows (:func:`ep_faults`); pipeline rows train 2 micro-batches a step (1F1B). The cost ratio
 is the guarded clean run's training-loop time (summary.json) over the unguarded one's (each run
 once per repeat, interleaved; median), measured on a shared, loaded machine: the ratios are
 pessimistic. The figure on the last line is the median guard-cost ratio over topologies.
@@ -34,36 +37,56 @@ from sdcscope.faults import FaultSpec
 from sdcscope.guard import GuardConfig
 from sdcscope.guard.config import PROFILES
 from sdcscope.workloads import WorkloadConfig
+from sdcscope.workloads.gpt import gpt_preset, stage_blocks
 
 WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=200_000)
 MOE = WorkloadConfig(workload="moe", preset="tiny", batch_size=2, max_corpus_bytes=200_000)
-TOPOLOGIES = {"fsdp/2": ("fsdp", 2), "tp/2": ("tp", 2), "ep/2": ("ep", 2)}
-FULL = {"fsdp/4": ("fsdp", 4), "fsdp+tp/4": ("fsdp+tp", 4), "hsdp/4": ("hsdp", 4), "fsdp+ep/4": ("fsdp+ep", 4)}
+TOPOLOGIES = {"fsdp/2": ("fsdp", 2), "tp/2": ("tp", 2), "ep/2": ("ep", 2), "pp/2": ("pp", 2)}
+FULL = {
+    "fsdp/4": ("fsdp", 4),
+    "fsdp+tp/4": ("fsdp+tp", 4),
+    "hsdp/4": ("hsdp", 4),
+    "fsdp+ep/4": ("fsdp+ep", 4),
+    "fsdp+pp/4": ("fsdp+pp", 4),
+}
 EXPERT_PARALLEL = ("ep", "fsdp+ep")
 """Topologies of the MoE workload (tiny: 4 experts, top-2), with their own fault rows (:func:`ep_faults`)."""
 
 
-def faults(kind: str, step: int, rank: int) -> dict[str, dict]:
+def _stage(kind: str, nproc: int, rank: int) -> tuple[int, int, int] | None:
+    """``(the rank's pipeline stage, stages, ranks per stage)`` of a pipeline topology, else None."""
+    topo = Topology(kind=kind, inner=2)
+    if not topo.pipeline:
+        return None
+    degrees = topo.degrees(nproc)
+    dp = degrees.get("dp", 1)
+    return rank // dp, degrees["pp"], dp
+
+
+def faults(kind: str, step: int, rank: int, nproc: int = 2) -> dict[str, dict]:
     """One fault per row, on ``rank`` at ``step``, in an MLP linear: under tensor parallelism the
     forward GEMM of the colwise ``fc`` (its output features split) and the dX of the rowwise
-    ``proj`` (its input features split), each this rank's local shard GEMM."""
-    gemm = "blocks.0.mlp.fc"
-    dx = "blocks.0.mlp.proj" if kind in ("tp", "fsdp+tp") else gemm
+    ``proj`` (its input features split), each this rank's local shard GEMM; in a pipeline a block
+    of the rank's own stage, and a corrupted send/recv into the rank (``comm.p2p``)."""
+    where = _stage(kind, nproc, rank)
+    block = 0 if where is None else stage_blocks(gpt_preset(WORKLOAD.preset).n_layer, where[1])[where[0]][0]
+    gemm = f"blocks.{block}.mlp.fc"
+    dx = f"blocks.{block}.mlp.proj" if kind in ("tp", "fsdp+tp") else gemm
     flip = {"model": "bitflip", "rank": rank, "pattern": {"kind": "element", "index": 5}, "seed": 1}
     when = {"kind": "transient", "step": step}
     return {
         "gemm.forward": {**flip, "site": "gemm.forward", "target": gemm, "bits": [30], "schedule": when},
         "gemm.grad_input": {**flip, "site": "gemm.grad_input", "target": dx, "bits": [30], "schedule": when},
-        "weight": {**flip, "site": "weight", "target": "blocks.0.mlp.fc", "bits": [30], "schedule": when},
+        "weight": {**flip, "site": "weight", "target": gemm, "bits": [30], "schedule": when},
         "optimizer_state": {
             **flip,
             "site": "optimizer_state",
-            "target": "blocks.0.mlp.fc",
+            "target": gemm,
             "bits": [30],
             "schedule": when,
             "state_key": "exp_avg_sq",
         },
-        "param_grad": {**flip, "site": "param_grad", "target": "blocks.0.mlp.fc", "bits": [30], "schedule": when},
+        "param_grad": {**flip, "site": "param_grad", "target": gemm, "bits": [30], "schedule": when},
         # a broken unit: the ledger's strikes make the site persistent and the guard stops the run
         "permanent": {
             **flip,
@@ -72,6 +95,26 @@ def faults(kind: str, step: int, rank: int) -> dict[str, dict]:
             "bits": [26],
             "schedule": {"kind": "permanent", "start": step},
         },
+        **({} if where is None else {"comm.p2p": _p2p(rank, *where, when)}),
+    }
+
+
+def _p2p(rank: int, stage: int, stages: int, dp: int, when: dict) -> dict:
+    """A flipped bit in what arrived on ``rank`` from its neighbouring stage: the activation from
+    the previous stage (the first stage: the gradient from the next one), micro-batch 1."""
+    forward = stage > 0
+    sender = stage - 1 if forward else stage + 1
+    boundary = stage_blocks(gpt_preset(WORKLOAD.preset).n_layer, stages)[min(stage, sender)][-1]
+    return {
+        "site": "comm.p2p",
+        "target": f"blocks.{boundary}",
+        "rank": rank,
+        "source": sender * dp + rank % dp,
+        "phase": "forward" if forward else "backward",
+        "model": "bitflip",
+        "bits": [22],
+        "pattern": {"kind": "element", "index": 4100},
+        "schedule": {**when, "micro_batch": 1},
     }
 
 
@@ -116,7 +159,7 @@ def run(
         nproc,
         steps=steps,
         workload=MOE if kind in EXPERT_PARALLEL else WORKLOAD,
-        train=TrainConfig(seed=0),
+        train=TrainConfig(seed=0, grad_accum=2 if Topology(kind=kind).pipeline else 1),
         dist_config=DistConfig(backend="gloo", timeout_s=120),
         specs=[FaultSpec.from_dict(s) for s in specs],
         guard=GuardConfig(profile=profile) if guard else None,
@@ -131,7 +174,8 @@ def run(
     return summary, events, wall
 
 
-def judge(events: list[dict], spec: dict, step: int, clean: dict, summary: dict) -> dict:
+def judge(events: list[dict], spec: dict, step: int, clean: dict, summary: dict, stage: int | None = None) -> dict:
+    """``stage``: the pipeline stage of the fault's rank, which the events must name too."""
     found = [e for e in events if e["detector"] != "guard"]
     first = min((e["step"] for e in found), default=None)
     layer = spec["target"]
@@ -140,10 +184,15 @@ def judge(events: list[dict], spec: dict, step: int, clean: dict, summary: dict)
         e.get("rank") == spec["rank"]
         and (e.get("module") or "").startswith(layer)
         and (gemm is None or (e["detector"] == "abft" and e.get("gemm") == gemm))
-        and (  # a link fault: the link source -> rank, in its call
+        and (stage is None or e["evidence"].get("stage") == stage)
+        and (  # a link fault: the link source -> rank (an all-to-all's in its call)
             "source" not in spec
-            or (e["evidence"].get("src"), e["evidence"].get("dst"), e["evidence"].get("phase"))
-            == (spec["source"], spec["rank"], spec.get("phase", "dispatch"))
+            or (
+                e["evidence"].get("link") == f"{spec['source']} -> {spec['rank']}"
+                if spec["site"] == "comm.p2p"
+                else (e["evidence"].get("src"), e["evidence"].get("dst"), e["evidence"].get("phase"))
+                == (spec["source"], spec["rank"], spec.get("phase", "dispatch"))
+            )
         )
         for e in found
     )
@@ -165,7 +214,7 @@ def judge(events: list[dict], spec: dict, step: int, clean: dict, summary: dict)
         "in_time": first is not None and step <= first <= step + (1 if memory else 0),
         "named": named,
         "repaired": summary["outcome"] == "completed" and bool(found) and all(e.get("action") for e in found),
-        "final_equal": summary["param_sha256"] == clean["param_sha256"],
+        "final_equal": summary["replica_sha256"] == clean["replica_sha256"],  # every rank's (a stage each)
         "actions": sorted({e.get("action") for e in found}),
     }
 
@@ -178,6 +227,7 @@ def main() -> int:
     p.add_argument("--fault-step", type=int, default=5)
     p.add_argument("--rank", type=int, default=1, help="the rank the faults live on")
     p.add_argument("--only", nargs="*", default=None, help="topologies to run (e.g. hsdp/4 fsdp+tp/4)")
+    p.add_argument("--sites", nargs="*", default=None, help="fault rows to run (e.g. gemm.forward comm.p2p permanent)")
     p.add_argument(
         "--profile",
         default="full",
@@ -211,10 +261,13 @@ def main() -> int:
                             f"{label:10} {'(clean)':16} {'events=' + str(len(events)):8} {'':>4} {'':6} {'':8} {'':6}"
                         )
             ratios[label] = statistics.median(walls[True]) / statistics.median(walls[False])
+            where = _stage(kind, nproc, a.rank)
             rows = ep_faults(kind, nproc, a.fault_step, a.rank) if kind in EXPERT_PARALLEL else None
-            for site, spec in (rows or faults(kind, a.fault_step, a.rank)).items():
+            for site, spec in (rows or faults(kind, a.fault_step, a.rank, nproc)).items():
+                if a.sites is not None and site not in a.sites:
+                    continue
                 summary, events, _ = run(root / f"{tag}-{site}", kind, nproc, a.steps, [spec], True, a.profile)
-                j = judge(events, spec, a.fault_step, clean, summary)
+                j = judge(events, spec, a.fault_step, clean, summary, None if where is None else where[0])
                 print(
                     f"{label:10} {site:16} {str(j['detected']):8} {str(j['step']):>4} {str(j['named']):6} "
                     f"{str(j['repaired']):8} {str(j['final_equal']):6} {', '.join(map(str, j['actions']))}",

@@ -91,10 +91,17 @@ def train(
         "ddp",
         "--parallel",
         help="With --nproc N, how the model is laid over the ranks: ddp (a replica per rank), or split by the "
-        "workload's plan (gpt): fsdp (FSDP2), tp (tensor parallel), fsdp+tp (2-D, TP degree 2) or hsdp (2-D: "
-        "replicas of 2-rank FSDP2 groups); (moe): ep (experts sharded over the ranks, tokens moved by "
-        "all-to-all) or fsdp+ep (2-D, EP degree 2, FSDP2 for the rest). A topology the model does not fit is "
-        "refused before any rank starts.",
+        "workload's plan (gpt): fsdp (FSDP2), tp (tensor parallel), fsdp+tp (2-D, TP degree 2), hsdp (2-D: "
+        "replicas of 2-rank FSDP2 groups), pp (one pipeline stage per rank) or fsdp+pp (2-D: pipeline stages, "
+        "each sharded over 2 ranks); (moe): ep (experts sharded over the ranks, tokens moved by all-to-all) or "
+        "fsdp+ep (2-D, EP degree 2, FSDP2 for the rest). A topology the model does not fit is refused before "
+        "any rank starts.",
+    ),
+    schedule: str = typer.Option(
+        "1f1b",
+        "--schedule",
+        help="With --parallel pp or fsdp+pp: the pipeline schedule, gpipe or 1f1b, over the step's "
+        "--grad-accum micro-batches.",
     ),
     faults: Optional[Path] = path_option(
         None, "--faults", help="Fault specs (YAML/JSON) injected into the run; with --nproc N bound to ranks."
@@ -129,7 +136,7 @@ def train(
         policy = CheckpointPolicy(every=checkpoint_every, keep=keep_checkpoints)
         from sdcscope.engine.topology import Topology
 
-        pcfg = Topology(kind=parallel)
+        pcfg = Topology(kind=parallel, schedule=schedule)
         if nproc == 1 and pcfg.sharded and not (resume is not None and is_distributed(resume)):
             raise CLIError(f"--parallel {parallel} splits the model over ranks: give --nproc N (N >= 2)")
     distributed_resume = resume is not None and is_distributed(resume)

@@ -1,6 +1,7 @@
 """The world a run lives in -- one process, data parallel (DDP), sharded (FSDP2, tensor parallel,
-FSDP×TP, HSDP) or expert parallel (an MoE's experts sharded over ranks, alone or with FSDP2) --
-described once and built by one factory, :func:`world_of`.
+FSDP×TP, HSDP), expert parallel (an MoE's experts sharded over ranks, alone or with FSDP2) or a
+pipeline of stages (optionally each sharded by FSDP2) -- described once and built by one factory,
+:func:`world_of`.
 
 This module is the only code that inspects DDP wrappers or DTensor types. The engine and the guard
 are composed with a :class:`World`: its degrees and capability properties (``sharded``,
@@ -22,9 +23,10 @@ import torch
 
 from sdcscope.common.alltoall import exchanges, is_expert
 
-KINDS = ("single", "ddp", "sharded", "expert")
-"""The worlds a run can live in (a pipeline world will join them). ``expert``: an MoE whose
-experts are sharded over ranks and reached by all-to-all, with or without FSDP2 for the rest."""
+KINDS = ("single", "ddp", "sharded", "expert", "pipeline")
+"""The worlds a run can live in. ``expert``: an MoE whose experts are sharded over ranks and
+reached by all-to-all, with or without FSDP2 for the rest; ``pipeline``: stages of the model on
+ranks, joined by send/recv, with or without FSDP2 in each stage."""
 
 
 # -- sharded values ----------------------------------------------------------------------------
@@ -89,12 +91,14 @@ SUPPORT: dict[str, dict[str, str]] = {
         "sharded": "per-step metrics read whole parameters and gradients; over shards they would be each "
         "rank's partial values",
         "expert": "per-step metrics read whole parameters and gradients; each rank holds only its own experts",
+        "pipeline": "per-step metrics read whole parameters and gradients; a stage holds only its own layers",
     },
     "guard.zclip": {
         "sharded": "ZClip clips by a gradient norm it computes itself, which over shards is each rank's own "
         "norm (ranks would clip differently); clip in before_step with a DTensor-aware clip_grad_norm_",
         "expert": "ZClip clips by a gradient norm it computes itself, which is each rank's own (its experts "
         "differ): ranks would clip differently",
+        "pipeline": "ZClip clips by a gradient norm it computes itself, which in a pipeline is each stage's own norm",
     },
     "guard.qk_clip": {
         "ddp": "each rank sees only its own attention logits, and rescaling on some ranks would split the replicas",
@@ -102,40 +106,54 @@ SUPPORT: dict[str, dict[str, str]] = {
         "split the shards",
         "expert": "each rank sees only its own tokens' attention logits, and rescaling on some ranks would "
         "split the replicas",
+        "pipeline": "each stage sees only its own layers' attention logits, and rescaling on some stages would "
+        "split the model",
     },
     "guard.invariants": {
         "ddp": "the invariant checker traces one process's loop",
         "sharded": "the invariant checker traces whole tensors in one process",
         "expert": "the invariant checker traces whole tensors in one process",
+        "pipeline": "the invariant checker traces whole models in one process",
     },
     "guard.scaler": {
         "ddp": "the rank guard compares gradients before the scaler unscales them",
         "sharded": "train in bf16 (FSDP2's MixedPrecisionPolicy) instead of fp16 with a GradScaler",
         "expert": "the gradients are averaged by the trainer before any scaler could unscale them; train in fp32 "
         "or bf16",
+        "pipeline": "a GradScaler's overflow check would see one stage's gradients; train in fp32 or bf16",
     },
     "guard.ranks_null": {
         "ddp": "every rank must take the same decision, which the ranks section provides; give ranks: {}",
         "sharded": "every rank must take the same decision, which the ranks section provides; give ranks: {}",
         "expert": "every rank must take the same decision, which the ranks section provides; give ranks: {}",
+        "pipeline": "every rank must take the same decision, which the ranks section provides; give ranks: {}",
     },
     "fault.comm": {
         "single": "site 'comm' corrupts a DDP gradient bucket: it needs --nproc 2 or more with --parallel ddp",
         "sharded": "site 'comm' is the DDP bucket hook's: it needs --parallel ddp",
         "expert": "site 'comm' is the DDP bucket hook's: it needs --parallel ddp",
+        "pipeline": "site 'comm' is the DDP bucket hook's: it needs --parallel ddp",
     },
     "fault.all_to_all": {
         "single": "site 'comm.all_to_all' corrupts an MoE's expert-parallel all-to-all: it needs --nproc 2 or "
         "more with --parallel ep or fsdp+ep",
         "ddp": "DDP runs no all-to-all (each rank holds every expert); use --parallel ep",
         "sharded": "FSDP2 and tensor parallelism run no all-to-all; use --parallel ep or fsdp+ep",
+        "pipeline": "a pipeline of the GPT runs no all-to-all; use --parallel ep or fsdp+ep with the MoE workload",
     },
     "fault.collectives": {
         "single": "sites 'comm.all_gather' and 'comm.reduce_scatter' corrupt FSDP2's collectives: they need "
-        "--nproc 2 or more with --parallel fsdp, hsdp or fsdp+tp",
+        "--nproc 2 or more with --parallel fsdp, hsdp, fsdp+tp or fsdp+pp",
         "ddp": "DDP runs no all-gather or reduce-scatter (its all-reduce is site 'comm'); use --parallel fsdp",
         "expert": "sites 'comm.all_gather' and 'comm.reduce_scatter' corrupt FSDP2's collectives: they need "
         "--parallel fsdp+ep (--parallel ep runs none)",
+    },
+    "fault.p2p": {
+        "single": "site 'comm.p2p' corrupts a pipeline's send/recv: it needs --nproc 2 or more with --parallel pp "
+        "or fsdp+pp",
+        "ddp": "DDP runs no pipeline send/recv; use --parallel pp",
+        "sharded": "FSDP2 and tensor parallelism run no pipeline send/recv; use --parallel pp or fsdp+pp",
+        "expert": "an expert-parallel MoE runs no pipeline send/recv; use --parallel pp or fsdp+pp with the GPT",
     },
     "guard.collectives": {
         "single": "one process runs no collective: nothing to check",
@@ -144,6 +162,7 @@ SUPPORT: dict[str, dict[str, str]] = {
     "train.eval_every": {
         "sharded": "evaluation of a sharded model is a collective and runs once, at the end",
         "expert": "evaluation of an expert-parallel model is a collective (all-to-all) and runs once, at the end",
+        "pipeline": "evaluation of a pipeline runs through every stage and runs once, at the end",
     },
     "action.recompute": {
         "ddp": "the clean re-execution is a local replay of one rank's shard, not a world step: a veto",
@@ -152,6 +171,7 @@ SUPPORT: dict[str, dict[str, str]] = {
         "single": "no other rank can carry on: the step is vetoed and training stops",
         "sharded": "no rank can be excluded: each owns a shard no other rank holds; the run stops",
         "expert": "no rank can be excluded: each owns experts no other rank holds; the run stops",
+        "pipeline": "no rank can be excluded: each holds a stage no other rank holds; the run stops",
     },
 }
 """``feature -> {world kind: why it is not supported there}``; a kind not named supports it. The
@@ -195,7 +215,10 @@ class World:
     collectives: tuple[str, ...] = ()
     """The collectives a training step runs: ``all_reduce`` (DDP, tensor parallel, an expert
     world's replicated parameters), ``all_gather`` and ``reduce_scatter`` (FSDP2), ``all_to_all``
-    (an expert world's token dispatch and combine); what the collective checks and fault sites need."""
+    (an expert world's token dispatch and combine), ``p2p`` (a pipeline's send/recv); what the
+    collective checks and fault sites need."""
+    stage: Any = None
+    """A pipeline world's :class:`~sdcscope.common.pipeline.StageInfo` of this rank (None otherwise)."""
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, self.kind
@@ -214,6 +237,16 @@ class World:
         return self.kind == "expert"
 
     @property
+    def pipeline(self) -> bool:
+        return self.kind == "pipeline"
+
+    @property
+    def split(self) -> bool:
+        """No rank holds the whole model (shards or stages): a global value sums every rank's part,
+        a step is one collective of every rank, and no rank can be left out."""
+        return self.kind in ("sharded", "expert", "pipeline")
+
+    @property
     def data_parallel(self) -> bool:
         """Whole replicas on every rank, averaged gradients (a rank can be left out of the average)."""
         return self.kind == "ddp"
@@ -227,7 +260,17 @@ class World:
         """Ranks that train on different data."""
         if self.kind == "single":
             return 1
+        if self.pipeline:
+            return self.stage.dp
         return self.size // self.degrees.get("tp", 1)
+
+    @property
+    def loss_ranks(self) -> list[int]:
+        """The ranks whose loss is the model's: the last stage's in a pipeline, else every rank."""
+        if self.pipeline:
+            info = self.stage
+            return [info.rank_of(info.stages - 1, d) for d in range(info.dp)]
+        return list(range(self.size))
 
     def unsupported(self, feature: str) -> str | None:
         return unsupported(feature, self.kind)
@@ -245,7 +288,15 @@ class World:
         """How many ranks hold the same values as this rank's part of ``p``: a DTensor's size of the
         mesh dims it is replicated over (the dims it is sharded over split it); a plain tensor is
         alike on every rank of a distributed world, except an expert's, held by the ranks of its
-        expert-parallel coordinate only."""
+        expert-parallel coordinate only. In a pipeline only the ranks of its stage hold it (its
+        data-parallel replicas, unless FSDP2 shards it), and a tied parameter's copies on other
+        stages count too."""
+        if self.pipeline:
+            tied = 2 if id(p) in self.stage.tied else 1
+            if not is_dtensor(p):
+                return self.stage.dp * tied
+            mesh = p.device_mesh
+            return tied * math.prod(mesh.size(d) for d, pl in enumerate(p.placements) if pl.is_replicate())
         expert = is_expert(p)
         if not is_dtensor(p):
             return self.size // self.degrees.get("ep", 1) if expert else self.size
@@ -258,7 +309,7 @@ class World:
 
     def replica_weights(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """``1 / replicas(p)`` per parameter, in fp64: summed over every rank, each value counts once."""
-        if not self.sharded:  # every rank holds the whole of every parameter: one rank speaks for all
+        if not self.split:  # every rank holds the whole of every parameter: one rank speaks for all
             return torch.ones(len(params), dtype=torch.float64)
         return torch.tensor([1.0 / self.replicas(p) for p in params], dtype=torch.float64)
 
@@ -290,8 +341,8 @@ class World:
         total = torch.zeros((), dtype=torch.float64)
         if sq is not None and len(idx):
             w = self.replica_weights(params)[list(idx)].to(sq.device)
-            total = (sq.double() * w).sum() if self.sharded else sq.double().sum()
-        if not self.sharded:
+            total = (sq.double() * w).sum() if self.split else sq.double().sum()
+        if not self.split:
             return float(total)
         sums = [float(r) for r in self.gather(total.reshape(1))]
         out = math.fsum(sums)
@@ -299,13 +350,18 @@ class World:
 
 
 def world_of(model: torch.nn.Module, ddp: Any = None, *, rank: int | None = None) -> World:
-    """The world ``model`` trains in: expert parallel when its MoE layers exchange tokens by
+    """The world ``model`` trains in: a pipeline when it is a stage (:func:`~sdcscope.common.pipeline.stage_of`),
+    expert parallel when its MoE layers exchange tokens by
     all-to-all (:func:`~sdcscope.common.alltoall.exchanges`), sharded when its parameters are
     DTensors, data parallel when ``ddp`` (or ``model`` itself) is a ``DistributedDataParallel``
     wrapper, else one process.
     ``rank``, when given, must be this process's rank (ValueError otherwise)."""
     if ddp is None and is_ddp(model):
         ddp, model = model, model.module
+    from sdcscope.common.pipeline import stage_of
+
+    if (info := stage_of(model)) is not None:
+        return _pipeline_world(model, info, rank)
     params = list(model.parameters())
     sharded = [p for p in params if is_dtensor(p)]
     if ddp is not None:
@@ -348,6 +404,21 @@ def world_of(model: torch.nn.Module, ddp: Any = None, *, rank: int | None = None
         kind = "expert" if moved else "sharded"
         return World(kind, own, size, mesh=mesh, degrees=degrees, collectives=collectives)
     return World("single", 0 if rank is None else rank, 1)
+
+
+def _pipeline_world(model: torch.nn.Module, info: Any, rank: int | None) -> World:
+    """A pipeline stage's world: every rank of the pipeline, the stage's FSDP2 shards (if any)."""
+    import torch.distributed as dist
+
+    own, size = dist.get_rank(), dist.get_world_size()
+    _check_rank(rank, own, "the pipeline")
+    sharded = [p for p in model.parameters() if is_dtensor(p)]
+    mesh = sharded[0].device_mesh if sharded else None
+    from sdcscope.common.fsdp import fsdp_units
+
+    collectives = ("p2p",) + (("all_reduce",) if info.ties else ())  # the tied head's gradient sum
+    collectives += ("all_gather", "reduce_scatter") if fsdp_units(model) else ()
+    return World("pipeline", own, size, mesh=mesh, degrees=info.degrees, collectives=collectives, stage=info)
 
 
 def _check_rank(rank: int | None, own: int, where: str) -> None:

@@ -19,24 +19,30 @@ divided as FSDP2 divides, within ``(n + 3 + m)·u·Σ|g|`` (n summands, the pre/
 the cast, m accumulated micro-batches, u the unit roundoff of the coarser of the reduce and
 gradient dtypes): a worst-case bound, so no clean step exceeds it.
 
+**Send/recv (exact).** A pipeline stage's transfers to and from its neighbours, digested at the
+stage boundary (:mod:`sdcscope.detect.p2p`).
+
 The words travel in the same one gather, once per step: one host read, no other sync. A model
-without FSDP2 units has nothing to check (:data:`~sdcscope.common.world.SUPPORT`
+without FSDP2 units or a pipeline stage has nothing to check (:data:`~sdcscope.common.world.SUPPORT`
 ``guard.collectives``).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from sdcscope.common.fsdp import PASSES, FSDPUnit, fsdp_units, on_gathered
+from sdcscope.common.pipeline import boundary_of
 from sdcscope.common.validate import check_bool
 from sdcscope.common.world import World, local
 from sdcscope.detect.alltoall import AllToAllCheck
 from sdcscope.detect.events import Event
 from sdcscope.detect.links import WORDS, Link, compare, digest_parts, localize
+from sdcscope.detect.p2p import P2PCheck
 from sdcscope.detect.protocol import CheckView, Registration, register
 from sdcscope.detect.rounding import unit_roundoff
 
@@ -47,7 +53,7 @@ NAME = "collectives"
 
 @dataclass
 class CollectivesConfig:
-    """Which of FSDP2's collectives are checked each step."""
+    """Which collectives are checked each step (those the world runs)."""
 
     all_gather: bool = True
     """The parameter all-gathers (forward, and the backward re-gather), exactly."""
@@ -56,11 +62,24 @@ class CollectivesConfig:
     all_to_all: bool = True
     """An expert-parallel MoE layer's all-to-alls (token dispatch, combine and their gradients),
     exactly (:mod:`sdcscope.detect.alltoall`)."""
+    p2p: bool = True
+    """A pipeline's send/recv of activations and their gradients, exactly."""
 
     def __post_init__(self) -> None:
         check_bool("collectives all_gather", self.all_gather)
         check_bool("collectives reduce_scatter", self.reduce_scatter)
         check_bool("collectives all_to_all", self.all_to_all)
+        check_bool("collectives p2p", self.p2p)
+
+
+class _Detach:
+    """A removable handle of a tap."""
+
+    def __init__(self, tap: P2PCheck) -> None:
+        self.tap = tap
+
+    def remove(self) -> None:
+        self.tap.detach()
 
 
 class CollectiveCheck:
@@ -79,6 +98,9 @@ class CollectiveCheck:
         """The largest |reduced sum - expected| / bound of a reduce-scatter this rank judged clean."""
         self.moves = AllToAllCheck(model, NAME)
         """The all-to-alls of an expert-parallel model (none elsewhere)."""
+        self.p2p: P2PCheck | None = None
+        self.stage = None  # a pipeline stage's StageInfo
+        self.width: int | None = None
 
     # -- hooks -------------------------------------------------------------------------------
     def attach(self) -> CollectiveCheck:
@@ -91,6 +113,14 @@ class CollectiveCheck:
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
             self.moves.attach()
             self.handles.append(self.moves)
+        boundary = boundary_of(self.model)
+        self.stage = None if boundary is None else boundary.info
+        if boundary is not None and self.config.p2p and self.p2p is None:
+            rows = boundary.info.rows
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+            self.device = next(self.model.parameters()).device
+            self.p2p = P2PCheck(boundary, self.rank, rows, self.device).attach()
+            self.handles.append(_Detach(self.p2p))
         if not self.units:
             return self
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
@@ -110,7 +140,7 @@ class CollectiveCheck:
                 h.detach()
             else:
                 h.remove()
-        self.handles = []
+        self.handles, self.p2p = [], None
         for _, gp in getattr(self, "params", ()):
             handle = getattr(gp, "grad_hook", None)
             if handle is not None:
@@ -132,6 +162,8 @@ class CollectiveCheck:
             self._reset()
         if self.moving:
             self.moves.reset()
+        if self.p2p is not None:
+            self.p2p.reset()
 
     def _reset(self) -> None:
         P, S, dev = len(self.params), self.S, self.device
@@ -140,6 +172,7 @@ class CollectiveCheck:
         self.seen = torch.zeros(len(PASSES), P, dtype=torch.int64, device=dev)
         self.unreduced = torch.zeros(P, S, 2, dtype=torch.float64, device=dev)  # chunk sums, Σ|g|
         self.micro = [0] * P  # micro-batches accumulated
+        self.pending: dict[int, tuple] = {}  # an unsharded gradient still accumulating: (ref, its sums)
         self.sent_done = False
 
     @torch.no_grad()
@@ -185,6 +218,10 @@ class CollectiveCheck:
             sums = torch.stack(
                 [torch.stack([c.sum(dtype=torch.float64), c.abs().sum(dtype=torch.float64)]) for c in chunks]
             )
+        held = self.pending.get(i)
+        if held is not None and held[0]() is g:  # accumulated in place, not reduced in between (a
+            self.unreduced[i, :S, :2] -= held[1]  # pipeline schedule reduces at the last micro-batch)
+        self.pending[i] = (weakref.ref(g), sums)
         self.unreduced[i, :S, :2] += sums
         self.micro[i] += 1
 
@@ -193,7 +230,7 @@ class CollectiveCheck:
     def check(self, view: CheckView) -> list[Event]:
         if not self.active:
             return []
-        parts = [self.moves.row()] if self.moving else []
+        parts = ([self.moves.row()] if self.moving else []) + ([] if self.p2p is None else [self.p2p.row()])
         if self.units:
             if self.topology is None:
                 self._learn_topology()
@@ -204,15 +241,23 @@ class CollectiveCheck:
                 self.unreduced.flatten().view(torch.int64),
             ]
         row = torch.cat([p.to(parts[0].device) for p in parts])
+        if self.stage is not None:  # pipeline stages hold different units: rows padded to the longest
+            width = self._width(row.numel())
+            row = torch.cat([row, row.new_zeros(width - row.numel())])
         table = torch.stack(World("sharded", self.rank, self.size).gather(row)).cpu()  # the step's one host read
         events = []
         if self.moving:
             moves, table = table.split([self.moves.numel, table.shape[1] - self.moves.numel], 1)
             events += self.moves.events(view.step, self.rank, moves)
+        if self.p2p is not None:
+            words, table = table.split([self.p2p.size(), table.shape[1] - self.p2p.size()], 1)
+            events += self.p2p.events(view.step, words)
         if not self.units:
             return events
         W, P, S = self.size, len(self.params), self.S
         sizes = [P * WORDS, len(PASSES) * P * S * WORDS, len(PASSES) * P, P * S * 2]
+        table = table[:, : sum(sizes)].clone()
+        table[[r for r in range(W) if r not in self.peers]] = 0  # another stage's units: not compared
         sent, arrived, seen, unreduced = table.split(sizes, 1)
         if self.config.all_gather:
             shapes = (W, len(PASSES), P, S, WORDS)
@@ -225,16 +270,29 @@ class CollectiveCheck:
             )
         return events
 
+    def _width(self, n: int) -> int:
+        """The longest row of any rank (once: a collective)."""
+        if self.width is None:
+            import torch.distributed as dist
+
+            longest = torch.tensor([n], dtype=torch.int64, device=self.device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+            self.width = int(longest)
+        return self.width
+
     def _learn_topology(self) -> None:
-        """Every rank's shard group and reduction group of each parameter (once: a collective)."""
+        """Every rank's shard group and reduction group of each parameter (once: a collective).
+        In a pipeline only the ranks of this rank's stage hold the same units (``peers``)."""
         import torch.distributed as dist
 
         mine = [(u.shard_ranks, u.dp_ranks, u.shard_rank) for u, _ in self.params]
         self.topology = [None] * self.size
         dist.all_gather_object(self.topology, mine)
+        info = self.stage
+        self.peers = list(range(self.size)) if info is None else [info.rank_of(info.stage, d) for d in range(info.dp)]
         W, P, S = self.size, len(self.params), self.S
         self.src = torch.full((W, P, S), -1, dtype=torch.int64)  # the sender of each slot of what arrived
-        for r in range(W):
+        for r in self.peers:
             for i, (shard_ranks, _, _) in enumerate(self.topology[r]):
                 self.src[r, i, : len(shard_ranks)] = torch.tensor(shard_ranks)
         self.valid = self.src >= 0

@@ -36,6 +36,7 @@ from sdcscope.common.alltoall import is_expert
 from sdcscope.common.world import local, world_of
 from sdcscope.engine.buckets import BucketHook, bucket_hook
 from sdcscope.engine.dist import DistConfig, device_for, shard
+from sdcscope.engine.pipeline import Pipeline
 from sdcscope.engine.topology import Topology
 from sdcscope.engine.trainer import StepContext, TrainConfig, Trainer
 from sdcscope.faults import FaultSpec
@@ -43,6 +44,8 @@ from sdcscope.inject import Injector, reexecution
 from sdcscope.inject.alltoall import AllToAllInjector
 from sdcscope.inject.collectives import CollectiveInjector, is_collective
 from sdcscope.inject.comm import CommInjector
+from sdcscope.inject.p2p import SITE as P2P_SITE
+from sdcscope.inject.p2p import P2PInjector, check_p2p_spec
 from sdcscope.workloads import Workload
 
 NO_BUFFER_SYNC = (
@@ -71,6 +74,7 @@ class DistTrainer(Trainer):
         self.topology = topology or Topology()
         size = dist.get_world_size()
         self.topology.check(size, workload)
+        self.topology.check_micro_batches(size, (config or TrainConfig()).grad_accum)
         if config is not None and config.compile:
             raise ValueError(
                 "compile=True (--compile) runs in one process; a distributed topology trains eagerly "
@@ -82,7 +86,12 @@ class DistTrainer(Trainer):
         self.model.to(self.device)
         self.mesh = self.topology.build_mesh(size, self.device.type)
         ddp = None
-        if self.topology.sharded:
+        self.pipeline: Pipeline | None = None
+        """A pipeline world's stage and schedule (:mod:`sdcscope.engine.pipeline`)."""
+        if self.topology.pipeline:
+            self.pipeline = Pipeline(self, self.topology, self.mesh)
+            self.optimizer = workload.build_optimizer(self.model)  # over this stage's parameters
+        elif self.topology.sharded:
             self.topology.apply(self.model, self.mesh, workload)
             self.optimizer = workload.build_optimizer(self.model)  # over the split parameters
             if self.topology.mixes_plain_parameters:
@@ -98,6 +107,7 @@ class DistTrainer(Trainer):
         self.comm_injector: CommInjector | None = None
         self.collective_injector: CollectiveInjector | None = None
         self.all_to_all_injector: AllToAllInjector | None = None
+        self.p2p_injector: P2PInjector | None = None
         self._attach_faults(list(specs), injection_log)
 
     @property
@@ -117,10 +127,11 @@ class DistTrainer(Trainer):
     def _attach_faults(self, specs: list[FaultSpec], log: Callable[[dict], None] | None) -> None:
         comm = [(i, s) for i, s in enumerate(specs) if s.site == "comm"]
         a2a = [(i, s) for i, s in enumerate(specs) if s.site == "comm.all_to_all"]
-        coll = [(i, s) for i, s in enumerate(specs) if is_collective(s) and s.site != "comm.all_to_all"]
+        p2p = [(i, s) for i, s in enumerate(specs) if s.site == P2P_SITE]
+        coll = [(i, s) for i, s in enumerate(specs) if is_collective(s) and s.site not in ("comm.all_to_all", P2P_SITE)]
         other = [(i, s) for i, s in enumerate(specs) if s.site != "comm" and not is_collective(s)]
-        if self.world.expert_parallel:  # a fault on an expert another rank owns is not armed here
-            other = [(i, s) for i, s in other if _may_land(s, self.model, self.rank)]
+        if self.world.expert_parallel or self.pipeline is not None:  # only faults that land on what this
+            other = [(i, s) for i, s in other if _may_land(s, self.model, self.rank)]  # rank holds are armed
         if comm and (why := self.world.unsupported("fault.comm")):
             raise ValueError(f"faults of site 'comm' under --parallel {self.topology.kind}: {why}")
         if a2a and (why := self.world.unsupported("fault.all_to_all")):
@@ -136,6 +147,19 @@ class DistTrainer(Trainer):
                 why = f"this world runs {', '.join(self.world.collectives) or 'no collective'}, no FSDP2 unit"
             if why:
                 raise ValueError(f"faults of site {spec.site!r} under --parallel {self.topology.kind}: {why}")
+        if p2p and (why := self.world.unsupported("fault.p2p")):
+            raise ValueError(f"faults of site {P2P_SITE!r} under --parallel {self.topology.kind}: {why}")
+        if p2p:
+            boundary, info = self.pipeline.boundary, self.pipeline.info
+            for i, spec in p2p:
+                try:
+                    check_p2p_spec(spec, info.boundaries, info.stages, info.dp)
+                except ValueError as exc:
+                    raise ValueError(f"fault spec #{i} ({spec.site}): {exc}") from None
+            self.p2p_injector = P2PInjector(
+                boundary, [s for _, s in p2p], rank=self.rank, log=log, spec_ids=[i for i, _ in p2p]
+            )
+            self.callbacks.insert(0, self.p2p_injector.callback())
         if coll:
             self.collective_injector = CollectiveInjector(
                 self.model,
@@ -164,6 +188,8 @@ class DistTrainer(Trainer):
                 self.model, [s for _, s in other], self.optimizer, rank=self.rank, world_size=self.world.size, log=sink
             ).attach()
             self.callbacks.insert(0, self.injector.callback())
+            if self.pipeline is not None:  # the schedule interleaves micro-batches: follow the stage's
+                self.pipeline.boundary.on_micro_batch.append(self.injector.at_micro_batch)
 
     def batch_for(self, data_pos: int, micro_batch: int, rank: int | None = None):
         """Micro-batch ``micro_batch`` of data-parallel coordinate ``rank``'s shard (default: this
@@ -171,6 +197,12 @@ class DistTrainer(Trainer):
         dp = self.dp_rank if rank is None else rank
         batch = self.workload.batch(self.config.seed, data_pos, shard(dp, self.config.grad_accum, micro_batch))
         return tuple(t.to(self.device) for t in batch)
+
+    def forward_backward(self, ctx: StepContext) -> torch.Tensor:
+        """A pipeline world runs the step's micro-batches through its schedule; others, one by one."""
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(ctx)
+        return super().forward_backward(ctx)
 
     @contextlib.contextmanager
     def micro_step(self, micro_batch: int, accum: int) -> Iterator[nn.Module]:
@@ -231,7 +263,7 @@ class DistTrainer(Trainer):
         reduced gradient, as one process does; in a sharded world by the norm over every shard
         (:meth:`~sdcscope.common.world.World.global_sq_norm`: the same bits on every rank), each
         rank scaling its local shards alike."""
-        if not self.world.sharded:
+        if not self.world.split:
             return super().clip_gradients(params, clip, ctx)
         grads = [local(p.grad) for p in params]
         sq = torch.stack([n.double().cpu() for n in torch._foreach_norm(grads)]).square() if grads else None
@@ -247,6 +279,11 @@ class DistTrainer(Trainer):
         """As :meth:`Trainer.evaluate`. In a sharded world a collective (every rank evaluates:
         FSDP2 gathers the weights, TP reduces the outputs); elsewhere rank 0 alone calls it, and a
         GPU model is evaluated as a CPU copy (the workloads keep their evaluation data there)."""
+        if self.pipeline is not None:
+            self._emit("before_evaluate", self)
+            result = {**self.pipeline.evaluate(), "step": self.step}
+            self._emit("on_evaluate", result)
+            return result
         if self.world.sharded or self.device.type == "cpu":
             return super().evaluate()
         model, self.model = self.model, copy.deepcopy(self.model).cpu()
@@ -256,14 +293,16 @@ class DistTrainer(Trainer):
             self.model = model
 
     def close(self) -> None:
-        for inj in (self.injector, self.comm_injector, self.collective_injector, self.all_to_all_injector):
+        injectors = (self.injector, self.comm_injector, self.collective_injector)
+        for inj in injectors + (self.all_to_all_injector, self.p2p_injector):
             if inj is not None:
                 inj.close()
 
 
 def _may_land(spec: FaultSpec, model: nn.Module, rank: int) -> bool:
-    """Whether ``spec`` may fire on ``rank`` of an expert-parallel world: bound to it (or to no
-    rank) and matching a module or parameter this rank holds (an expert lives on one rank)."""
+    """Whether ``spec`` may fire on ``rank`` of an expert-parallel or pipeline world: bound to it (or
+    to no rank) and matching a module or parameter this rank holds (an expert or a stage's layers
+    live on one rank)."""
     if spec.rank is not None and spec.rank != rank:
         return False
     names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]

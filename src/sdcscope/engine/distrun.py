@@ -239,7 +239,8 @@ class DistRun:
             dist.all_gather_object(reasons, m.get("stop"))
             self.stop_reason = m["stop"] = next(r for r in reasons if r)
         rank_loss = rows[:, 0].tolist()
-        live = [v for r, v in enumerate(rank_loss) if r not in self.trainer.excluded]
+        owners = self.trainer.world.loss_ranks  # a pipeline's loss is its last stage's
+        live = [v for r, v in enumerate(rank_loss) if r in owners and r not in self.trainer.excluded]
         m.update(loss=math.fsum(live) / len(live), rank_loss=rank_loss)
         self._crashed |= not math.isfinite(m["loss"]) and not m["skipped"]  # a discarded step is no crash
         every = self.trainer.config.eval_every
@@ -267,7 +268,7 @@ class DistRun:
         return "interrupted" if interrupted else "crash" if self._crashed else "completed"
 
     def _finish(self, last: dict[str, Any], wall: float, *, interrupted: bool) -> None:
-        sharded = self.trainer.world.sharded
+        sharded = self.trainer.world.split
         self.save_checkpoint(self.out / CHECKPOINT_DIR)  # a session resumes from it, also when interrupted
         hashes: list[str | None] = [None] * self.size
         dist.all_gather_object(hashes, param_sha256(self.trainer.model))  # a collective when sharded
@@ -281,7 +282,7 @@ class DistRun:
                 **{f"final_{k}": v for k, v in final.items() if k not in ("val_loss", "step")},
                 "param_sha256": hashes[0],
                 "replica_sha256": hashes,
-                "replicas_identical": len(set(hashes)) == 1,
+                "replicas_identical": _replicas_identical(self.trainer.world, hashes),
                 "steps": self.trainer.step,
                 "world_size": self.size,
                 "parallel": self.topology.kind,
@@ -291,6 +292,15 @@ class DistRun:
         if self.rank == 0:
             merge_injection_logs(self.out, self.size)
             write_json(self.out / "summary.json", self.summary)
+
+
+def _replicas_identical(world: Any, hashes: list[str | None]) -> bool:
+    """Every rank holding the same model part ends with the same bits: all ranks, or in a pipeline
+    the ranks of each stage (the stages hold different layers)."""
+    if not world.pipeline:
+        return len(set(hashes)) == 1
+    info = world.stage
+    return all(len({hashes[info.rank_of(s, d)] for d in range(info.dp)}) == 1 for s in range(info.stages))
 
 
 def _doing(exc: BaseException) -> str:

@@ -14,6 +14,9 @@ plan applied with PyTorch's own engines.
 - ``fsdp+ep``: a 2-D mesh ``dp``×``ep`` of ``(N / inner, inner)`` ranks: the experts sharded
   over ``ep``, then FSDP2 over the whole mesh for the rest (attention, router, embeddings) and
   over ``dp`` for each rank's experts.
+- ``pp``: N pipeline stages (``pp``), each rank one stage of the workload's blocks, run by
+  ``torch.distributed.pipelining`` (:mod:`sdcscope.engine.pipeline`); ``fsdp+pp``: ``pp``×``dp``,
+  ``(N / inner, inner)`` ranks, each stage sharded by FSDP2 over its ``dp`` ranks.
 
 Ranks of one tensor-parallel group train the same micro-batch, each data-parallel coordinate its
 own (:meth:`Topology.dp_coordinate`), so one data-parallel rank reproduces the single-process
@@ -31,8 +34,8 @@ from torch import nn
 from sdcscope.common.validate import check_choice, check_positive
 from sdcscope.workloads import Workload
 
-PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", "hsdp", "ep", "fsdp+ep")
-"""``--parallel`` choices: ``ddp`` keeps the model whole on every rank; the others shard it."""
+PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", "hsdp", "ep", "fsdp+ep", "pp", "fsdp+pp")
+"""``--parallel`` choices: ``ddp`` keeps the model whole on every rank; the others split it."""
 MESH_DIMS = {
     "ddp": ("dp",),
     "fsdp": ("dp",),
@@ -41,8 +44,12 @@ MESH_DIMS = {
     "hsdp": ("replicate", "shard"),
     "ep": ("ep",),
     "fsdp+ep": ("dp", "ep"),
+    "pp": ("pp",),
+    "fsdp+pp": ("pp", "dp"),
 }
 """The mesh dim names of each kind: one dim of every rank, or ``(N / inner, inner)``."""
+SCHEDULES = ("gpipe", "1f1b")
+"""Pipeline schedules (``torch.distributed.pipelining``'s ``ScheduleGPipe``, ``Schedule1F1B``)."""
 
 
 @dataclass(kw_only=True)
@@ -50,14 +57,18 @@ class Topology:
     """How a run is laid over its ranks (``--parallel``); validated before any rank starts."""
 
     kind: str = "ddp"
-    """``ddp``, ``fsdp``, ``tp``, ``fsdp+tp``, ``hsdp``, ``ep`` or ``fsdp+ep``."""
+    """One of :data:`PARALLEL`."""
     inner: int = 2
     """``fsdp+tp``: the tensor-parallel degree; ``hsdp``: the ranks that shard one replica;
-    ``fsdp+ep``: the expert-parallel degree."""
+    ``fsdp+ep``: the expert-parallel degree; ``fsdp+pp``: the ranks that shard one pipeline stage."""
+    schedule: str = "1f1b"
+    """``pp``, ``fsdp+pp``: the pipeline schedule, ``gpipe`` or ``1f1b`` (micro-batches:
+    the training's ``grad_accum``)."""
 
     def __post_init__(self) -> None:
         check_choice("parallel", self.kind, PARALLEL)
         check_positive("parallel inner", self.inner)
+        check_choice("pipeline schedule", self.schedule, SCHEDULES)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,9 +79,16 @@ class Topology:
         return self.kind != "ddp"
 
     @property
+    def pipeline(self) -> bool:
+        """The model is split into stages (``pp``, ``fsdp+pp``)."""
+        return "pp" in MESH_DIMS[self.kind]
+
+    @property
     def world_kind(self) -> str:
         """The :data:`~sdcscope.common.world.KINDS` entry of the world this topology builds."""
-        return "expert" if self.expert_parallel else "sharded" if self.sharded else "ddp"
+        return (
+            "pipeline" if self.pipeline else "expert" if self.expert_parallel else "sharded" if self.sharded else "ddp"
+        )
 
     @property
     def expert_parallel(self) -> bool:
@@ -82,9 +100,11 @@ class Topology:
         """The collectives a training step of this topology runs (the fault sites and checks of
         :data:`~sdcscope.faults.vocab.COLLECTIVE_SITES` need theirs): DDP's gradient all-reduce,
         FSDP2's parameter all-gather and gradient reduce-scatter, tensor parallelism's reductions."""
-        out = ("all_reduce",) if self.kind in ("ddp", "tp", "fsdp+tp", "hsdp", "ep", "fsdp+ep") else ()
+        out = ("p2p", "all_reduce") if self.pipeline else ()  # a tied head's gradients are summed over stages
+        out += ("all_reduce",) if self.kind in ("ddp", "tp", "fsdp+tp", "hsdp", "ep", "fsdp+ep") else ()
         out += ("all_to_all",) if self.expert_parallel else ()
-        return out + (("all_gather", "reduce_scatter") if self.kind in ("fsdp", "fsdp+tp", "hsdp", "fsdp+ep") else ())
+        fsdp = ("fsdp", "fsdp+tp", "hsdp", "fsdp+ep", "fsdp+pp")
+        return out + (("all_gather", "reduce_scatter") if self.kind in fsdp else ())
 
     @property
     def mixes_plain_parameters(self) -> bool:
@@ -109,6 +129,8 @@ class Topology:
     def check(self, size: int, workload: Workload | None = None) -> None:
         """Refuse (ValueError, naming the values and the allowed ones) a topology that does not fit
         ``size`` ranks or, when given, the ``workload``'s model (its plan, its shapes)."""
+        if self.kind == "pp" and size < 2:
+            raise ValueError(f"--parallel pp needs --nproc 2 or more (one pipeline stage per rank), got --nproc {size}")
         if len(MESH_DIMS[self.kind]) == 2 and (size % self.inner or size // self.inner < 2):
             raise ValueError(
                 f"--parallel {self.kind} needs --nproc a multiple of {self.inner} with at least 2 groups "
@@ -117,6 +139,17 @@ class Topology:
             )
         if workload is not None and self.sharded:
             workload.check_parallel(self.kind, self.tp_degree(size), self.ep_degree(size))
+        if workload is not None and self.pipeline:
+            workload.check_pipeline(self.kind, self.degrees(size)["pp"])
+
+    def check_micro_batches(self, size: int, grad_accum: int) -> None:
+        """Refuse (ValueError) a 1F1B pipeline with fewer micro-batches (``--grad-accum``) than
+        stages: its steady state needs one in flight per stage."""
+        if self.pipeline and self.schedule == "1f1b" and grad_accum < (stages := self.degrees(size)["pp"]):
+            raise ValueError(
+                f"--schedule 1f1b over {stages} pipeline stages needs --grad-accum {stages} or more "
+                f"(micro-batches in flight), got --grad-accum {grad_accum}; raise it or use --schedule gpipe"
+            )
 
     def build_mesh(self, size: int, device_type: str) -> Any:
         """The device mesh over ``size`` ranks (None for ``ddp``: a DDP wrapper needs none)."""
@@ -131,7 +164,7 @@ class Topology:
         """``(this rank's data-parallel index, the data-parallel size)``: the ranks of one
         tensor-parallel group share their data."""
         degrees = self.degrees(size)
-        if "tp" not in degrees:
+        if "tp" not in degrees and "pp" not in degrees:
             return rank, size
         if "dp" not in degrees:
             return 0, 1
@@ -145,7 +178,7 @@ class Topology:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         plan = workload.parallelize_plan()
-        assert plan is not None and self.sharded, (plan, self.kind)
+        assert plan is not None and self.sharded and not self.pipeline, (plan, self.kind)
         blocks = model.get_submodule(plan.blocks)
         names = mesh.mesh_dim_names
         if "ep" in names:
@@ -172,4 +205,4 @@ class Topology:
         return model
 
 
-__all__ = ["MESH_DIMS", "PARALLEL", "Topology"]
+__all__ = ["MESH_DIMS", "PARALLEL", "SCHEDULES", "Topology"]

@@ -71,10 +71,12 @@ class FaultSpec:
     phase: str | None = None
     """For site ``comm``: corrupt the gradient bucket ``before`` or ``after`` the all-reduce; for
     ``comm.all_gather``: the ``forward`` all-gather (the default) or the ``backward`` re-gather;
-    for ``comm.all_to_all``: which of the MoE layer's all-to-alls (``dispatch``, the default)."""
+    for ``comm.all_to_all``: which of the MoE layer's all-to-alls (``dispatch``, the default); for
+    ``comm.p2p``: the ``forward`` activation (the default) or the ``backward`` gradient."""
     source: int | None = None
     """For ``comm.all_gather``: the rank whose part of the gathered parameter is corrupted; for
-    ``comm.all_to_all``: the rank whose token rows (or outputs, gradients) are corrupted."""
+    ``comm.all_to_all``: the rank whose token rows (or outputs, gradients) are corrupted; for
+    ``comm.p2p``: the neighbouring stage's rank the transfer came from (``rank``: where it arrived)."""
     direction: str | None = None
     """For ``comm.all_gather`` and ``comm.all_to_all``: ``recv`` (default: what arrived on ``rank`` from ``source``) or
     ``send`` (what left ``source``: every receiver's copy; ``rank`` then is ``source`` or null)."""
@@ -131,8 +133,8 @@ class FaultSpec:
             phases = {"comm": ("before", "after"), **COLLECTIVE_SITES}.get(self.site) or ()
             if not phases:
                 raise ValueError(
-                    f"phase {brief(self.phase)} is only used with sites 'comm', 'comm.all_gather' and "
-                    "'comm.all_to_all', "
+                    f"phase {brief(self.phase)} is only used with sites 'comm', 'comm.all_gather', "
+                    "'comm.all_to_all' and 'comm.p2p', "
                     f"not {brief(self.site)}"
                 )
             choice("phase" if self.site == "comm" else f"{self.site} phase", self.phase, phases)
@@ -161,9 +163,21 @@ class FaultSpec:
         if self.site not in LINK_SITES:
             return
         if self.source is None:
-            what = "parameter" if self.site == "comm.all_gather" else "token rows"
-            raise ValueError(f"site {self.site!r} needs source: the rank whose part of the {what} is corrupted")
+            what = {
+                "comm.all_gather": "part of the parameter",
+                "comm.all_to_all": "token rows",
+                "comm.p2p": "transfer (the sending stage's rank)",
+            }[self.site]
+            raise ValueError(f"site {self.site!r} needs source: the rank whose {what} is corrupted")
         check_int("source", self.source)
+        if self.site == "comm.p2p":
+            if self.rank is None:
+                raise ValueError("site 'comm.p2p' needs rank: the destination rank the transfer arrived on")
+            if self.direction not in (None, "recv"):
+                raise ValueError(
+                    f"direction {brief(self.direction)}: site 'comm.p2p' corrupts what arrived on rank (recv)"
+                )
+            return
         if self.direction is not None:
             choice("direction", self.direction, DIRECTIONS)
         if self.direction == "send" and self.rank not in (None, self.source):

@@ -40,6 +40,7 @@ SITES: tuple[str, ...] = (
     "comm.all_gather",
     "comm.reduce_scatter",
     "comm.all_to_all",
+    "comm.p2p",
 )
 """Where a fault can land (see docs/architecture.md, vocabulary). ``dispatch``: the token rows a
 mixture-of-experts layer's dispatch hands its experts (the permutation's output, what an
@@ -54,12 +55,14 @@ COLLECTIVE_SITES: dict[str, tuple[str, ...]] = {
     "comm.all_gather": ("forward", "backward"),
     "comm.reduce_scatter": (),
     "comm.all_to_all": ("dispatch", "combine", "combine_grad", "dispatch_grad"),
+    "comm.p2p": ("forward", "backward"),
 }
 """The collectives a fault can corrupt, on the rank the data arrived on, and the phases each
-takes: FSDP2's (``comm.all_gather``: the ``forward`` all-gather or the ``backward`` re-gather)
-and an expert-parallel MoE layer's all-to-all (``comm.all_to_all``: the token rows' ``dispatch``
-(the default), the expert outputs' ``combine``, and their gradients' moves back in backward)."""
-LINK_SITES: tuple[str, ...] = ("comm.all_gather", "comm.all_to_all")
+takes: FSDP2's (``comm.all_gather``: the ``forward`` all-gather or the ``backward`` re-gather),
+an expert-parallel MoE layer's all-to-all (``comm.all_to_all``: the token rows' ``dispatch``
+(the default), the expert outputs' ``combine``, and their gradients' moves back in backward) and
+a pipeline's send/recv (``comm.p2p``: an activation ``forward``, a gradient ``backward``)."""
+LINK_SITES: tuple[str, ...] = ("comm.all_gather", "comm.all_to_all", "comm.p2p")
 """Collective sites whose fault names a link: ``source`` (and ``direction``)."""
 DIRECTIONS: tuple[str, ...] = ("recv", "send")
 """Which end of a link a collective fault lives at: ``recv`` (what arrived on ``rank`` from
@@ -71,8 +74,11 @@ reads or writes it: ``output`` (the result C, the default), ``a`` / ``b`` (the f
 C = (scale_a·A)·(scale_b·B): Y = X·Wᵀ, dX = dY·W, dW = dYᵀ·X, faulted in their fp8 format) or
 ``scale_a`` / ``scale_b`` (their fp32 per-tensor scales)."""
 
-STEP_SITES: frozenset[str] = frozenset({"param_grad", "optimizer_state", "checkpoint", "comm", *COLLECTIVE_SITES})
-"""Sites touched once per optimizer step, so a schedule's ``micro_batch`` means nothing."""
+STEP_SITES: frozenset[str] = frozenset(
+    {"param_grad", "optimizer_state", "checkpoint", "comm", *(s for s in COLLECTIVE_SITES if s != "comm.p2p")}
+)
+"""Sites touched once per optimizer step, so a schedule's ``micro_batch`` means nothing (a
+pipeline's send/recv runs per micro-batch)."""
 
 RANDOM = "random"
 """The value of an index-like pattern field that asks for a draw from the fault generator."""

@@ -1,7 +1,8 @@
-"""The Guard over sharded training: FSDP2 (``fully_shard``), tensor parallel (``parallelize_module``),
-FSDP×TP and HSDP -- every model whose parameters are DTensors -- and over expert parallelism
-(an MoE's experts sharded over ranks, tokens moved by all-to-all: each rank owns experts no
-other rank holds, so the same side decides there).
+"""The Guard over split training: FSDP2 (``fully_shard``), tensor parallel (``parallelize_module``),
+FSDP×TP and HSDP -- every model whose parameters are DTensors --, expert parallelism (an MoE's
+experts sharded over ranks, tokens moved by all-to-all) and pipeline stages (``pp``, ``fsdp+pp``:
+a replay runs the whole schedule). Each rank owns a part no other rank holds, so one side decides
+for all of them.
 
 Each rank's detectors work on what that rank holds and computes: ABFT checks the GEMMs the rank
 runs (under FSDP2 the unsharded weights its forward and backward use; under tensor parallel the
@@ -17,7 +18,8 @@ side supplies, per step and on every rank:
 1. the ranks' findings are shared (one all-reduce of a count; an object gather only when there
    is something to share) -- so every rank holds the same list and takes the same actions; a
    step on corrupted state is decided by the state checksums alone, and one whose all-gather or
-   all-to-all delivered other bits than were sent by that link alone (the rest are its consequences);
+   all-to-all or pipeline send/recv delivered other bits than were sent by that link alone (the
+   rest are its consequences);
 2. any finding but a state checksum's makes every rank replay the step together (the replay is a
    collective: FSDP2 gathers, TP reduces); a finding the replay does not reproduce anywhere is
    ``transient`` and the clean re-execution is kept (``recompute``), one that comes back is
@@ -64,8 +66,9 @@ so the world keeps one copy, about no rank until a replay names one."""
 STOP = {
     "sharded": "no rank can be excluded: each owns a shard no other rank holds",
     "expert": "no rank can be excluded: each owns experts no other rank holds",
+    "pipeline": "no rank can be excluded: each holds a pipeline stage no other rank holds",
 }
-"""Why a sharded or expert-parallel world stops where another would leave a rank out."""
+"""Why a split world stops where another would leave a rank out."""
 
 
 def tensor_parallel_layers(model: nn.Module) -> list[str]:
@@ -149,7 +152,11 @@ class ShardedRanks(WorldSide):
         # this rank's place among their holders: ranks with the same key must hold the same bits
         self.replicated = [p for p in params if world.replicas(p) > 1]
         self.keys: list[Any] = [None] * self.size
-        dist.all_gather_object(self.keys, world.replica_key(self.replicated))
+        dist.all_gather_object(self.keys, (world.replica_key(self.replicated), len(self.replicated)))
+        # a pipeline's stages hold different parameters (a middle stage may hold no copy): every rank
+        # takes part in the check when any rank has copies, its row padded to the longest
+        self.width = max(n for _, n in self.keys)
+        self.keys = [key if n else None for key, n in self.keys]
         self.carry: list[Event] = []
         self.persistent: set[int] = set()  # ids of this step's findings the ledger found persistent
         self.devices = [None] * self.size
@@ -167,7 +174,8 @@ class ShardedRanks(WorldSide):
             sq = (grads.sq * w).sum()
         dev = self.world.comm_device()
         rows = self.world.gather(torch.stack([loss.detach().to(dev, torch.float64).reshape(()), sq.to(dev)]))
-        losses, sqs = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
+        losses = [float(rows[r][0]) for r in self.world.loss_ranks]  # a pipeline's: its last stage's
+        sqs = [float(r[1]) for r in rows]
         total = math.fsum(sqs) if all(map(math.isfinite, sqs)) else math.inf
         return finite_mean(losses), (None if grads is None or grads.sq is None else total)
 
@@ -206,6 +214,8 @@ class ShardedRanks(WorldSide):
                     e.rank = None
                 elif e.rank is None:
                     e.rank = r
+                if self.world.pipeline and e.rank is not None:  # a pipeline's events name the stage
+                    e.evidence = {**e.evidence, "stage": self.world.stage.stage_of_rank(e.rank)}
                 events.append(e)
         if any(e.detector == "state_checksum" for e in events):
             events = [e for e in events if e.detector == "state_checksum"]
@@ -233,8 +243,9 @@ class ShardedRanks(WorldSide):
         for e in events:
             note = self._note(e)
             if note is not None and note.persistent and not self.stop:
-                why = STOP[self.world.kind]
-                self.halt(f"persistent fault at {note.site} on rank {e.rank} ({note.strikes} strikes): {why}")
+                self.halt(
+                    f"persistent fault at {note.site} on {self._where(e.rank)} ({note.strikes} strikes): {self._stop}"
+                )
                 self.persistent.add(id(e))
 
     def translate(self, session: StepSession, e: Event, chosen: list[str]) -> list[str]:
@@ -244,13 +255,22 @@ class ShardedRanks(WorldSide):
         out: list[str] = []
         for a in chosen:
             if a == "quarantine":
-                self.halt(f"policy: {e.detector}: {e.verdict} on rank {e.rank}: {STOP[self.world.kind]}")
+                self.halt(f"policy: {e.detector}: {e.verdict} on {self._where(e.rank)}: {self._stop}")
                 a = "veto"
             out += [a] if a not in out else []
         return out
 
     def stop_evidence(self) -> dict[str, Any]:
         return {"ledger": None if self.ledger.path is None else str(self.ledger.path)}
+
+    def _where(self, rank: int | None) -> str:
+        if self.world.pipeline and rank is not None:
+            return f"rank {rank} (pipeline stage {self.world.stage.stage_of_rank(rank)})"
+        return f"rank {rank}"
+
+    @property
+    def _stop(self) -> str:
+        return STOP[self.world.kind]
 
     def _note(self, e: Event):
         if e.rank is None or not 0 <= e.rank < self.size:
@@ -263,15 +283,19 @@ class ShardedRanks(WorldSide):
         step's decision as a state finding (a rollback on every rank), naming the rank the
         majority outvotes when there are 3 or more replicas (with 2 no copy can be preferred)."""
         every = self.config.hash_every
-        if not self.replicated or not every or (step + 1) % every and not verify:
+        if not self.width or not every or (step + 1) % every and not verify:
             return
-        mine = torch.stack(
-            [local(p).detach().reshape(-1).view(_INT[p.element_size()]).sum(dtype=torch.int64) for p in self.replicated]
-        )
+        dev = self.world.comm_device()
+        words = [local(p).detach().reshape(-1).view(_INT[p.element_size()]) for p in self.replicated]
+        sums = [w.sum(dtype=torch.int64) for w in words]
+        mine = torch.zeros(self.width, dtype=torch.int64, device=dev)
+        if sums:
+            mine[: len(sums)] = torch.stack(sums).to(dev)
         rows = self.world.gather(mine)
         groups: dict[tuple, list[int]] = {}
         for r, key in enumerate(self.keys):
-            groups.setdefault(key, []).append(r)
+            if key is not None:  # a rank without copies compares nothing
+                groups.setdefault(key, []).append(r)
         for ranks in groups.values():
             digests = {r: tuple(rows[r].tolist()) for r in ranks}
             counts = {d: sum(1 for x in digests.values() if x == d) for d in set(digests.values())}
@@ -291,8 +315,9 @@ class ShardedRanks(WorldSide):
 
 
 def _link(e: Event) -> bool:
-    """An exact link finding: an all-gather or all-to-all delivered other bits than its sender sent."""
-    return e.detector == "collectives" and e.evidence.get("collective") in ("all_gather", "all_to_all")
+    """An exact link finding: an all-gather, an all-to-all or a pipeline send/recv delivered other
+    bits than its sender sent."""
+    return e.detector == "collectives" and e.evidence.get("collective") in ("all_gather", "all_to_all", "send_recv")
 
 
 def world_replay(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -200,7 +200,7 @@ def make_side(guard: Guard, world: World, *, run_dir: str | Path | None, ledger:
         from sdcscope.guard.ranks import GuardRanks
 
         return GuardRanks(guard, world, guard.config.ranks, run_dir=run_dir, ledger=ledger)
-    if world.sharded:
+    if world.split:  # shards or pipeline stages: every rank owns what no other holds
         from sdcscope.guard.sharded import ShardedRanks
 
         return ShardedRanks(guard, world, guard.config.ranks, run_dir=run_dir, ledger=ledger)

@@ -288,6 +288,13 @@ class Injector(SiteHooks, Fp8Sites, GraphSites):
         if self._graph_entries:
             self._graph_arm()
 
+    def at_micro_batch(self, micro_batch: int) -> None:
+        """The micro-batch whose work runs next, within the current step: a pipeline schedule
+        interleaves micro-batches (1F1B runs one's backward between others' forwards)."""
+        if micro_batch != self.micro_batch:
+            self.micro_batch = micro_batch
+            self._calls, self._acted, self._fired_input = {}, set(), {}
+
     def _live(self, spec: FaultSpec) -> bool:
         """Whether ``spec`` can fire at the current position (rank, schedule window, phase)."""
         once = spec.schedule.kind != "permanent"

@@ -102,7 +102,10 @@ def check_faults(
         def is_comm(spec: FaultSpec) -> bool:
             return spec.site == "comm"
 
-        for applies, check in ((is_comm, check_comm_specs), (is_collective, check_collective_specs)):
+        def is_fsdp(spec: FaultSpec) -> bool:  # comm.p2p lands on a pipeline's stage boundary (check_job)
+            return is_collective(spec) and spec.site != "comm.p2p"
+
+        for applies, check in ((is_comm, check_comm_specs), (is_fsdp, check_collective_specs)):
             mine = [(i, s) for i, s in enumerate(specs) if applies(s)]
             ids, subset = [i for i, _ in mine], [s for _, s in mine]
             check(model, subset, world_size=world_size, steps=steps, grad_accum=train.grad_accum, spec_ids=ids)

@@ -43,6 +43,7 @@ from sdcscope.faults import FaultSpec
 from sdcscope.faults.vocab import COLLECTIVE_SITES
 from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.world import fit_config
+from sdcscope.inject.p2p import check_p2p_link, check_p2p_spec
 from sdcscope.jobs.assemble import check_faults, guard_trainer
 from sdcscope.workloads import WorkloadConfig, make_workload
 
@@ -181,6 +182,7 @@ def make_job(
         raise ValueError(f"hash_every={hash_every} must be >= 0")
     topology = parallel or Topology()
     topology.check(nproc)
+    topology.check_micro_batches(nproc, (train or TrainConfig()).grad_accum)
     sharded = topology.sharded
     kind = topology.world_kind
     if train is not None and train.eval_every and (why := unsupported("train.eval_every", kind)):
@@ -189,9 +191,12 @@ def make_job(
         raise ValueError(f"faults of site 'comm' under --parallel {topology.kind}: {why}")
     for s in specs:
         if s.site in COLLECTIVE_SITES and s.site.split(".")[1] not in topology.collectives:
-            feature = "fault.all_to_all" if s.site == "comm.all_to_all" else "fault.collectives"
+            feature = {"comm.all_to_all": "fault.all_to_all", "comm.p2p": "fault.p2p"}.get(s.site, "fault.collectives")
             why = unsupported(feature, kind) or f"--parallel {topology.kind} runs no {s.site.split('.')[1]}"
             raise ValueError(f"faults of site {s.site!r} under --parallel {topology.kind}: {why}")
+        if s.site == "comm.p2p":
+            degrees = topology.degrees(nproc)
+            check_p2p_link(s, degrees["pp"], degrees.get("dp", 1))
     if guard is not None and sharded:
         guard = fit_config(guard, kind)
     elif guard is not None:
@@ -320,6 +325,15 @@ def check_job(job: Job) -> None:
     check_faults(
         workload, model, optimizer, job.specs, train=job.train, steps=job.steps, world_size=job.nproc, distributed=True
     )
+    p2p = [(i, s) for i, s in enumerate(job.specs) if s.site == "comm.p2p"]
+    if p2p:  # make_job refused them outside a pipeline
+        degrees = job.parallel.degrees(job.nproc)
+        boundaries, _ = workload.split_stage(copy.deepcopy(model).to("meta"), 0, degrees["pp"])
+        for i, spec in p2p:
+            try:
+                check_p2p_spec(spec, boundaries, degrees["pp"], degrees.get("dp", 1))
+            except ValueError as exc:
+                raise ValueError(f"fault spec #{i} ({spec.site}): {exc}") from None
     from sdcscope.engine.resources import check_memory
 
     check_memory(workload, processes=job.nproc, model=model)

@@ -35,6 +35,8 @@ UNSUPPORTED_SITES = {
     "comm.all_to_all": "a trial trains in one process, whose MoE layers hold every expert and run no all-to-all; "
     "inject it with `sdcscope train --workload moe --nproc N --parallel ep --faults FILE` "
     "(benchmarks/bench_sharded_matrix.py, tests/sharded)",
+    "comm.p2p": "a trial trains in one process, without a pipeline's send/recv; inject them with "
+    "`sdcscope train --nproc N --parallel pp --faults FILE` (benchmarks/bench_sharded_matrix.py, tests/sharded)",
 }
 """Fault sites a campaign cannot inject, and why."""
 CAMPAIGN_SITES = tuple(s for s in SITES if s not in UNSUPPORTED_SITES)

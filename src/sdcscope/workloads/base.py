@@ -20,7 +20,16 @@ from torch import nn
 from sdcscope.common.validate import check_bool, check_choice, check_float, check_non_negative, check_positive
 from sdcscope.workloads.cnn import CNN_PRESETS, LeNet, cnn_preset
 from sdcscope.workloads.data import ByteCorpus, load_digits_tensors, step_generator
-from sdcscope.workloads.gpt import GPT, GPT_PRESETS, PRECISIONS, TP_PLAN, check_tensor_parallel, gpt_preset, lm_loss
+from sdcscope.workloads.gpt import (
+    GPT,
+    GPT_PRESETS,
+    PRECISIONS,
+    TP_PLAN,
+    check_tensor_parallel,
+    gpt_preset,
+    lm_loss,
+    split_stage,
+)
 from sdcscope.workloads.moe import MOE_PRESETS, MoEGPT, moe_preset
 
 WORKLOADS = {"gpt": GPT_PRESETS, "cnn": CNN_PRESETS, "moe": MOE_PRESETS}
@@ -168,6 +177,28 @@ class Workload:
                 f"--parallel {kind} shards experts: the {self.config.workload} workload has none; use --workload moe"
             )
 
+    def check_pipeline(self, kind: str, stages: int) -> None:
+        """Refuse (ValueError) ``--parallel kind`` over ``stages`` pipeline stages when the model
+        cannot be split so: here, always (a workload that can overrides :meth:`split_stage`)."""
+        raise ValueError(
+            f"--parallel {kind}: the {self.config.workload} workload cannot be split into pipeline stages; "
+            "use --parallel ddp or fsdp, or the gpt workload"
+        )
+
+    def split_stage(self, model: nn.Module, stage: int, stages: int) -> tuple[tuple[str, ...], list]:
+        """Keep pipeline stage ``stage`` of ``stages`` of ``model`` in place; return the names of
+        the activations each stage sends on and this stage's parameters tied to another stage's."""
+        raise NotImplementedError
+
+    def output_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of the model's ``output`` (the last pipeline stage's) against ``targets``."""
+        raise NotImplementedError
+
+    def eval_batches(self) -> list:
+        """The evaluation batches ``(inputs, targets)`` :meth:`evaluate` reads (a pipeline passes
+        them through its stages)."""
+        raise NotImplementedError
+
 
 class GPTWorkload(Workload):
     model_preset = staticmethod(gpt_preset)
@@ -202,6 +233,24 @@ class GPTWorkload(Workload):
 
     def parallelize_plan(self) -> ParallelizePlan:
         return ParallelizePlan(blocks="blocks", tensor_parallel=TP_PLAN)
+
+    def check_pipeline(self, kind: str, stages: int) -> None:
+        self.check_parallel(kind, 1)
+        if self.model_config.n_layer < stages:
+            raise ValueError(
+                f"--parallel {kind}: {stages} pipeline stages need at least {stages} blocks; the "
+                f"{self.config.preset} GPT has n_layer={self.model_config.n_layer} (use --nproc "
+                f"{self.model_config.n_layer} or fewer stages, or a larger preset)"
+            )
+
+    def split_stage(self, model, stage, stages):
+        return split_stage(model, stage, stages)
+
+    def output_loss(self, output, targets):
+        return lm_loss(output, targets, self.model_config.z_loss)
+
+    def eval_batches(self):
+        return self._val
 
     def check_parallel(self, kind: str, tp_degree: int, ep_degree: int = 1) -> None:
         super().check_parallel(kind, tp_degree, ep_degree)

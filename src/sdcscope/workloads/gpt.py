@@ -207,14 +207,43 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits of the byte ids ``idx``; a pipeline stage (:func:`split_stage`) without the
+        embeddings takes the previous stage's activation, one without the head returns its own."""
         t = idx.shape[1]
         if t > self.cfg.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={self.cfg.block_size}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
+        x = idx
+        if self.tok_emb is not None:
+            pos = torch.arange(t, device=idx.device)
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return x if self.head is None else self.head(self.ln_f(x))
+
+
+def stage_blocks(n_layer: int, stages: int) -> list[range]:
+    """The blocks of each of ``stages`` pipeline stages: contiguous, as even as they go (the
+    first stages take one more)."""
+    per, extra = divmod(n_layer, stages)
+    starts = [s * per + min(s, extra) for s in range(stages + 1)]
+    return [range(starts[s], starts[s + 1]) for s in range(stages)]
+
+
+def split_stage(model: GPT, stage: int, stages: int) -> tuple[tuple[str, ...], list[nn.Parameter]]:
+    """Keep only pipeline stage ``stage`` of ``stages`` of ``model``, in place: the first stage
+    keeps the embeddings, the last the final norm and head, each its blocks
+    (:func:`stage_blocks`) under their own names (``blocks.3`` stays ``blocks.3``). Returns the
+    names of the activations each stage sends on (the output of its last block) and the
+    parameters of this stage another stage holds too (a tied head: the embedding)."""
+    ranges = stage_blocks(len(model.blocks), stages)
+    keep = ranges[stage]
+    tied = [model.head.weight] if model.cfg.tied_head and stages > 1 and stage in (0, stages - 1) else []
+    model.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in keep})
+    if stage > 0:
+        model.tok_emb = model.pos_emb = model.drop = None
+    if stage < stages - 1:
+        model.ln_f = model.head = None
+    return tuple(f"blocks.{r[-1]}" for r in ranges[:-1]), tied
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
