@@ -6,12 +6,12 @@ ranks, which stop after the same step; the launcher waits for them (bounded) and
 :class:`~sdcscope.engine.run.Interrupted` with the run's summary.
 
 The job's exit code is the ranks' own, not torchrun's (torchrun exits 1 whatever its ranks said):
-each rank writes its code for the launcher (:data:`~sdcscope.jobs.torchrun.EXIT_CODES_ENV`), so a
+each rank writes its code for the launcher (:data:`~sdcscope.jobs.ranklife.EXIT_CODES_ENV`), so a
 rank that refused the job makes it exit ``USER_ERROR``; ranks that ended cleanly after the guard
 stopped the run make it exit ``GUARD_STOPPED`` (:func:`job_code`).
 
 Nothing outlives the launcher: torchrun gets SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``
-on Linux) and every rank watches the launcher itself (:func:`sdcscope.jobs.torchrun.watch_launcher`).
+on Linux) and every rank watches the launcher itself (:func:`sdcscope.jobs.ranklife.watch_launcher`).
 Once a rank has recorded a failure (``failure.rank{r}.json``: a peer died or hung), the ranks
 still running are looked at (stopped? which rank?), killed, and the whole story written to
 ``failure.json`` (:func:`describe_failure` makes the one line the CLI prints).
@@ -42,7 +42,8 @@ from sdcscope.common.exitcodes import ExitCode
 from sdcscope.engine.dist import DistributedError, free_port
 from sdcscope.engine.run import Interrupted
 from sdcscope.engine.rundir import read_json, read_jsonl, write_json
-from sdcscope.jobs.torchrun import EXIT_CODES_ENV, LAUNCHER_ENV, Job, check_job, save_job
+from sdcscope.jobs.ranklife import EXIT_CODES_ENV, LAUNCHER_ENV
+from sdcscope.jobs.torchrun import Job, check_job, save_job
 
 __all__ = ["launch", "LAUNCHER_SIGNALS", "describe_failure", "job_code", "FAILURE_FILE"]
 
@@ -113,7 +114,7 @@ def _children(pid: int) -> list[int] | None:
 
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the launcher dies (Linux; torchrun then stops its
-    ranks). Elsewhere the ranks' own watch (:func:`sdcscope.jobs.torchrun.watch_launcher`) acts."""
+    ranks). Elsewhere the ranks' own watch (:func:`sdcscope.jobs.ranklife.watch_launcher`) acts."""
     with contextlib.suppress(Exception):
         import ctypes
 
@@ -252,7 +253,7 @@ def _exits(path: Path) -> dict[int, dict[str, Any]]:
 
 
 def _rank_codes(folder: Path) -> dict[int, int]:
-    """The exit codes the ranks wrote in ``folder`` (:data:`~sdcscope.jobs.torchrun.EXIT_CODES_ENV`)."""
+    """The exit codes the ranks wrote in ``folder`` (:data:`~sdcscope.jobs.ranklife.EXIT_CODES_ENV`)."""
     codes = {}
     for path in folder.glob("rank*"):
         with contextlib.suppress(OSError, ValueError):

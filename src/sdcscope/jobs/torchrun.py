@@ -10,7 +10,7 @@ the resolved configs; every rank reads it::
 With a guard config every rank is watched by the Guard; without one, in a data-parallel world,
 the rank guard alone (:mod:`sdcscope.mitigate.quarantine`) runs, unless ``crossrank`` is off.
 Each rank logs (the guard's events among its lines) on stderr at the launcher's verbosity, every
-line naming the rank, and tells the launcher its exit code (:data:`EXIT_CODES_ENV`).
+line naming the rank, and tells the launcher its exit code (:mod:`sdcscope.jobs.ranklife`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -45,6 +43,7 @@ from sdcscope.guard import Guard, GuardConfig
 from sdcscope.guard.world import fit_config
 from sdcscope.inject.p2p import check_p2p_link, check_p2p_spec
 from sdcscope.jobs.assemble import check_faults, guard_trainer
+from sdcscope.jobs.ranklife import LAUNCHER_ENV, configure_logging, tell_launcher, watch_launcher
 from sdcscope.workloads import WorkloadConfig, make_workload
 
 __all__ = [
@@ -56,16 +55,7 @@ __all__ = [
     "check_job",
     "run_job",
     "main",
-    "watch_launcher",
-    "LAUNCHER_ENV",
-    "EXIT_CODES_ENV",
 ]
-
-LAUNCHER_ENV = "SDCSCOPE_LAUNCHER_PID"
-"""The launcher's pid, in every rank's environment: a rank outlives neither it nor torchrun."""
-EXIT_CODES_ENV = "SDCSCOPE_EXIT_CODES"
-"""A folder where each rank writes its exit code (file ``rank{r}``): torchrun itself exits 1 on any
-rank's failure, so the launcher reads there what the ranks said (a refused job: ``USER_ERROR``)."""
 
 
 @dataclass
@@ -381,72 +371,17 @@ def run_job(job: Job, stop: list[int] | None = None) -> dict[str, Any]:
             watch.close()
 
 
-def _gone(pid: int, fd: int | None) -> bool:
-    if fd is not None:
-        import select
-
-        return bool(select.select([fd], [], [], 0)[0])  # a pidfd reads ready once its process ended
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def watch_launcher(grace_s: float = 5.0, poll_s: float = 0.2) -> threading.Thread | None:
-    """Stop this rank when its launcher (:data:`LAUNCHER_ENV`) or its parent (torchrun) dies: a
-    SIGTERM to itself first (the ranks stop after the same step, as on Ctrl-C), and after
-    ``grace_s`` an immediate exit (:data:`ExitCode.INFRASTRUCTURE`), so an orphaned rank never
-    trains on. None when there is nothing to watch."""
-    launcher = os.environ.get(LAUNCHER_ENV)
-    parent = os.getppid()
-    pid = int(launcher) if launcher and launcher.isdigit() else None
-    fd = None
-    if pid is not None and hasattr(os, "pidfd_open"):
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            os._exit(ExitCode.INFRASTRUCTURE)  # gone before this rank started
-        except OSError:
-            fd = None
-
-    def watch() -> None:
-        while os.getppid() == parent and (pid is None or not _gone(pid, fd)):
-            time.sleep(poll_s)
-        print(f"error: rank {os.environ.get('RANK', '?')}: its launcher is gone; stopping", file=sys.stderr)
-        with contextlib.suppress(OSError):
-            os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace_s)
-        os._exit(ExitCode.INFRASTRUCTURE)
-
-    thread = threading.Thread(target=watch, name="sdcscope-launcher-watch", daemon=True)
-    thread.start()
-    return thread
-
-
-def configure_logging(level: str, rank: int | str) -> None:
-    """This rank's log lines (one WARNING per guard event among them) on stderr at ``level``, each
-    naming the rank: the launcher configures only its own process's logging."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(levelname)s rank {rank} %(name)s: %(message)s"))
-    logger = logging.getLogger("sdcscope")
-    logger.setLevel(level)  # a name: ValueError when unknown
-    logger.addHandler(handler)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m sdcscope.jobs.torchrun JOB.json`` on every rank; exit code 0 (trained: the
     outcome, ``stopped`` by the guard among them, is in summary.json), 2 (a job or spec this rank
     refuses), 5 (:data:`ExitCode.INFRASTRUCTURE`: the world could not form or was lost), 6 (a write
     the storage refused), 1 (a bug: its traceback is printed). The code is also written under
-    :data:`EXIT_CODES_ENV` when the launcher names a folder there.
+    :data:`~sdcscope.jobs.ranklife.EXIT_CODES_ENV` when the launcher names a folder there.
 
     SIGINT or SIGTERM stops every rank after the same step (summary outcome ``interrupted``); the
     ranks then exit 0 without a word (the launcher reports it); a second signal acts at once.
     A guard's stop ends every rank after the same step too, cleanly. A rank whose launcher dies
-    stops too (:func:`watch_launcher`)."""
+    stops too (:func:`~sdcscope.jobs.ranklife.watch_launcher`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     code: int = ExitCode.INTERNAL  # what escapes below is a bug
     try:
@@ -458,16 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 watch_launcher(grace)
             code = _main(argv, stop)
     finally:
-        _tell_launcher(code)
+        tell_launcher(code)
     return code
-
-
-def _tell_launcher(code: int) -> None:
-    """Write this rank's exit code where the launcher reads it (:data:`EXIT_CODES_ENV`)."""
-    folder = os.environ.get(EXIT_CODES_ENV)
-    if folder:
-        with contextlib.suppress(OSError):
-            (Path(folder) / f"rank{os.environ.get('RANK', '0')}").write_text(str(int(code)))
 
 
 def _loss(value: Any) -> str:
