@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -464,14 +465,20 @@ def sharded_resume(out, steps: int):
     return resume_job(out, steps, dist_config=sharded_dist(), checkpoints=sharded_policy())
 
 
-def _sharded_world(rank: int, world: int, jobs: list[dict]) -> None:
-    """Every job on the same two ranks, one after the other (the process start is paid once)."""
+def jobs_world(rank: int, world: int, jobs: list[dict]) -> None:
+    """Every job (``Job.to_dict()``) on the same ranks of a gloo world, one after the other (the
+    process start is paid once); the target of ``spawn``."""
     from sdcscope.engine.dist import init_distributed
     from sdcscope.jobs.torchrun import Job, run_job
 
     init_distributed(sharded_dist())
     for job in jobs:
         run_job(Job.from_dict(job))
+
+
+def jsonl_lines(path) -> list[dict]:
+    """The records of a JSON-lines file (events.jsonl, injections.jsonl)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
 def sharded_checkpoint_runs(tmp) -> dict:
@@ -497,7 +504,7 @@ def sharded_checkpoint_runs(tmp) -> dict:
         sharded_job(paths["tp_whole"], "tp", 3),
         sharded_job(paths["tp_stopped"], "tp", 2),
     ]
-    spawn(_sharded_world, 2, (first,), timeout_s=300)
+    spawn(jobs_world, 2, (first,), timeout_s=300)
     paths["reference"] = json.loads((paths["whole"] / "summary.json").read_text())["param_sha256"]
     shutil.copytree(paths["whole"], tmp / "pristine")  # the tamper test's copy, as written
     paths["pristine"] = tmp / "pristine"
@@ -510,5 +517,5 @@ def sharded_checkpoint_runs(tmp) -> dict:
         assert skipped == []
         paths["chosen"][name] = chosen
         second.append(job.to_dict())
-    spawn(_sharded_world, 2, (second,), timeout_s=300)
+    spawn(jobs_world, 2, (second,), timeout_s=300)
     return paths

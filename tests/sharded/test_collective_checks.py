@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 
+from helpers import jobs_world, jsonl_lines
 from sdcscope.engine import TrainConfig
-from sdcscope.engine.dist import DistConfig, init_distributed, spawn
+from sdcscope.engine.dist import DistConfig, spawn
 from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import GuardConfig
@@ -52,31 +53,19 @@ def _job(out, specs=()):
     ).to_dict()
 
 
-def _world(rank: int, world: int, jobs: list[dict]) -> None:
-    from sdcscope.jobs.torchrun import Job, run_job
-
-    init_distributed(DistConfig(backend="gloo", timeout_s=60))
-    for job in jobs:
-        run_job(Job.from_dict(job))
-
-
-def _lines(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_fsdp_all_gather_and_reduce_scatter_faults_are_caught_named_and_repaired(tmp_path):
-    spawn(_world, 2, ([_job(tmp_path / "clean"), _job(tmp_path / "faulty", [GATHER, SCATTER])],), timeout_s=240)
+    spawn(jobs_world, 2, ([_job(tmp_path / "clean"), _job(tmp_path / "faulty", [GATHER, SCATTER])],), timeout_s=240)
     clean = json.loads((tmp_path / "clean" / "summary.json").read_text())
     faulty = json.loads((tmp_path / "faulty" / "summary.json").read_text())
     assert clean["outcome"] == faulty["outcome"] == "completed"
-    assert _lines(tmp_path / "clean" / "events.jsonl") == []
+    assert jsonl_lines(tmp_path / "clean" / "events.jsonl") == []
 
-    fired = _lines(tmp_path / "faulty" / "injections.jsonl")
+    fired = jsonl_lines(tmp_path / "faulty" / "injections.jsonl")
     assert {(r["site"], r["step"], r["dst"]) for r in fired} == {
         ("comm.all_gather", 2, 1),
         ("comm.reduce_scatter", 1, 0),
     }
-    events = _lines(tmp_path / "faulty" / "events.jsonl")
+    events = jsonl_lines(tmp_path / "faulty" / "events.jsonl")
     assert {e["detector"] for e in events} == {"collectives"}
     (gather,) = [e for e in events if e["evidence"]["collective"] == "all_gather"]
     ev = gather["evidence"]

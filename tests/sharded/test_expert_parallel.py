@@ -11,8 +11,9 @@ import json
 
 import pytest
 
+from helpers import jobs_world, jsonl_lines
 from sdcscope.engine import TrainConfig
-from sdcscope.engine.dist import DistConfig, init_distributed, spawn
+from sdcscope.engine.dist import DistConfig, spawn
 from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import GuardConfig
@@ -55,30 +56,18 @@ def _job(out, specs=(), kind="ep", workload=WORKLOAD):
     )
 
 
-def _world(rank: int, world: int, jobs: list[dict]) -> None:
-    from sdcscope.jobs.torchrun import Job, run_job
-
-    init_distributed(DistConfig(backend="gloo", timeout_s=60))
-    for job in jobs:
-        run_job(Job.from_dict(job))
-
-
-def _lines(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_expert_gemm_and_all_to_all_faults_are_caught_named_and_repaired(tmp_path):
     jobs = [_job(tmp_path / "clean").to_dict(), _job(tmp_path / "faulty", [GEMM, LINK]).to_dict()]
-    spawn(_world, 2, (jobs,), timeout_s=240)
+    spawn(jobs_world, 2, (jobs,), timeout_s=240)
     clean = json.loads((tmp_path / "clean" / "summary.json").read_text())
     faulty = json.loads((tmp_path / "faulty" / "summary.json").read_text())
     assert clean["outcome"] == faulty["outcome"] == "completed" and clean["parallel"] == "ep"
-    assert _lines(tmp_path / "clean" / "events.jsonl") == []
+    assert jsonl_lines(tmp_path / "clean" / "events.jsonl") == []
     assert not clean["replicas_identical"]  # each rank holds its own experts
 
-    fired = {(r["site"], r["step"], r["rank"]) for r in _lines(tmp_path / "faulty" / "injections.jsonl")}
+    fired = {(r["site"], r["step"], r["rank"]) for r in jsonl_lines(tmp_path / "faulty" / "injections.jsonl")}
     assert fired == {("gemm.forward", 1, 1), ("comm.all_to_all", 2, 1)}
-    events = _lines(tmp_path / "faulty" / "events.jsonl")
+    events = jsonl_lines(tmp_path / "faulty" / "events.jsonl")
     (abft,) = [e for e in events if e["detector"] == "abft"]
     assert (abft["step"], abft["rank"], abft["module"], abft["gemm"]) == (1, 1, GEMM["target"], "forward")
     (link,) = [e for e in events if e["detector"] == "collectives"]

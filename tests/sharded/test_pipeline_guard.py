@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 
+from helpers import jobs_world, jsonl_lines
 from sdcscope.engine import TrainConfig
-from sdcscope.engine.dist import DistConfig, init_distributed, spawn
+from sdcscope.engine.dist import DistConfig, spawn
 from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import GuardConfig
@@ -54,31 +55,19 @@ def _job(out, specs=()):
     ).to_dict()
 
 
-def _world(rank: int, world: int, jobs: list[dict]) -> None:
-    from sdcscope.jobs.torchrun import Job, run_job
-
-    init_distributed(DistConfig(backend="gloo", timeout_s=60))
-    for job in jobs:
-        run_job(Job.from_dict(job))
-
-
-def _lines(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_pipeline_gemm_and_p2p_faults_are_caught_named_and_repaired_bitwise(tmp_path):
-    spawn(_world, 2, ([_job(tmp_path / "clean"), _job(tmp_path / "faulty", [GEMM, P2P])],), timeout_s=240)
+    spawn(jobs_world, 2, ([_job(tmp_path / "clean"), _job(tmp_path / "faulty", [GEMM, P2P])],), timeout_s=240)
     clean = json.loads((tmp_path / "clean" / "summary.json").read_text())
     faulty = json.loads((tmp_path / "faulty" / "summary.json").read_text())
     assert clean["outcome"] == faulty["outcome"] == "completed" and clean["parallel"] == "pp"
-    assert _lines(tmp_path / "clean" / "events.jsonl") == []
-    fired = _lines(tmp_path / "faulty" / "injections.jsonl")
+    assert jsonl_lines(tmp_path / "clean" / "events.jsonl") == []
+    fired = jsonl_lines(tmp_path / "faulty" / "injections.jsonl")
     assert {(r["site"], r["step"], r["rank"], r["micro_batch"]) for r in fired} == {
         ("gemm.forward", 1, 1, 0),
         ("comm.p2p", 2, 1, 1),
     }
 
-    found = _lines(tmp_path / "faulty" / "events.jsonl")
+    found = jsonl_lines(tmp_path / "faulty" / "events.jsonl")
     assert [(e["step"], e["detector"]) for e in found] == [(1, "abft"), (2, "collectives")]  # each in its step
     gemm, link = found
     assert (gemm["detector"], gemm["rank"], gemm["module"], gemm["gemm"]) == ("abft", 1, "blocks.1.mlp.fc", "forward")
