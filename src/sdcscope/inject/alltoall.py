@@ -30,7 +30,7 @@ from sdcscope.common.alltoall import Exchange, chunk_starts, exchanges
 from sdcscope.common.io import JsonlWriter
 from sdcscope.faults import FaultSpec, apply_spec, fault_generator, fires
 from sdcscope.inject.comm import record_firing
-from sdcscope.inject.injector import _REEXECUTING
+from sdcscope.inject.reexec import reexecuting
 
 
 def moe_layers(model: nn.Module) -> list[str]:
@@ -88,7 +88,7 @@ class AllToAllInjector:
             and (spec.phase or "dispatch") == call
             and spec.matches(ex.name)
             and spec.schedule.covers(self.step)
-            and not (once and (self._repeat or _REEXECUTING.get()))
+            and not (once and (self._repeat or reexecuting()))
         )
 
     def _send(self, ex: Exchange, call: str, buf: torch.Tensor, splits: list[int]) -> None:
@@ -111,7 +111,7 @@ class AllToAllInjector:
 
     def _hit(self, i, spec, ex, call, buf, start, n, src, dst) -> None:
         lives_on = src if spec.direction == "send" else self.rank
-        key = (i, ex.name, call, dst, _REEXECUTING.get())
+        key = (i, ex.name, call, dst, reexecuting())
         if n == 0 or key in self._fired or not fires(spec, self.step, None, ex.name, lives_on):
             return
         self._fired.add(key)
@@ -119,7 +119,7 @@ class AllToAllInjector:
         with torch.no_grad():
             result = apply_spec(spec, buf[start : start + n], gen, step=self.step)
         link = {"phase": call, "src": src, "dst": dst, "direction": spec.direction or "recv"}
-        when = "replay" if _REEXECUTING.get() else "train"
+        when = "replay" if reexecuting() else "train"
         record_firing(self, i, spec, ex.name, result, when, **link, elements=[start, start + n], dim=0)
 
     def detach(self) -> None:

@@ -34,7 +34,7 @@ from sdcscope.common.world import local
 from sdcscope.faults import FaultSpec, FaultSpecError, apply_spec, check_spec, fault_generator, fires
 from sdcscope.faults.vocab import COLLECTIVE_SITES
 from sdcscope.inject.comm import record_firing
-from sdcscope.inject.injector import _REEXECUTING
+from sdcscope.inject.reexec import reexecuting
 from sdcscope.inject.validate import check_schedule
 
 
@@ -152,7 +152,7 @@ class CollectiveInjector:
 
     def _live(self, spec: FaultSpec) -> bool:
         once = spec.schedule.kind != "permanent"
-        return self.armed and spec.schedule.covers(self.step) and not (once and (self._repeat or _REEXECUTING.get()))
+        return self.armed and spec.schedule.covers(self.step) and not (once and (self._repeat or reexecuting()))
 
     @torch.no_grad()
     def _gathered(self, unit: FSDPUnit, phase: str) -> None:
@@ -164,7 +164,7 @@ class CollectiveInjector:
             if not send and spec.rank is not None and spec.rank != self.rank:
                 continue
             for gp in unit.params:
-                key = (i, phase, gp.name, _REEXECUTING.get())
+                key = (i, phase, gp.name, reexecuting())
                 if not spec.matches(gp.name) or key in self._fired:
                     continue
                 if not fires(spec, self.step, None, gp.name, lives_on):
@@ -197,7 +197,7 @@ class CollectiveInjector:
                 continue
             for unit in self.units:
                 for gp in unit.params:
-                    key = (i, gp.name, _REEXECUTING.get())
+                    key = (i, gp.name, reexecuting())
                     grad = gp.fp.sharded_param.grad
                     if not spec.matches(gp.name) or grad is None or key in self._fired:
                         continue
@@ -214,7 +214,7 @@ class CollectiveInjector:
                     self._record(i, spec, gp.name, {**extra, "elements": [start, stop], "dim": gp.shard_dim}, result)
 
     def _record(self, i: int, spec: FaultSpec, name: str, link: dict[str, Any], result) -> None:
-        record_firing(self, i, spec, name, result, "replay" if _REEXECUTING.get() else "train", **link)
+        record_firing(self, i, spec, name, result, "replay" if reexecuting() else "train", **link)
 
     def detach(self) -> None:
         for h in self.handles:

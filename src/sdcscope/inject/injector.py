@@ -42,18 +42,16 @@ indices in the global tensor; of a ``Partial`` sum, the same as ``index``). Eval
 never suppress or replace training ones; count training injections as the records whose
 ``when`` is not ``"eval"``. A graph-mode fault (``Injector(graph=True)``) is recorded when the
 host arms it, with ``"graph": true``, ``before``/``after`` null (the graph hands no values back)
-and ``call`` null (every call of the micro-batch got it). A re-execution (:func:`reexecution`:
+and ``call`` null (every call of the micro-batch got it). A re-execution (:func:`~sdcscope.inject.reexec.reexecution`:
 its permanent faults act again) logs nothing; training a step again after a rollback logs only
 events its first execution did not.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -65,37 +63,16 @@ from sdcscope.common.io import JsonlWriter
 from sdcscope.common.world import local, shard_coords
 from sdcscope.faults import STEP_SITES, FaultResult, FaultSpec, FaultSpecError, apply_spec, fault_generator, fires
 from sdcscope.inject.fp8 import Fp8Sites
-from sdcscope.inject.graphsites import GraphSites, disarm_for_reexecution
+from sdcscope.inject.graphsites import GraphSites
 from sdcscope.inject.hooks import MEMORY_SITES, SiteHooks
+from sdcscope.inject.reexec import reexecuting
 from sdcscope.inject.targets import MODULE_SITES, UNREACHED, Target
 from sdcscope.inject.validate import validate_specs
-
-_REEXECUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("sdcscope_reexecuting", default=False)
-
-
-@contextlib.contextmanager
-def reexecution() -> Iterator[None]:
-    """Mark a re-execution of a step (a guard's replay or recompute). A transient or
-    intermittent fault was one event in time and does not recur; a permanent one (a broken
-    unit) acts again. Every injector in the process honours it (a graph-mode one disarms its
-    transient faults here, before the re-execution's forward)."""
-    disarm_for_reexecution()
-    token = _REEXECUTING.set(True)
-    try:
-        yield
-    finally:
-        _REEXECUTING.reset(token)
-
 
 MAC_ARRAY = "<mac-array>"
 """The name a ``mac_cell`` pattern with an ``array`` keys its fault generator on (one unit)."""
 MAX_RECORDED = 64
 """Elements listed per record (a row or tensor-wide fault can hit thousands); ``count`` says all."""
-
-
-def _in_backward() -> bool:
-    """Whether this runs inside the autograd engine (a forward here is a checkpoint recompute)."""
-    return in_backward()
 
 
 def _changed(result) -> bool:
@@ -302,7 +279,7 @@ class Injector(SiteHooks, Fp8Sites, GraphSites):
             self._attached
             and (spec.rank is None or spec.rank == self.rank)
             and spec.schedule.covers(self.step)
-            and not (once and (self.evaluating or self._repeat or _REEXECUTING.get()))
+            and not (once and (self.evaluating or self._repeat or reexecuting()))
         )
 
     def _warn_unfired(self) -> None:
@@ -355,7 +332,7 @@ class Injector(SiteHooks, Fp8Sites, GraphSites):
         forward order: the records' ``call``), counted for every call while spec ``i`` is live,
         whether it fires or not; None for a forward re-run inside the backward pass (a checkpoint's
         recompute), which is no new call. The backward hooks carry the index of their forward call."""
-        if _in_backward():
+        if in_backward():
             return None
         key = (i, t.name)
         k = self._calls.get(key, 0)
@@ -373,7 +350,7 @@ class Injector(SiteHooks, Fp8Sites, GraphSites):
             return None
         self._reached.add(i)
         key, once = (i, t.name), spec.schedule.kind != "permanent"
-        if _REEXECUTING.get():  # only permanent faults are live: they act, already logged
+        if reexecuting():  # only permanent faults are live: they act, already logged
             return False
         if not backward and index is None:  # activation checkpointing re-runs a forward call
             if not once:
@@ -463,7 +440,7 @@ class Injector(SiteHooks, Fp8Sites, GraphSites):
         graph: bool = False,
     ) -> None:
         site = spec.site
-        if _REEXECUTING.get():  # a replay: the permanent faults acting again were logged
+        if reexecuting():  # a replay: the permanent faults acting again were logged
             return
         when = when or ("eval" if self.evaluating else "train")
         if when != "train" and site in MEMORY_SITES and not _changed(result):

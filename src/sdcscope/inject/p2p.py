@@ -21,7 +21,7 @@ import torch
 from sdcscope.common.pipeline import StageBoundary
 from sdcscope.faults import FaultSpec, apply_spec, fault_generator, fires
 from sdcscope.inject.comm import record_firing
-from sdcscope.inject.injector import _REEXECUTING
+from sdcscope.inject.reexec import reexecuting
 
 SITE = "comm.p2p"
 
@@ -102,13 +102,13 @@ class P2PInjector:
             once = spec.schedule.kind != "permanent"
             if (spec.phase or "forward") != phase or spec.source != src:
                 continue
-            if once and (self._repeat or _REEXECUTING.get()):
+            if once and (self._repeat or reexecuting()):
                 continue
             if not fires(spec, self.step, m, name, self.rank):
                 continue
             gen = fault_generator(spec, self.step, m, name, self.rank)
             result = apply_spec(spec, t, gen, step=self.step)
-            when = "replay" if _REEXECUTING.get() else "train"
+            when = "replay" if reexecuting() else "train"
             record_firing(self, i, spec, name, result, when, phase=phase, src=src, dst=self.rank, micro_batch=m)
         return None
 
