@@ -21,15 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from sdcscope.common.alltoall import Exchange, chunk_starts, exchanges
-from sdcscope.common.io import JsonlWriter
 from sdcscope.faults import FaultSpec, apply_spec, fault_generator, fires
-from sdcscope.inject.comm import record_firing
+from sdcscope.inject.comm import StepFaults, record_firing
 from sdcscope.inject.reexec import reexecuting
 
 
@@ -38,7 +36,7 @@ def moe_layers(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if hasattr(m, "exchange") and hasattr(m, "experts")]
 
 
-class AllToAllInjector:
+class AllToAllInjector(StepFaults):
     """The ``comm.all_to_all`` faults of one rank, as taps of the model's exchanges."""
 
     def __init__(
@@ -60,25 +58,9 @@ class AllToAllInjector:
                 "tokens (use --parallel ep or fsdp+ep with the moe workload)"
             )
         self.specs = list(zip(ids, specs))
-        self.step = 0
-        self._begun: set[int] = set()
-        self._repeat = False
-        self._fired: set[tuple] = set()
-        self.armed = True
-        self.records: list[dict[str, Any]] = []
-        self._file = JsonlWriter(log) if isinstance(log, (str, Path)) else None
-        self._sink = log if callable(log) else None
+        self._start(rank, log)
         self._removers = [ex.add("corrupt_send", self._send) for ex in self.exchanges]
         self._removers += [ex.add("corrupt_recv", self._recv) for ex in self.exchanges]
-
-    def set_position(self, step: int) -> None:
-        """Before each execution of a step (a step run again meets only its permanent faults again)."""
-        self.step, self._repeat = step, step in self._begun
-        self._begun.add(step)
-        self._fired = set()
-
-    def callback(self) -> AllToAllInjectorCallback:
-        return AllToAllInjectorCallback(self)
 
     def _live(self, spec: FaultSpec, ex: Exchange, call: str) -> bool:
         once = spec.schedule.kind != "permanent"
@@ -126,19 +108,3 @@ class AllToAllInjector:
         for remove in self._removers:
             remove()
         self._removers = []
-
-    def close(self) -> None:
-        self.detach()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-class AllToAllInjectorCallback:
-    """Engine callback that keeps the all-to-all injector's step current."""
-
-    def __init__(self, injector: AllToAllInjector) -> None:
-        self.injector = injector
-
-    def before_step(self, ctx) -> None:
-        self.injector.set_position(ctx.step)

@@ -28,12 +28,11 @@ import torch
 from torch import nn
 
 from sdcscope.common.fsdp import FSDPUnit, after_reduce, fsdp_units, on_gathered
-from sdcscope.common.io import JsonlWriter
 from sdcscope.common.validate import close_matches
 from sdcscope.common.world import local
 from sdcscope.faults import FaultSpec, FaultSpecError, apply_spec, check_spec, fault_generator, fires
 from sdcscope.faults.vocab import COLLECTIVE_SITES
-from sdcscope.inject.comm import record_firing
+from sdcscope.inject.comm import StepFaults, record_firing
 from sdcscope.inject.reexec import reexecuting
 from sdcscope.inject.validate import check_schedule
 
@@ -100,7 +99,7 @@ def _check_all_to_all(model: nn.Module, spec: FaultSpec) -> None:
     check_spec(spec, dtype)
 
 
-class CollectiveInjector:
+class CollectiveInjector(StepFaults):
     """The collective faults of one rank, hooked onto ``model``'s FSDP2 units."""
 
     def __init__(
@@ -128,27 +127,10 @@ class CollectiveInjector:
                 for gp in unit.params:
                     if spec.matches(gp.name) and spec.site == "comm.all_gather" and gp.shard_dim != 0:
                         raise ValueError(f"{gp.name!r} is sharded on dim {gp.shard_dim}: comm.all_gather needs dim 0")
-        self.step = 0
-        self._begun: set[int] = set()
-        self._repeat = False
-        self._fired: set[tuple] = set()
-        self.armed = True
-        self.records: list[dict[str, Any]] = []
-        self._file = JsonlWriter(log) if isinstance(log, (str, Path)) else None
-        self._sink = log if callable(log) else None
+        self._start(rank, log)
         self.handles = on_gathered(self.units, self._gathered)
         if any(s.site == "comm.reduce_scatter" for _, s in self.specs):
             self.handles += after_reduce(self.units, self._reduced)
-
-    def set_position(self, step: int) -> None:
-        """Before each execution of a step (a step run again after a rollback meets only its
-        permanent faults again)."""
-        self.step, self._repeat = step, step in self._begun
-        self._begun.add(step)
-        self._fired = set()
-
-    def callback(self) -> CollectiveInjectorCallback:
-        return CollectiveInjectorCallback(self)
 
     def _live(self, spec: FaultSpec) -> bool:
         once = spec.schedule.kind != "permanent"
@@ -220,19 +202,3 @@ class CollectiveInjector:
         for h in self.handles:
             h.remove()
         self.handles = []
-
-    def close(self) -> None:
-        self.detach()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-class CollectiveInjectorCallback:
-    """Engine callback that keeps the collective injector's step current."""
-
-    def __init__(self, injector: CollectiveInjector) -> None:
-        self.injector = injector
-
-    def before_step(self, ctx) -> None:
-        self.injector.set_position(ctx.step)

@@ -162,7 +162,54 @@ def record_firing(owner: Any, i: int, spec: FaultSpec, name: str, result, when: 
         owner._sink(record)
 
 
-class CommInjector:
+class StepFaults:
+    """What the once-per-step injectors (a bucket's, a collective's, an all-to-all's, a pipeline
+    send/recv's) share: the step they are at, whether its execution is a repeat, the faults fired
+    in it, and their records (:func:`record_firing`: ``records``, ``injections.jsonl``, a sink)."""
+
+    def _start(self, rank: int, log: str | Path | Callable[[dict], None] | None) -> None:
+        self.rank = rank
+        self.step = 0
+        self._begun: set[int] = set()
+        self._repeat = False
+        self._fired: set[tuple] = set()
+        self.armed = True
+        self.records: list[dict[str, Any]] = []
+        self._file = JsonlWriter(log) if isinstance(log, (str, Path)) else None
+        self._sink = log if callable(log) else None
+
+    def set_position(self, step: int) -> None:
+        """Before each execution of a step. A step executed again (after a rollback) does not meet
+        its transient or intermittent faults again -- they were one event in time -- while a
+        permanent one acts on every execution (as :class:`sdcscope.inject.Injector` does)."""
+        self.step, self._repeat = step, step in self._begun
+        self._begun.add(step)
+        self._fired = set()
+
+    def callback(self) -> CommInjectorCallback:
+        return CommInjectorCallback(self)
+
+    def detach(self) -> None:
+        """Remove the injector's hooks (it has none here)."""
+
+    def close(self) -> None:
+        self.detach()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class CommInjectorCallback:
+    """Engine callback that keeps a once-per-step injector's step current."""
+
+    def __init__(self, injector: StepFaults) -> None:
+        self.injector = injector
+
+    def before_step(self, ctx) -> None:
+        self.injector.set_position(ctx.step)
+
+
+class CommInjector(StepFaults):
     """Comm-site faults of one rank, as a bucket-hook stage; logs every fired fault.
 
     ``spec_ids``: the index of each spec in the world's spec list, as recorded (default 0..n-1).
@@ -178,29 +225,12 @@ class CommInjector:
         log: str | Path | Callable[[dict], None] | None = None,
         spec_ids: Sequence[int] | None = None,
     ) -> None:
-        self.rank = rank
         self.specs: list[tuple[int, FaultSpec, str]] = [
             (i, plain, phase)
             for i, plain, phase in check_comm_specs(model, list(specs), world_size=world_size, spec_ids=spec_ids)
             if plain.rank is None or plain.rank == rank
         ]
-        self.step = 0
-        self._begun: set[int] = set()
-        self._repeat = False
-        self.armed = True
-        self.records: list[dict[str, Any]] = []
-        self._file = JsonlWriter(log) if isinstance(log, (str, Path)) else None
-        self._sink = log if callable(log) else None
-
-    def set_position(self, step: int) -> None:
-        """Before each execution of a step. A step executed again (after a rollback) does not meet
-        its transient or intermittent faults again -- they were one event in time -- while a
-        permanent one acts on every execution (as :class:`sdcscope.inject.Injector` does)."""
-        self.step, self._repeat = step, step in self._begun
-        self._begun.add(step)
-
-    def callback(self) -> CommInjectorCallback:
-        return CommInjectorCallback(self)
+        self._start(rank, log)  # after the checks: a refused spec leaves no injections.jsonl
 
     def before_reduce(self, view) -> None:
         self._apply(view, "before")
@@ -222,18 +252,3 @@ class CommInjector:
 
     def _record(self, i: int, spec: FaultSpec, name: str, phase: str, result) -> None:
         record_firing(self, i, spec, name, result, "train", phase=phase)
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-class CommInjectorCallback:
-    """Engine callback that keeps the comm injector's step current."""
-
-    def __init__(self, injector: CommInjector) -> None:
-        self.injector = injector
-
-    def before_step(self, ctx) -> None:
-        self.injector.set_position(ctx.step)

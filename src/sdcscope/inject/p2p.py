@@ -14,13 +14,12 @@ with its link: ``src``, ``dst``, ``phase``, ``micro_batch``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from sdcscope.common.pipeline import StageBoundary
 from sdcscope.faults import FaultSpec, apply_spec, fault_generator, fires
-from sdcscope.inject.comm import record_firing
+from sdcscope.inject.comm import StepFaults, record_firing
 from sdcscope.inject.reexec import reexecuting
 
 SITE = "comm.p2p"
@@ -64,7 +63,7 @@ def check_p2p_link(spec: FaultSpec, stages: int, dp: int) -> None:
         )
 
 
-class P2PInjector:
+class P2PInjector(StepFaults):
     """The ``comm.p2p`` faults of one rank, a tap on its stage boundary (first: before the checks)."""
 
     def __init__(
@@ -79,21 +78,8 @@ class P2PInjector:
         ids = list(range(len(specs))) if spec_ids is None else list(spec_ids)
         self.boundary, self.rank = boundary, rank
         self.specs = [(i, s) for i, s in zip(ids, specs) if s.rank == rank]
-        self.step = 0
-        self._begun: set[int] = set()
-        self._repeat = False
-        self.records: list[dict[str, Any]] = []
-        self._file = None
-        self._sink = log
+        self._start(rank, log)
         boundary.add_tap(self, first=True)
-
-    def set_position(self, step: int) -> None:
-        """Before each execution of a step (one run again after a rollback meets only permanent faults)."""
-        self.step, self._repeat = step, step in self._begun
-        self._begun.add(step)
-
-    def callback(self) -> P2PInjectorCallback:
-        return P2PInjectorCallback(self)
 
     @torch.no_grad()
     def arrived(self, phase: str, m: int, t: torch.Tensor) -> torch.Tensor | None:
@@ -115,15 +101,5 @@ class P2PInjector:
     def sent(self, phase: str, m: int, t: torch.Tensor) -> None:
         return None
 
-    def close(self) -> None:
+    def detach(self) -> None:
         self.boundary.remove_tap(self)
-
-
-class P2PInjectorCallback:
-    """Engine callback that keeps the p2p injector's step current."""
-
-    def __init__(self, injector: P2PInjector) -> None:
-        self.injector = injector
-
-    def before_step(self, ctx) -> None:
-        self.injector.set_position(ctx.step)
