@@ -83,7 +83,7 @@ def _rank_ep(rank: int, block: int, steps: int, out: str) -> None:
 
     trainer = DistTrainer(make_workload(MOE), TrainConfig(seed=0), topology=Topology(kind="ep"))
     check = CollectiveCheck(trainer.model, CollectivesConfig())
-    events, rows = [], []
+    events = []
     checking = _Checking(check, events)
 
     def run(checked: bool) -> tuple[float, float]:
@@ -98,7 +98,15 @@ def _rank_ep(rank: int, block: int, steps: int, out: str) -> None:
             trainer.callbacks.remove(checking)
         return wall, cpu
 
-    run(False)  # warm-up
+    _interleave(run, check, steps, block, rank, out, events, links=lambda: check.moves.links_compared)
+
+
+def _interleave(run, check, steps: int, block: int, rank: int, out: str, events: list, links) -> None:
+    """After a warm-up block (FSDP2's lazy init, the allocator), unchecked and checked blocks of
+    ``block`` steps alternately; this rank's timings, events, links compared (``links()``) and
+    largest reduce-scatter residual written to ``out/rank{rank}.json``."""
+    run(False)
+    rows = []
     for _ in range(max(1, steps // block)):
         base = run(False)
         check.attach()
@@ -109,8 +117,8 @@ def _rank_ep(rank: int, block: int, steps: int, out: str) -> None:
         "rank": rank,
         "rows": rows,
         "events": [e.to_dict() for e in events],
-        "links": check.moves.links_compared,
-        "margin": 0.0,
+        "links": links(),
+        "margin": check.scatter_margin,
         "checked_steps": len(rows) * block,
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
@@ -129,7 +137,7 @@ def _rank(rank: int, size: int, steps: int, block: int, threads: int, out: str, 
     topology.apply(model, topology.build_mesh(size, "cpu"), wl)
     opt = wl.build_optimizer(model)
     check = CollectiveCheck(model, CollectivesConfig())
-    step, events, rows = 0, [], []
+    step, events = 0, []
 
     def run(checked: bool) -> tuple[float, float]:
         nonlocal step
@@ -147,22 +155,7 @@ def _rank(rank: int, size: int, steps: int, block: int, threads: int, out: str, 
             step += 1
         return time.perf_counter() - wall, time.process_time() - cpu
 
-    run(False)  # warm-up (FSDP2's lazy init, allocator)
-    for _ in range(max(1, steps // block)):
-        base = run(False)
-        check.attach()
-        checked = run(True)
-        check.detach()
-        rows.append({"base": base, "checked": checked})
-    record = {
-        "rank": rank,
-        "rows": rows,
-        "events": [e.to_dict() for e in events],
-        "links": check.links_compared,
-        "margin": check.scatter_margin,
-        "checked_steps": len(rows) * block,
-    }
-    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+    _interleave(run, check, steps, block, rank, out, events, links=lambda: check.links_compared)
 
 
 LOCAL_WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=100_000)
