@@ -40,17 +40,21 @@ class AllToAllCheck:
         self.index = {id(ex): i for i, ex in enumerate(self.exchanges)}
         self._removers: list = []
         self.groups: list | None = None  # every rank's exchanges' ranks (learnt at the first check)
+        self.rank: int | None = None  # set at attach
         self.links_compared = 0
 
     @property
     def active(self) -> bool:
         return bool(self.exchanges)
 
-    def attach(self) -> None:
+    def attach(self, rank: int) -> AllToAllCheck:
+        """Tap every exchange as ``rank`` (whose arrived chunks its events report)."""
+        self.rank = rank
         if not self._removers:
             self._removers = [ex.add("before_send", self._sent) for ex in self.exchanges]
             self._removers += [ex.add("after_recv", self._arrived) for ex in self.exchanges]
         self.reset()
+        return self
 
     def detach(self) -> None:
         for remove in self._removers:
@@ -87,9 +91,10 @@ class AllToAllCheck:
         """This rank's words of the step, flat (its part of the collective check's gather)."""
         return self.words.flatten()
 
-    def events(self, step: int, rank: int, table: torch.Tensor) -> list[Event]:
+    def events(self, step: int, table: torch.Tensor) -> list[Event]:
         """Compare every link of every rank's words (``table``: each rank's :meth:`row`, in rank
-        order), in one comparison; the events of the corrupted chunks that arrived on ``rank``."""
+        order), in one comparison; the events of the corrupted chunks that arrived on this rank."""
+        rank = self.rank
         if self.groups is None:
             self._learn_groups()
         words = table.view(len(self.groups), *self.words.shape)

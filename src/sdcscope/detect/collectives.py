@@ -72,16 +72,6 @@ class CollectivesConfig:
         check_bool("collectives p2p", self.p2p)
 
 
-class _Detach:
-    """A removable handle of a tap."""
-
-    def __init__(self, tap: P2PCheck) -> None:
-        self.tap = tap
-
-    def remove(self) -> None:
-        self.tap.detach()
-
-
 class CollectiveCheck:
     """The checks of one rank (see the module docstring)."""
 
@@ -98,29 +88,28 @@ class CollectiveCheck:
         """The largest |reduced sum - expected| / bound of a reduce-scatter this rank judged clean."""
         self.moves = AllToAllCheck(model, NAME)
         """The all-to-alls of an expert-parallel model (none elsewhere)."""
-        self.p2p: P2PCheck | None = None
+        self.taps: list[AllToAllCheck | P2PCheck] = []
+        """The attached exact checks of links outside FSDP2 (all-to-all, pipeline send/recv): each
+        gives its words to the step's gather (``row``, ``numel``) and judges every rank's (``events``)."""
         self.stage = None  # a pipeline stage's StageInfo
         self.width: int | None = None
 
     # -- hooks -------------------------------------------------------------------------------
     def attach(self) -> CollectiveCheck:
-        if self.handles:
+        if self.handles or self.taps:
             return self
         import torch.distributed as dist
 
         self.units = fsdp_units(self.model)
         if self.moves.active and self.config.all_to_all:
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
-            self.moves.attach()
-            self.handles.append(self.moves)
+            self.taps.append(self.moves.attach(self.rank))
         boundary = boundary_of(self.model)
         self.stage = None if boundary is None else boundary.info
-        if boundary is not None and self.config.p2p and self.p2p is None:
-            rows = boundary.info.rows
+        if boundary is not None and self.config.p2p:
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
             self.device = next(self.model.parameters()).device
-            self.p2p = P2PCheck(boundary, self.rank, rows, self.device).attach()
-            self.handles.append(_Detach(self.p2p))
+            self.taps.append(P2PCheck(boundary, self.rank, boundary.info.rows, self.device).attach())
         if not self.units:
             return self
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
@@ -136,11 +125,10 @@ class CollectiveCheck:
 
     def detach(self) -> None:
         for h in self.handles:
-            if h is self.moves:
-                h.detach()
-            else:
-                h.remove()
-        self.handles, self.p2p = [], None
+            h.remove()
+        for tap in self.taps:
+            tap.detach()
+        self.handles, self.taps = [], []
         for _, gp in getattr(self, "params", ()):
             handle = getattr(gp, "grad_hook", None)
             if handle is not None:
@@ -150,20 +138,14 @@ class CollectiveCheck:
 
     @property
     def active(self) -> bool:
-        return bool(self.units) or bool(self.handles)
-
-    @property
-    def moving(self) -> bool:
-        return self.moves in self.handles
+        return bool(self.units) or bool(self.taps)
 
     def begin_step(self, step: int) -> None:
         self.step = step
         if self.units:
             self._reset()
-        if self.moving:
-            self.moves.reset()
-        if self.p2p is not None:
-            self.p2p.reset()
+        for tap in self.taps:
+            tap.reset()
 
     def _reset(self) -> None:
         P, S, dev = len(self.params), self.S, self.device
@@ -230,7 +212,7 @@ class CollectiveCheck:
     def check(self, view: CheckView) -> list[Event]:
         if not self.active:
             return []
-        parts = ([self.moves.row()] if self.moving else []) + ([] if self.p2p is None else [self.p2p.row()])
+        parts = [tap.row() for tap in self.taps]
         if self.units:
             if self.topology is None:
                 self._learn_topology()
@@ -246,12 +228,9 @@ class CollectiveCheck:
             row = torch.cat([row, row.new_zeros(width - row.numel())])
         table = torch.stack(World("sharded", self.rank, self.size).gather(row)).cpu()  # the step's one host read
         events = []
-        if self.moving:
-            moves, table = table.split([self.moves.numel, table.shape[1] - self.moves.numel], 1)
-            events += self.moves.events(view.step, self.rank, moves)
-        if self.p2p is not None:
-            words, table = table.split([self.p2p.size(), table.shape[1] - self.p2p.size()], 1)
-            events += self.p2p.events(view.step, words)
+        for tap in self.taps:
+            words, table = table.split([tap.numel, table.shape[1] - tap.numel], 1)
+            events += tap.events(view.step, words)
         if not self.units:
             return events
         W, P, S = self.size, len(self.params), self.S

@@ -75,7 +75,9 @@ class P2PCheck:
         """This rank's words for the step's gather."""
         return torch.cat([self.words.flatten(), self.seen.flatten()])
 
-    def size(self) -> int:
+    @property
+    def numel(self) -> int:
+        """The length of :meth:`row`."""
         return len(SLOTS) * self.info.micro_batches * (self.rows * WORDS + 1)
 
     def events(self, step: int, table: torch.Tensor) -> list[Event]:
