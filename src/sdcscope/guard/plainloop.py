@@ -76,7 +76,7 @@ class PlainLoop:
         check_loss(loss)
         s = self.session
         replays = self.loss_fn is not None or self.step_fn is not None
-        rerun = self._rerun if replays and s.batch is not None else None
+        rerun = self.step_replay()
         rank_replay = self._rank_replay if replays and self.rank_batch is not None else None
         overflow = self.scaler is not None and self._unscale()
         found = None
@@ -143,6 +143,13 @@ class PlainLoop:
         loss = self.loss_fn(self.model, batch)
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         return loss.detach()
+
+    def step_replay(self) -> Callable[[], torch.Tensor] | None:
+        """The replay of this step that ``StepSession.check`` takes: its forward and backward again
+        on its batch (through ``loss_fn`` or ``step_fn``), or None when the guard cannot re-run it
+        (neither given, or no batch passed to ``begin``)."""
+        replays = self.loss_fn is not None or self.step_fn is not None
+        return self._rerun if replays and self.session.batch is not None else None
 
     def _rerun(self) -> torch.Tensor:
         self.session.clear_grads()

@@ -123,8 +123,7 @@ class FTGuard:
         after the step (:attr:`left`)."""
         check_loss(loss)
         g, s, m = self.guard, self.guard.session, self.manager
-        rerun = self._rerun if (g.loss_fn is not None or g.step_fn is not None) and s.batch is not None else None
-        applied, loss = s.check(loss, rerun)  # the plain loop's side; the group's side has no rollback
+        applied, loss = s.check(loss, g.step_replay())  # the plain loop's side; the group's side has no rollback
         if not applied.discarded:
             s.before_update()
         flat = torch.cat(
@@ -159,13 +158,3 @@ class FTGuard:
         self.left = why
         log.warning("replica group leaves the torchft quorum: %s", why)
         self.manager.shutdown(wait=False)
-
-    def _rerun(self) -> torch.Tensor:
-        """The step's forward and backward again on this group's data: local, no collective."""
-        g = self.guard
-        g.session.clear_grads()  # the replay runs it as a re-execution (transient faults do not fire again)
-        if g.step_fn is not None:
-            return g.step_fn(g.model, g.session.batch)
-        loss = g.loss_fn(g.model, g.session.batch)
-        loss.backward()
-        return loss.detach()
