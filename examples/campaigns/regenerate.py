@@ -5,7 +5,7 @@
     python examples/campaigns/regenerate.py --shrink --check examples/campaigns/shrunk_blocks.md   # as CI
 
 Runs (or resumes: a finished campaign is only read) each campaign of CAMPAIGNS in ``--runs`` (the
-GPT MAC-cell campaign once per training seed of TRAIN_SEEDS), re-runs the worst plain GPT MAC-cell
+GPT and noisy-label CNN MAC-cell campaigns once per training seed of TRAIN_SEEDS), re-runs the worst plain GPT MAC-cell
 trial with evaluations along the way (the gap table), then writes each generated block of
 RESULTS.md (between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``) and measures each
 finding the prose states with its interval or test (results_findings.py). ``--check FILE``
@@ -40,6 +40,7 @@ from results_blocks import (  # noqa: E402
     drift_block,
     fill,
     gap_block,
+    nodes_block,
     nvdla_block,
     nvdla_facts_text,
 )
@@ -81,13 +82,26 @@ SHRINK = {
         "baseline": {"seeds": [101, 102], "twins": 3},
     },
     "nvdla_cnn": _NVDLA_CNN,
+    "nvdla_cnn_noisy": _NVDLA_CNN,
     "nvdla_gpt": _NVDLA_GPT,
+    "nodes_gpt": {
+        "inject_steps": [10],
+        "horizon": 12,
+        "workload": {"eval_batches": 2, "batch_size": 4},
+        "faults": {
+            "profiles": {
+                p: {"repeats": 2} for p in yaml.safe_load((HERE / "nodes_gpt.yaml").read_text())["faults"]["profiles"]
+            }
+        },
+        "baseline": {"seeds": [1, 2], "twins": 3},
+    },
 }
 
 
 # the training seeds each campaign runs with (one campaign folder per seed; the spec's own seed first):
-# the GPT MAC-cell effect is measured over seeds x cells, the shrunken specs keep the spec's seed only
-TRAIN_SEEDS = {"nvdla_gpt": (7, 8)}
+# the MAC-cell effects of the GPT and the noisy-label CNN are measured over seeds x cells, the shrunken
+# specs keep the spec's seed only
+TRAIN_SEEDS = {"nvdla_gpt": (7, 8), "nvdla_cnn_noisy": (7, 8)}
 
 
 def replicas(name: str, shrink: bool) -> list[str]:
@@ -211,7 +225,7 @@ def mac_cells(c: dict) -> dict[int, tuple[int, int]]:
     x = workload.batch(spec.seed, 0)[0]
     out = {}
     for t in (t for t in _plan(c) if not t.swizzle):
-        fault = t.fault_spec(spec.faults.format)
+        fault = t.fault_spec(spec.faults.space(t.profile).format)
         with Injector(model, [fault], warn_unfired=False) as inj:
             inj.set_position(0, 0)
             with torch.no_grad():
@@ -235,7 +249,12 @@ def gap_curve(c: dict, trial_id: int, points: int = GAP_POINTS) -> dict:
     workload = make_workload(spec.workload_config())
     trainer = Trainer(workload, spec.train_config())
     trainer.restore(load_checkpoint(c["dir"] / "golden" / f"step-{trial.inject_step}"))
-    injector = Injector(trainer.model, [trial.fault_spec(spec.faults.format)], trainer.optimizer, warn_unfired=False)
+    injector = Injector(
+        trainer.model,
+        [trial.fault_spec(spec.faults.space(trial.profile).format)],
+        trainer.optimizer,
+        warn_unfired=False,
+    )
     trainer.add_callback(injector.attach().callback())
     with torch.random.fork_rng():
         clean = workload.build_model()
@@ -271,8 +290,11 @@ NEEDS = {
     "gpt-table": ("nvdla_gpt",),
     "gpt-facts": ("nvdla_gpt",),
     "gap-table": ("nvdla_gpt",),
+    "cnn_noisy-table": ("nvdla_cnn_noisy",),
+    "cnn_noisy-facts": ("nvdla_cnn_noisy",),
     "bits-table": ("gpt_bits",),
     "bits-facts": ("gpt_bits",),
+    "nodes-table": ("nodes_gpt",),
 }
 
 
@@ -301,7 +323,7 @@ def regenerate(
     cs = {f: loaded[f] for n, fs in folders.items() if n in loaded for f in fs if f in loaded}
     blocks: dict[str, str] = {}
     curve = None
-    for kind, metric in (("cnn", "acc"), ("gpt", "loss")):
+    for kind, metric in (("cnn", "acc"), ("gpt", "loss"), ("cnn_noisy", "loss")):
         if f"nvdla_{kind}" not in cs:
             continue
         seeds = seed_replicas(cs, f"nvdla_{kind}")
@@ -317,6 +339,8 @@ def regenerate(
             blocks["gap-table"] = gap_block(curve, row, cells, worst["spec"].seed)
     if "gpt_bits" in cs:
         blocks["bits-table"], blocks["bits-facts"], _ = bits_block(cs["gpt_bits"])
+    if "nodes_gpt" in cs:
+        blocks["nodes-table"] = nodes_block(cs["nodes_gpt"])
     for name, needs in NEEDS.items():
         if name not in blocks:
             missing = ", ".join(f"`{n}`" for n in needs if n not in cs)

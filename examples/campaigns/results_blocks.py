@@ -15,7 +15,7 @@ import statistics
 from itertools import zip_longest
 from pathlib import Path
 
-CAMPAIGNS = ("gpt_bits", "nvdla_cnn", "nvdla_gpt")
+CAMPAIGNS = ("gpt_bits", "nvdla_cnn", "nvdla_gpt", "nvdla_cnn_noisy", "nodes_gpt")
 
 SITE_NAMES = {"gemm.forward": "forward", "gemm.grad_input": "dX", "gemm.grad_weight": "dW"}
 FIELDS = (("0–22 (mantissa)", range(0, 23)), ("23–30 (exponent)", range(23, 31)), ("31 (sign)", range(31, 32)))
@@ -237,6 +237,23 @@ def drift_block(cs: dict[str, dict]) -> str:
     headers = ["campaign", "trials", "beyond chaos envelope", "beyond re-seed spread", "twins' false drift"]
     headers += ["weight distance to twin", "healthy re-seeded", "prediction disagreement", "healthy re-seeded"]
     return _table(headers, lines)
+
+
+def nodes_block(c: dict) -> str:
+    """The three levels per node profile (the campaign's report table, sdcscope.study.nodes) and the
+    healthy nodes' line: how many perturbation twins end beyond the envelope of the others."""
+    from sdcscope.study.nodes import LEVEL_COLUMNS, level_rows, profile_levels
+
+    rows = level_rows(profile_levels(c["rows"], c["thresholds"]))
+    cells = [[_g(v) if isinstance(v, float) else "–" if v is None else v for v in r] for r in rows]
+    twins = [t["drift_twin"] for t in c["twins"] if t["drift_twin"] is not None]
+    spec = c["spec"]
+    return (
+        _table(LEVEL_COLUMNS, cells)
+        + f"\n\nInjection at step {spec.inject_steps[0]}, {spec.horizon} steps after it, training seed {spec.seed}. "
+        f"Healthy nodes: {sum(twins)}/{len(twins)} perturbation twins end beyond the chaos envelope of the "
+        "others (the false-drift rate)."
+    )
 
 
 # ---------------------------------------------------------------------------------------- main

@@ -88,7 +88,7 @@ def test_a_schema_2_database_gets_the_detector_column(full, tmp_path):
     dst.close()
     with _db(old) as db:
         rows, meta = db.trials(), db.meta()
-    assert meta["schema"] == str(SCHEMA) == "4"
+    assert meta["schema"] == str(SCHEMA) == "5"
     assert [r["detector"] for r in rows] == [None] * 4 and all(r["detected"] == 1 for r in rows)
 
 

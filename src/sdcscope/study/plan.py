@@ -20,6 +20,7 @@ import json
 import logging
 import random
 from dataclasses import dataclass
+from itertools import product
 from typing import Any
 
 from torch import nn
@@ -71,6 +72,8 @@ class Trial:
     """JSON of the schedule template."""
     repeat: int
     fault_seed: int
+    profile: str = ""
+    """The node profile whose fault space holds this trial ("" for a spec of one fault space)."""
 
     @property
     def swizzle(self) -> bool:
@@ -79,10 +82,12 @@ class Trial:
 
     @property
     def key(self) -> str:
+        """What the trial is, as stored (a profile is named only where there is one, so a spec of
+        one fault space keeps the keys it always had)."""
         return "|".join(
             f"{k}={getattr(self, k)}"
             for k in ("inject_step", "site", "target", "model", "bit", "pattern", "schedule", "repeat")
-        )
+        ) + (f"|profile={self.profile}" if self.profile else "")
 
     def dimension(self, name: str) -> Any:
         """The value of a fault-space dimension (labels for pattern and schedule)."""
@@ -133,6 +138,7 @@ class Trial:
             "swizzle": int(self.swizzle),
             "repeat": self.repeat,
             "fault_seed": self.fault_seed,
+            "profile": self.profile or None,
         }
 
 
@@ -158,41 +164,44 @@ def _expand(model: nn.Module, space, site: str) -> list[str]:
 
 
 def _points(spec: CampaignSpec, model: nn.Module, optimizer) -> list[dict]:
-    space = spec.faults
     points = []
-    for site in space.sites:
-        targets = _expand(model, space, site)
-        for s in spec.inject_steps:
-            for target in targets:
-                for pattern in space.patterns:
-                    p_json = json.dumps(pattern, sort_keys=True)
-                    for repeat in range(space.repeats):
-                        seed = mix_seed(space.seed, s, site, target, location_json(pattern), repeat)
-                        for model_name in space.models:
-                            for bit in space.bits if model_name in BIT_MODELS else (None,):
-                                for schedule in space.schedules:
-                                    points.append(
-                                        dict(
-                                            inject_step=s,
-                                            site=site,
-                                            target=target,
-                                            model=model_name,
-                                            bit=bit,
-                                            pattern=p_json,
-                                            schedule=json.dumps(schedule, sort_keys=True),
-                                            repeat=repeat,
-                                            fault_seed=seed,
-                                        )
-                                    )
+    for profile, space in spec.faults.spaces:
+        for site in space.sites:
+            try:
+                targets = _expand(model, space, site)
+            except ValueError as exc:
+                raise ValueError(f"faults.profiles.{profile}: {exc}" if profile else str(exc)) from None
+            where = product(spec.inject_steps, targets, space.patterns, range(space.repeats))
+            for s, target, pattern, repeat in where:
+                seed = mix_seed(space.seed, s, site, target, location_json(pattern), repeat)
+                for model_name in space.models:
+                    bits = space.bits if model_name in BIT_MODELS else (None,)
+                    for bit, schedule in product(bits, space.schedules):
+                        points.append(
+                            dict(
+                                inject_step=s,
+                                site=site,
+                                target=target,
+                                model=model_name,
+                                bit=bit,
+                                pattern=json.dumps(pattern, sort_keys=True),
+                                schedule=json.dumps(schedule, sort_keys=True),
+                                repeat=repeat,
+                                fault_seed=seed,
+                                profile=profile,
+                            )
+                        )
     # One FaultSpec per distinct (site, target, model, pattern, schedule) checks against the model, and
     # against the tensors of one forward pass (and of the evaluation, which a permanent fault on a
     # module output acts in too): a trial's trainer runs from inject_step to + horizon.
     seen: dict[tuple, dict] = {}
     for p in points:
-        seen.setdefault((p["site"], p["target"], p["model"], p["pattern"], p["schedule"], p["inject_step"]), p)
+        seen.setdefault(
+            (p["profile"], p["site"], p["target"], p["model"], p["pattern"], p["schedule"], p["inject_step"]), p
+        )
     workload = make_workload(spec.workload_config())
     batch = workload.batch(spec.seed, spec.inject_steps[0], 0)
-    specs = [(p, Trial(trial_id=-1, **p).fault_spec(space.format)) for p in seen.values()]
+    specs = [(p, Trial(trial_id=-1, **p).fault_spec(spec.faults.space(p["profile"]).format)) for p in seen.values()]
     probe = probe_model(
         model,
         lambda m: workload.loss(m, batch),
@@ -204,7 +213,10 @@ def _points(spec: CampaignSpec, model: nn.Module, optimizer) -> list[dict]:
                 model, spec_, optimizer, steps=p["inject_step"] + spec.horizon, grad_accum=spec.grad_accum, probe=probe
             )
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"fault space point {spec_.site} on {p['target']} ({spec_.schedule.kind}): {exc}") from None
+            where = f"profile {p['profile']!r}: " if p["profile"] else ""
+            raise type(exc)(
+                f"{where}fault space point {spec_.site} on {p['target']} ({spec_.schedule.kind}): {exc}"
+            ) from None
     return points
 
 

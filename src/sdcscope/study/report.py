@@ -9,8 +9,8 @@ the Markdown) -- the loss of every rank, and the event list.
 A campaign's sections: outcomes (overall, by bit and site), PVF per site, layer, bit and fault model with
 Wilson 95% intervals and the layer × bit and layer × site heatmaps, the healthy-spread thresholds, loss curves
 golden vs faulty, parameter drift over time (level c), permanent faults evaluated with the fault
-present vs removed, guard detection (coverage, latency, false positives) and, for
-``analysis: full``, levels (a) and (b).
+present vs removed, guard detection (coverage, latency, false positives), for
+``analysis: full``, levels (a) and (b), and for node profiles the three levels per profile.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import jinja2
 
 from sdcscope.study import drift, figures
 from sdcscope.study.levels import in_target
+from sdcscope.study.nodes import LEVEL_COLUMNS, NODE_NOTE, level_rows, profile_levels
 from sdcscope.study.run_report import RUN_CONFIG, build_run_report
 from sdcscope.study.runner import SPEC_FILE, count_plan
 from sdcscope.study.spec import load_campaign
@@ -153,7 +154,7 @@ def build_report(directory: str | Path) -> dict[str, Any]:
     spec = load_campaign(directory / SPEC_FILE)
     with ResultsDB(directory / DB_FILE, spec) as db:
         rows, baselines, refs, twins = db.trials(), db.baselines(), db.references(), db.twins()
-        golden, thresholds = db.golden_losses(), db.threshold_rows()
+        golden, thresholds, bounds = db.golden_losses(), db.threshold_rows(), db.thresholds()
         planned = db.plan_size if db.plan_size is not None and not db.extended else count_plan(spec, db)
     if not rows:
         raise ValueError(f"{str(directory)!r} has no finished trials yet: run `sdcscope campaign run {directory}`")
@@ -252,6 +253,15 @@ def build_report(directory: str | Path) -> dict[str, Any]:
         )
         figs["detection latency"] = figures.latency_hist(rows)
     tables += _levels(rows)
+    if any(r["profile"] for r in rows):
+        tables.append(
+            _table(
+                "Node profiles: the three levels",
+                LEVEL_COLUMNS,
+                level_rows(profile_levels(rows, bounds)),
+                note=NODE_NOTE,
+            )
+        )
     return {
         "name": spec.name,
         "hash": spec.hash,

@@ -1,6 +1,7 @@
 """A campaign's fault space (``faults:`` of ``campaign.yaml``, :class:`FaultSpace`): sites, targets,
-fault models, bits, patterns and schedule templates, whose cross product the trials sample; and
-the small validators every campaign spec section uses.
+fault models, bits, patterns and schedule templates, whose cross product the trials sample, or
+named node profiles, one such space each (:class:`FaultProfiles`); and the small validators every
+campaign spec section uses.
 
 Everything is validated here; mistakes raise ``ValueError``/``TypeError`` naming the value and
 what is allowed.
@@ -9,6 +10,7 @@ what is allowed.
 from __future__ import annotations
 
 import json
+import string
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -17,7 +19,15 @@ from sdcscope.common.validate import did_you_mean
 from sdcscope.faults import BIT_MODELS, MODELS, SITES, SWIZZLE_MODES, TOKEN_MODELS, Pattern, check_bits, get_format
 from sdcscope.faults.vocab import check_site_pattern
 
-__all__ = ["FaultSpace", "SCHEDULE_TEMPLATES", "UNSUPPORTED_SITES", "CAMPAIGN_SITES", "parse_bits"]
+__all__ = [
+    "FaultSpace",
+    "FaultProfiles",
+    "fault_section",
+    "SCHEDULE_TEMPLATES",
+    "UNSUPPORTED_SITES",
+    "CAMPAIGN_SITES",
+    "parse_bits",
+]
 
 SCHEDULE_TEMPLATES: dict[str, tuple[str, ...]] = {
     "transient": ("micro_batch",),
@@ -216,6 +226,14 @@ class FaultSpace:
                 "indices"
             )
 
+    @property
+    def spaces(self) -> tuple[tuple[str, FaultSpace], ...]:
+        """``(profile, space)`` pairs: this one space, with no profile name."""
+        return (("", self),)
+
+    def space(self, profile: str) -> FaultSpace:
+        return self
+
     @classmethod
     def from_dict(cls, data: Any) -> FaultSpace:
         if isinstance(data, Mapping) and "swizzle" in data:
@@ -234,3 +252,59 @@ class FaultSpace:
         out = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
         out["targets"] = [list(t) if isinstance(t, tuple) else t for t in self.targets]
         return out
+
+
+PROFILE_CHARS = frozenset(string.ascii_letters + string.digits + "_.-")
+"""What a profile name may hold (it is a column of results.sqlite and a part of a trial's key)."""
+
+
+@dataclass(frozen=True)
+class FaultProfiles:
+    """Named fault spaces, one per *node profile*: the faults one unhealthy machine shows (a lane, a
+    bit, a rate), as the study of real unhealthy nodes compares them (Ma et al., ACL 2025). The
+    campaign's trials are the union of each profile's cross product, each trial tagged with its
+    profile, so a report can give the three levels per node. ``faults: {profiles: {NAME: SPACE}}``,
+    each SPACE a ``faults:`` mapping of its own."""
+
+    profiles: tuple[tuple[str, FaultSpace], ...]
+
+    def __post_init__(self) -> None:
+        if not self.profiles:
+            raise ValueError("faults.profiles must name at least one profile: {NAME: {sites: …, targets: …}}")
+        for name, _ in self.profiles:
+            if not isinstance(name, str) or not name or not set(name) <= PROFILE_CHARS:
+                raise ValueError(
+                    f"faults.profiles name {name!r} must be a non-empty string of letters, digits, '_', '.' and '-'"
+                )
+
+    @property
+    def spaces(self) -> tuple[tuple[str, FaultSpace], ...]:
+        return self.profiles
+
+    def space(self, profile: str) -> FaultSpace:
+        """The fault space of ``profile``."""
+        return dict(self.profiles)[profile]
+
+    @classmethod
+    def from_dict(cls, data: Any) -> FaultProfiles:
+        data = _keys("faults (with profiles, each profile holds its own sites, targets, …)", data, ("profiles",))
+        profiles = data["profiles"]
+        if not isinstance(profiles, Mapping):
+            raise TypeError(f"faults.profiles must map profile names to fault spaces, got {profiles!r}")
+        out = []
+        for name, space in profiles.items():
+            try:
+                out.append((name, FaultSpace.from_dict(space)))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"faults.profiles.{name}: {exc}") from None
+        return cls(tuple(out))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"profiles": {name: space.to_dict() for name, space in self.profiles}}
+
+
+def fault_section(data: Any) -> FaultSpace | FaultProfiles:
+    """``faults:`` of a campaign spec: one fault space, or ``{profiles: {NAME: SPACE, …}}``."""
+    if isinstance(data, Mapping) and "profiles" in data:
+        return FaultProfiles.from_dict(data)
+    return FaultSpace.from_dict(data)

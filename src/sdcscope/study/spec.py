@@ -24,6 +24,16 @@ Example (every key but ``workload``, ``inject_steps``, ``horizon`` and ``faults`
                                    # {profile: minimal | balanced | full, abft: {c: 9}, ...}
     analysis: basic                # full: also lock-step (level a) and gradient NSR (level b)
 
+``faults`` may instead name node profiles, a fault space each (the union is sampled, every trial
+tagged with its profile; ``sampling.by: [profile]`` stratifies by them)::
+
+    faults:
+      profiles:
+        attn-lane: {sites: [gemm.forward], targets: ["blocks.*.attn.*_proj"], models: [bitflip], bits: [22],
+                    patterns: [{kind: mac_cell, array: [8, 8]}], schedules: [{kind: intermittent, p: 0.2}],
+                    repeats: 5}
+        ffn-exponent: {…}
+
 A ``targets`` entry that is itself a list is *one* target: every module its patterns match, hit
 by the same fault in one trial (a unit that runs all those GEMMs, e.g. one NVDLA MAC array serving
 every layer: ``targets: [[conv1, conv2, fc1, fc2, fc3]]``). A plain entry is expanded into single
@@ -47,11 +57,21 @@ from sdcscope.common.io import load_yaml, read_text
 from sdcscope.common.validate import did_you_mean
 from sdcscope.engine.trainer import SEED_MAX
 from sdcscope.study.guarded import guard_section
-from sdcscope.study.space import SCHEDULE_TEMPLATES, FaultSpace, _choices, _int, _keys, _list
+from sdcscope.study.space import (
+    SCHEDULE_TEMPLATES,
+    FaultProfiles,
+    FaultSpace,
+    _choices,
+    _int,
+    _keys,
+    _list,
+    fault_section,
+)
 
 __all__ = [
     "CampaignSpec",
     "FaultSpace",
+    "FaultProfiles",
     "Sampling",
     "Baseline",
     "load_campaign",
@@ -62,7 +82,7 @@ __all__ = [
 ]
 
 SAMPLING_KINDS = ("exhaustive", "random", "stratified")
-DIMENSIONS = ("inject_step", "site", "target", "model", "bit", "pattern", "schedule", "swizzle")
+DIMENSIONS = ("profile", "inject_step", "site", "target", "model", "bit", "pattern", "schedule", "swizzle")
 """The dimensions of the fault space (``sampling.by`` picks strata among them)."""
 ANALYSES = ("basic", "full")
 BASELINE_SEED_MAX = 2**63 - 1
@@ -83,6 +103,7 @@ WORKLOAD_KEYS = (
     "qk_norm",
     "z_loss",
     "precision",
+    "label_noise",
 )
 
 
@@ -187,7 +208,7 @@ class CampaignSpec:
     workload: dict
     inject_steps: tuple[int, ...]
     horizon: int
-    faults: FaultSpace
+    faults: FaultSpace | FaultProfiles
     name: str = "campaign"
     seed: int = 0
     grad_accum: int = 1
@@ -268,7 +289,7 @@ class CampaignSpec:
         for key in ("workload", "inject_steps", "horizon", "faults"):
             if key not in data:
                 raise ValueError(f"campaign key {key!r} is required")
-        data["faults"] = FaultSpace.from_dict(data["faults"])
+        data["faults"] = fault_section(data["faults"])
         data["sampling"] = Sampling(**_keys("sampling", data.get("sampling", {}), ("kind", "n", "by", "seed")))
         data["baseline"] = Baseline(
             **_keys("baseline", data.get("baseline", {}), ("seeds", "alpha", "twins", "twin_margin"))

@@ -26,9 +26,10 @@ from sdcscope.study.spec import CampaignSpec, space_hash
 __all__ = ["ResultsDB", "TRIAL_COLUMNS", "BASELINE_COLUMNS", "TWIN_COLUMNS", "DB_FILE"]
 
 DB_FILE = "results.sqlite"
-SCHEMA = 4
+SCHEMA = 5
 """2: the drift columns; 3: a trial's ``detector`` (the guard's first detector after the fault);
-4: the ``twins`` table and a baseline's ``drift_twin`` / ``drift_spread`` labels."""
+4: the ``twins`` table and a baseline's ``drift_twin`` / ``drift_spread`` labels; 5: a trial's
+``profile`` (its node profile, :class:`~sdcscope.study.space.FaultProfiles`)."""
 JSON_COLUMNS = {"losses", "drift", "disagree", "first_divergence", "lockstep", "nsr", "drift_steps"}
 TRIAL_COLUMNS: dict[str, str] = {
     "trial_id": "INTEGER PRIMARY KEY",
@@ -44,6 +45,7 @@ TRIAL_COLUMNS: dict[str, str] = {
     "swizzle": "INTEGER",
     "repeat": "INTEGER",
     "fault_seed": "INTEGER",
+    "profile": "TEXT",
     "outcome": "TEXT",
     "effect": "TEXT",
     "sdc_kind": "TEXT",
@@ -201,8 +203,8 @@ class ResultsDB:
         """An older schema -> :data:`SCHEMA`: add the tables and columns it lacks -- 2: the drift
         columns (a trial's ``disagree``, ``disagree_final``, ``drift_twin``, ``drift_spread``; a
         baseline's ``disagree``), 3: a trial's ``detector``, 4: the ``twins`` table and a
-        baseline's ``drift_twin`` / ``drift_spread`` -- and decide each finished trial's outcome
-        again from its stored measures (:meth:`_reclassify`); the measures it did not take stay
+        baseline's ``drift_twin`` / ``drift_spread``, 5: a trial's ``profile`` -- and decide each
+        finished trial's outcome again from its stored measures (:meth:`_reclassify`); the measures it did not take stay
         empty. Until the next ``campaign run`` adds the perturbation twins, ``drift_twin`` is
         decided against the fixed :data:`~sdcscope.study.outcomes.TWIN_BOUND`. A database that
         cannot be written is read as it is (the new columns read as None, no twins)."""

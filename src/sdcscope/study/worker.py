@@ -304,7 +304,7 @@ class Worker:
 
     def _trial(self, trial: Trial, job: dict[str, Any]) -> dict[str, Any]:
         s, t, ref = trial.inject_step, self.trainer, job["reference"]
-        spec = trial.fault_spec(self.spec.faults.format)
+        spec = trial.fault_spec(self.spec.faults.space(trial.profile).format)
         row: dict[str, Any] = {"kind": "trial", **trial.to_row()}
         if self.spec.analysis == "full":
             self._restore(s)

@@ -63,6 +63,9 @@ class WorkloadConfig:
     z_loss: float = 0.0
     precision: str = "fp32"
     """gpt: ``'fp8'`` runs the blocks' Linears as FP8 GEMMs (:attr:`GPTConfig.precision`)."""
+    label_noise: float = 0.0
+    """cnn: the chance that a training label is replaced by a random class, drawn afresh every step
+    (validation stays clean): a task the model cannot fit, whose loss never reaches zero."""
 
     def __post_init__(self) -> None:
         check_choice("workload", self.workload, WORKLOADS)
@@ -83,6 +86,10 @@ class WorkloadConfig:
         check_bool("qk_norm", self.qk_norm)
         check_float("z_loss", self.z_loss, low=0)
         check_choice("precision", self.precision, PRECISIONS)
+        check_float("label_noise", self.label_noise, low=0, high=1, high_open=True)
+        self.label_noise = float(self.label_noise)
+        if self.label_noise and self.workload != "cnn":
+            raise ValueError(f"label_noise applies to the cnn workload only, not {self.workload!r}")
         if self.precision != "fp32" and self.workload != "gpt":
             raise ValueError(f"precision {self.precision!r} applies to the gpt workload only, not {self.workload!r}")
         self.lr, self.weight_decay = float(self.lr), float(self.weight_decay)
@@ -330,7 +337,11 @@ class CNNWorkload(Workload):
     def batch(self, seed, step, micro_batch=0):
         g = step_generator(seed, step, micro_batch)
         idx = torch.randint(0, len(self.x_train), (self.config.batch_size,), generator=g)
-        return self.x_train[idx], self.y_train[idx]
+        y = self.y_train[idx]
+        if self.config.label_noise:  # fresh every step: noise the model cannot learn or memorize
+            flip = torch.rand(len(y), generator=g) < self.config.label_noise
+            y = torch.where(flip, torch.randint(0, 10, (len(y),), generator=g), y)
+        return self.x_train[idx], y
 
     def loss(self, model, batch):
         x, y = batch
