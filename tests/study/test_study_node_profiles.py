@@ -88,10 +88,17 @@ def test_a_bad_profile_is_refused_naming_it(faults, message):
         _spec(**faults)
 
 
-def test_a_bad_target_of_one_profile_is_refused_at_planning_naming_the_profile():
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("targets", ["no_such_layer"], "faults.targets 'no_such_layer' for site"),
+        ("schedules", [{"kind": "intermittent", "p": 0.0}], "fault space point gemm.forward on head .*never fires"),
+    ],
+)
+def test_a_point_of_one_profile_that_cannot_run_is_refused_at_planning_naming_the_profile(key, value, message):
     data = yaml.safe_load(SPEC)
-    data["faults"]["profiles"]["idle"]["targets"] = ["no_such_layer"]
-    with pytest.raises(ValueError, match="^faults.profiles.idle: faults.targets 'no_such_layer' for site"):
+    data["faults"]["profiles"]["idle"][key] = value
+    with pytest.raises(ValueError, match=f"^faults.profiles.idle: {message}"):
         _plan(CampaignSpec.from_dict(data))
 
 

@@ -284,7 +284,7 @@ def fault_present_bars(groups: list[dict]) -> str:
     ):
         values = [g[f"{metric}_{key}"] for g in groups]
         ax.bar([i + (k - 1) * width for i in range(len(groups))], values, width, label=name, color=color)
-    ax.set_xticks(range(len(groups)), [g["group"] for g in groups], fontsize=7, rotation=20)
+    ax.set_xticks(range(len(groups)), [short_label(g["group"], 40) for g in groups], fontsize=7, rotation=20)
     ax.set_ylabel(f"validation {metric}")
     ax.legend(fontsize=7)
     ax.set_title("permanent faults: evaluated with the fault present vs removed")

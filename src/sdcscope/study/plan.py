@@ -163,6 +163,11 @@ def _expand(model: nn.Module, space, site: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _where(profile: str) -> str:
+    """The prefix an error of a node profile's space carries (none for a spec of one space)."""
+    return f"faults.profiles.{profile}: " if profile else ""
+
+
 def _points(spec: CampaignSpec, model: nn.Module, optimizer) -> list[dict]:
     points = []
     for profile, space in spec.faults.spaces:
@@ -170,7 +175,7 @@ def _points(spec: CampaignSpec, model: nn.Module, optimizer) -> list[dict]:
             try:
                 targets = _expand(model, space, site)
             except ValueError as exc:
-                raise ValueError(f"faults.profiles.{profile}: {exc}" if profile else str(exc)) from None
+                raise ValueError(f"{_where(profile)}{exc}") from None
             where = product(spec.inject_steps, targets, space.patterns, range(space.repeats))
             for s, target, pattern, repeat in where:
                 seed = mix_seed(space.seed, s, site, target, location_json(pattern), repeat)
@@ -213,9 +218,8 @@ def _points(spec: CampaignSpec, model: nn.Module, optimizer) -> list[dict]:
                 model, spec_, optimizer, steps=p["inject_step"] + spec.horizon, grad_accum=spec.grad_accum, probe=probe
             )
         except (TypeError, ValueError) as exc:
-            where = f"profile {p['profile']!r}: " if p["profile"] else ""
             raise type(exc)(
-                f"{where}fault space point {spec_.site} on {p['target']} ({spec_.schedule.kind}): {exc}"
+                f"{_where(p['profile'])}fault space point {spec_.site} on {p['target']} ({spec_.schedule.kind}): {exc}"
             ) from None
     return points
 

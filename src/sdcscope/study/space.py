@@ -232,6 +232,7 @@ class FaultSpace:
         return (("", self),)
 
     def space(self, profile: str) -> FaultSpace:
+        """This space (a spec of one fault space has the one profile ``""``)."""
         return self
 
     @classmethod
@@ -266,24 +267,21 @@ class FaultProfiles:
     profile, so a report can give the three levels per node. ``faults: {profiles: {NAME: SPACE}}``,
     each SPACE a ``faults:`` mapping of its own."""
 
-    profiles: tuple[tuple[str, FaultSpace], ...]
+    spaces: tuple[tuple[str, FaultSpace], ...]
+    """``(profile, space)`` pairs, in the spec's order."""
 
     def __post_init__(self) -> None:
-        if not self.profiles:
+        if not self.spaces:
             raise ValueError("faults.profiles must name at least one profile: {NAME: {sites: …, targets: …}}")
-        for name, _ in self.profiles:
+        for name, _ in self.spaces:
             if not isinstance(name, str) or not name or not set(name) <= PROFILE_CHARS:
                 raise ValueError(
                     f"faults.profiles name {name!r} must be a non-empty string of letters, digits, '_', '.' and '-'"
                 )
 
-    @property
-    def spaces(self) -> tuple[tuple[str, FaultSpace], ...]:
-        return self.profiles
-
     def space(self, profile: str) -> FaultSpace:
         """The fault space of ``profile``."""
-        return dict(self.profiles)[profile]
+        return dict(self.spaces)[profile]
 
     @classmethod
     def from_dict(cls, data: Any) -> FaultProfiles:
@@ -300,7 +298,7 @@ class FaultProfiles:
         return cls(tuple(out))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"profiles": {name: space.to_dict() for name, space in self.profiles}}
+        return {"profiles": {name: space.to_dict() for name, space in self.spaces}}
 
 
 def fault_section(data: Any) -> FaultSpace | FaultProfiles:
