@@ -519,3 +519,24 @@ def sharded_checkpoint_runs(tmp) -> dict:
         second.append(job.to_dict())
     spawn(jobs_world, 2, (second,), timeout_s=300)
     return paths
+
+
+# --- campaigns ---
+
+
+def ran_campaign(root: Path, spec: str) -> Path:
+    """The campaign of spec text ``spec``, initialised and run in ``root / "c"`` (its workers in this process)."""
+    from sdcscope.study import init_campaign, run_campaign
+
+    (root / "spec.yaml").write_text(spec)
+    init_campaign(root / "c", root / "spec.yaml")
+    run_campaign(root / "c", workers=0)
+    return root / "c"
+
+
+def campaign_db(directory: Path):
+    """The results database of campaign ``directory`` (a context manager)."""
+    from sdcscope.study.spec import load_campaign
+    from sdcscope.study.store import ResultsDB
+
+    return ResultsDB(directory / "results.sqlite", load_campaign(directory / "campaign.yaml"))

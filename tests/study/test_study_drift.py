@@ -12,11 +12,11 @@ import sqlite3
 
 import pytest
 
-from sdcscope.study import init_campaign, run_campaign, write_report
+from helpers import campaign_db, ran_campaign
+from sdcscope.study import run_campaign, write_report
 from sdcscope.study.drift import drift_section
 from sdcscope.study.outcomes import TWIN_BOUND
-from sdcscope.study.spec import load_campaign
-from sdcscope.study.store import SCHEMA, ResultsDB
+from sdcscope.study.store import SCHEMA
 
 # A weight fault in a layer that learns: one row of the MLP's first Linear has exponent bit 24
 # flipped (each element x4 or /4, by its exponent) -- a mid-exponent flip that scales a whole row;
@@ -39,15 +39,10 @@ baseline: {seeds: [7, 8]}
 
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
-    root = tmp_path_factory.mktemp("drift")
-    (root / "spec.yaml").write_text(SPEC)
-    init_campaign(root / "c", root / "spec.yaml")
-    run_campaign(root / "c", workers=0)
-    return root / "c"
+    return ran_campaign(tmp_path_factory.mktemp("drift"), SPEC)
 
 
-def _db(directory):
-    return ResultsDB(directory / "results.sqlite", load_campaign(directory / "campaign.yaml"))
+_db = campaign_db
 
 
 def test_a_weight_move_with_a_normal_loss_is_drift_by_the_twin(campaign):

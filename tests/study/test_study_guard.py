@@ -8,10 +8,11 @@ import sqlite3
 
 import pytest
 
-from sdcscope.study import init_campaign, run_campaign, write_report
+from helpers import campaign_db, ran_campaign
+from sdcscope.study import write_report
 from sdcscope.study.guarded import first_detection
-from sdcscope.study.spec import CampaignSpec, load_campaign
-from sdcscope.study.store import SCHEMA, ResultsDB
+from sdcscope.study.spec import CampaignSpec
+from sdcscope.study.store import SCHEMA
 
 SPEC = """
 name: guarded
@@ -25,14 +26,10 @@ guard: GUARD
 
 
 def _campaign(root, guard: str, spec: str = SPEC):
-    (root / "spec.yaml").write_text(spec.replace("GUARD", guard))
-    init_campaign(root / "c", root / "spec.yaml")
-    run_campaign(root / "c", workers=0)
-    return root / "c"
+    return ran_campaign(root, spec.replace("GUARD", guard))
 
 
-def _db(directory):
-    return ResultsDB(directory / "results.sqlite", load_campaign(directory / "campaign.yaml"))
+_db = campaign_db
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,8 @@
 
 import pytest
 
-from sdcscope.study import init_campaign, run_campaign, write_report
-from sdcscope.study.spec import load_campaign
-from sdcscope.study.store import ResultsDB
+from helpers import campaign_db, ran_campaign
+from sdcscope.study import write_report
 
 SPEC = """
 name: levels
@@ -24,12 +23,9 @@ DIRECTION = {"gemm.forward": "forward", "gemm.grad_input": "backward", "gemm.gra
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    root = tmp_path_factory.mktemp("levels")
-    (root / "spec.yaml").write_text(SPEC)
-    init_campaign(root / "c", root / "spec.yaml")
-    run_campaign(root / "c", workers=0)
-    with ResultsDB(root / "c" / "results.sqlite", load_campaign(root / "c" / "campaign.yaml")) as db:
-        return root / "c", db.trials()
+    campaign = ran_campaign(tmp_path_factory.mktemp("levels"), SPEC)
+    with campaign_db(campaign) as db:
+        return campaign, db.trials()
 
 
 def test_sign_stuck_at_pairs_one_noop_one_flip(rows):

@@ -5,11 +5,11 @@ a spec of one fault space keeping its trial keys, and the report's three levels 
 import pytest
 import yaml
 
-from sdcscope.study import init_campaign, run_campaign, write_report
+from helpers import campaign_db, ran_campaign
+from sdcscope.study import write_report
 from sdcscope.study.nodes import profile_levels
 from sdcscope.study.plan import build_plan
-from sdcscope.study.spec import CampaignSpec, load_campaign
-from sdcscope.study.store import ResultsDB
+from sdcscope.study.spec import CampaignSpec
 from sdcscope.workloads import make_workload
 
 SPEC = """
@@ -104,15 +104,11 @@ def test_a_point_of_one_profile_that_cannot_run_is_refused_at_planning_naming_th
 
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nodes")
-    (root / "spec.yaml").write_text(SPEC)
-    init_campaign(root / "c", root / "spec.yaml")
-    run_campaign(root / "c", workers=0)
-    return root / "c"
+    return ran_campaign(tmp_path_factory.mktemp("nodes"), SPEC)
 
 
 def test_the_three_levels_are_measured_and_reported_per_profile(campaign):
-    with ResultsDB(campaign / "results.sqlite", load_campaign(campaign / "campaign.yaml")) as db:
+    with campaign_db(campaign) as db:
         rows, bounds = db.trials(), db.thresholds()
     assert [r["profile"] for r in rows] == ["lane", "lane", "idle", "idle"]
     lane, idle = profile_levels(rows, bounds)
