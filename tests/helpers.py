@@ -436,7 +436,7 @@ def sharded_policy():
     return CheckpointPolicy(every=2, keep=3)
 
 
-def sharded_job(out, kind: str, steps: int, specs=(), guard=None) -> dict:
+def sharded_job(out, kind: str, steps: int, specs=(), guard=None, grad_accum: int = 1) -> dict:
     """A two-rank ``--parallel kind`` job of the tiny GPT, as a dict (to cross the spawn)."""
     from sdcscope.engine import TrainConfig
     from sdcscope.engine.topology import Topology
@@ -449,7 +449,7 @@ def sharded_job(out, kind: str, steps: int, specs=(), guard=None) -> dict:
         2,
         steps=steps,
         workload=workload,
-        train=TrainConfig(seed=0),
+        train=TrainConfig(seed=0, grad_accum=grad_accum),
         dist_config=sharded_dist(),
         specs=[FaultSpec.from_dict(s) for s in specs],
         guard=guard,
@@ -486,14 +486,15 @@ def sharded_checkpoint_runs(tmp) -> dict:
     FSDP2: ``whole`` (4 steps, a checkpoint at step 2), ``pristine`` (its copy as written, for the
     tamper tests), ``killed`` (its copy that lost everything after step 2), ``tainted`` (a fault at
     step 2 that the guard only reports); tensor parallel: ``tp_whole`` (3 steps), ``tp_stopped``
-    (2 steps, then resumed from its final checkpoint). Also ``reference`` (``whole``'s
+    (2 steps, then resumed from its final checkpoint); a 1F1B pipeline of two stages: ``pp_whole``
+    (3 steps) and ``pp_stopped`` (2 steps, resumed). Also ``reference`` (``whole``'s
     param_sha256) and ``chosen`` (the checkpoint each resume took)."""
     import shutil
 
     from sdcscope.engine.dist import spawn
     from sdcscope.guard import GuardConfig
 
-    names = ("whole", "killed", "tainted", "tp_whole", "tp_stopped")
+    names = ("whole", "killed", "tainted", "tp_whole", "tp_stopped", "pp_whole", "pp_stopped")
     paths = {n: tmp / n for n in names}
     # the flip at step 2 is found by ABFT and, with no policy, only reported: the state is tainted from then on
     report_only = GuardConfig.from_dict({"profile": "full", "policy": {"defaults": False}})  # every GEMM checked
@@ -503,6 +504,8 @@ def sharded_checkpoint_runs(tmp) -> dict:
         sharded_job(paths["tainted"], "fsdp", 3, [fault], report_only),
         sharded_job(paths["tp_whole"], "tp", 3),
         sharded_job(paths["tp_stopped"], "tp", 2),
+        sharded_job(paths["pp_whole"], "pp", 3, grad_accum=2),
+        sharded_job(paths["pp_stopped"], "pp", 2, grad_accum=2),
     ]
     spawn(jobs_world, 2, (first,), timeout_s=300)
     paths["reference"] = json.loads((paths["whole"] / "summary.json").read_text())["param_sha256"]
@@ -512,7 +515,7 @@ def sharded_checkpoint_runs(tmp) -> dict:
     shutil.copytree(paths["whole"], paths["killed"])
     shutil.rmtree(paths["killed"] / "checkpoint")
     second, paths["chosen"] = [], {}
-    for name in ("killed", "tp_stopped"):
+    for name in ("killed", "tp_stopped", "pp_stopped"):
         job, chosen, skipped = sharded_resume(paths[name], 4 if name == "killed" else 3)
         assert skipped == []
         paths["chosen"][name] = chosen

@@ -1,11 +1,13 @@
-"""Sharded checkpoints (torch.distributed.checkpoint) of FSDP2 and tensor-parallel runs on two gloo
-ranks: a run stopped after step k and resumed ends bitwise where the uninterrupted run ends; a
+"""Sharded checkpoints (torch.distributed.checkpoint) of FSDP2, tensor-parallel and pipeline runs on
+two gloo ranks: a run stopped after step k and resumed ends bitwise where the uninterrupted run ends; a
 fault-tainted newer checkpoint is passed over for the verified one. (A tampered shard, another
 layout and a rank file that fails the safe load: tests/reliability/test_bad_checkpoints.py.)"""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from helpers import sharded_resume
 from sdcscope.engine.rundir import periodic_dir
@@ -40,11 +42,14 @@ def test_fsdp_run_resumed_from_its_periodic_checkpoint_ends_bitwise_as_uninterru
     assert _manifest(killed / "checkpoint")["step"] == 4
 
 
-def test_tensor_parallel_run_resumed_from_its_final_checkpoint_ends_bitwise_as_uninterrupted(sharded_runs):
-    stopped = sharded_runs["tp_stopped"]
-    assert sharded_runs["chosen"]["tp_stopped"] == stopped / "checkpoint"
+@pytest.mark.parametrize("kind", ["tp", "pp"])
+def test_a_run_resumed_from_its_final_checkpoint_ends_bitwise_as_uninterrupted(sharded_runs, kind):
+    """Tensor parallel, and a pipeline, whose stages hold different parameters: each stage gets its
+    own optimizer groups back (a stage given another's loses their options)."""
+    stopped = sharded_runs[f"{kind}_stopped"]
+    assert sharded_runs["chosen"][f"{kind}_stopped"] == stopped / "checkpoint"
     assert _summary(stopped)["steps"] == 3
-    assert _summary(stopped)["param_sha256"] == _summary(sharded_runs["tp_whole"])["param_sha256"]
+    assert _summary(stopped)["param_sha256"] == _summary(sharded_runs[f"{kind}_whole"])["param_sha256"]
 
 
 def test_fault_tainted_newer_checkpoint_is_passed_over_for_the_verified_one(sharded_runs):

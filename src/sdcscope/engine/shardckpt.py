@@ -114,6 +114,18 @@ def _rank_state(trainer) -> dict[str, Any]:
     return state
 
 
+def _options(trainer):
+    """How the optimizer's state is keyed. In a pipeline, flattened: every state entry and group
+    option under its parameter's name. Unflattened, a param group is saved under its index
+    (``param_groups.0.params``), one key every rank writes, which DCP keeps once: a stage resumed
+    with another stage's group loses the group's options. (Expert-parallel ranks' groups differ
+    only in their experts' names, which the state entries carry, so their checkpoints keep the
+    unflattened form they were written in.)"""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=trainer.world.pipeline)
+
+
 def _state_dict(trainer, optimizer: bool) -> dict[str, Any]:
     """The sharded model (and optimizer) state of ``trainer``, as DCP saves and loads it. An
     optimizer that has not stepped yet has no state and is left out: ``get_state_dict`` would
@@ -122,7 +134,7 @@ def _state_dict(trainer, optimizer: bool) -> dict[str, Any]:
 
     if not optimizer:
         return {"model": get_model_state_dict(trainer.model)}
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -281,7 +293,11 @@ def load_sharded(trainer, directory: str | Path, manifest: dict[str, Any]) -> No
     dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
     if with_optimizer:
         set_state_dict(
-            trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            trainer.model,
+            trainer.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=_options(trainer),
         )
     else:
         set_model_state_dict(trainer.model, state["model"])
