@@ -27,7 +27,7 @@ from torch import nn
 
 from sdcscope.common.alltoall import Exchange, chunk_starts, exchanges
 from sdcscope.faults import FaultSpec, apply_spec, fault_generator, fires
-from sdcscope.inject.comm import StepFaults, record_firing
+from sdcscope.inject.comm import StepFaults, numbered, record_firing
 from sdcscope.inject.reexec import reexecuting
 
 
@@ -49,15 +49,13 @@ class AllToAllInjector(StepFaults):
         spec_ids: Sequence[int] | None = None,
     ) -> None:
         specs = list(specs)
-        ids = list(range(len(specs))) if spec_ids is None else list(spec_ids)
-        self.rank = rank
         self.exchanges = exchanges(model)
         if specs and not self.exchanges:
             raise ValueError(
                 "site 'comm.all_to_all' corrupts an expert-parallel MoE all-to-all: the model exchanges no "
                 "tokens (use --parallel ep or fsdp+ep with the moe workload)"
             )
-        self.specs = list(zip(ids, specs))
+        self.specs = numbered(specs, spec_ids)
         self._start(rank, log)
         self._removers = [ex.add("corrupt_send", self._send) for ex in self.exchanges]
         self._removers += [ex.add("corrupt_recv", self._recv) for ex in self.exchanges]

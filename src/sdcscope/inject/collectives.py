@@ -32,7 +32,7 @@ from sdcscope.common.validate import close_matches
 from sdcscope.common.world import local
 from sdcscope.faults import FaultSpec, FaultSpecError, apply_spec, check_spec, fault_generator, fires
 from sdcscope.faults.vocab import COLLECTIVE_SITES
-from sdcscope.inject.comm import StepFaults, record_firing
+from sdcscope.inject.comm import StepFaults, numbered, record_firing
 from sdcscope.inject.reexec import reexecuting
 from sdcscope.inject.validate import check_schedule
 
@@ -57,8 +57,7 @@ def check_collective_specs(
     it lands on (a parameter's shard, as FSDP2 splits it over ``world_size`` ranks along dim 0).
     Errors name the spec by its id (``spec_ids``, default 0..n-1)."""
     params = dict(model.named_parameters())
-    ids = list(range(len(specs))) if spec_ids is None else list(spec_ids)
-    for i, spec in zip(ids, specs):
+    for i, spec in numbered(specs, spec_ids):
         try:
             if not is_collective(spec):
                 raise ValueError(f"site {spec.site!r} is not one of {list(COLLECTIVE_SITES)}")
@@ -113,15 +112,13 @@ class CollectiveInjector(StepFaults):
         spec_ids: Sequence[int] | None = None,
     ) -> None:
         specs = list(specs)
-        ids = list(range(len(specs))) if spec_ids is None else list(spec_ids)
-        self.rank = rank
         self.units: list[FSDPUnit] = fsdp_units(model)
         if specs and not self.units:
             raise ValueError(
                 f"sites {sorted({s.site for s in specs})} corrupt FSDP2's collectives: the model has no "
                 "fully_shard unit (use --parallel fsdp or hsdp)"
             )
-        self.specs = list(zip(ids, specs))
+        self.specs = numbered(specs, spec_ids)
         for _, spec in self.specs:
             for unit in self.units:
                 for gp in unit.params:

@@ -42,6 +42,12 @@ PHASES = ("before", "after")
 MAX_RECORDED = 64
 
 
+def numbered(specs: Sequence[FaultSpec], spec_ids: Sequence[int] | None) -> list[tuple[int, FaultSpec]]:
+    """``(id, spec)`` of each spec: its index in the world's spec list, as recorded (``spec_ids``;
+    default 0..n-1)."""
+    return list(zip(range(len(specs)) if spec_ids is None else spec_ids, specs))
+
+
 def comm_phase(spec: FaultSpec) -> tuple[FaultSpec, str]:
     """``(spec with plain targets, phase)`` of a ``comm`` spec (see the module docstring)."""
     field = getattr(spec, "phase", None)
@@ -117,9 +123,8 @@ def check_comm_specs(
     :func:`sdcscope.inject.validate_specs` does). Errors name the spec by its id (``spec_ids``:
     its index in the world's spec list; default 0..n-1)."""
     params = dict(model.named_parameters())
-    ids = list(range(len(specs))) if spec_ids is None else list(spec_ids)
     checked = []
-    for i, spec in zip(ids, specs):
+    for i, spec in numbered(specs, spec_ids):
         try:
             if spec.site != "comm":
                 raise ValueError(f"site {spec.site!r} is not 'comm'; use sdcscope.inject.Injector")

@@ -19,7 +19,7 @@ import torch
 
 from sdcscope.common.pipeline import StageBoundary
 from sdcscope.faults import FaultSpec, apply_spec, fault_generator, fires
-from sdcscope.inject.comm import StepFaults, record_firing
+from sdcscope.inject.comm import StepFaults, numbered, record_firing
 from sdcscope.inject.reexec import reexecuting
 
 SITE = "comm.p2p"
@@ -75,9 +75,8 @@ class P2PInjector(StepFaults):
         log: Callable[[dict], None] | None = None,
         spec_ids: Sequence[int] | None = None,
     ) -> None:
-        ids = list(range(len(specs))) if spec_ids is None else list(spec_ids)
-        self.boundary, self.rank = boundary, rank
-        self.specs = [(i, s) for i, s in zip(ids, specs) if s.rank == rank]
+        self.boundary = boundary
+        self.specs = [(i, s) for i, s in numbered(specs, spec_ids) if s.rank == rank]
         self._start(rank, log)
         boundary.add_tap(self, first=True)
 
