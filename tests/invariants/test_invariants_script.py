@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from helpers import cli_invoke
+from sdcscope.common.script import find_model
 from sdcscope.invariants import InferConfig, check_trace, infer_invariants, load_trace
-from sdcscope.invariants.script import find_model, run_script
+from sdcscope.invariants.script import run_script
 
 SCRIPT = textwrap.dedent(
     """

@@ -9,7 +9,8 @@ Three parts, shared by every tool that attaches to a script it cannot edit:
   so a tool sees each object the script builds, right after it is built;
 - :func:`find_model` names the module an optimizer trains: the live module holding the most of
   its parameters (the smallest such module, the outermost among equals: a wrapper whose forward
-  is the one called), found among the live objects (``gc``) when it is called.
+  is the one called), found among the live objects (``gc``) when it is called;
+  :func:`followed_model` applies it to the first optimizer a script builds, the one followed.
 """
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ def find_model(optimizer: Any) -> nn.Module | None:
         if key is None or k > key or k == key and any(m is best for m in obj.modules()):
             best, key = obj, k
     return best
+
+
+def followed_model(optimizer: Any, taken: bool, what: str) -> nn.Module | None:
+    """The model a script's optimizer trains (:func:`find_model`) when it is the first optimizer
+    the script builds (one model and optimizer per process is followed); None, logged, for a
+    second one (``taken``) or one that holds no module's parameters. ``what``: ``attached``,
+    ``traced``."""
+    name = type(optimizer).__name__
+    if taken:
+        log.info("a second optimizer (%s) is not %s", name, what)
+        return None
+    model = find_model(optimizer)
+    if model is None:
+        log.warning("optimizer %s holds no module's parameters: not %s", name, what)
+    return model
 
 
 def outermost(module: nn.Module) -> nn.Module:

@@ -58,7 +58,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from sdcscope.common.exitcodes import ExitCode
 from sdcscope.common.io import write_json
-from sdcscope.common.script import InitWatch, check_argv, find_model, outermost, run_main
+from sdcscope.common.script import InitWatch, check_argv, followed_model, outermost, run_main
 from sdcscope.common.world import world_of
 from sdcscope.engine.state import param_sha256
 from sdcscope.faults import FaultSpec, load_specs
@@ -147,12 +147,8 @@ class ScriptAttach:
 
     # -- what the script builds --------------------------------------------------------------
     def _on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.optimizer is not None:
-            log.info("a second optimizer (%s) is not attached to", type(optimizer).__name__)
-            return
-        model = find_model(optimizer)
+        model = followed_model(optimizer, self.optimizer is not None, "attached")
         if model is None:
-            log.warning("optimizer %s holds no module's parameters: nothing attached", type(optimizer).__name__)
             return
         if self.guard_config is not None:
             try:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdcscope.common.script import InitWatch, find_model, run_main
+from sdcscope.common.script import InitWatch, followed_model, run_main
 from sdcscope.invariants import probe
 from sdcscope.invariants.recorder import TraceRecorder
 from sdcscope.invariants.traceconfig import TraceConfig
@@ -143,12 +143,8 @@ class ScriptTracer:
             self.recorder.detach()
 
     def _on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.recorder is not None:
-            log.info("a second optimizer (%s) is not traced", type(optimizer).__name__)
-            return
-        model = find_model(optimizer)
+        model = followed_model(optimizer, self.recorder is not None, "traced")
         if model is None:
-            log.warning("optimizer %s holds no module's parameters: not traced", type(optimizer).__name__)
             return
         self.recorder = ScriptRecorder(model, optimizer, out=self.out, scaler=self._scaler, config=self.config)
         self.recorder.attach()
