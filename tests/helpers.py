@@ -537,6 +537,22 @@ def ran_campaign(root: Path, spec: str) -> Path:
     return root / "c"
 
 
+def campaign_tables(directory: Path) -> dict[str, list[dict]]:
+    """Every table of campaign ``directory``'s results.sqlite in key order, without the timing
+    column: what two backends running the same campaign must both write."""
+    import sqlite3
+
+    conn = sqlite3.connect(directory / "results.sqlite")
+    conn.row_factory = sqlite3.Row
+    try:
+        return {
+            t: [{k: r[k] for k in r.keys() if k != "wall_s"} for r in conn.execute(f"SELECT * FROM {t} ORDER BY 1, 2")]
+            for t in ("trials", "baseline", "twins", "golden", "reference", "thresholds")
+        }
+    finally:
+        conn.close()
+
+
 def campaign_db(directory: Path):
     """The results database of campaign ``directory`` (a context manager)."""
     from sdcscope.study.spec import load_campaign

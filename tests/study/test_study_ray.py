@@ -1,9 +1,8 @@
 """The optional Ray backend gives the same rows as the local worker processes (skipped without Ray)."""
 
-import sqlite3
-
 import pytest
 
+from helpers import campaign_tables
 from sdcscope.study import init_campaign, run_campaign
 
 ray = pytest.importorskip("ray")
@@ -23,19 +22,6 @@ baseline: {seeds: [1, 2]}
 """
 
 
-def _tables(directory):
-    """Every table of results.sqlite in key order, without the timing column."""
-    conn = sqlite3.connect(directory / "results.sqlite")
-    conn.row_factory = sqlite3.Row
-    try:
-        return {
-            t: [{k: r[k] for k in r.keys() if k != "wall_s"} for r in conn.execute(f"SELECT * FROM {t} ORDER BY 1, 2")]
-            for t in ("trials", "baseline", "golden", "reference", "thresholds")
-        }
-    finally:
-        conn.close()
-
-
 @pytest.mark.slow
 def test_ray_backend_gives_the_rows_of_local_workers(tmp_path):
     (tmp_path / "spec.yaml").write_text(SPEC)
@@ -46,7 +32,7 @@ def test_ray_backend_gives_the_rows_of_local_workers(tmp_path):
     remote = run_campaign(tmp_path / "ray", workers=2, ray_address="local")
     assert not ray.is_initialized()  # the private cluster this run started is shut down again
     assert remote == local and local["done"] == 8
-    a, b = _tables(tmp_path / "local"), _tables(tmp_path / "ray")
+    a, b = campaign_tables(tmp_path / "local"), campaign_tables(tmp_path / "ray")
     assert len(a["trials"]) == 8 and len(a["baseline"]) == 2
     assert a == b
 

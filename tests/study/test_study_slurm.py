@@ -4,12 +4,11 @@ task's trials run once when the campaign is run again; the Slurm settings are ch
 import os
 import pickle
 import signal
-import sqlite3
 import time
 
 import pytest
 
-from helpers import cli_fails
+from helpers import campaign_tables, cli_fails
 from sdcscope.study import init_campaign, run_campaign
 from sdcscope.study.slurm import SLURM_DIR, SlurmConfig, TasksEndedError
 
@@ -29,19 +28,6 @@ faults:
 baseline: {seeds: [1, 2], twins: 3}
 """
 LOCAL = {"cluster": "local", "poll_s": 0.1}
-
-
-def _tables(directory):
-    """Every table of results.sqlite in key order, without the timing column."""
-    conn = sqlite3.connect(directory / "results.sqlite")
-    conn.row_factory = sqlite3.Row
-    try:
-        return {
-            t: [{k: r[k] for k in r.keys() if k != "wall_s"} for r in conn.execute(f"SELECT * FROM {t} ORDER BY 1, 2")]
-            for t in ("trials", "baseline", "twins", "golden", "reference", "thresholds")
-        }
-    finally:
-        conn.close()
 
 
 def _running_task(directory, timeout=30.0):
@@ -87,14 +73,14 @@ def test_slurm_campaign_gives_the_local_rows_and_a_killed_task_resumes_once(tmp_
     with pytest.raises(TasksEndedError, match=r"every array task ended with \d+ of 20 jobs .*run the campaign again"):
         run_campaign(array, workers=1, slurm=LOCAL, progress=kill_mid_trial)
     first = _trial_results(array)
-    assert 3 <= len(first) < 20 and len(_tables(array)["trials"]) == len(first)
+    assert 3 <= len(first) < 20 and len(campaign_tables(array)["trials"]) == len(first)
 
     resumed = run_campaign(array, workers=1, slurm=LOCAL)
     assert resumed["ran"] == 20 - len(first) and resumed["done"] == 20
     after = _trial_results(array)
     assert len(after) == 20  # one result per trial ...
     assert {k: after[k] for k in first} == first  # ... and the finished ones were not run again
-    assert _tables(array) == _tables(local)  # row for row, baselines, twins and thresholds too
+    assert campaign_tables(array) == campaign_tables(local)  # row for row, baselines, twins and thresholds too
     assert resumed["outcomes"] == expected["outcomes"]
     assert not list((array / SLURM_DIR / "queue").iterdir())
 
