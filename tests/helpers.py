@@ -436,26 +436,39 @@ def sharded_policy():
     return CheckpointPolicy(every=2, keep=3)
 
 
-def sharded_job(out, kind: str, steps: int, specs=(), guard=None, grad_accum: int = 1) -> dict:
-    """A two-rank ``--parallel kind`` job of the tiny GPT, as a dict (to cross the spawn)."""
+def two_rank_job(out, kind, steps: int = 3, specs=(), guard=None, *, workload=None, grad_accum: int = 1, **extra):
+    """A validated two-rank ``--parallel kind`` job (``kind``: a name or a Topology) on gloo, seed 0,
+    of ``workload`` (default: the tiny GPT, batch 2, a 100 kB corpus); ``specs``: fault dicts;
+    ``extra``: further ``make_job`` arguments (``checkpoints``, ``crossrank``)."""
     from sdcscope.engine import TrainConfig
     from sdcscope.engine.topology import Topology
     from sdcscope.jobs.torchrun import make_job
     from sdcscope.workloads import WorkloadConfig
 
-    workload = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=100_000, eval_batches=1)
     return make_job(
         out,
         2,
         steps=steps,
-        workload=workload,
+        workload=workload or WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=100_000),
         train=TrainConfig(seed=0, grad_accum=grad_accum),
         dist_config=sharded_dist(),
         specs=[FaultSpec.from_dict(s) for s in specs],
         guard=guard,
-        parallel=Topology(kind=kind),
-        checkpoints=sharded_policy(),
-    ).to_dict()
+        parallel=kind if isinstance(kind, Topology) else Topology(kind=kind),
+        **extra,
+    )
+
+
+def sharded_job(out, kind: str, steps: int, specs=(), guard=None, grad_accum: int = 1) -> dict:
+    """A job of the sharded-checkpoint runs (one evaluation batch, a checkpoint every 2 steps), as
+    a dict (to cross the spawn)."""
+    from sdcscope.workloads import WorkloadConfig
+
+    workload = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=100_000, eval_batches=1)
+    job = two_rank_job(
+        out, kind, steps, specs, guard, workload=workload, grad_accum=grad_accum, checkpoints=sharded_policy()
+    )
+    return job.to_dict()
 
 
 def sharded_resume(out, steps: int):

@@ -7,15 +7,10 @@ from __future__ import annotations
 
 import json
 
-from helpers import jobs_world, jsonl_lines
-from sdcscope.engine import TrainConfig
-from sdcscope.engine.dist import DistConfig, spawn
-from sdcscope.engine.topology import Topology
-from sdcscope.faults import FaultSpec
+from helpers import jobs_world, jsonl_lines, two_rank_job
+from sdcscope.engine.dist import spawn
 from sdcscope.guard import GuardConfig
-from sdcscope.workloads import WorkloadConfig
 
-WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=100_000)
 GATHER = {  # what arrived on rank 1 from rank 0 in blocks.0.mlp.fc's forward all-gather, step 2
     "site": "comm.all_gather",
     "target": "blocks.0.mlp.fc.weight",
@@ -38,19 +33,7 @@ SCATTER = {  # the reduced gradient shard that arrived on rank 0, step 1
 
 
 def _job(out, specs=()):
-    from sdcscope.jobs.torchrun import make_job
-
-    return make_job(
-        out,
-        2,
-        steps=3,
-        workload=WORKLOAD,
-        train=TrainConfig(seed=0),
-        dist_config=DistConfig(backend="gloo", timeout_s=60),
-        specs=[FaultSpec.from_dict(s) for s in specs],
-        guard=GuardConfig(profile="minimal"),  # no ABFT: the collective checks alone
-        parallel=Topology(kind="fsdp"),
-    ).to_dict()
+    return two_rank_job(out, "fsdp", 3, specs, GuardConfig(profile="minimal")).to_dict()  # no ABFT: the checks alone
 
 
 def test_fsdp_all_gather_and_reduce_scatter_faults_are_caught_named_and_repaired(tmp_path):

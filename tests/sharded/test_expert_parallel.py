@@ -11,10 +11,8 @@ import json
 
 import pytest
 
-from helpers import jobs_world, jsonl_lines
-from sdcscope.engine import TrainConfig
-from sdcscope.engine.dist import DistConfig, spawn
-from sdcscope.engine.topology import Topology
+from helpers import jobs_world, jsonl_lines, two_rank_job
+from sdcscope.engine.dist import spawn
 from sdcscope.faults import FaultSpec
 from sdcscope.guard import GuardConfig
 from sdcscope.workloads import WorkloadConfig
@@ -41,19 +39,8 @@ LINK = {  # the token rows rank 0 sent rank 1 in blocks.0's dispatch, as they ar
 
 
 def _job(out, specs=(), kind="ep", workload=WORKLOAD):
-    from sdcscope.jobs.torchrun import make_job
-
-    return make_job(
-        out,
-        2,
-        steps=3,
-        workload=workload,
-        train=TrainConfig(seed=0),
-        dist_config=DistConfig(backend="gloo", timeout_s=60),
-        specs=[FaultSpec.from_dict(s) for s in specs],
-        guard=GuardConfig(profile="minimal", abft={"targets": ["*.experts.*"]}),  # ABFT on every expert GEMM
-        parallel=Topology(kind=kind),
-    )
+    guard = GuardConfig(profile="minimal", abft={"targets": ["*.experts.*"]})  # ABFT on every expert GEMM
+    return two_rank_job(out, kind, 3, specs, guard, workload=workload)
 
 
 def test_expert_gemm_and_all_to_all_faults_are_caught_named_and_repaired(tmp_path):

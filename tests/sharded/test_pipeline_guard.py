@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import json
 
-from helpers import jobs_world, jsonl_lines
-from sdcscope.engine import TrainConfig
-from sdcscope.engine.dist import DistConfig, spawn
+from helpers import jobs_world, jsonl_lines, two_rank_job
+from sdcscope.engine.dist import spawn
 from sdcscope.engine.topology import Topology
-from sdcscope.faults import FaultSpec
 from sdcscope.guard import GuardConfig
-from sdcscope.workloads import WorkloadConfig
 
-WORKLOAD = WorkloadConfig(workload="gpt", preset="tiny", batch_size=2, max_corpus_bytes=100_000)
 GEMM = {  # blocks.1.mlp.fc's Y = X Wᵀ on stage 1 (rank 1), step 1
     "site": "gemm.forward",
     "target": "blocks.1.mlp.fc",
@@ -40,18 +36,8 @@ P2P = {  # the activation stage 0 sent on (blocks.0's output) as it arrived on r
 
 
 def _job(out, specs=()):
-    from sdcscope.jobs.torchrun import make_job
-
-    return make_job(
-        out,
-        2,
-        steps=3,
-        workload=WORKLOAD,
-        train=TrainConfig(seed=0, grad_accum=2),
-        dist_config=DistConfig(backend="gloo", timeout_s=60),
-        specs=[FaultSpec.from_dict(s) for s in specs],
-        guard=GuardConfig(profile="full"),
-        parallel=Topology(kind="pp", schedule="1f1b"),
+    return two_rank_job(
+        out, Topology(kind="pp", schedule="1f1b"), 3, specs, GuardConfig(profile="full"), grad_accum=2
     ).to_dict()
 
 

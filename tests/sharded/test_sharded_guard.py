@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import at, rank_flip
+from helpers import at, rank_flip, two_rank_job
 from sdcscope.engine import TrainConfig
 from sdcscope.engine.dist import DistConfig, init_distributed, spawn
 from sdcscope.engine.topology import Topology
@@ -29,20 +29,8 @@ NONFINITE = {  # an output element's exponent stuck at all ones on rank 1 from s
 
 
 def _job(out, kind: str, steps: int, specs=(), guard: GuardConfig | None | bool = True):
-    from sdcscope.jobs.torchrun import make_job
-
-    return make_job(
-        out,
-        2,
-        steps=steps,
-        workload=WORKLOAD,
-        train=TrainConfig(seed=0),
-        dist_config=DistConfig(backend="gloo", timeout_s=60),
-        specs=[FaultSpec.from_dict(s) for s in specs],
-        guard=GuardConfig(profile="full") if guard is True else guard or None,  # every GEMM every step
-        parallel=Topology(kind=kind),
-        crossrank=bool(guard),
-    ).to_dict()
+    guard_config = GuardConfig(profile="full") if guard is True else guard or None  # every GEMM every step
+    return two_rank_job(out, kind, steps, specs, guard_config, crossrank=bool(guard)).to_dict()
 
 
 def _world(rank: int, world: int, jobs: list[dict], out) -> None:

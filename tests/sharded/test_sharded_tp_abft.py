@@ -10,10 +10,8 @@ import json
 import torch
 from torch import nn
 
-from helpers import at, rank_flip
-from sdcscope.engine import TrainConfig
+from helpers import at, rank_flip, two_rank_job
 from sdcscope.engine.dist import DistConfig, init_distributed, spawn
-from sdcscope.engine.topology import Topology
 from sdcscope.faults import FaultSpec
 from sdcscope.workloads import WorkloadConfig, make_workload
 
@@ -32,20 +30,9 @@ class MLP(nn.Module):
 
 def _job(out, steps: int, specs=()):
     from sdcscope.guard import GuardConfig
-    from sdcscope.jobs.torchrun import make_job
 
-    return make_job(
-        out,
-        2,
-        steps=steps,
-        workload=WORKLOAD,
-        train=TrainConfig(seed=0),
-        dist_config=DistConfig(backend="gloo", timeout_s=60),
-        specs=[FaultSpec.from_dict(s) for s in specs],
-        guard=GuardConfig(profile="full"),  # every GEMM every step: the faulted one is checked
-        parallel=Topology(kind="tp"),
-        crossrank=True,
-    ).to_dict()
+    guard = GuardConfig(profile="full")  # every GEMM every step: the faulted one is checked
+    return two_rank_job(out, "tp", steps, specs, guard, crossrank=True).to_dict()
 
 
 def _bit30(t: torch.Tensor) -> torch.Tensor:
