@@ -49,7 +49,7 @@ def test_constraints_pin_exact_versions_that_pyproject_accepts():
 def test_readme_states_the_suites_duration_and_a_quick_subset_that_exists():
     lines = (ROOT / "README.md").read_text().splitlines()
     text = " ".join(lines)
-    assert "about 9 minutes on a quiet 2-core machine" in text and "562 s" in text
+    assert "about 9 minutes on a quiet 2-core machine" in text and "558 s" in text
     quick = [lines[i + 1] for i, line in enumerate(lines) if line.strip() == "```bash"][2]
     assert quick.startswith(".venv/bin/python -m pytest tests/"), quick
     paths = quick.split("pytest ", 1)[1].split()
